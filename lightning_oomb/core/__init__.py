@@ -1,0 +1,6 @@
+"""The engine: no Lightning import; usable from a plain PyTorch loop."""
+
+from .pages import PagePool, PageTable, StoreSpec
+from .schedule import ChunkConfig, ChunkedSequence, eval_loss, train_step
+
+__all__ = ["ChunkConfig", "ChunkedSequence", "PagePool", "PageTable", "StoreSpec", "eval_loss", "train_step"]

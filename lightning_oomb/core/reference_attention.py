@@ -1,0 +1,109 @@
+"""Plain-PyTorch chunk attention over the paged store: the oracle every kernel is tested against.
+
+Queries of one chunk, q (B, H_q, T, D), attend to the stored past (tokens [0, start) of the store) and
+causally to the chunk's own keys k, v (B, H_kv, T, D). Keys are visited in tiles of ``tile`` tokens with
+an online softmax in float32, so memory is O(T x tile), never O(T x L). GQA: the H_q = g * H_kv query
+heads are viewed as (H_kv, g) and broadcast against each key head; K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pages import LayerStore
+
+
+def _grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    b, hq, t, d = q.shape
+    return q.float().view(b, n_kv_heads, hq // n_kv_heads, t, d)
+
+
+def _key_tiles(start: int, t: int, tile: int):
+    """(is_past, lo, hi) for the past tiles [0, start) then the current chunk's tiles [0, t)."""
+    for lo in range(0, start, tile):
+        yield True, lo, min(lo + tile, start)
+    for lo in range(0, t, tile):
+        yield False, lo, min(lo + tile, t)
+
+
+def _causal_mask(t: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """True where query i (of the chunk) may not see current key j in [lo, hi)."""
+    return torch.arange(lo, hi, device=device)[None, :] > torch.arange(t, device=device)[:, None]
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    store: LayerStore,
+    start: int,
+    scale: float,
+    tile: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    qg = _grouped(q, h)
+    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros(qg.shape[:-1] + (v.shape[-1],), device=q.device)
+    for is_past, lo, hi in _key_tiles(start, t, tile):
+        kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
+        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt.float()) * scale
+        if not is_past:
+            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        denom = denom * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, vt.float())
+        m = m_new
+    out = (acc / denom[..., None]).view(b, hq, t, -1).to(q.dtype)
+    lse = (m + torch.log(denom)).view(b, hq, t)
+    return out, lse
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    store: LayerStore,
+    start: int,
+    scale: float,
+    tile: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the chunk attention.
+
+    Adds dK, dV of the past tokens [0, start) into the store's gradient pages, and returns
+    dq (like q), and dk, dv (like k, v) of the chunk's own tokens: this chunk's share plus what later
+    chunks already accumulated for them in the store.
+    """
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    qg = _grouped(q, h)
+    dog = _grouped(dout, h)
+    lse_g = lse.view(b, h, hq // h, t)
+    delta = (dog * _grouped(out, h)).sum(-1)
+    dq = torch.zeros_like(qg)
+    dk_cur, dv_cur = store.read(start, start + t, grads=True)
+    dk_cur, dv_cur = dk_cur.float(), dv_cur.float()
+    for is_past, lo, hi in _key_tiles(start, t, tile):
+        kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
+        kt, vt = kt.float(), vt.float()
+        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
+        if not is_past:
+            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
+        p = torch.exp(s - lse_g[..., None])
+        dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, dog)
+        ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", dog, vt) - delta[..., None])
+        dq += torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
+        dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg) * scale
+        if is_past:
+            store.accumulate_grads(dk_t, dv_t, lo)
+        else:
+            dk_cur[:, :, lo:hi] += dk_t
+            dv_cur[:, :, lo:hi] += dv_t
+    return dq.view(b, hq, t, d).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)

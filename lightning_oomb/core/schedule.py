@@ -1,0 +1,259 @@
+"""The two-stage chunk-recurrent schedule (DESIGN.md section 1).
+
+Stage 1 (fill, no autograd): chunks 0..C-1 run forward; every attention layer writes the chunk's
+post-RoPE K, V into the paged store and attends over everything stored so far.
+Stage 2 (backward): chunks C-1..0 re-run forward with autograd; attention reads the past from the store
+as constants; the chunk's loss is backpropagated, which adds the past's dK, dV into the store and hands
+the chunk's own K, V their complete gradient (later chunks ran first). Summed over chunks, the parameter
+gradients are those of full-sequence training.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..integrations.transformers import bind, causal_lm, check_supported
+from .attention import chunk_attention, resolve_backend
+from .loss import linear_cross_entropy
+from .pages import PagePool, StoreSpec
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """How a sequence is cut and computed.
+
+    chunk_size: tokens per chunk (activation memory is that of one chunk).
+    page_size: tokens per page of the KV store.
+    attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton".
+    checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
+    """
+
+    chunk_size: int = 4096
+    page_size: int = 128
+    attention: str = "auto"
+    checkpoint_layers: bool = False
+
+    def __post_init__(self):
+        for name in ("chunk_size", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.attention not in ("auto", "reference", "triton"):
+            raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
+
+
+# (spec, pages needed, with_grads) -> a pool with at least that many pages of that spec.
+PoolProvider = Callable[[StoreSpec, int, bool], PagePool]
+
+_model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
+
+
+def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device) -> PoolProvider:
+    """Pools kept per model and reused across steps; replaced only when a step needs a bigger or other one."""
+
+    def provide(spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+        pool = _model_pools.get(model)
+        fits = (
+            pool is not None
+            and pool.spec == spec
+            and pool.page_size == page_size
+            and pool.num_pages >= pages
+            and (pool.with_grads or not with_grads)
+        )
+        if not fits:
+            _model_pools.pop(model, None)
+            pool = None  # drop the old pool before allocating the new one
+            pool = PagePool(spec, pages, page_size, device, with_grads=with_grads)
+            _model_pools[model] = pool
+        return pool
+
+    return provide
+
+
+def _check_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold token ids (int64 or int32), got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids must hold at least one sequence of at least 2 tokens, got shape {tuple(input_ids.shape)}"
+        )
+    if labels is None:
+        labels = input_ids
+    if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be integer token ids (or -100 to ignore), got dtype {labels.dtype}")
+    # Token t predicts t + 1 over the WHOLE sequence, as transformers' ForCausalLMLoss shifts.
+    shifted = torch.full_like(labels, IGNORE_INDEX, dtype=torch.int64)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted.to(input_ids.device)
+
+
+class ChunkedSequence:
+    """One batch of sequences through the two stages. Create, ``fill()``, then ``backward()`` once."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        config: ChunkConfig = ChunkConfig(),
+        pools: PoolProvider | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ):
+        self.targets = _check_tokens(input_ids, labels)
+        self.model = model
+        self.lm = causal_lm(model)
+        check_supported(model, input_ids.shape[1])
+        self.input_ids = input_ids
+        self.config = config
+        self.device = input_ids.device
+        self.backend = resolve_backend(config.attention, self.device)
+        self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
+        valid = int((self.targets != IGNORE_INDEX).sum())
+        if num_items_in_batch is not None:
+            valid = int(num_items_in_batch)
+        if valid == 0:
+            raise ValueError("every label is -100: there is no token to compute a loss on")
+        self.n_valid = valid
+        cfg = self.lm.config
+        self.spec_base = dict(
+            n_layers=cfg.num_hidden_layers,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        )
+        self.decoder = self.lm.get_decoder()
+        self.head = self.lm.get_output_embeddings()
+        seq_len = input_ids.shape[1]
+        self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
+        self.pool: PagePool | None = None
+        self.table = None
+        self._stage = "new"
+        self._start = 0
+        self._with_grads = True
+
+    # -- called by every attention layer through the transformers integration -------------------------
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.pool is None:
+            self._take_pages(k.dtype)
+        store = self.pool.layer(layer_idx, self.table)
+        if self._stage == "fill":
+            if k.dtype != self.pool.spec.dtype:
+                raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
+            store.write(k, v, self._start)
+        return chunk_attention(q, k, v, store, self._start, scale, self.backend)
+
+    def _take_pages(self, dtype: torch.dtype) -> None:
+        spec = StoreSpec(dtype=dtype, **self.spec_base)
+        batch, seq_len = self.input_ids.shape
+        pages = batch * -(-seq_len // self.config.page_size)
+        self.pool = self.pools(spec, pages, self._with_grads)
+        self.table = self.pool.allocate(batch, seq_len)
+
+    def _chunk_hidden(self, start: int, end: int) -> torch.Tensor:
+        self._start = start
+        ids = self.input_ids[:, start:end]
+        pos = torch.arange(start, end, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
+        return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+
+    def _chunk_loss(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        targets = self.targets[:, start:end]
+        keep = targets != IGNORE_INDEX
+        return linear_cross_entropy(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.n_valid)
+
+    # -- the two stages -------------------------------------------------------------------------------
+    def fill(self, with_loss: bool = False, with_grads: bool = True) -> torch.Tensor | None:
+        """Stage 1. Returns the loss (detached) when ``with_loss``; that costs the output layer's forward."""
+        if self._stage != "new":
+            raise RuntimeError("fill() runs once per ChunkedSequence")
+        self._stage, self._with_grads = "fill", with_grads
+        total = torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
+        with torch.no_grad(), bind(self.model, self):
+            for start, end in self.chunks:
+                hidden = self._chunk_hidden(start, end)
+                if with_loss:
+                    total += self._chunk_loss(hidden, start, end)
+        return total
+
+    def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """Stage 2: adds d(grad_scale * loss)/d(param) to every param.grad; returns the loss (detached)."""
+        if self._stage != "fill" or not self._with_grads:
+            raise RuntimeError("backward() needs a fill(with_grads=True) before it, and runs once")
+        self._stage = "recompute"
+        grad = torch.as_tensor(grad_scale, dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers):
+                for start, end in reversed(self.chunks):
+                    loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
+                    if not loss.requires_grad:
+                        raise RuntimeError("no parameter of the model requires grad")
+                    torch.autograd.backward(loss, grad)
+                    total += loss.detach()
+        finally:
+            self.release()
+        return total
+
+    def release(self) -> None:
+        """Give the pages back to the pool (idempotent)."""
+        if self.table is not None:
+            self.pool.free(self.table)
+            self.table = None
+        self._stage = "done"
+
+
+def train_step(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    attention: str = "auto",
+    checkpoint_layers: bool = False,
+) -> torch.Tensor:
+    """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
+
+    input_ids, labels: (batch, seq_len) token ids; labels default to input_ids, -100 is ignored, and are
+    shifted over the whole sequence. Returns the loss (float32 scalar, detached): the mean token
+    cross-entropy over the valid labels of the batch, in nats. Memory: activations of one chunk of
+    ``chunk_size`` tokens plus the paged K/V store and its float32 gradients.
+    """
+    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention, checkpoint_layers))
+    try:
+        seq.fill()
+        return seq.backward()
+    finally:
+        seq.release()
+
+
+def eval_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    attention: str = "auto",
+) -> torch.Tensor:
+    """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
+
+    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages.
+    """
+    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention))
+    try:
+        return seq.fill(with_loss=True, with_grads=False)
+    finally:
+        seq.release()

@@ -1,0 +1,145 @@
+"""Wiring into transformers: an AttentionInterface entry, a mask function returning None, and the checks
+that refuse models this engine would not compute exactly. No model class is modified."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Iterator, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+ATTN_NAME = "lightning_oomb"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class ChunkAttender(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...  # noqa: E704
+
+
+_active: ChunkAttender | None = None
+
+
+def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """AttentionInterface entry: (B, H_q, T, D) queries -> (B, T, H_q, D), no weights."""
+    if _active is None:
+        raise RuntimeError(
+            f"the '{ATTN_NAME}' attention ran outside a lightning_oomb step; call the model through "
+            "lightning_oomb.train_step/eval_loss or OOMBStrategy"
+        )
+    if attention_mask is not None:
+        raise ValueError("lightning_oomb attention is causal only and takes no attention mask")
+    if dropout:
+        raise ValueError(
+            f"attention dropout {dropout} would give stage 1 and stage 2 different K/V; set attention_dropout=0"
+        )
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"lightning_oomb attention does not implement `{name}`")
+    if not getattr(module, "is_causal", True):
+        raise ValueError("lightning_oomb attention is causal only")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = _active.attend(module.layer_idx, query, key, value, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(ATTN_NAME, _oomb_attention)
+AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+def causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside ``model`` (unwrapping peft), or a clear error."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not isinstance(inner, PreTrainedModel) or not isinstance(inner.get_output_embeddings(), nn.Linear):
+        raise TypeError(
+            f"lightning_oomb trains transformers causal LMs (e.g. Qwen2ForCausalLM); got {type(model).__name__}"
+        )
+    return inner
+
+
+def _rope_type(config) -> str:
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
+            return params.get("rope_type", params.get("type"))
+    return "default"
+
+
+def check_supported(model: nn.Module, seq_len: int) -> None:
+    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens."""
+    lm = causal_lm(model)
+    cfg = lm.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model_type {cfg.model_type!r} is not supported; lightning_oomb implements "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense causal attention with RoPE)"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            raise NotImplementedError(f"{name} is not implemented by lightning_oomb attention")
+    rope = _rope_type(cfg)
+    if rope in LENGTH_DEPENDENT_ROPE:
+        raise NotImplementedError(
+            f"rope_type {rope!r} changes its frequencies with the sequence length, so chunks would see other "
+            "positions than the full sequence; use a static RoPE (default, linear, llama3, yarn)"
+        )
+    windows = {getattr(m, "sliding_window", None) for m in lm.modules() if hasattr(m, "layer_idx")}
+    if cfg.model_type == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        windows.add(cfg.sliding_window)
+    windows.discard(None)
+    if windows and seq_len > min(windows):
+        raise NotImplementedError(
+            f"the model uses sliding-window attention (window {min(windows)}) and the sequence has {seq_len} "
+            "tokens, so the window would cut attention; lightning_oomb implements full causal attention only: "
+            "disable the window (config.use_sliding_window=False / sliding_window=None) or use sequences no "
+            "longer than the window"
+        )
+    if lm.training and getattr(cfg, "attention_dropout", 0.0):
+        raise NotImplementedError(
+            f"attention_dropout={cfg.attention_dropout} in training mode would make stage 2 recompute other "
+            "K/V than stage 1 stored; set config.attention_dropout=0.0"
+        )
+
+
+@contextlib.contextmanager
+def bind(model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False) -> Iterator[None]:
+    """Route the model's attention to ``attender`` (and checkpoint each decoder layer if asked); restore after."""
+    global _active
+    lm = causal_lm(model)
+    if _active is not None:
+        raise RuntimeError("a lightning_oomb step is already running; steps cannot be nested")
+    if checkpoint_layers and not lm.training:
+        raise ValueError("checkpoint_layers=True needs the model in training mode (model.train())")
+    saved_impl = lm.config._attn_implementation
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if checkpoint_layers and not layers:
+        raise NotImplementedError(f"{type(lm).__name__} has no checkpointable decoder layers")
+    saved_ckpt = [(m, m.__dict__.get("gradient_checkpointing"), m.__dict__.get("_gradient_checkpointing_func")) for m in layers]
+    lm.set_attn_implementation(ATTN_NAME)
+    if checkpoint_layers:
+        for m in layers:
+            m.gradient_checkpointing = True
+            m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    _active = attender
+    try:
+        yield
+    finally:
+        _active = None
+        lm.set_attn_implementation(saved_impl)
+        for m, flag, func in saved_ckpt:
+            for name, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
+                if value is None:
+                    m.__dict__.pop(name, None)
+                else:
+                    setattr(m, name, value)
