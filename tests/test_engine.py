@@ -1,0 +1,133 @@
+"""train_step / eval_loss against transformers' own full-sequence autograd, float32 on CPU."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import lightning_oomb
+from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
+
+TOL = 1e-5
+BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("lightning_oomb.kernels.chunk_attention") else [])
+
+
+def check_against_full(model, ids, labels=None, **kwargs):
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    loss = lightning_oomb.train_step(model, ids, labels, **kwargs)
+    assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
+    assert not loss.requires_grad
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2-tied", "qwen3", "mistral"])
+def test_families_match_full_sequence(family):
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (1, 45))
+    check_against_full(model, ids, chunk_size=8, page_size=4, attention="reference")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "seq_len,chunk_size,page_size",
+    [(37, 8, 4), (9, 1, 128), (20, 64, 16), (20, 20, 3), (33, 10, 7)],
+    ids=["uneven-last-chunk", "chunk-1", "chunk-longer-than-seq", "one-chunk", "page-not-dividing-chunk"],
+)
+def test_chunkings(seq_len, chunk_size, page_size, backend):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, seq_len))
+    check_against_full(model, ids, chunk_size=chunk_size, page_size=page_size, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_with_ignored_labels(backend):
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (3, 29))
+    labels = ids.clone()
+    labels[0, :11] = -100  # prompt masked
+    labels[1, 20:] = -100  # padding at the end
+    labels[2, ::3] = -100
+    check_against_full(model, ids, labels, chunk_size=6, page_size=4, attention=backend)
+
+
+def test_labels_differ_from_inputs():
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, VOCAB, (2, 24))
+    labels = torch.randint(0, VOCAB, (2, 24))
+    check_against_full(model, ids, labels, chunk_size=5, page_size=2)
+
+
+def test_two_calls_accumulate():
+    model = tiny_model("qwen2")
+    a, b = torch.randint(0, VOCAB, (2, 1, 30))
+    _, ga = full_sequence_grads(model, a)
+    _, gb = full_sequence_grads(model, b)
+    lightning_oomb.train_step(model, a, chunk_size=7, page_size=4)
+    lightning_oomb.train_step(model, b, chunk_size=7, page_size=4)
+    assert_grads_close(grads_of(model), {n: ga[n] + gb[n] for n in ga}, TOL)
+
+
+def test_checkpoint_layers():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 26))
+    check_against_full(model, ids, chunk_size=8, page_size=4, checkpoint_layers=True)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_model_unchanged_after_call():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    before = model(input_ids=ids).logits.detach()
+    impl = model.config._attn_implementation
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, checkpoint_layers=True)
+    assert model.config._attn_implementation == impl
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(model(input_ids=ids).logits.detach(), before)
+    assert model.training
+
+
+def test_lora_adapters():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("qwen2")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero; make the adapter matter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, VOCAB, (2, 31))
+    want_loss, want = full_sequence_grads(model, ids)
+    assert want and all("lora" in n for n in want)
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
+    assert rel_err(loss, want_loss) <= TOL
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_loss_matches_full_sequence(backend):
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, VOCAB, (2, 41))
+    labels = ids.clone()
+    labels[1, :5] = -100
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=labels).loss
+    got = lightning_oomb.eval_loss(model, ids, labels, chunk_size=9, page_size=4, attention=backend)
+    assert rel_err(got, want) <= TOL
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_pool_is_reused_across_steps():
+    from lightning_oomb.core.schedule import _model_pools
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
+    pool = _model_pools[model]
+    lightning_oomb.train_step(model, ids[:, :20], chunk_size=8, page_size=4)
+    assert _model_pools[model] is pool and pool.pages_in_use == 0
+
+
+def test_long_sequence_many_chunks():
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, VOCAB, (1, 300))
+    check_against_full(model, ids, chunk_size=16, page_size=8)

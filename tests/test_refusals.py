@@ -1,0 +1,95 @@
+"""What the engine cannot compute exactly is refused before any compute, with a message naming the fix."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import lightning_oomb
+from tiny_models import VOCAB, tiny_model
+
+
+def refuses(model, ids, match, exc=Exception, **kwargs):
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(exc, match=match):
+        lightning_oomb.train_step(model, ids, **kwargs)
+    assert all(p.grad is None for p in model.parameters()), "a refused step must not touch gradients"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_sliding_window_that_would_cut_attention():
+    model = tiny_model("mistral", sliding_window=16)
+    refuses(model, torch.randint(0, VOCAB, (1, 40)), "sliding-window.*window 16", NotImplementedError, chunk_size=8)
+
+
+def test_sliding_window_longer_than_sequence_is_exact():
+    from tiny_models import assert_grads_close, full_sequence_grads, grads_of
+
+    model = tiny_model("mistral", sliding_window=64)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    _, want = full_sequence_grads(model, ids)
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
+    assert_grads_close(grads_of(model), want, 1e-5)
+
+
+def test_qwen_sliding_layers():
+    model = tiny_model("qwen2")
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    model.config.sliding_window = 8
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "sliding-window", NotImplementedError, chunk_size=4)
+
+
+def test_attention_dropout_in_training():
+    model = tiny_model("llama", attention_dropout=0.1)
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "attention_dropout=0.1", NotImplementedError, chunk_size=4)
+
+
+def test_unsupported_architecture():
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "model_type 'gpt2' is not supported", NotImplementedError)
+
+
+def test_softcapping_refused():
+    model = tiny_model("llama")
+    model.config.attn_logit_softcapping = 50.0
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "attn_logit_softcapping", NotImplementedError)
+
+
+def test_length_dependent_rope():
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.config.rope_scaling = model.config.rope_parameters
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "rope_type 'dynamic'", NotImplementedError)
+
+
+def test_not_a_causal_lm():
+    with pytest.raises(TypeError, match="transformers causal LMs"):
+        lightning_oomb.train_step(torch.nn.Linear(3, 3), torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "ids,labels,kwargs,match",
+    [
+        (torch.zeros(1, 8), None, {}, "token ids"),
+        (torch.zeros(8, dtype=torch.long), None, {}, r"\(batch, seq_len\)"),
+        (torch.zeros(1, 0, dtype=torch.long), None, {}, "at least 2 tokens"),
+        (torch.zeros(0, 8, dtype=torch.long), None, {}, "at least one sequence"),
+        (torch.zeros(1, 1, dtype=torch.long), None, {}, "at least 2 tokens"),
+        (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long), {}, "labels must have the shape"),
+        (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), {}, "labels must be integer"),
+        (torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), -100), {}, "every label is -100"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"chunk_size": 0}, "chunk_size must be an integer >= 1"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"page_size": -1}, "page_size must be an integer >= 1"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"attention": "flash"}, "attention must be"),
+    ],
+)
+def test_bad_input(ids, labels, kwargs, match):
+    model = tiny_model("qwen2")
+    with pytest.raises((ValueError, TypeError), match=match):
+        lightning_oomb.train_step(model, ids, labels, **kwargs)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_checkpoint_layers_needs_training_mode():
+    model = tiny_model("qwen2").eval()
+    refuses(model, torch.randint(0, VOCAB, (1, 20)), "training mode", ValueError, checkpoint_layers=True)
+    assert model.config._attn_implementation == "sdpa"

@@ -1,0 +1,63 @@
+"""Tiny random transformers models of the supported families, and gradient comparisons."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+VOCAB = 101
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(
+        **COMMON,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    ),
+    "qwen2": lambda: Qwen2Config(**COMMON),  # q/k/v bias
+    "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**{**COMMON, "num_attention_heads": 6, "num_key_value_heads": 3}, head_dim=8),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+}
+
+
+def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+    # Random init of transformers is small; widen it so attention is far from uniform and errors show.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def full_sequence_grads(model, input_ids, labels=None):
+    """Loss and parameter grads of plain transformers full-sequence training."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=input_ids if labels is None else labels).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error ||a - b|| / ||b||, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_grads_close(got: dict, want: dict, tol: float):
+    assert got.keys() == want.keys(), set(got) ^ set(want)
+    worst = max(((rel_err(got[n], want[n]), n) for n in want), default=(0.0, ""))
+    assert worst[0] <= tol, f"gradient of {worst[1]} off by {worst[0]:.2e} (tolerance {tol:.0e})"
