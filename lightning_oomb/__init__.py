@@ -1,9 +1,21 @@
 """lightning_oomb: exact chunk-recurrent training of transformers causal LMs on very long contexts.
 
-The core (``train_step``, ``eval_loss``) imports no Lightning; the Lightning layer is loaded on first use.
+The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
+(``OOMBStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``) loads on first use.
 """
 
 from .core import ChunkConfig, eval_loss, train_step
+from .core.served import serve
 
-__all__ = ["ChunkConfig", "eval_loss", "train_step"]
+_LIGHTNING = ("OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule")
+
+__all__ = ["ChunkConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LIGHTNING:
+        from . import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'lightning_oomb' has no attribute {name!r}")

@@ -111,6 +111,7 @@ class PagePool:
         self.dk = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
         self.dv = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
         self._free = list(range(num_pages))
+        self.peak_pages_in_use = 0
 
     @property
     def with_grads(self) -> bool:
@@ -137,6 +138,7 @@ class PagePool:
                 "build the pool for the longest batch you will train on (PagedKVCallback(max_tokens=...))"
             )
         taken, self._free = self._free[: batch * n], self._free[batch * n :]
+        self.peak_pages_in_use = max(self.peak_pages_in_use, self.pages_in_use)
         slots = torch.tensor(taken, dtype=torch.int32, device=self.device).view(batch, n)
         if self.with_grads:
             idx = slots.view(-1).long()
@@ -147,6 +149,12 @@ class PagePool:
     def free(self, table: PageTable) -> None:
         """Give a table's pages back to the pool."""
         self._free.extend(table.slots.view(-1).tolist())
+
+    def zero_grads(self, table: PageTable, start: int, end: int) -> None:
+        """Zero the gradient pages of tokens [start, end) of every layer."""
+        rows = table.rows(start, end).reshape(-1)
+        for grads in (self.dk, self.dv):
+            grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows] = 0
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
         return LayerStore(self, layer, table)

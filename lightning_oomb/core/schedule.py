@@ -33,12 +33,15 @@ class ChunkConfig:
     page_size: tokens per page of the KV store.
     attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton".
     checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
+    cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
+        (an ablation: training then no longer follows the full-sequence gradient).
     """
 
     chunk_size: int = 4096
     page_size: int = 128
     attention: str = "auto"
     checkpoint_layers: bool = False
+    cross_chunk_gradients: bool = True
 
     def __post_init__(self):
         for name in ("chunk_size", "page_size"):
@@ -174,18 +177,25 @@ class ChunkedSequence:
         return linear_cross_entropy(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.n_valid)
 
     # -- the two stages -------------------------------------------------------------------------------
-    def fill(self, with_loss: bool = False, with_grads: bool = True) -> torch.Tensor | None:
-        """Stage 1. Returns the loss (detached) when ``with_loss``; that costs the output layer's forward."""
+    def fill(
+        self, with_loss: bool = False, with_grads: bool = True, keep_last: int = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Stage 1. Returns (loss, logits): the loss (detached) when ``with_loss`` (that costs the output
+        layer's forward), and the logits (B, keep_last, V) of the last ``keep_last`` positions, else None."""
         if self._stage != "new":
             raise RuntimeError("fill() runs once per ChunkedSequence")
         self._stage, self._with_grads = "fill", with_grads
         total = torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
+        kept = []
+        first_kept = self.input_ids.shape[1] - keep_last
         with torch.no_grad(), bind(self.model, self):
             for start, end in self.chunks:
                 hidden = self._chunk_hidden(start, end)
                 if with_loss:
                     total += self._chunk_loss(hidden, start, end)
-        return total
+                if keep_last and end > first_kept:
+                    kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
+        return total, (torch.cat(kept, dim=1) if kept else None)
 
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stage 2: adds d(grad_scale * loss)/d(param) to every param.grad; returns the loss (detached)."""
@@ -197,6 +207,8 @@ class ChunkedSequence:
         try:
             with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers):
                 for start, end in reversed(self.chunks):
+                    if not self.config.cross_chunk_gradients:
+                        self.pool.zero_grads(self.table, start, end)
                     loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
                     if not loss.requires_grad:
                         raise RuntimeError("no parameter of the model requires grad")
@@ -254,6 +266,6 @@ def eval_loss(
     """
     seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention))
     try:
-        return seq.fill(with_loss=True, with_grads=False)
+        return seq.fill(with_loss=True, with_grads=False)[0]
     finally:
         seq.release()
