@@ -1,0 +1,117 @@
+"""PagedKVCallback: owns the page pool for a Trainer run and logs where the memory goes."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ..core.pages import PagePool, StoreSpec
+from ..core.schedule import ChunkConfig, ChunkedSequence
+
+GIB = 2**30
+
+
+def probe_kv_dtype(model: torch.nn.Module, precision_plugin, device: torch.device) -> StoreSpec:
+    """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec."""
+    seen: list[StoreSpec] = []
+
+    def record(spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+        seen.append(spec)
+        return PagePool(spec, pages, 1, device, with_grads=False)
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    with precision_plugin.forward_context():
+        ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=2, page_size=1, attention="reference"), pools=record).fill(with_grads=False)
+    return seen[0]
+
+
+def _host_peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class PagedKVCallback(Callback):
+    """Allocates the KV page pool once at fit start, hands it to OOMBStrategy, frees it at teardown.
+
+    Args:
+        max_seq_len, max_batch_size: the largest batch the pool must hold. By default they are read from
+            the DataModule's ``seq_len`` and ``batch_size``; without them the pool is sized by the first
+            batch, and a larger batch later is refused with a message.
+
+    Logged each step through the Trainer's logger (``memory/...``): pool size (GiB), pages in use at the
+    step's peak, pages in the pool, host peak RSS (GiB) and, on CUDA, GPU allocated and peak (GiB).
+    """
+
+    def __init__(self, max_seq_len: int | None = None, max_batch_size: int | None = None):
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.pool: PagePool | None = None
+        self._page_size = 1
+        self._device = torch.device("cpu")
+        self._fitting = True
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        config = getattr(trainer.strategy, "chunk_config", None)
+        if config is None:
+            raise RuntimeError("PagedKVCallback works with OOMBStrategy (Trainer(strategy=OOMBStrategy(...)))")
+        self._page_size = config.page_size
+        self._device = trainer.strategy.root_device
+        self._fitting = stage == "fit"  # only training steps need gradient pages
+
+    def _largest_batch(self, trainer: Trainer) -> tuple[int, int] | None:
+        dm = trainer.datamodule
+        seq_len = self.max_seq_len or getattr(dm, "seq_len", None)
+        batch = self.max_batch_size or getattr(dm, "batch_size", None) or 1
+        return (batch, seq_len) if seq_len else None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from .strategy import find_causal_lm
+
+        shape = self._largest_batch(trainer)
+        if shape is not None:
+            spec = probe_kv_dtype(find_causal_lm(pl_module), trainer.precision_plugin, self._device)
+            pages = shape[0] * -(-shape[1] // self._page_size)
+            self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=True)
+
+    def provide(self, spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+        """The pool for a step that needs ``pages`` pages of ``spec`` (called by the engine)."""
+        if self.pool is None:
+            self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=self._fitting or with_grads)
+        if self.pool.spec != spec:
+            raise RuntimeError(f"the page pool was built for {self.pool.spec} but this step stores {spec}")
+        if with_grads and not self.pool.with_grads:
+            raise RuntimeError("the page pool was built for evaluation (no gradient pages) but a training step needs them")
+        if pages > self.pool.num_pages:
+            raise RuntimeError(
+                f"this batch needs {pages} KV pages of {self.pool.page_size} tokens but the pool was sized for "
+                f"{self.pool.num_pages}; pass PagedKVCallback(max_seq_len=..., max_batch_size=...) for the largest batch"
+            )
+        return self.pool
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        if self.pool is not None:
+            self.pool.peak_pages_in_use = self.pool.pages_in_use
+        if self._device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._device)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        metrics = {"memory/host_peak_rss_gib": _host_peak_rss_bytes() / GIB}
+        if self.pool is not None:
+            metrics["memory/pool_gib"] = self.pool.nbytes / GIB
+            metrics["memory/pages_in_use"] = float(self.pool.peak_pages_in_use)
+            metrics["memory/pages_total"] = float(self.pool.num_pages)
+        if self._device.type == "cuda":
+            metrics["memory/gpu_allocated_gib"] = torch.cuda.memory_allocated(self._device) / GIB
+            metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.pool = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,132 @@
+"""OOMBStrategy: Lightning training with the chunk-recurrent schedule, around an unchanged LightningModule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..core.schedule import ChunkConfig
+from ..core.served import Serving, serve
+from .callback import PagedKVCallback
+
+SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
+
+
+def find_causal_lm(module: nn.Module) -> PreTrainedModel:
+    """The one transformers causal LM inside a LightningModule (``self.model`` or any other name)."""
+    found = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, PreTrainedModel) and isinstance(m.get_output_embeddings(), nn.Linear)
+    ]
+    if len(found) != 1:
+        names = ", ".join(name or "<root>" for name, _ in found) or "none"
+        raise TypeError(
+            f"OOMBStrategy needs exactly one transformers causal LM inside the LightningModule, found {names}"
+        )
+    return found[0][1]
+
+
+class OOMBStrategy(SingleDeviceStrategy):
+    """Trains the transformers causal LM of a LightningModule with exact chunk-recurrent recomputation.
+
+    The module's ``training_step`` stays as it is: its ``self.model(input_ids=..., labels=...)`` call runs
+    stage 1 and returns the loss; ``backward`` on the loss Lightning hands back (scaled for gradient
+    accumulation, under the precision plugin) runs stage 2. Validation and test steps get the same
+    served forward without gradients.
+
+    Args:
+        chunk_size: tokens per chunk. page_size: tokens per page of the KV store.
+        attention: "auto" | "reference" | "triton". checkpoint_layers: checkpoint decoder layers in stage 2.
+        cross_chunk_gradients: False is an ablation that drops gradients crossing chunk borders.
+        device: the device to train on (default: the first CUDA device, else CPU).
+    """
+
+    strategy_name = "oomb"
+
+    def __init__(
+        self,
+        chunk_size: int = 4096,
+        page_size: int = 128,
+        attention: str = "auto",
+        checkpoint_layers: bool = False,
+        cross_chunk_gradients: bool = True,
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ):
+        if device is None:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        super().__init__(device=device, **kwargs)
+        self.chunk_config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients)
+        self._pending: Serving | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        precision = self.precision_plugin.precision
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"OOMBStrategy supports precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}. "
+                "16-mixed needs a gradient scaler that this strategy does not replay exactly: use bf16-mixed "
+                "or bf16-true"
+            )
+        trainer = self.lightning_module.trainer
+        if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(PagedKVCallback())
+        find_causal_lm(self.lightning_module)  # fail at set-up, not at the first step
+
+    @property
+    def kv_callback(self) -> PagedKVCallback:
+        return next(cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, PagedKVCallback))
+
+    def _serve(self, max_calls: int | None):
+        return serve(find_causal_lm(self.lightning_module), self.chunk_config, self.kv_callback.provide, max_calls)
+
+    # -- steps ------------------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._release_pending()
+        with self._serve(max_calls=1) as serving:
+            output = super().training_step(*args, **kwargs)
+        if not serving.sequences:
+            raise RuntimeError(
+                "training_step did not call the model with labels; under OOMBStrategy the loss must come from "
+                "self.model(input_ids=..., labels=...).loss"
+            )
+        self._pending = serving
+        return output
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Backpropagating the served loss runs stage 2 with the factor Lightning applied to it."""
+        serving = self._pending
+        if serving is None:
+            raise RuntimeError("backward without a served training_step forward")
+        closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if any(seq.table is not None for seq in serving.sequences):
+            self._release_pending()
+            raise RuntimeError(
+                "the loss returned by training_step does not depend on the model's served loss, so stage 2 "
+                "never ran; return (a function of) self.model(input_ids=..., labels=...).loss"
+            )
+        self._pending = None
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._serve(max_calls=None):
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._serve(max_calls=None):
+            return super().test_step(*args, **kwargs)
+
+    def _release_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.release()
+            self._pending = None
+
+    def teardown(self) -> None:
+        self._release_pending()
+        super().teardown()

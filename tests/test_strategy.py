@@ -1,0 +1,186 @@
+"""OOMBStrategy in a real Lightning Trainer gives the weights plain full-sequence training gives."""
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_oomb import OOMBStrategy, PagedKVCallback
+from tiny_models import VOCAB, rel_err, tiny_model
+from test_engine import BACKENDS
+
+
+class UserModule(LightningModule):
+    """What a user already has: self.model(input_ids=..., labels=...).loss, logged and returned."""
+
+    def __init__(self, model, lr=0.5, optimizer="sgd"):
+        super().__init__()
+        self.model, self.lr, self.optimizer = model, lr, optimizer
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr)
+        return torch.optim.SGD(params, lr=self.lr)
+
+
+def batches(n=4, batch=2, seq_len=27, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+        labels = ids.clone()
+        labels[0, :5] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def fit(module, strategy=None, data=None, val=None, **trainer_kwargs):
+    kwargs = dict(
+        max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0 if val is None else 2,
+    )
+    kwargs.update(trainer_kwargs)
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = Trainer(**kwargs)
+    trainer.fit(module, DataLoader(data or batches(), batch_size=None), val and DataLoader(val, batch_size=None))
+    return trainer
+
+
+def weights(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def compare(make_module, tol, strategy_kwargs=None, **trainer_kwargs):
+    plain, served = make_module(), make_module()
+    start = weights(plain)
+    fit(plain, **trainer_kwargs)
+    fit(served, OOMBStrategy(chunk_size=8, page_size=4, **(strategy_kwargs or {})), **trainer_kwargs)
+    want, got = weights(plain), weights(served)
+    assert any(not torch.equal(want[n], start[n]) for n in want), "training did not move the weights"
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want if not torch.equal(want[n], start[n]))
+    assert worst[0] <= tol, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_weights_as_plain_training(backend):
+    compare(lambda: UserModule(tiny_model("qwen2")), 1e-5, {"attention": backend})
+
+
+def test_gradient_accumulation_and_clipping():
+    # Two clipped steps compound float32 rounding of the gradients (each within 1e-5): 3e-5 on the update.
+    compare(lambda: UserModule(tiny_model("llama")), 3e-5, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=2)
+
+
+def test_adamw_and_validation_loop():
+    compare(lambda: UserModule(tiny_model("qwen3"), lr=1e-2, optimizer="adamw"), 1e-4, val=batches(2, seed=5))
+
+
+def test_lora_module():
+    peft = pytest.importorskip("peft")
+
+    def make():
+        model = tiny_model("qwen2")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        return UserModule(model)
+
+    compare(make, 1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_bf16_within_plain_bf16_error(precision):
+    """bf16 runs are compared with how far the plain bf16 run of the same precision is from fp32."""
+    base = tiny_model("qwen2")
+    ref32, plain16, served16 = (UserModule(copy.deepcopy(base)) for _ in range(3))
+    start = weights(ref32)
+    fit(ref32)
+    fit(plain16, precision=precision)
+    fit(served16, OOMBStrategy(chunk_size=8, page_size=4), precision=precision)
+    w32, wp, ws = weights(ref32), weights(plain16), weights(served16)
+    for n in w32:
+        delta = w32[n] - start[n]
+        plain_err = rel_err(wp[n].float() - start[n], delta)
+        served_err = rel_err(ws[n].float() - start[n], delta)
+        assert served_err <= 2 * plain_err + 1e-3, (n, served_err, plain_err)
+
+
+def test_16_mixed_refused():
+    from lightning.pytorch.plugins import MixedPrecision
+
+    with pytest.raises(ValueError, match="16-mixed"):
+        fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8), plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+class AsksLogits(UserModule):
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        return out.loss + 0 * out.logits.sum()
+
+
+class CallsTwice(UserModule):
+    def training_step(self, batch, batch_idx):
+        a = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        return a + self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+class NoLabels(UserModule):
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return logits.float().logsumexp(-1).mean()
+
+
+class IgnoresServedLoss(UserModule):
+    def training_step(self, batch, batch_idx):
+        self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        return sum(p.sum() for p in self.model.parameters())
+
+
+@pytest.mark.parametrize(
+    "module_cls,match",
+    [
+        (AsksLogits, "without materialising logits"),
+        (CallsTwice, "called more than once"),
+        (NoLabels, "needs labels"),
+        (IgnoresServedLoss, "does not depend on the model's served loss"),
+    ],
+)
+def test_unservable_training_step(module_cls, match):
+    with pytest.raises(Exception, match=match):
+        fit(module_cls(tiny_model("qwen2")), OOMBStrategy(chunk_size=8), max_steps=1)
+
+
+def test_unsupported_model_fails_at_first_step():
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        fit(UserModule(tiny_model("mistral", sliding_window=8)), OOMBStrategy(chunk_size=8), max_steps=1)
+
+
+def test_memory_series_in_tensorboard(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, page_size=4), logger=logger, log_every_n_steps=1,
+        callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("memory/pool_gib", "memory/pages_in_use", "memory/pages_total", "memory/host_peak_rss_gib", "train_loss"):
+        assert tag in tags, (tag, tags)
+    pages = [e.value for e in events.Scalars("memory/pages_in_use")]
+    assert len(pages) == 3 and all(p == 2 * 7 for p in pages)  # 2 sequences x ceil(27 / 4) pages
