@@ -1,0 +1,582 @@
+"""Triton chunk attention over the paged KV store.
+
+Same contract as :mod:`lightning_oomb.core.reference_attention`: the queries q (B, H_q, T, D) of the chunk
+at tokens [start, start + T) attend to every stored past token [0, start), read from the pool through the
+page table, and causally to the chunk's own keys k, v (B, H_kv, T, D). GQA by indexing: query head h reads
+KV head h // g with g = H_q // H_kv; K/V are never repeated.
+
+Kernels:
+- forward, query-stationary: one program per (query tile, query head), online softmax in the log2 domain
+  with fp32 accumulators; writes out and the natural-log lse.
+- backward, three launches:
+  - delta = rowsum(dO * O) per query;
+  - dK/dV, key-stationary: one program per (key tile, KV head), the past's tiles and the chunk's own in
+    one grid. It loops over the g query heads of its group and every query tile that sees its keys, so
+    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics, and
+    the result is deterministic;
+  - dQ, query-stationary like the forward, recomputing P and dS.
+  Splitting dQ from dK/dV costs two extra matmuls per (query tile, key tile) pair (7 instead of 5) and
+  buys determinism without fp32 atomics on a (T, D) buffer per query head.
+
+A tile of keys may span pages, so every key row finds its own page slot: row t of sequence b is at
+slot ``slots[b, t // page_size]``, offset ``t % page_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.pages import LayerStore
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Load a (rows, D_PAD) tile; rows where ``row_ok`` is false (None: all rows valid) and the padding
+    columns [HEAD_DIM, D_PAD) read as 0, so they add nothing to any dot product."""
+    if row_ok is None:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    if HEAD_DIM == D_PAD:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _pool_rows(slots_b, ss_p, tok, valid, PAGE_SIZE: tl.constexpr, s_page, s_off):
+    """Element offsets (int64) of the rows of tokens ``tok`` (BLOCK,) of one sequence in a pool tensor
+    laid out as (num_pages, PAGE_SIZE, H, D); rows where ``valid`` is false point at slot 0."""
+    slot = tl.load(slots_b + (tok // PAGE_SIZE) * ss_p, mask=valid, other=0)
+    return slot.to(tl.int64) * s_page + (tok % PAGE_SIZE) * s_off
+
+
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
+    """One key tile of the online softmax; scores live in the log2 domain (scale * log2 e folded in)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if mask is not None:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexpr):
+    """dQ += dS K for one key tile, with P = exp(S - lse) and dS = P * (dO V^T - delta)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if mask is not None:
+        p = tl.where(mask, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """dV += P^T dO and dK += dS^T Q (dK still unscaled) for one query tile [m0, m0 + BLOCK_M) of one head."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < T
+    q = _load_tile(q_ptr + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d, HEAD_DIM, D_PAD)
+    do = _load_tile(do_ptr + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d, HEAD_DIM, D_PAD)
+    # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
+    lse2 = tl.load(lse_ptr + offs_m, mask=m_valid, other=float("inf")) * LOG2E
+    delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+    if CAUSAL:
+        p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, KP, VP, SLOTS, OUT, LSE,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sv_b, sv_h, sv_t,
+    sp_page, sp_off, sp_h,
+    ss_b, ss_p,
+    so_b, so_h, so_t,
+    T, start, qk_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # Tiles with the longest causal part first, so the last wave of the grid is the cheapest.
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < T
+    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    # The past [0, start), all visible: whole tiles unmasked, then at most one partial tile.
+    slots_b = SLOTS + b * ss_b
+    kp = KP + hk * sp_h
+    vp = VP + hk * sp_h
+    past_whole = (start // BLOCK_N) * BLOCK_N
+    for lo in range(0, past_whole, BLOCK_N):
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < start, PAGE_SIZE, sp_page, sp_off)
+        k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+    for lo in range(past_whole, start, BLOCK_N):
+        valid = lo + offs_n < start
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
+        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+
+    # The chunk itself: tiles wholly at or before every query of this tile unmasked, then the diagonal.
+    kc = K + b * sk_b + hk * sk_h
+    vc = V + b * sv_b + hk * sv_h
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        # Chunk key 0 is visible to every query, so no row is ever fully masked (no exp(-inf + inf)).
+        causal = n[None, :] <= offs_m[:, None]
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, causal, PRECISION)
+
+    out = acc / l_i[:, None]
+    _store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
+                out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DELTA, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, T,
+    H_Q: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[b, h, t] = sum_d dO * O, the softmax-backward row term, in fp32."""
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < T
+    o = _load_tile(O + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+                    HEAD_DIM, D_PAD)
+    tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_valid)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sv_b, sv_h, sv_t,
+    sdo_b, sdo_h, sdo_t,
+    sp_page, sp_off, sp_h,
+    sg_page, sg_off, sg_h,
+    ss_b, ss_p,
+    sdk_b, sdk_h, sdk_t,
+    T, start, n_past_tiles, qk_scale, scale,
+    H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
+    # every query, so they are the heaviest and go first.
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H_KV).to(tl.int64)
+    hk = bh % H_KV
+    is_past = tile < n_past_tiles
+    lo = tl.where(is_past, tile, tile - n_past_tiles) * BLOCK_N
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    past_rows = offs_n < tl.where(is_past, start, 0)
+    chunk_rows = offs_n < tl.where(is_past, 0, T)
+    n_valid = past_rows | chunk_rows
+
+    # Page-table rows of these keys' tokens: the past token itself, or the chunk token whose gradient
+    # later chunks already accumulated in the store.
+    tok = offs_n + tl.where(is_past, 0, start)
+    slot = tl.load(SLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
+    in_page = tok % PAGE_SIZE
+    kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
+    grad_rows = slot * sg_page + in_page * sg_off + hk * sg_h
+
+    # K, V from the pool for a past tile, from the chunk's own k, v otherwise (the other load is all
+    # masked off, so it costs no memory traffic).
+    chunk_off = b * sk_b + hk * sk_h + offs_n[:, None] * sk_t + offs_d[None, :]
+    k = tl.where(is_past,
+                 _load_tile(KP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
+                 _load_tile(K + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
+    chunk_off = b * sv_b + hk * sv_h + offs_n[:, None] * sv_t + offs_d[None, :]
+    v = tl.where(is_past,
+                 _load_tile(VP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
+                 _load_tile(V + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
+
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    # Queries that see these keys: all of them for a past tile, those at or after `lo` for a chunk tile.
+    # From `m_free` on, every query of a tile is at or after the tile's last key: no causal mask there.
+    m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
+    m_free = tl.where(is_past, 0, tl.cdiv(lo + BLOCK_N - 1, BLOCK_M) * BLOCK_M)
+    m_diag_end = tl.minimum(m_free, T)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_ptr = Q + b * sq_b + h * sq_h
+        do_ptr = DO + b * sdo_b + h * sdo_h
+        lse_ptr = LSE + (b * H_Q + h) * T
+        delta_ptr = DELTA + (b * H_Q + h) * T
+        for m0 in range(m_begin, m_diag_end, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
+                                qk_scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION)
+        for m0 in range(m_free, T, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
+                                qk_scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
+    dk = dk * scale
+
+    # Add what is already stored for these rows: other chunks' share for past tokens, later chunks'
+    # share for the chunk's own. No other program touches these rows, so read-add-write is race free.
+    g_ptrs = grad_rows[:, None] + offs_d[None, :]
+    dk += _load_tile(DKP + g_ptrs, n_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    dv += _load_tile(DVP + g_ptrs, n_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
+    _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
+    out_off = b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
+    _store_tile(DK + out_off, dk.to(DK.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
+    _store_tile(DV + out_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DELTA, KP, VP, SLOTS, DQ,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sv_b, sv_h, sv_t,
+    sdo_b, sdo_h, sdo_t,
+    sp_page, sp_off, sp_h,
+    ss_b, ss_p,
+    sdq_b, sdq_h, sdq_t,
+    T, start, qk_scale, scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < T
+    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+                    HEAD_DIM, D_PAD)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    slots_b = SLOTS + b * ss_b
+    kp = KP + hk * sp_h
+    vp = VP + hk * sp_h
+    past_whole = (start // BLOCK_N) * BLOCK_N
+    for lo in range(0, past_whole, BLOCK_N):
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < start, PAGE_SIZE, sp_page, sp_off)
+        k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+    for lo in range(past_whole, start, BLOCK_N):
+        valid = lo + offs_n < start
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
+        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+
+    kc = K + b * sk_b + hk * sk_h
+    vc = V + b * sv_b + hk * sv_h
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+
+    _store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
+                (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one kernel: BLOCK_M query rows x BLOCK_N key rows per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    fwd: Tiles
+    dkdv: Tiles
+    dq: Tiles
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
+    """Tile shapes per kernel. Interpreter: 16 x 16 so that small tests cross many tiles and pages.
+
+    Hopper (H100/H200) at D=128 in 16-bit: the forward keeps a 128-row query tile and streams key tiles
+    through a 3-stage pipeline; dK/dV hold two (BLOCK_N, D) fp32 accumulators, hence 8 warps at
+    BLOCK_N=128; dQ mirrors the forward with one accumulator. fp32 inputs halve the tiles (shared memory).
+    """
+    if _interpreting():
+        t = Tiles(16, 16)
+        return KernelTiles(t, t, t)
+    if dtype == torch.float32:
+        if head_dim > 64:
+            return KernelTiles(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2))
+        return KernelTiles(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2))
+    if head_dim > 64:
+        return KernelTiles(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2))
+    return KernelTiles(Tiles(128, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3))
+
+
+def _device_ctx(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int) -> None:
+    b, hq, t, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
+        raise ValueError(f"k, v must be (B, H_kv, T, D) matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
+    if not 1 <= d <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {d}")
+    if t < 1 or start < 0:
+        raise ValueError(f"need T >= 1 and start >= 0, got T={t}, start={start}")
+    if not (q.dtype == k.dtype == v.dtype == store.k.dtype == store.v.dtype):
+        raise ValueError(
+            f"q, k, v and the store must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {store.k.dtype}"
+        )
+    slots = store.table.slots
+    if slots.shape[0] != b or slots.shape[1] * store.page_size < start + t:
+        raise ValueError(
+            f"the page table ({tuple(slots.shape)} pages of {store.page_size}) does not cover "
+            f"batch {b} x tokens [0, {start + t})"
+        )
+    if store.k.shape[-2:] != (k.shape[1], d) or store.k.stride(-1) != 1:
+        raise ValueError(f"store pages {tuple(store.k.shape)} do not hold {k.shape[1]} heads of dim {d} contiguously")
+
+
+def _padded(d: int) -> int:
+    # Tiles are powers of two and tl.dot needs K >= 16: other head dims run padded, masked columns read 0.
+    return max(16, triton.next_power_of_2(d))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no TF32), so fp32 tests compare at ~1e-6.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
+    tiles: Tiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, v, store, start)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    slots = store.table.slots.to(torch.int32)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(t, tiles.block_m), b * hq)
+    with _device_ctx(q):
+        _fwd_kernel[grid](
+            q, k, v, store.k, store.v, slots, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            slots.stride(0), slots.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            t, start, scale * 1.4426950408889634,
+            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return out, lse
+
+
+def _backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(q, k, v, store, start)
+    if store.dk is None or store.dv is None:
+        raise ValueError("attention backward needs a page pool built with_grads=True")
+    if store.dk.stride() != store.dv.stride() or store.dk.stride(-1) != 1:
+        raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
+    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    slots = store.table.slots.to(torch.int32)
+    precision = _precision(q.dtype)
+    qk_scale = scale * 1.4426950408889634
+
+    delta = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    with _device_ctx(q):
+        delta_block = 64 if _padded(d) <= 64 else 32
+        _delta_kernel[(triton.cdiv(t, delta_block), b * hq)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), t,
+            H_Q=hq, HEAD_DIM=d, D_PAD=_padded(d), BLOCK_M=delta_block,
+        )
+
+        kt = tiles.dkdv
+        n_past_tiles = triton.cdiv(start, kt.block_n)
+        _dkdv_kernel[(n_past_tiles + triton.cdiv(t, kt.block_n), b * hkv)](
+            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk, dv,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
+            slots.stride(0), slots.stride(1),
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            t, start, n_past_tiles, qk_scale, scale,
+            H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, PRECISION=precision,
+            num_warps=kt.num_warps, num_stages=kt.num_stages,
+        )
+
+        qt = tiles.dq
+        _dq_kernel[(triton.cdiv(t, qt.block_m), b * hq)](
+            q, k, v, dout, lse, delta, store.k, store.v, slots, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            slots.stride(0), slots.stride(1),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            t, start, qk_scale, scale,
+            H_Q=hq, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
+            num_warps=qt.num_warps, num_stages=qt.num_stages,
+        )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------
+# The interface of lightning_oomb.core.attention
+# --------------------------------------------------------------------------------------------------------
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H_q, T, D), k/v (B, H_kv, T, D) at tokens [start, start + T) over the stored past [0, start).
+
+    Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
+    """
+    return _forward(q, k, v, store, start, scale, default_tiles(q.shape[-1], q.dtype).fwd)
+
+
+def attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, store: LayerStore, start: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dq (like q) and the chunk's dk, dv (like k, v): its own share plus what later chunks stored.
+
+    Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place.
+    """
+    return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype))

@@ -1,0 +1,198 @@
+"""Triton chunk attention against the plain-PyTorch reference (CPU: Triton interpreter, fp32 and fp16).
+
+Every case runs forward and backward of both implementations from identical store contents and compares
+out, lse, dq, the returned dk/dv, and what each added into the store's gradient pages. Stores are filled
+with NaN wherever the kernels must not read, so a stray load shows up as NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lightning_oomb.core import reference_attention as ref
+from lightning_oomb.core.attention import chunk_attention, resolve_backend
+from lightning_oomb.core.pages import LayerStore, PagePool, StoreSpec
+from lightning_oomb.kernels import chunk_attention as tri
+from tiny_models import rel_err
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+@dataclass
+class Problem:
+    pool: PagePool
+    store: LayerStore
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    start: int
+    scale: float
+
+
+def make_problem(
+    batch: int, n_kv: int, group: int, head_dim: int, t: int, start: int, page_size: int, dtype: torch.dtype,
+    device: str = "cpu", seed: int = 0, transposed: bool = False,
+) -> Problem:
+    """A random chunk at [start, start + t) over a random past, pages in random pool slots (layer 1 of 2)."""
+    torch.manual_seed(seed)
+    spec = StoreSpec(n_layers=2, n_kv_heads=n_kv, head_dim=head_dim, dtype=dtype)
+    n_pages = -(-(start + t) // page_size)
+    pool = PagePool(spec, num_pages=batch * n_pages + 3, page_size=page_size, device=device)
+    table = pool.allocate(batch, start + t)
+    table.slots = torch.randperm(pool.num_pages, device=device)[: batch * n_pages].view(batch, n_pages).int()
+    store = pool.layer(1, table)
+    for x in (pool.k, pool.v, pool.dk, pool.dv):
+        x.fill_(float("nan"))
+    rand = lambda *shape: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
+    store.write(rand(batch, n_kv, start, head_dim), rand(batch, n_kv, start, head_dim), 0)
+    # Gradients already stored for the past and for the chunk's own tokens (as later chunks leave them).
+    store.dk.view(-1, n_kv, head_dim)[table.rows(0, start + t)] = torch.randn(batch, start + t, n_kv, head_dim, device=device)
+    store.dv.view(-1, n_kv, head_dim)[table.rows(0, start + t)] = torch.randn(batch, start + t, n_kv, head_dim, device=device)
+    if transposed:  # what a model hands over: (B, T, H, D) viewed as (B, H, T, D)
+        q = rand(batch, t, n_kv * group, head_dim).transpose(1, 2)
+        k, v = (rand(batch, t, n_kv, head_dim).transpose(1, 2) for _ in range(2))
+    else:
+        q = rand(batch, n_kv * group, t, head_dim)
+        k, v = rand(batch, n_kv, t, head_dim), rand(batch, n_kv, t, head_dim)
+    return Problem(pool, store, q, k, v, rand(batch, n_kv * group, t, head_dim), start, head_dim**-0.5)
+
+
+def run_both(p: Problem, forward=tri.attention_forward, backward=tri.attention_backward):
+    """(kernel results, reference results): out, lse, dq, dk, dv, and the store's dK, dV of [0, start + T)."""
+    t = p.q.shape[2]
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    results = []
+    for fwd, bwd in ((forward, backward), (ref.attention_forward, ref.attention_backward)):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        out, lse = fwd(p.q, p.k, p.v, p.store, p.start, p.scale)
+        dq, dk, dv = bwd(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale)
+        results.append((out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)))
+    return results
+
+
+def assert_close(got, want, tol: float) -> None:
+    names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err = rel_err(a, b)
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size
+    "pages-of-5-cross-tiles": (2, 2, 2, 16, 33, 21, 5),
+    "empty-past-gqa7": (2, 1, 7, 16, 7, 0, 4),
+    "one-query-short-past": (1, 2, 1, 16, 1, 3, 5),
+    "d64-gqa7": (2, 1, 7, 64, 33, 50, 16),
+    "page-size-1": (1, 2, 2, 16, 20, 37, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference(case, dtype):
+    got, want = run_both(make_problem(*CASES[case], dtype=dtype))
+    assert_close(got, want, TOL[dtype])
+
+
+def test_store_gradients_are_added():
+    """The store's past rows receive exactly this chunk's dK, dV on top of what was there."""
+    p = make_problem(1, 2, 2, 16, 9, 30, 7, torch.float32)
+    before = p.store.read(0, p.start, grads=True)
+    got, want = run_both(p)
+    for i, name in ((5, "dk"), (6, "dv")):
+        added = got[i][:, :, : p.start] - before[i - 5]
+        expected = want[i][:, :, : p.start] - before[i - 5]
+        assert rel_err(added, expected) <= 1e-5, name
+
+
+def test_other_tiles_and_strided_inputs():
+    """Unequal query/key tiles (the causal split inside a tile) and (B, T, H, D)-strided q, k, v."""
+    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16))
+
+    def forward(q, k, v, store, start, scale):
+        return tri._forward(q, k, v, store, start, scale, tiles.fwd)
+
+    def backward(dout, q, k, v, out, lse, store, start, scale):
+        return tri._backward(dout, q, k, v, out, lse, store, start, scale, tiles)
+
+    p = make_problem(2, 2, 3, 16, 45, 29, 7, torch.float32, transposed=True)
+    got, want = run_both(p, forward, backward)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_odd_head_dim_runs_padded():
+    """Head dims that are not a power of two >= 16 (the tiny test models use 8) run on padded tiles."""
+    got, want = run_both(make_problem(1, 2, 2, 8, 11, 13, 3, torch.float32))
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_autograd_wiring():
+    """attention='triton' through ChunkAttention gives the reference's gradients."""
+    p = make_problem(1, 1, 2, 16, 12, 10, 4, torch.float32)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    grads = []
+    for impl in ("triton", "reference"):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
+        out = chunk_attention(q, k, v, p.store, p.start, p.scale, resolve_backend(impl, q.device))
+        out.backward(p.dout)
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*grads):
+        assert rel_err(a, b) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------
+# GPU: bf16 at a real head size (the interpreter's bf16 tl.dot is wrong, so bf16 is only tested here)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _fp32_copy(p: Problem) -> Problem:
+    """The same problem (same bf16 values, same slots) with fp32 inputs and store."""
+    spec = StoreSpec(n_layers=2, n_kv_heads=p.k.shape[1], head_dim=p.q.shape[-1], dtype=torch.float32)
+    pool = PagePool(spec, num_pages=p.pool.num_pages, page_size=p.pool.page_size, device=p.q.device)
+    for dst, src in ((pool.k, p.pool.k), (pool.v, p.pool.v), (pool.dk, p.pool.dk), (pool.dv, p.pool.dv)):
+        dst.copy_(src)
+    store = pool.layer(1, p.store.table)
+    f = lambda x: x.float()  # noqa: E731
+    return Problem(pool, store, f(p.q), f(p.k), f(p.v), f(p.dout), p.start, p.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_gpu_against_fp32_reference():
+    """bf16 at D=128, T=512, start=1000, pages of 128, GQA 7.
+
+    The oracle is the fp32 reference on the same bf16 values. The kernel's error must stay within twice
+    the error a bf16 computation cannot avoid (the bf16 reference's own error, or rounding the fp32 result
+    to bf16, whichever is larger) plus 1e-3.
+    """
+    p = make_problem(1, 2, 7, 128, 512, 1000, 128, torch.bfloat16, device="cuda")
+    p32 = _fp32_copy(p)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    t = p.q.shape[2]
+
+    def run(prob: Problem, fwd, bwd):
+        prob.pool.dk.copy_(saved[0])
+        prob.pool.dv.copy_(saved[1])
+        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale)
+        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale)
+        return [x.float() for x in (out, lse, dq, dk, dv, *prob.store.read(0, prob.start + t, grads=True))]
+
+    kernel = run(p, tri.attention_forward, tri.attention_backward)
+    ref_bf16 = run(p, ref.attention_forward, ref.attention_backward)
+    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward)
+    names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
+    for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
+        err = rel_err(a, want)
+        floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))
+        print(f"{name}: kernel {err:.2e}, bf16 floor {floor:.2e}")
+        assert torch.isfinite(a).all(), name
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs bf16 floor {floor:.2e}"
