@@ -13,25 +13,32 @@ KEY_MARKER, QUERY_MARKER, FIRST_KEY = 1, 2, 3
 class PasskeyDataset(Dataset):
     """Filler text with ``KEY <passkey>`` near the start and ``QUERY <passkey>`` as the last two tokens.
 
-    Token ids: 1 marks the key, 2 the question, ``3 .. 3 + num_keys - 1`` are the passkeys, the rest of the
-    vocabulary is filler. Only the final passkey token is a label, so the loss is the retrieval itself.
-    Item i is drawn from its own seed, so the data are the same on every run and every worker.
+    As in the classic passkey test, the filler is one sentence repeated (``filler_len`` tokens drawn once
+    from the filler ids), starting at a random phase. Token ids: 1 marks the key, 2 the question,
+    ``3 .. 3 + num_keys - 1`` are the passkeys, the rest of the vocabulary is filler. Only the final
+    passkey token is a label, so the loss is the retrieval itself. Item i is drawn from its own seed, so the
+    data are the same on every run and every worker.
     """
 
-    def __init__(self, size: int, seq_len: int, vocab_size: int, num_keys: int, key_window: int, seed: int):
+    def __init__(
+        self, size: int, seq_len: int, vocab_size: int, num_keys: int, key_window: int, filler_len: int, seed: int
+    ):
         if seq_len < key_window + 4:
             raise ValueError(f"seq_len {seq_len} must exceed key_window + 4 = {key_window + 4}")
         if vocab_size <= FIRST_KEY + num_keys + 1:
             raise ValueError(f"vocab_size {vocab_size} leaves no filler tokens beside {num_keys} passkeys")
         self.size, self.seq_len, self.vocab_size = size, seq_len, vocab_size
         self.num_keys, self.key_window, self.seed = num_keys, key_window, seed
+        g = torch.Generator().manual_seed(0)  # the same sentence for training and held-out data
+        self.sentence = torch.randint(FIRST_KEY + num_keys, vocab_size, (filler_len,), generator=g)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        ids = torch.randint(FIRST_KEY + self.num_keys, self.vocab_size, (self.seq_len,), generator=g)
+        phase = int(torch.randint(len(self.sentence), (1,), generator=g))
+        ids = self.sentence.roll(-phase).repeat(self.seq_len // len(self.sentence) + 1)[: self.seq_len].clone()
         key = FIRST_KEY + int(torch.randint(self.num_keys, (1,), generator=g))
         at = int(torch.randint(0, self.key_window - 1, (1,), generator=g))
         ids[at], ids[at + 1] = KEY_MARKER, key
@@ -48,6 +55,7 @@ class PasskeyDataModule(LightningDataModule):
         seq_len: tokens per sequence. batch_size: sequences per batch.
         vocab_size: the model's vocabulary. num_keys: how many distinct passkeys.
         key_window: the key is placed within the first ``key_window`` tokens (keep it inside the first chunk).
+        filler_len: tokens of the repeated filler sentence.
         train_size, val_size: sequences per epoch; validation sequences are held out (another seed).
     """
 
@@ -60,6 +68,7 @@ class PasskeyDataModule(LightningDataModule):
         vocab_size: int = 256,
         num_keys: int = 100,
         key_window: int = 256,
+        filler_len: int = 24,
         train_size: int = 4096,
         val_size: int = 64,
         seed: int = 0,
@@ -67,7 +76,9 @@ class PasskeyDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size = seq_len, batch_size
-        common = dict(seq_len=seq_len, vocab_size=vocab_size, num_keys=num_keys, key_window=key_window)
+        common = dict(
+            seq_len=seq_len, vocab_size=vocab_size, num_keys=num_keys, key_window=key_window, filler_len=filler_len
+        )
         self.train_set = PasskeyDataset(train_size, seed=seed, **common)
         self.val_set = PasskeyDataset(val_size, seed=seed + 1, **common)
 
