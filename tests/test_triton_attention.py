@@ -19,6 +19,8 @@ from lightning_oomb.kernels import chunk_attention as tri
 from tiny_models import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+# On a GPU box the same cases run compiled on the GPU; otherwise in the interpreter (tests/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -35,7 +37,7 @@ class Problem:
 
 def make_problem(
     batch: int, n_kv: int, group: int, head_dim: int, t: int, start: int, page_size: int, dtype: torch.dtype,
-    device: str = "cpu", seed: int = 0, transposed: bool = False,
+    device: str = DEVICE, seed: int = 0, transposed: bool = False,
 ) -> Problem:
     """A random chunk at [start, start + t) over a random past, pages in random pool slots (layer 1 of 2)."""
     torch.manual_seed(seed)
@@ -112,9 +114,11 @@ def test_store_gradients_are_added():
         assert rel_err(added, expected) <= 1e-5, name
 
 
-def test_other_tiles_and_strided_inputs():
-    """Unequal query/key tiles (the causal split inside a tile) and (B, T, H, D)-strided q, k, v."""
-    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16))
+@pytest.mark.parametrize("chunk_split", [1, 2])
+def test_other_tiles_and_strided_inputs(chunk_split):
+    """Unequal query/key tiles (the causal split inside a tile), (B, T, H, D)-strided q, k, v, and the
+    chunk's dK/dV tiles computed whole (split 1) or by two programs of two query heads each."""
+    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16), chunk_split=chunk_split)
 
     def forward(q, k, v, store, start, scale):
         return tri._forward(q, k, v, store, start, scale, tiles.fwd)
@@ -122,7 +126,7 @@ def test_other_tiles_and_strided_inputs():
     def backward(dout, q, k, v, out, lse, store, start, scale):
         return tri._backward(dout, q, k, v, out, lse, store, start, scale, tiles)
 
-    p = make_problem(2, 2, 3, 16, 45, 29, 7, torch.float32, transposed=True)
+    p = make_problem(2, 2, 4, 16, 45, 29, 7, torch.float32, transposed=True)
     got, want = run_both(p, forward, backward)
     assert_close(got, want, TOL[torch.float32])
 

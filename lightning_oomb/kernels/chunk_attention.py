@@ -103,7 +103,7 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constex
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t, qk_scale,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -115,13 +115,13 @@ def _dkdv_step(
     do = _load_tile(do_ptr + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d, HEAD_DIM, D_PAD)
     # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
     lse2 = tl.load(lse_ptr + offs_m, mask=m_valid, other=float("inf")) * LOG2E
-    delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
+    delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0) * scale
     p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
+    ds_t = p_t * (dp_t * scale - delta[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
@@ -235,20 +235,25 @@ def _dkdv_kernel(
     sp_page, sp_off, sp_h,
     sg_page, sg_off, sg_h,
     ss_b, ss_p,
-    sdk_b, sdk_h, sdk_t,
+    sdk_s, sdk_b, sdk_h, sdk_t,
     T, start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
-    # every query, so they are the heaviest and go first.
+    # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
+    # With CHUNK_SPLIT > 1 each chunk tile is shared by CHUNK_SPLIT programs, each over GROUP / CHUNK_SPLIT
+    # query heads, writing fp32 partial sums to DK/DV[split] (summed by the launcher): more programs,
+    # better balanced, when a short past leaves too few key tiles to fill the GPU.
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
     hk = bh % H_KV
     is_past = tile < n_past_tiles
-    lo = tl.where(is_past, tile, tile - n_past_tiles) * BLOCK_N
+    lo = tl.where(is_past, tile, (tile - n_past_tiles) // CHUNK_SPLIT) * BLOCK_N
+    split = tl.where(is_past, 0, (tile - n_past_tiles) % CHUNK_SPLIT)
+    n_heads = tl.where(is_past, GROUP, GROUP // CHUNK_SPLIT)
     offs_n = lo + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     past_rows = offs_n < tl.where(is_past, start, 0)
@@ -261,7 +266,6 @@ def _dkdv_kernel(
     slot = tl.load(SLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
     in_page = tok % PAGE_SIZE
     kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
-    grad_rows = slot * sg_page + in_page * sg_off + hk * sg_h
 
     # K, V from the pool for a past tile, from the chunk's own k, v otherwise (the other load is all
     # masked off, so it costs no memory traffic).
@@ -274,14 +278,23 @@ def _dkdv_kernel(
                  _load_tile(VP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
                  _load_tile(V + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
 
-    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    # Start from what is already stored for these rows (other chunks' share for past tokens, later
+    # chunks' share for the chunk's own): loaded here, while registers are free, rather than after the
+    # loop next to two live accumulators. No other program touches these rows: race free.
+    grad_rows = slot * sg_page + in_page * sg_off + hk * sg_h
+    # (Split chunk tiles start from zero: the launcher adds the stored share once.)
+    if CHUNK_SPLIT == 1:
+        init_rows = n_valid
+    else:
+        init_rows = past_rows
+    dk = _load_tile(DKP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    dv = _load_tile(DVP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
     # Queries that see these keys: all of them for a past tile, those at or after `lo` for a chunk tile.
     # From `m_free` on, every query of a tile is at or after the tile's last key: no causal mask there.
     m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
     m_free = tl.where(is_past, 0, tl.cdiv(lo + BLOCK_N - 1, BLOCK_M) * BLOCK_M)
     m_diag_end = tl.minimum(m_free, T)
-    for g in range(GROUP):
+    for g in range(split * n_heads, (split + 1) * n_heads):
         h = hk * GROUP + g
         q_ptr = Q + b * sq_b + h * sq_h
         do_ptr = DO + b * sdo_b + h * sdo_h
@@ -289,20 +302,15 @@ def _dkdv_kernel(
         delta_ptr = DELTA + (b * H_Q + h) * T
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
-                                qk_scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION)
+                                qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION)
         for m0 in range(m_free, T, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
-                                qk_scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
-    dk = dk * scale
+                                qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
 
-    # Add what is already stored for these rows: other chunks' share for past tokens, later chunks'
-    # share for the chunk's own. No other program touches these rows, so read-add-write is race free.
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
-    dk += _load_tile(DKP + g_ptrs, n_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-    dv += _load_tile(DVP + g_ptrs, n_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
     _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
     _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
-    out_off = b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
+    out_off = split * sdk_s + b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
     _store_tile(DK + out_off, dk.to(DK.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
     _store_tile(DV + out_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
 
@@ -392,6 +400,8 @@ class KernelTiles:
     fwd: Tiles
     dkdv: Tiles
     dq: Tiles
+    # Programs per chunk key tile in dK/dV (a divisor of the GQA group); None: chosen by _chunk_split.
+    chunk_split: int | None = None
 
 
 def _interpreting() -> bool:
@@ -401,22 +411,32 @@ def _interpreting() -> bool:
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
-    """Tile shapes per kernel. Interpreter: 16 x 16 so that small tests cross many tiles and pages.
+    """Tile shapes per kernel (block_m = query rows, block_n = key rows).
 
-    Hopper (H100/H200) at D=128 in 16-bit: the forward keeps a 128-row query tile and streams key tiles
-    through a 3-stage pipeline; dK/dV hold two (BLOCK_N, D) fp32 accumulators, hence 8 warps at
-    BLOCK_N=128; dQ mirrors the forward with one accumulator. fp32 inputs halve the tiles (shared memory).
+    Interpreter: 16 x 16, so that small tests cross many tiles and pages. Hopper, 16-bit inputs: the
+    forward and dQ keep a 128-row query tile in 8 warps and stream key tiles; dK/dV hold two fp32
+    (BLOCK_N, D) accumulators, so at BLOCK_N=128 only a 32-row query tile keeps its loop free of register
+    spills (checked in the sm_90 SASS). fp32 inputs use exact fp32 products (no tensor cores): small tiles;
+    that path is for correctness, not speed.
     """
     if _interpreting():
         t = Tiles(16, 16)
         return KernelTiles(t, t, t)
     if dtype == torch.float32:
-        if head_dim > 64:
-            return KernelTiles(Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2))
-        return KernelTiles(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2))
-    if head_dim > 64:
-        return KernelTiles(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2))
-    return KernelTiles(Tiles(128, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 4, 3))
+        return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
+    if _padded(head_dim) > 64:
+        return KernelTiles(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 2))
+    return KernelTiles(Tiles(128, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3))
+
+
+def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: torch.device) -> int:
+    """Split the chunk's key tiles over the query heads when the past's tiles cannot fill the GPU."""
+    if tiles.chunk_split is not None:
+        if group % tiles.chunk_split:
+            raise ValueError(f"chunk_split {tiles.chunk_split} must divide the GQA group {group}")
+        return tiles.chunk_split
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return group if past_programs < 4 * sms else 1
 
 
 def _device_ctx(t: torch.Tensor):
@@ -510,8 +530,17 @@ def _backward(
 
     delta = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    kt = tiles.dkdv
+    n_past_tiles = triton.cdiv(start, kt.block_n)
+    split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device)
+    if split == 1:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk_out, dv_out, s_stride = dk, dv, 0
+    else:
+        dk_out = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
+        dv_out = torch.empty_like(dk_out)
+        s_stride = dk_out.stride(0)
     with _device_ctx(q):
         delta_block = 64 if _padded(d) <= 64 else 32
         _delta_kernel[(triton.cdiv(t, delta_block), b * hq)](
@@ -520,10 +549,8 @@ def _backward(
             H_Q=hq, HEAD_DIM=d, D_PAD=_padded(d), BLOCK_M=delta_block,
         )
 
-        kt = tiles.dkdv
-        n_past_tiles = triton.cdiv(start, kt.block_n)
-        _dkdv_kernel[(n_past_tiles + triton.cdiv(t, kt.block_n), b * hkv)](
-            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk, dv,
+        _dkdv_kernel[(n_past_tiles + triton.cdiv(t, kt.block_n) * split, b * hkv)](
+            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -531,12 +558,16 @@ def _backward(
             store.k.stride(0), store.k.stride(1), store.k.stride(2),
             store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
             slots.stride(0), slots.stride(1),
-            dk.stride(0), dk.stride(1), dk.stride(2),
+            s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
             t, start, n_past_tiles, qk_scale, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, PRECISION=precision,
+            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=precision,
             num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
+        if split > 1:  # partial sums of the chunk's tiles + what later chunks stored: deterministic order
+            stored_dk, stored_dv = store.read(start, start + t, grads=True)
+            dk = (dk_out.sum(0) + stored_dk.float()).to(k.dtype)
+            dv = (dv_out.sum(0) + stored_dv.float()).to(v.dtype)
 
         qt = tiles.dq
         _dq_kernel[(triton.cdiv(t, qt.block_m), b * hq)](

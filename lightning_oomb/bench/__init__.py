@@ -1,0 +1,1 @@
+"""Benchmarks (need a CUDA GPU)."""

@@ -1,0 +1,269 @@
+"""Chunk-attention kernels against SDPA's flash backend on a CUDA GPU.
+
+    python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep]
+
+Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128), bf16, batch 1: a chunk of T=4096
+queries over a paged past of 0, 32K, 128K and 512K tokens (pages of 128 in random pool slots), forward and
+backward timed separately (median), next to SDPA (flash) on a full causal sequence of the same total
+length. TFLOP/s count only unmasked work: forward 4 * D * H_q * (T * past + T (T + 1) / 2), backward 2.5x
+that (FlashAttention's convention: the 5 backward matmuls; our backward actually runs 7, see
+kernels/chunk_attention.py). Before timing, every size is checked against the reference on a sub-problem
+(T=256 queries at the end of the full past).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+
+import torch
+
+from ..core import reference_attention as ref
+from ..core.pages import LayerStore, PagePool, StoreSpec
+from ..kernels import chunk_attention as tri
+
+H_Q, H_KV, D = 28, 4, 128
+PAGE = 128
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # the module's functions also run on "cpu" under TRITON_INTERPRET=1 (a smoke test only)
+
+
+def make_store(past: int, t: int, seed: int = 0) -> tuple[PagePool, LayerStore]:
+    """A one-layer pool of exactly the pages for past + t tokens, random K/V, slots in random order."""
+    torch.manual_seed(seed)
+    spec = StoreSpec(n_layers=1, n_kv_heads=H_KV, head_dim=D, dtype=DTYPE)
+    n_pages = -(-(past + t) // PAGE)
+    pool = PagePool(spec, num_pages=n_pages, page_size=PAGE, device=DEVICE)
+    table = pool.allocate(1, past + t)
+    table.slots = torch.randperm(n_pages, device=DEVICE).view(1, n_pages).int()
+    pool.k.normal_()
+    pool.v.normal_()
+    return pool, pool.layer(0, table)
+
+
+def chunk_inputs(t: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    q = torch.randn(1, H_Q, t, D, device=DEVICE, dtype=DTYPE)
+    k = torch.randn(1, H_KV, t, D, device=DEVICE, dtype=DTYPE)
+    v = torch.randn(1, H_KV, t, D, device=DEVICE, dtype=DTYPE)
+    dout = torch.randn(1, H_Q, t, D, device=DEVICE, dtype=DTYPE)
+    return q, k, v, dout
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(past: int, tiles: tri.KernelTiles, t: int = 256) -> dict[str, float]:
+    """Kernel vs reference (fp32 math on the same bf16 values) for t queries after the full past."""
+    pool, store = make_store(past, t)
+    q, k, v, dout = chunk_inputs(t)
+    scale = D**-0.5
+    before = pool.dk.clone(), pool.dv.clone()
+    results = []
+    for fwd, bwd in (
+        (lambda *a: tri._forward(*a, tiles.fwd), lambda *a: tri._backward(*a, tiles)),
+        (ref.attention_forward, ref.attention_backward),
+    ):
+        pool.dk.copy_(before[0])
+        pool.dv.copy_(before[1])
+        out, lse = fwd(q, k, v, store, past, scale)
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, store, past, scale)
+        results.append((out, lse, dq, dk, dv, *store.read(0, past, grads=True)))
+    names = ["out", "lse", "dq", "dk", "dv", "store_dk", "store_dv"]
+    errs = {n: rel(a, b) for n, a, b in zip(names, *results) if b.numel()}
+    # For scale: the relative error of rounding normal fp32 values to bf16 once.
+    x = torch.randn(1 << 20, device=DEVICE)
+    errs["bf16_rounding"] = rel(x.bfloat16(), x)
+    return errs
+
+
+def timed(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of fn(). One timed call when a single call takes over a second."""
+    import triton.testing
+
+    if DEVICE == "cpu":
+        c0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - c0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    first = start.elapsed_time(end)
+    if first > 1000:
+        return first
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def kernel_flops(past: int, t: int) -> float:
+    return 4.0 * D * H_Q * (t * past + t * (t + 1) / 2)
+
+
+def sdpa_flops(length: int) -> float:
+    return 4.0 * D * H_Q * length * (length + 1) / 2
+
+
+def time_kernels(past: int, t: int, tiles: tri.KernelTiles) -> tuple[float, float]:
+    pool, store = make_store(past, t)
+    q, k, v, dout = chunk_inputs(t)
+    scale = D**-0.5
+    out, lse = tri._forward(q, k, v, store, past, scale, tiles.fwd)
+    fwd = timed(lambda: tri._forward(q, k, v, store, past, scale, tiles.fwd))
+    bwd = timed(lambda: tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles))
+    if DEVICE == "cuda":  # where the backward's time goes, per kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles)
+            torch.cuda.synchronize()
+        parts = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+        print(f"  past {past}: backward kernels (ms): " + ", ".join(f"{k[:40]} {ms:.2f}" for k, ms in parts), flush=True)
+    del pool, store
+    return fwd, bwd
+
+
+def time_sdpa(length: int) -> tuple[float, float, str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    torch.manual_seed(2)
+    q = torch.randn(1, H_Q, length, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    k = torch.randn(1, H_KV, length, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    v = torch.randn(1, H_KV, length, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
+    dout = torch.randn(1, H_Q, length, D, device=DEVICE, dtype=DTYPE)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            with torch.no_grad():
+                sdpa(q[:, :, :128], k[:, :, :128], v[:, :, :128], is_causal=True, enable_gqa=True)
+            mode = "enable_gqa"
+
+            def run(grad: bool):
+                with torch.set_grad_enabled(grad):
+                    return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError:  # flash without GQA support: repeat K/V (its cost is not timed)
+            mode = "repeat_kv"
+            kr = k.detach().repeat_interleave(H_Q // H_KV, 1).requires_grad_()
+            vr = v.detach().repeat_interleave(H_Q // H_KV, 1).requires_grad_()
+
+            def run(grad: bool):
+                with torch.set_grad_enabled(grad):
+                    return sdpa(q, kr, vr, is_causal=True)
+
+        fwd = timed(lambda: run(False))
+        out = run(True)
+        inputs = (q, k, v) if mode == "enable_gqa" else (q, kr, vr)
+        bwd = timed(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True))
+    return fwd, bwd, mode
+
+
+def sweep(t: int) -> tri.KernelTiles:
+    """Try a few tile shapes per kernel (at past 32K; the dK/dV chunk split at past 0); keep the fastest."""
+    base = tri.default_tiles(D, DTYPE)
+    fwd_opts = [tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 8, 2), tri.Tiles(128, 128, 8, 2), tri.Tiles(128, 128, 8, 3)]
+    dkdv_opts = [tri.Tiles(32, 128, 8, 3), tri.Tiles(32, 128, 8, 2), tri.Tiles(64, 64, 8, 2), tri.Tiles(64, 64, 8, 3)]
+    dq_opts = [tri.Tiles(128, 64, 8, 2), tri.Tiles(128, 64, 8, 3), tri.Tiles(64, 64, 4, 3), tri.Tiles(128, 32, 8, 3)]
+    past = 32768
+    pool, store = make_store(past, t)
+    q, k, v, dout = chunk_inputs(t)
+    scale = D**-0.5
+    out, lse = tri._forward(q, k, v, store, past, scale, base.fwd)
+
+    def best(label, opts, make, run):
+        scores = []
+        for o in opts:
+            try:
+                c0 = time.time()
+                cfg = make(o)
+                run(cfg)  # compile
+                c1 = time.time()
+                ms = timed(lambda: run(cfg), warmup_ms=10, rep_ms=50)
+                print(f"  sweep {label} {o}: {ms:.3f} ms (compile {c1 - c0:.1f} s)", flush=True)
+                scores.append((ms, o))
+            except Exception as e:  # out of shared memory etc.
+                print(f"  sweep {label} {o}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return min(scores, key=lambda s: s[0])[1]
+
+    fwd = best("fwd", fwd_opts, lambda o: o, lambda c: tri._forward(q, k, v, store, past, scale, c))
+    dkdv = best("dkdv", dkdv_opts, lambda o: tri.KernelTiles(fwd, o, base.dq),
+                lambda c: tri._backward(dout, q, k, v, out, lse, store, past, scale, c))
+    dq = best("dq", dq_opts, lambda o: tri.KernelTiles(fwd, dkdv, o),
+              lambda c: tri._backward(dout, q, k, v, out, lse, store, past, scale, c))
+    del pool, store
+    pool, store = make_store(0, t)
+    out, lse = tri._forward(q, k, v, store, 0, scale, fwd)
+    split = best("chunk_split@past0", [1, H_Q // H_KV], lambda s: tri.KernelTiles(fwd, dkdv, dq, s),
+                 lambda c: tri._backward(dout, q, k, v, out, lse, store, 0, scale, c))
+    chosen = tri.KernelTiles(fwd, dkdv, dq, None if split != 1 else 1)
+    print(f"  sweep chose {chosen}", flush=True)
+    return chosen
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pasts", default="0,32768,131072,524288", help="comma-separated past lengths")
+    ap.add_argument("--chunk", type=int, default=4096, help="queries per chunk (T)")
+    ap.add_argument("--out", default=None, help="also write the table as CSV here")
+    ap.add_argument("--sweep", action="store_true", help="pick tile shapes by a short sweep first")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
+    args = ap.parse_args()
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import triton
+
+    pasts = [int(p) for p in args.pasts.split(",")]
+    t = args.chunk
+    print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+    tiles = sweep(t) if args.sweep else tri.default_tiles(D, DTYPE)
+    print(f"tiles: {tiles}", flush=True)
+
+    print("correctness (relative norm error vs fp32 reference on the same bf16 values, T=256 after the full past):")
+    for past in pasts:
+        errs = check(past, tiles)
+        print(f"  past {past:>7}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()), flush=True)
+        torch.cuda.empty_cache()
+
+    rows = []
+    for past in pasts:
+        fwd, bwd = time_kernels(past, t, tiles)
+        torch.cuda.empty_cache()
+        f = kernel_flops(past, t)
+        row = {"past": past, "T": t, "fwd_ms": fwd, "bwd_ms": bwd,
+               "fwd_tflops": f / fwd / 1e9, "bwd_tflops": 2.5 * f / bwd / 1e9}
+        if not args.no_sdpa:
+            length = past + t
+            sf, sb, mode = time_sdpa(length)
+            torch.cuda.empty_cache()
+            s = sdpa_flops(length)
+            row.update({"sdpa_fwd_ms": sf, "sdpa_bwd_ms": sb, "sdpa_fwd_tflops": s / sf / 1e9,
+                        "sdpa_bwd_tflops": 2.5 * s / sb / 1e9, "sdpa_mode": mode})
+            row["fwd_ratio"] = row["fwd_tflops"] / row["sdpa_fwd_tflops"]
+            row["bwd_ratio"] = row["bwd_tflops"] / row["sdpa_bwd_tflops"]
+        print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+        rows.append(row)
+
+    print()
+    print("| past | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s | fwd ratio | bwd ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        get = lambda key, fmt: (fmt.format(r[key]) if key in r and not math.isnan(r[key]) else "-")  # noqa: E731
+        print(f"| {r['past']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['bwd_ms']:.2f} | {r['bwd_tflops']:.0f} | "
+              f"{get('sdpa_fwd_tflops', '{:.0f}')} | {get('sdpa_bwd_tflops', '{:.0f}')} | "
+              f"{get('fwd_ratio', '{:.2f}')} | {get('bwd_ratio', '{:.2f}')} |")
+    if args.out:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
