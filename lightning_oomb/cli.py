@@ -45,15 +45,26 @@ class _plain:
         return False
 
 
-def main(args: list[str] | None = None) -> None:
+def main(args: list[str] | None = None) -> int | None:
+    args = list(args if args is not None else sys.argv[1:])
+    # `plan` and `bench` are plain argparse commands, not Lightning CLI subcommands.
+    if args and args[0] == "plan":
+        from .planner_cli import main as plan_main
+
+        return plan_main(args[1:])
+    if args and args[0] == "bench":
+        from .bench.run import main as bench_main
+
+        return bench_main(args[1:])
     OOMBCLI(
         CausalLMModule,
         LightningDataModule,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        args=args if args is not None else sys.argv[1:],
+        args=args,
     )
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

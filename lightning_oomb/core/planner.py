@@ -1,0 +1,888 @@
+"""Memory and time of a training step before it runs (DESIGN.md sections 3 and 4).
+
+``plan(model, context, ...)`` returns a ``Plan``: the GPU and host memory of one chunk-recurrent training
+step, line by line in bytes, whether it fits this (or a named) machine, the FLOP floor and a predicted
+step time, and, when it does not fit, what would make it fit, each with its own numbers. Features that
+``lightning_oomb.core`` does not implement yet (bf16 KV-gradients, host offload, sparse attention) are
+listed as "not yet available" with the numbers they would give; nothing here pretends they exist.
+
+Sizes on the command line: token counts take K = 1024 and M = 1024 * 1024 (``1M`` = 1,048,576 tokens);
+memory takes decimal GB/MB/TB (``141GB`` = 141e9 bytes) and binary GiB/MiB/TiB (``80GiB`` = 80 * 2**30).
+See docs/planner.md for the formulas and what is assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .loss import piece_rows
+
+GIB = 1 << 30
+
+# -- assumptions, named so that the bench can calibrate them --------------------------------------------
+# CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process holds on the GPU
+# that torch.cuda.max_memory_allocated does not report.
+CUDA_CONTEXT_BYTES = 1 * GIB
+# Host memory of the process itself (Python, torch, CUDA runtime, transformers) before any pinned pool.
+HOST_PROCESS_BYTES = 4 * GIB
+# Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
+ASSUMED_EFFICIENCY = 0.6
+DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
+# Offload projection: the past streams through the GPU in segments of this many tokens per layer, two in
+# flight (double buffering), K, V, dK and dV each.
+OFFLOAD_SEGMENT_TOKENS = 16384
+# Sparse projection: tokens of the past each query attends to (sink + local window + top-k pages).
+SPARSE_ATTENDED_TOKENS = 16384
+
+# Smallest chunk the planner suggests: below it matmuls get too thin to keep the GPU busy.
+MIN_SUGGESTED_CHUNK = 256
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
+
+Precision = Literal["bf16-true", "bf16-mixed", "32-true"]
+Optimizer = Literal["adamw", "sgd", "none"]
+PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+class PlanError(RuntimeError):
+    """A step would not fit in memory; the message is the formatted plan with its suggestions."""
+
+
+# == model shapes =========================================================================================
+
+
+def builtin_names() -> list[str]:
+    """Names of the model shapes shipped in ``lightning_oomb/model_shapes`` (e.g. ``qwen2.5-7b``)."""
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
+
+
+def load_config_dict(model: str | os.PathLike) -> dict[str, Any]:
+    """The config.json fields of a built-in name, a config.json file, or a model directory (no weights read)."""
+    text = str(model)
+    if text in builtin_names():
+        path = SHAPES_DIR / f"{text}.json"
+    else:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{text!r} is neither a built-in model shape ({', '.join(builtin_names())}) nor a config.json "
+                "file or a directory holding one"
+            )
+    with open(path) as f:
+        return json.load(f)
+
+
+def transformers_config(config: dict[str, Any]):
+    """A transformers config built from config.json fields, so that the family's defaults apply."""
+    from transformers import AutoConfig
+
+    fields = dict(config)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("the config has no `model_type` (e.g. qwen2, llama)")
+    for key in ("architectures", "transformers_version"):
+        fields.pop(key, None)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families).
+
+    Biases and QK-norm only change ``total_params``; ``matmul_params`` counts weight matrices.
+    """
+
+    n_layers: int
+    hidden: int
+    intermediate: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    name: str = "custom"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    # -- constructors -----------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> "ModelShape":
+        """From a transformers config object or a config.json dict."""
+        if isinstance(config, dict):
+            config = transformers_config(config)
+        model_type = getattr(config, "model_type", "")
+        n_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            n_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            name=name or getattr(config, "name_or_path", "") or model_type or "custom",
+            # Qwen2 always has q/k/v biases; Llama and Qwen3 put `attention_bias` on q, k, v and o.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelShape":
+        """A built-in shape: one of ``builtin_names()``."""
+        if name not in builtin_names():
+            raise ValueError(f"unknown model shape {name!r}; built-in: {', '.join(builtin_names())}")
+        return cls.from_config(load_config_dict(name), name=name)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> "ModelShape":
+        """From a config.json file or a pretrained model directory (reads its config.json only)."""
+        p = Path(path)
+        return cls.from_config(load_config_dict(p), name=(p.name if p.is_dir() else p.parent.name) or p.stem)
+
+    @classmethod
+    def resolve(cls, model: Any) -> "ModelShape":
+        """A ModelShape, a built-in name, a config.json / model directory path, a transformers config or
+        config dict, or a transformers model (peft-wrapped is fine)."""
+        if isinstance(model, ModelShape):
+            return model
+        if isinstance(model, (str, os.PathLike)):
+            if str(model) in builtin_names():
+                return cls.from_name(str(model))
+            return cls.from_path(model)
+        if isinstance(model, dict):
+            return cls.from_config(model)
+        if isinstance(model, torch.nn.Module):
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if not hasattr(inner, "config"):
+                raise TypeError(f"{type(model).__name__} has no transformers config")
+            return cls.from_config(inner.config)
+        if hasattr(model, "num_hidden_layers"):
+            return cls.from_config(model)
+        raise TypeError(f"cannot read a model shape from {type(model).__name__}")
+
+    # -- sizes ------------------------------------------------------------------------------------------
+    @property
+    def q_width(self) -> int:
+        """d_q = n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weight-matrix parameters of one decoder layer (q, k, v, o, gate, up, down)."""
+        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the output layer (lm_head), vocab x hidden."""
+        return self.vocab * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """P_mm of DESIGN.md section 3: every linear layer including lm_head, not the input embedding."""
+        return self.n_layers * self.layer_matmul_params + self.head_params
+
+    @property
+    def layer_bias_params(self) -> int:
+        n = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
+        n += self.hidden if self.o_bias else 0
+        n += (2 * self.intermediate + self.hidden) if self.mlp_bias else 0
+        return n
+
+    @property
+    def total_params(self) -> int:
+        """All parameters: layers (matrices, biases, norms), embedding, lm_head unless tied, final norm."""
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        layers = self.n_layers * (self.layer_matmul_params + self.layer_bias_params + norms)
+        embedding = self.vocab * self.hidden
+        return layers + embedding + (0 if self.tied_embeddings else self.head_params) + self.hidden
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection."""
+        per_layer = (self.hidden + self.q_width) * 2 + (self.hidden + self.kv_width) * 2
+        return self.n_layers * rank * per_layer
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``."""
+        return 2 * self.n_layers * self.kv_width * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# == what each precision stores in which dtype ============================================================
+
+
+@dataclass(frozen=True)
+class DtypeProfile:
+    """Bytes per element of what a step holds, under a Lightning precision setting.
+
+    param: parameters, their gradients and (torch.optim) optimizer state. linear: outputs of linear layers.
+    residual: the residual stream (embedding output and the sums). qk: q and k after RoPE, which is also
+    the dtype of the K/V store (the store takes k's dtype). v: the value projection.
+    """
+
+    param: int
+    linear: int
+    residual: int
+    qk: int
+    v: int
+    autocast_weight_copies: bool
+
+
+PROFILES: dict[str, DtypeProfile] = {
+    "bf16-true": DtypeProfile(param=2, linear=2, residual=2, qk=2, v=2, autocast_weight_copies=False),
+    "32-true": DtypeProfile(param=4, linear=4, residual=4, qk=4, v=4, autocast_weight_copies=False),
+    # fp32 parameters under bf16 autocast: linear outputs are bf16, the residual stream stays fp32, and RoPE
+    # multiplies the bf16 projections by fp32 cos/sin, so q and k (hence the K/V store) are fp32.
+    "bf16-mixed": DtypeProfile(param=4, linear=2, residual=4, qk=4, v=2, autocast_weight_copies=True),
+}
+
+
+def _kv_dtype(precision: str) -> torch.dtype:
+    return torch.float32 if PROFILES[precision].qk == 4 else torch.bfloat16
+
+
+# == activations ==========================================================================================
+
+
+def layer_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0) -> int:
+    """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
+
+    Derived from transformers' Llama/Qwen2/Qwen3 decoder layer with lightning_oomb's attention (and checked
+    against counted saved tensors in tests/test_planner.py). Full training:
+    - each RMSNorm (2): its float32 input copy (pow), rsqrt (1 float per token), the normalised input in
+      the residual dtype (saved by the weight multiply) and its output (saved by the projections after it);
+    - attention (ChunkAttention): q, k after RoPE, v, the output (q's dtype), log-sum-exp (fp32 per head);
+      o_proj saves its input (the output made contiguous, in the linear dtype);
+    - MLP: gate output (SiLU), SiLU output and up output (the product), the product (down_proj): 4 x I;
+    - Qwen3 QK-norm: float32 copies of q and k, rsqrt per head, normalised q, k in the linear dtype;
+    - bf16-mixed: the projections save autocast's bf16 casts of the fp32 norm output instead, one cast per
+      projection (q, k, v, gate, up); the bf16 weight copies are a separate line of the plan.
+    RoPE multiplies by cos/sin that need no gradient, so it saves only cos/sin (counted once per model).
+
+    LoRA (peft adapters on q, k, v, o; everything else frozen): a frozen linear layer saves only its
+    weight, a frozen norm weight makes the norm skip its normalised input, so what remains is the norm
+    statistics, the first norm's output (read by the q/k/v adapters), attention as above, o's input (its
+    adapter), the MLP without down_proj's input (3 x I), and each adapter's rank-r intermediate.
+    """
+    p = PROFILES[precision]
+    h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
+    lora = lora_rank > 0
+    norm_stats = 2 * (4 * h + 4)
+    attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
+    if not lora:
+        per_token = norm_stats + 2 * p.residual * h + attention + 4 * p.linear * i
+        if p.autocast_weight_copies:
+            per_token += 5 * 2 * h  # five bf16 casts of the fp32 norm outputs
+        else:
+            per_token += 2 * p.linear * h  # the two norm outputs, saved by the projections reading them
+        qk_norm_outputs = p.linear * (dq + dkv)
+    else:
+        per_token = norm_stats + attention + 3 * p.linear * i + 4 * lora_rank * p.linear
+        # The q, k, v adapters save the first norm's output, under autocast one bf16 cast each.
+        per_token += 3 * 2 * h if p.autocast_weight_copies else p.linear * h
+        qk_norm_outputs = 0
+    if shape.qk_norm:
+        per_token += 4 * (dq + dkv) + 4 * (shape.n_heads + shape.n_kv_heads) + qk_norm_outputs
+    return tokens * per_token
+
+
+def model_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0) -> int:
+    """Bytes saved outside the decoder layers: embedding indices (int64), RoPE cos and sin (shared by all
+    layers, in the embedding's dtype) and the final RMSNorm. With LoRA the embedding is frozen (no indices
+    saved, and the first layer's input needs no gradient, so its first norm saves nothing) and the final
+    norm's weight is frozen (no normalised input saved)."""
+    p = PROFILES[precision]
+    h = shape.hidden
+    rope = 2 * shape.head_dim * p.param
+    final_norm_stats = 4 * h + 4
+    if lora_rank > 0:
+        first_norm_stats_not_saved = 4 * h + 4
+        return tokens * (rope + final_norm_stats - first_norm_stats_not_saved)
+    return tokens * (8 + rope + final_norm_stats + p.residual * h)
+
+
+def activation_bytes(
+    shape: ModelShape, tokens: int, precision: str = "bf16-true", checkpoint_layers: bool = False, lora_rank: int = 0
+) -> int:
+    """Saved activations of one chunk's stage-2 forward (``tokens`` = batch x chunk tokens), in bytes.
+
+    Without checkpointing: every layer's saved tensors. With it: each layer's input (T x hidden, residual
+    dtype, kept by the checkpoint for the recompute) plus one layer's full activations (the recompute).
+    """
+    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank)
+    if checkpoint_layers:
+        layers = shape.n_layers * tokens * shape.hidden * PROFILES[precision].residual + one_layer
+    else:
+        layers = shape.n_layers * one_layer
+    return layers + model_activation_bytes(shape, tokens, precision, lora_rank)
+
+
+# == time =================================================================================================
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """FLOPs of one step and its time at ``matmul_tflops`` (floor) and at ASSUMED_EFFICIENCY (predicted)."""
+
+    linear_flops: float
+    attention_flops: float
+    recompute_flops: float
+    matmul_tflops: float
+    efficiency: float = ASSUMED_EFFICIENCY
+
+    @property
+    def total_flops(self) -> float:
+        return self.linear_flops + self.attention_flops + self.recompute_flops
+
+    @property
+    def floor_s(self) -> float:
+        """Seconds if every FLOP ran at the matmul peak."""
+        return self.total_flops / (self.matmul_tflops * 1e12)
+
+    @property
+    def predicted_s(self) -> float:
+        """floor / efficiency: an assumption, to be calibrated with ``lightning-oomb bench``."""
+        return self.floor_s / self.efficiency
+
+
+def step_time(
+    model: Any,
+    context: int,
+    *,
+    batch: int = 1,
+    chunk_size: int = 4096,
+    lora_rank: int = 0,
+    checkpoint_layers: bool = False,
+    sparse: bool = False,
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
+) -> StepTime:
+    """FLOP model of DESIGN.md section 3 for one step of ``batch`` sequences of ``context`` tokens.
+
+    linear: 8 * P_mm * tokens (stage-1 forward 2, stage-2 forward 2, backward 4). With LoRA the frozen
+    weights still need the backward with respect to their inputs but not their own gradient:
+    6 * P_mm * tokens, plus 8 * P_lora * tokens for the adapters.
+    attention (dense, causal): 9 * n_layers * d_q * L^2 per sequence (forward 2 d_q L^2 per layer, counted
+    4.5 times: two forwards and a backward of 2.5 forwards).
+    layer checkpointing recomputes each layer's forward once more: 2 * (P_mm - lm_head) * tokens plus
+    2 * n_layers * d_q * L^2.
+    sparse (projection): each query attends to SPARSE_ATTENDED_TOKENS of the past plus its chunk causally.
+    """
+    shape = ModelShape.resolve(model)
+    tokens = batch * context
+    if lora_rank > 0:
+        linear = 6.0 * shape.matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
+    else:
+        linear = 8.0 * shape.matmul_params * tokens
+    # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
+    dense_pairs = context * context / 2
+    pairs = dense_pairs
+    if sparse:
+        chunk = min(chunk_size, context)
+        pairs = min(dense_pairs, context * (SPARSE_ATTENDED_TOKENS + chunk / 2))
+    forward_attention = 4.0 * shape.q_width * pairs * shape.n_layers * batch
+    attention = 4.5 * forward_attention
+    recompute = 0.0
+    if checkpoint_layers:
+        recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + forward_attention
+    return StepTime(linear, attention, recompute, matmul_tflops)
+
+
+# == the plan =============================================================================================
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """One training step as the planner sees it. Token counts are per sequence; memory is in bytes.
+
+    offload and sparse are projections of features lightning_oomb.core does not have yet (see
+    ``core_features``); the planner only sets them for suggestions marked as such.
+    """
+
+    context: int
+    chunk_size: int = 4096
+    batch: int = 1
+    page_size: int = 128
+    lora_rank: int = 0
+    optimizer: str = "adamw"
+    precision: str = "bf16-true"
+    checkpoint_layers: bool = False
+    grad_dtype: torch.dtype = torch.float32
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
+    offload: bool = False
+    sparse: bool = False
+
+    def __post_init__(self):
+        for name in ("context", "chunk_size", "batch", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.precision not in PROFILES:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not self.matmul_tflops > 0:
+            raise ValueError(f"matmul_tflops must be > 0, got {self.matmul_tflops}")
+        if self.grad_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of one chunk over the batch (what one chunk's activations scale with)."""
+        return self.batch * min(self.chunk_size, self.context)
+
+    @property
+    def stored_tokens(self) -> int:
+        """Tokens the page pool holds: whole pages per sequence."""
+        return self.batch * math.ceil(self.context / self.page_size) * self.page_size
+
+
+def core_features() -> dict[str, bool]:
+    """Which optional features lightning_oomb.core implements, read from its public signatures."""
+    import inspect
+
+    from . import schedule
+
+    fields = {f.name for f in dataclasses.fields(schedule.ChunkConfig)}
+    params = set(inspect.signature(schedule.train_step).parameters)
+    names = fields | params
+    return {
+        "bf16_kv_grads": "grad_dtype" in names,
+        "offload": any(n.startswith("offload") for n in names),
+        "sparse": any("sparse" in n for n in names),
+    }
+
+
+@dataclass
+class Suggestion:
+    """A change that would make a step fit (goal "memory") or run faster (goal "time"), with its plan."""
+
+    change: str
+    available: bool
+    plan: "Plan"
+    goal: str = "memory"
+
+    def __str__(self) -> str:
+        tag = "" if self.available else "[not yet available] "
+        p = self.plan
+        verdict = "fits" if p.fits else "still does not fit"
+        host = f", host {_gib(p.peak_host_bytes)} GiB" if p.config.offload else ""
+        return (
+            f"- {tag}{self.change}: GPU {_gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
+            f"step ≈ {_duration(p.time.predicted_s)}"
+        )
+
+
+@dataclass
+class Plan:
+    """Memory (bytes, per named line) and time of one step of ``config`` for ``shape`` on a machine."""
+
+    shape: ModelShape
+    config: PlanConfig
+    gpu_lines: dict[str, int]
+    host_lines: dict[str, int]
+    time: StepTime
+    gpu_memory: int
+    host_memory: int
+    machine: str = ""
+    checkpoint_auto: bool = False
+    other_activation_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[Suggestion] = field(default_factory=list)
+
+    @property
+    def peak_gpu_bytes(self) -> int:
+        return sum(self.gpu_lines.values())
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return sum(self.host_lines.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gpu_bytes <= self.gpu_memory and self.peak_host_bytes <= self.host_memory
+
+    def check(self) -> "Plan":
+        """Raise PlanError (with this plan as the message) when the step does not fit; else return self."""
+        if not self.fits:
+            raise PlanError(str(self))
+        return self
+
+    def __str__(self) -> str:
+        c, s = self.config, self.shape
+        training = f"LoRA rank {c.lora_rank}" if c.lora_rank else "full training"
+        ckpt = "on" if c.checkpoint_layers else "off"
+        if self.checkpoint_auto:
+            ckpt += " (auto)"
+        head = (
+            f"Plan: {s.name}, context {c.context:,} tokens x batch {c.batch}, chunk {c.chunk_size:,}, "
+            f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
+            f"{ckpt}, KV-gradients {_dtype_name(c.grad_dtype)}"
+        )
+        width = max(len(k) for k in [*self.gpu_lines, *self.host_lines]) + 2
+        rows = [head, "", f"{'GPU memory':<{width}}{'GiB':>10}"]
+        rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.gpu_lines.items()]
+        rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_gpu_bytes):>10}")
+        rows += ["", f"{'Host memory':<{width}}{'GiB':>10}"]
+        rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.host_lines.items()]
+        rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_host_bytes):>10}")
+        t = self.time
+        rows += [
+            "",
+            f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
+            f"checkpoint recompute {t.recompute_flops:.3g})",
+            f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
+            f"{_duration(t.predicted_s)} (assumed efficiency {t.efficiency:g}, calibrate with lightning-oomb bench)",
+        ]
+        if self.other_activation_bytes is not None:
+            other = "on" if not c.checkpoint_layers else "off"
+            rows.append(f"Activations with layer checkpointing {other}: {_gib(self.other_activation_bytes)} GiB")
+        rows += [f"Note: {n}" for n in self.notes]
+        machine = (
+            f"GPU {_gb(self.gpu_memory)} ({_gib(self.gpu_memory)} GiB){' ' + self.machine if self.machine else ''}, "
+            f"host {_gb(self.host_memory)} ({_gib(self.host_memory)} GiB)"
+        )
+        rows.append("")
+        if self.fits:
+            rows.append(
+                f"FITS on {machine}: {_gib(self.gpu_memory - self.peak_gpu_bytes)} GiB of GPU memory to spare"
+            )
+        else:
+            short = []
+            if self.peak_gpu_bytes > self.gpu_memory:
+                short.append(f"GPU short by {_gib(self.peak_gpu_bytes - self.gpu_memory)} GiB")
+            if self.peak_host_bytes > self.host_memory:
+                short.append(f"host short by {_gib(self.peak_host_bytes - self.host_memory)} GiB")
+            rows.append(f"DOES NOT FIT on {machine}: {', '.join(short)}")
+        memory = [x for x in self.suggestions if x.goal == "memory"]
+        faster = [x for x in self.suggestions if x.goal == "time"]
+        if memory:
+            rows += ["What would make it fit:", *map(str, memory)]
+        if faster:
+            rows += ["What would make it faster:", *map(str, faster)]
+        return "\n".join(rows)
+
+
+def human_count(n: float) -> str:
+    """7.62B, 10.1M, 22.1K: a parameter count for people."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """GPU and host memory of one step, by named line, in bytes."""
+    p = PROFILES[c.precision]
+    param_dtype = "bf16" if p.param == 2 else "fp32"
+    lora = shape.lora_params(c.lora_rank) if c.lora_rank else 0
+    all_params = shape.total_params + lora
+    trainable = lora if c.lora_rank else shape.total_params
+    head_trained = c.lora_rank == 0
+    # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
+    # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
+    state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
+    gpu: dict[str, int] = {
+        f"weights ({param_dtype}, {human_count(all_params)} params)": all_params * p.param,
+        f"gradients ({param_dtype}, {human_count(trainable)} trainable)": trainable * p.param,
+        f"optimizer state ({c.optimizer}, {state_copies} x {param_dtype} per trainable)": (
+            state_copies * trainable * p.param
+        ),
+    }
+    if p.autocast_weight_copies:
+        # Autocast's cast of every weight to bf16 lives for the whole autocast region (its cache), and
+        # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
+        matrices_and_biases = shape.matmul_params + shape.n_layers * shape.layer_bias_params
+        gpu["bf16 weight copies (autocast cache)"] = 2 * matrices_and_biases
+    t = c.chunk_tokens
+    ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
+    gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
+        shape, t, c.precision, c.checkpoint_layers, c.lora_rank
+    )
+    # Gradients in flight while autograd walks back through a layer: at most what that layer saved
+    # (an assumption, see docs/planner.md).
+    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank)
+    gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
+    rows = min(piece_rows(shape.vocab), t)
+    # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast.
+    piece = rows * shape.vocab * (8 + 2 * p.linear)
+    head_w = shape.vocab * shape.hidden
+    if head_trained:
+        gpu["loss: dL/dW accumulator (fp32, vocab x hidden)"] = head_w * 4
+        # Backward scales the accumulator (fp32 copy) and casts it to the weight dtype.
+        gpu["loss: logits piece / dL/dW scaling (transient)"] = max(piece, head_w * (4 + p.param))
+    else:
+        gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
+    kv_dtype = _kv_dtype(c.precision)
+    kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
+    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
+    host = {"process (Python, torch, CUDA runtime; assumed)": HOST_PROCESS_BYTES}
+    kv_name = f"K/V pages ({_dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
+    grad_name = f"KV-gradient pages ({_dtype_name(c.grad_dtype)})"
+    if c.offload:
+        all_layers = shape.kv_bytes_per_token(kv_dtype) + shape.kv_bytes_per_token(c.grad_dtype)
+        per_layer_token = all_layers // shape.n_layers
+        chunk_pages = c.batch * math.ceil(min(c.chunk_size, c.context) / c.page_size) * c.page_size
+        gpu["K/V + gradient pages of the current chunk (all layers)"] = chunk_pages * per_layer_token * shape.n_layers
+        gpu[f"offload stream buffers (2 x {OFFLOAD_SEGMENT_TOKENS:,} tokens, one layer)"] = (
+            2 * min(OFFLOAD_SEGMENT_TOKENS, c.stored_tokens) * per_layer_token
+        )
+        host[f"pinned {kv_name}"] = kv_bytes
+        host[f"pinned {grad_name}"] = grad_bytes
+    else:
+        gpu[kv_name] = kv_bytes
+        gpu[grad_name] = grad_bytes
+    gpu["CUDA context and workspaces (assumed)"] = CUDA_CONTEXT_BYTES
+    return gpu, host
+
+
+def _estimate(
+    shape: ModelShape, config: PlanConfig, gpu_memory: int, host_memory: int, machine: str
+) -> Plan:
+    gpu, host = _memory_lines(shape, config)
+    time = step_time(
+        shape,
+        config.context,
+        batch=config.batch,
+        chunk_size=config.chunk_size,
+        lora_rank=config.lora_rank,
+        checkpoint_layers=config.checkpoint_layers,
+        sparse=config.sparse,
+        matmul_tflops=config.matmul_tflops,
+    )
+    return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
+
+
+def this_gpu_memory() -> tuple[int, str]:
+    """(total bytes, name) of this machine's current CUDA device; ValueError when there is none."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "there is no CUDA device on this machine to plan for: give the GPU's memory "
+            "(gpu_memory=141e9, or --gpu-memory 141GB for an H200, 80GB for an H100/A100)"
+        )
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(props.total_memory), props.name
+
+
+def this_host_memory() -> int:
+    """Bytes of RAM of this machine."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+
+def plan(
+    model: Any,
+    context: int,
+    *,
+    chunk_size: int = 4096,
+    batch: int = 1,
+    page_size: int = 128,
+    lora_rank: int = 0,
+    optimizer: Optimizer = "adamw",
+    precision: Precision = "bf16-true",
+    checkpoint_layers: bool | None = None,
+    grad_dtype: torch.dtype = torch.float32,
+    gpu_memory: int | float | None = None,
+    host_memory: int | float | None = None,
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
+) -> Plan:
+    """Plan one training step of ``batch`` sequences of ``context`` tokens.
+
+    model: a ModelShape, a built-in name (``builtin_names()``), a config.json / model directory path, a
+    transformers config (or config dict) or model. checkpoint_layers: None decides (off if it fits, else on).
+    gpu_memory, host_memory: bytes; None takes this machine's CUDA device and RAM (no CUDA device: error).
+    matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
+    """
+    shape = ModelShape.resolve(model)
+    machine = ""
+    if gpu_memory is None:
+        gpu_memory, machine = this_gpu_memory()
+    if host_memory is None:
+        host_memory = this_host_memory()
+    gpu_memory, host_memory = int(gpu_memory), int(host_memory)
+    base = PlanConfig(
+        context=context,
+        chunk_size=chunk_size,
+        batch=batch,
+        page_size=page_size,
+        lora_rank=lora_rank,
+        optimizer=optimizer,
+        precision=precision,
+        checkpoint_layers=bool(checkpoint_layers),
+        grad_dtype=grad_dtype,
+        matmul_tflops=matmul_tflops,
+    )
+
+    def estimate(config: PlanConfig) -> Plan:
+        return _estimate(shape, config, gpu_memory, host_memory, machine)
+
+    result = estimate(base)
+    other = estimate(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
+    if checkpoint_layers is None and not result.fits:
+        result, other = other, result
+        result.checkpoint_auto = True
+    elif checkpoint_layers is None:
+        result.checkpoint_auto = True
+    result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
+    features = core_features()
+    if grad_dtype != torch.float32 and not features["bf16_kv_grads"]:
+        result.notes.append(
+            f"KV-gradients in {_dtype_name(grad_dtype)} are not yet available in lightning_oomb.core "
+            "(it accumulates them in float32): these numbers are a projection"
+        )
+    result.suggestions = _suggestions(result, estimate, features)
+    return result
+
+
+def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Suggestion]:
+    """Single changes that make the step fit (each with its numbers); the available ones together when
+    no single one does; sparse attention when attention dominates the step's FLOPs."""
+    c = result.config
+    found: list[Suggestion] = []
+    if not result.fits:
+        if not c.checkpoint_layers:
+            found.append(Suggestion("layer checkpointing (--checkpoint-layers on)", True,
+                                    estimate(dataclasses.replace(c, checkpoint_layers=True))))
+        halvings = []
+        chunk = min(c.chunk_size, c.context) // 2
+        while chunk >= MIN_SUGGESTED_CHUNK:
+            halvings.append(chunk)
+            chunk //= 2
+        if halvings:
+            # Memory falls with the chunk: the first halving that fits is the largest; if none does, the half.
+            plans = (estimate(dataclasses.replace(c, chunk_size=k)) for k in halvings)
+            smaller = next((p for p in plans if p.fits), None)
+            smaller = smaller or estimate(dataclasses.replace(c, chunk_size=halvings[0]))
+            found.append(Suggestion(f"smaller chunks (--chunk {smaller.config.chunk_size})", True, smaller))
+        if c.precision != "bf16-true":
+            found.append(Suggestion("bf16 parameters and optimizer state (--precision bf16-true)", True,
+                                    estimate(dataclasses.replace(c, precision="bf16-true"))))
+        if c.lora_rank == 0:
+            found.append(Suggestion("LoRA rank 16 on q, k, v, o (--lora 16)", True,
+                                    estimate(dataclasses.replace(c, lora_rank=16))))
+        if c.grad_dtype != torch.bfloat16:
+            available = features["bf16_kv_grads"]
+            found.append(Suggestion(
+                "bf16 KV-gradients (grad_dtype=torch.bfloat16" + (")" if available else "; with the offload issue)"),
+                available, estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16))))
+        found.append(Suggestion("offload K/V and KV-gradient pages to pinned host memory",
+                                features["offload"], estimate(dataclasses.replace(c, offload=True))))
+        if not any(s.plan.fits for s in found):
+            combined = c
+            for s in found:
+                if s.available:
+                    combined = dataclasses.replace(
+                        combined,
+                        checkpoint_layers=combined.checkpoint_layers or s.plan.config.checkpoint_layers,
+                        chunk_size=min(combined.chunk_size, s.plan.config.chunk_size),
+                        lora_rank=max(combined.lora_rank, s.plan.config.lora_rank),
+                        precision=combined.precision if s.plan.config.precision == c.precision
+                        else s.plan.config.precision,
+                    )
+            if combined != c:
+                found.append(Suggestion("all available changes above together", True, estimate(combined)))
+            everything = dataclasses.replace(
+                combined, grad_dtype=torch.bfloat16, offload=True,
+                checkpoint_layers=True, lora_rank=max(combined.lora_rank, 16),
+            )
+            if everything != combined:
+                available = all(features[k] for k in ("bf16_kv_grads", "offload"))
+                found.append(Suggestion("all of the above with bf16 KV-gradients and offload", available,
+                                        estimate(everything)))
+    t = result.time
+    if t.attention_flops > t.linear_flops:
+        sparse = estimate(dataclasses.replace(c, sparse=True))
+        found.append(Suggestion(
+            f"page-level sparse attention ({SPARSE_ATTENDED_TOKENS:,} past tokens per query; same memory)",
+            features["sparse"], sparse, goal="time"))
+    return found
+
+
+# == sizes on the command line ============================================================================
+
+_TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def _split(text: str, what: str) -> tuple[float, str]:
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match:
+        raise ValueError(f"cannot read {what} {text!r}")
+    return float(match.group(1)), match.group(2).lower()
+
+
+def parse_tokens(text: str | int) -> int:
+    """A token count: ``4096``, ``32K``/``32k`` (x 1024), ``1M`` (x 1024**2), ``1.5M``."""
+    if isinstance(text, int):
+        return text
+    value, unit = _split(text, "a token count")
+    if unit not in _TOKEN_UNITS:
+        raise ValueError(f"cannot read the token count {text!r}: use a number with K (x1024) or M (x1024^2)")
+    tokens = value * _TOKEN_UNITS[unit]
+    if tokens != int(tokens) or tokens < 1:
+        raise ValueError(f"the token count {text!r} is not a whole number >= 1")
+    return int(tokens)
+
+
+def parse_bytes(text: str | int) -> int:
+    """A memory size: ``141GB`` = 141e9 (decimal K/M/G/T[B]), ``80GiB`` = 80 * 2**30 (binary KiB..TiB)."""
+    if isinstance(text, int):
+        return text
+    value, unit = _split(text, "a memory size")
+    if unit not in _BYTE_UNITS:
+        raise ValueError(f"cannot read the memory size {text!r}: use e.g. 141GB, 80GiB, 512MB")
+    return int(value * _BYTE_UNITS[unit])

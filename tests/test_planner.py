@@ -1,0 +1,244 @@
+"""The planner: model shapes, the activation formula against counted saved tensors, plans, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM
+
+from lightning_oomb.cli import main as cli_main
+from lightning_oomb.core.pages import StoreSpec
+from lightning_oomb.core.planner import (
+    LORA_TARGETS,
+    ModelShape,
+    PlanError,
+    activation_bytes,
+    builtin_names,
+    core_features,
+    load_config_dict,
+    parse_bytes,
+    parse_tokens,
+    plan,
+    step_time,
+    transformers_config,
+)
+from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence
+from lightning_oomb.integrations.transformers import bind
+
+H200 = dict(gpu_memory=141e9, host_memory=128e9)
+
+
+# -- shapes ----------------------------------------------------------------------------------------------
+
+
+def test_builtin_shapes_load_and_count_like_the_real_models():
+    assert set(builtin_names()) >= {"qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b"}
+    for name in builtin_names():
+        shape = ModelShape.from_name(name)
+        with torch.device("meta"):  # the real module tree, no memory
+            model = AutoModelForCausalLM.from_config(transformers_config(load_config_dict(name)))
+        assert shape.total_params == sum(p.numel() for p in model.parameters()), name
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert shape.matmul_params == linear, name
+
+
+def test_qwen2_5_7b_numbers_of_the_design():
+    shape = ModelShape.from_name("qwen2.5-7b")
+    assert shape.matmul_params == pytest.approx(7.07e9, rel=0.01)
+    assert (shape.n_layers, shape.q_width) == (28, 3584)
+    assert shape.kv_bytes_per_token(torch.bfloat16) == 57_344
+    assert shape.kv_bytes_per_token(torch.float32) == 114_688
+    spec = StoreSpec(n_layers=28, n_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
+    assert spec.bytes_per_token() == 57_344 + 114_688  # the engine's own count agrees
+
+
+def test_shape_from_config_dir_model_and_peft(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(load_config_dict("qwen2.5-0.5b")))
+    from_dir = ModelShape.resolve(tmp_path)
+    assert ModelShape.resolve(tmp_path / "config.json") == from_dir
+    assert from_dir.matmul_params == ModelShape.from_name("qwen2.5-0.5b").matmul_params
+    model = tiny_model("qwen2")
+    shape = ModelShape.resolve(model)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(LORA_TARGETS)))
+    assert ModelShape.resolve(lora) == shape
+    assert shape.lora_params(4) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    with pytest.raises(FileNotFoundError, match="built-in"):
+        ModelShape.resolve("no-such-model")
+
+
+# -- activations -----------------------------------------------------------------------------------------
+
+
+def saved_bytes_of_one_chunk(model, chunk: int, precision: str) -> int:
+    """Bytes of the tensors stage 2 saves for backward in the last chunk's forward (parameters excluded),
+    deduplicated by storage (each storage counted at the largest tensor seen on it)."""
+    model = model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    ids = torch.randint(0, 100, (1, 2 * chunk), generator=torch.Generator().manual_seed(0))
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=chunk, page_size=16, attention="reference"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.numel() * t.element_size())
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        seq.fill()
+        start, end = seq.chunks[-1]  # a chunk with a past in the store, as in stage 2
+        try:
+            with torch.enable_grad(), bind(model, seq), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                seq._chunk_hidden(start, end)
+        finally:
+            seq.release()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("chunk", [32, 96])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_activation_formula_matches_saved_tensors(family, chunk, precision):
+    model = tiny_model(family)
+    shape = ModelShape.resolve(model)
+    counted = saved_bytes_of_one_chunk(model, chunk, precision)
+    assert activation_bytes(shape, chunk, precision) == pytest.approx(counted, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    "family,lora_rank,precision",
+    [("qwen3", 0, "32-true"), ("qwen2", 4, "32-true"), ("llama", 4, "bf16-true"), ("qwen2", 0, "bf16-mixed")],
+)
+def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precision):
+    model = tiny_model(family)
+    shape = ModelShape.resolve(model)
+    if lora_rank:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
+    counted = saved_bytes_of_one_chunk(model, 64, precision)
+    expected = activation_bytes(shape, 64, precision, lora_rank=lora_rank)
+    if precision == "bf16-mixed":  # the layers' bf16 weight casts are saved too (a separate line of the plan)
+        expected += 2 * shape.n_layers * shape.layer_matmul_params
+    assert expected == pytest.approx(counted, rel=0.10)
+
+
+def test_layer_checkpointing_keeps_layer_inputs_and_one_layer():
+    shape = ModelShape.from_name("qwen2.5-7b")
+    full = activation_bytes(shape, 4096, "bf16-true")
+    ckpt = activation_bytes(shape, 4096, "bf16-true", checkpoint_layers=True)
+    layer_inputs = 28 * 4096 * 3584 * 2
+    assert layer_inputs < ckpt < full / 10
+    assert 20e9 < full < 30e9  # "a 7B model at 4096 tokens holds about 20 GB of activations" (README)
+
+
+# -- plans -----------------------------------------------------------------------------------------------
+
+
+def test_plan_that_fits_says_so():
+    p = plan("qwen2.5-0.5b", parse_tokens("32K"), **H200)
+    assert p.fits and p.check() is p
+    assert not p.config.checkpoint_layers and p.checkpoint_auto  # auto: off, because it fits without
+    assert not [s for s in p.suggestions if s.goal == "memory"]
+    text = str(p)
+    assert "FITS on GPU 141.00 GB" in text and "host 128.00 GB" in text
+    assert "K/V pages" in text and "KV-gradient pages (float32)" in text
+    assert p.peak_gpu_bytes == sum(p.gpu_lines.values())
+
+
+def test_plan_that_does_not_fit_lists_suggestions_with_numbers():
+    p = plan("qwen2.5-7b", parse_tokens("1M"), **H200)
+    assert not p.fits
+    assert p.config.checkpoint_layers  # auto turned it on, and it still does not fit
+    kv = next(v for k, v in p.gpu_lines.items() if k.startswith("K/V pages"))
+    grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
+    assert (kv, grads) == (57_344 * 2**20, 114_688 * 2**20)
+    changes = {s.change.split(" (")[0]: s for s in p.suggestions}
+    assert {"smaller chunks", "LoRA rank 16 on q, k, v, o", "bf16 KV-gradients",
+            "offload K/V and KV-gradient pages to pinned host memory"} <= set(changes)
+    features = core_features()
+    assert changes["bf16 KV-gradients"].available == features["bf16_kv_grads"]
+    offload = changes["offload K/V and KV-gradient pages to pinned host memory"]
+    assert offload.available == features["offload"]
+    assert offload.plan.peak_gpu_bytes < p.peak_gpu_bytes and offload.plan.peak_host_bytes > p.peak_host_bytes
+    assert changes["LoRA rank 16 on q, k, v, o"].plan.peak_gpu_bytes < p.peak_gpu_bytes
+    text = str(p)
+    assert "DOES NOT FIT" in text and "What would make it fit" in text
+    if not features["offload"]:
+        assert "[not yet available] offload" in text
+    with pytest.raises(PlanError, match="DOES NOT FIT"):
+        p.check()
+
+
+def test_auto_checkpointing_turns_on_when_needed_and_flags_are_kept():
+    tight = dict(gpu_memory=80e9, host_memory=128e9)
+    auto = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, **tight)
+    assert auto.fits and not auto.config.checkpoint_layers
+    forced = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, checkpoint_layers=True, **tight)
+    assert forced.config.checkpoint_layers and not forced.checkpoint_auto
+    assert forced.time.recompute_flops > 0
+    full = plan("qwen2.5-7b", parse_tokens("32K"), **tight)  # full training: needs checkpointing on 80 GB
+    assert full.config.checkpoint_layers and full.fits
+
+
+def test_step_time_reproduces_the_design_floors():
+    shape = ModelShape.from_name("qwen2.5-7b")
+    for context, seconds in ((32 << 10, 3.6), (64 << 10, 9.6), (128 << 10, 29.0), (1 << 20, 22 * 60)):
+        t = step_time(shape, context, matmul_tflops=790.0)
+        assert t.floor_s == pytest.approx(seconds, rel=0.03), context
+        assert t.predicted_s > t.floor_s
+    lora = step_time(shape, 32 << 10, lora_rank=16)
+    assert lora.linear_flops < step_time(shape, 32 << 10).linear_flops
+
+
+def test_plan_without_gpu_memory_on_a_cpu_machine_asks_for_the_flag():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ValueError, match="--gpu-memory"):
+        plan("qwen2.5-7b", 32768)
+
+
+def test_bf16_kv_grads_projection_is_labelled():
+    p = plan("qwen2.5-7b", 32768, grad_dtype=torch.bfloat16, **H200)
+    grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
+    assert grads == 57_344 * 32768
+    if not core_features()["bf16_kv_grads"]:
+        assert any("not yet available" in n for n in p.notes)
+
+
+# -- command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_prints_a_plan(capsys):
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "128k", "--chunk", "4096", "--lora", "16",
+                     "--gpu-memory", "141GB", "--host-memory", "128GB"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "Plan: qwen2.5-7b, context 131,072 tokens" in out and "LoRA rank 16" in out and "FITS" in out
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-memory", "80GiB",
+                     "--host-memory", "128GB", "--checkpoint-layers", "off"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT on GPU 85.90 GB (80.00 GiB)" in out and "layer checkpointing (" in out
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--model", "qwen2.5-7b", "--context", "12q", "--gpu-memory", "80GB"])
+    assert "token count" in capsys.readouterr().err
+
+
+def test_size_parsing():
+    assert parse_tokens("4096") == 4096
+    assert parse_tokens("32K") == parse_tokens("32k") == 32768
+    assert parse_tokens("1M") == 1 << 20 and parse_tokens("1.5M") == 3 << 19
+    assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("141gb") == 141 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512MiB") == 2**29
+    assert parse_bytes("1TB") == 10**12 and parse_bytes("1000") == 1000
+    for bad in ("", "M", "1.5", "12q", "-3K"):
+        with pytest.raises(ValueError):
+            parse_tokens(bad)
+    with pytest.raises(ValueError):
+        parse_bytes("80 gigs")
