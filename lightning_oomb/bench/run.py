@@ -1,0 +1,597 @@
+"""``lightning-oomb bench``: step time and peak memory of training modes over context lengths.
+
+    lightning-oomb bench --model qwen2.5-7b --lengths 16k,32k,64k,128k --modes baseline,oomb \\
+        [--chunk 4096] [--lora 16] [--repeats 3] [--warmup 1] [--out DIR] [--attention auto] [--checkpoint-layers]
+
+One randomly initialised model of the given shape (bf16 on CUDA, float32 on CPU) is built once and every
+mode runs on it at every length: warm-up steps, then ``--repeats`` timed steps (median reported). A step is
+a forward and backward with gradients zeroed before it (set_to_none) and no optimizer step. Modes:
+- baseline: transformers' full-sequence forward and backward, SDPA attention, gradient checkpointing
+  (non-reentrant), ``model(input_ids, labels=input_ids).loss``;
+- oomb: ``lightning_oomb.train_step`` (chunk-recurrent, exact gradient).
+Later modes join through ``register_mode``. An out-of-memory point is recorded as "OOM" and the sweep goes
+on. Written to --out: results.csv, results.md (machine, date, command line, table) and results.png (step
+time and peak GPU memory against context length, log-log, with the FLOP floor of DESIGN.md section 3).
+
+The floor is the same for every mode (8 P_mm L + 9 n_layers d_q L^2 at --matmul-tflops, no extra layer
+checkpointing recompute), so "fraction of floor" compares modes on the same useful work. For oomb rows
+the planner's predicted peak (minus its CUDA context allowance, which max_memory_allocated does not see)
+and predicted time are recorded next to the measurement: that is how the planner's assumptions are
+calibrated (docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import math
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..core.planner import (
+    CUDA_CONTEXT_BYTES,
+    DEFAULT_MATMUL_TFLOPS,
+    GIB,
+    LORA_TARGETS,
+    ModelShape,
+    human_count,
+    load_config_dict,
+    parse_tokens,
+    plan,
+    step_time,
+    transformers_config,
+)
+
+CSV_COLUMNS = (
+    "mode", "context", "batch", "chunk_size", "lora_rank", "dtype", "status",
+    "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
+    "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
+    "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_step_s", "loss",
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the sweep runs. Lengths are tokens per sequence; times in seconds."""
+
+    model: str = "qwen2.5-7b"
+    lengths: tuple[int, ...] = (16384, 32768, 65536, 131072)
+    modes: tuple[str, ...] = ("baseline", "oomb")
+    chunk_size: int = 4096
+    page_size: int = 128
+    batch: int = 1
+    lora_rank: int = 0
+    repeats: int = 3
+    warmup: int = 1
+    attention: str = "auto"
+    checkpoint_layers: bool = False
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
+    out: Path = Path("bench-results")
+    device: str = "auto"
+    seed: int = 0
+
+
+@dataclass
+class PointResult:
+    """One (mode, context length) measurement. Bytes are peaks over the timed steps."""
+
+    mode: str
+    context: int
+    batch: int
+    chunk_size: int
+    lora_rank: int
+    dtype: str
+    status: str = "ok"
+    step_time_s: float = math.nan
+    step_times_s: tuple[float, ...] = ()
+    tokens_per_s: float = math.nan
+    peak_gpu_bytes: int | None = None
+    peak_host_bytes: int | None = None
+    floor_s: float = math.nan
+    planned_gpu_allocated_bytes: int | None = None
+    planned_step_s: float | None = None
+    loss: float = math.nan
+
+    @property
+    def floor_fraction(self) -> float:
+        """FLOP-floor time over measured time: 1.0 would be every FLOP at the matmul peak."""
+        return self.floor_s / self.step_time_s if self.status == "ok" else math.nan
+
+    def row(self) -> dict[str, object]:
+        gib = lambda n: "" if n is None else f"{n / GIB:.3f}"  # noqa: E731
+        return {
+            "mode": self.mode, "context": self.context, "batch": self.batch, "chunk_size": self.chunk_size,
+            "lora_rank": self.lora_rank, "dtype": self.dtype, "status": self.status,
+            "step_time_s": _num(self.step_time_s), "step_times_s": ";".join(f"{t:.6g}" for t in self.step_times_s),
+            "tokens_per_s": _num(self.tokens_per_s),
+            "peak_gpu_bytes": _blank_if_none(self.peak_gpu_bytes),
+            "peak_gpu_gib": gib(self.peak_gpu_bytes),
+            "peak_host_bytes": _blank_if_none(self.peak_host_bytes),
+            "peak_host_gib": gib(self.peak_host_bytes),
+            "floor_s": _num(self.floor_s), "floor_fraction": _num(self.floor_fraction),
+            "planned_gpu_allocated_bytes": _blank_if_none(self.planned_gpu_allocated_bytes),
+            "planned_gpu_gib": gib(self.planned_gpu_allocated_bytes),
+            "planned_step_s": "" if self.planned_step_s is None else _num(self.planned_step_s),
+            "loss": _num(self.loss),
+        }
+
+
+def _blank_if_none(x: int | None) -> int | str:
+    return "" if x is None else x
+
+
+def _num(x: float) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.6g}"
+
+
+# == modes ================================================================================================
+
+
+@dataclass(frozen=True)
+class BenchMode:
+    """A way to train one step. ``step`` adds gradients to the parameters and returns the loss.
+
+    ``setup``/``teardown`` run once around the mode's sweep (they must leave the model as they found it);
+    ``planned`` says whether ``lightning_oomb.core.planner`` models this mode's memory.
+    """
+
+    name: str
+    description: str
+    step: Callable[[nn.Module, torch.Tensor, BenchConfig], torch.Tensor]
+    setup: Callable[[nn.Module, BenchConfig], None] = lambda model, config: None
+    teardown: Callable[[nn.Module, BenchConfig], None] = lambda model, config: None
+    planned: bool = False
+
+
+MODES: dict[str, BenchMode] = {}
+
+
+def register_mode(mode: BenchMode) -> BenchMode:
+    """Make ``mode`` available to ``--modes`` under ``mode.name``."""
+    MODES[mode.name] = mode
+    return mode
+
+
+def _hf_model(model: nn.Module):
+    from ..integrations.transformers import causal_lm
+
+    return causal_lm(model)
+
+
+def _baseline_setup(model: nn.Module, config: BenchConfig) -> None:
+    lm = _hf_model(model)
+    lm.set_attn_implementation("sdpa")
+    # transformers >= 5.2x names it activation_checkpointing_*; earlier versions gradient_checkpointing_*.
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _baseline_teardown(model: nn.Module, config: BenchConfig) -> None:
+    lm = _hf_model(model)
+    if hasattr(lm, "activation_checkpointing_disable"):
+        lm.activation_checkpointing_disable()
+    else:
+        lm.gradient_checkpointing_disable()
+    # Enabling checkpointing also hooked the embedding to make its output require grad; the models the
+    # bench builds have no such hook otherwise, and it would change what LoRA runs of other modes save.
+    lm.disable_input_require_grads()
+
+
+def _baseline_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    from .. import train_step
+
+    return train_step(
+        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers,
+    )
+
+
+def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
+    """Forget the page pool train_step keeps per model, so each point's peak holds only its own pool."""
+    from ..core import schedule
+
+    schedule._model_pools.pop(_hf_model(model), None)
+
+
+register_mode(BenchMode(
+    "baseline", "transformers full-sequence forward+backward, SDPA, gradient checkpointing (non-reentrant)",
+    _baseline_step, _baseline_setup, _baseline_teardown,
+))
+register_mode(BenchMode(
+    "oomb", "lightning_oomb.train_step (chunk-recurrent, exact gradient)",
+    _oomb_step, _drop_cached_pool, _drop_cached_pool, planned=True,
+))
+
+
+# == measuring ============================================================================================
+
+
+def _reset_host_peak() -> None:
+    """Reset the kernel's RSS high-water mark of this process (Linux), so each point has its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # elsewhere the peak is that of the whole process so far
+
+
+def _host_peak_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_memory(model: nn.Module, device: torch.device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def machine_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} (CPU)"
+
+
+def build_model(config: BenchConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The randomly initialised model of ``config.model``'s shape, built on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(config.seed)
+    hf_config = transformers_config(load_config_dict(config.model))
+    hf_config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
+    if config.lora_rank > 0:
+        import peft
+
+        lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=16, target_modules=list(LORA_TARGETS))
+        # Adapters in the model's dtype, as Lightning's bf16-true would hold them.
+        model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+    return model.train()
+
+
+def measure(
+    mode: BenchMode, model: nn.Module, context: int, config: BenchConfig, device: torch.device, shape: ModelShape
+) -> PointResult:
+    """Warm-up and timed steps of one mode at one length; OOM is a result, not an error."""
+    dtype = next(model.parameters()).dtype
+    result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,
+                         str(dtype).removeprefix("torch."))
+    floor = step_time(shape, context, batch=config.batch, chunk_size=config.chunk_size,
+                      lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops)
+    result.floor_s = floor.floor_s
+    if mode.planned:
+        planned = plan(
+            shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
+            lora_rank=config.lora_rank, optimizer="none",
+            precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
+            checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
+            matmul_tflops=config.matmul_tflops,
+        )
+        result.planned_gpu_allocated_bytes = planned.peak_gpu_bytes - CUDA_CONTEXT_BYTES
+        result.planned_step_s = planned.time.predicted_s
+    generator = torch.Generator().manual_seed(config.seed + context)
+    input_ids = torch.randint(0, shape.vocab, (config.batch, context), generator=generator).to(device)
+    out_of_memory = False
+    try:
+        _drop_cached_pool(model)
+        for _ in range(config.warmup):
+            model.zero_grad(set_to_none=True)
+            mode.step(model, input_ids, config)
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _reset_host_peak()
+        times, loss = [], None
+        for _ in range(config.repeats):
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            start = time.perf_counter()
+            loss = mode.step(model, input_ids, config)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        result.step_times_s = tuple(times)
+        result.step_time_s = statistics.median(times)
+        result.tokens_per_s = config.batch * context / result.step_time_s
+        result.loss = float(loss)
+        result.peak_host_bytes = _host_peak_bytes()
+        if device.type == "cuda":
+            result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
+    except torch.OutOfMemoryError:
+        # Leave the except block first: its traceback holds the frames (and tensors) of the failed step.
+        out_of_memory = True
+    except Exception as error:  # one broken point must not cost the rest of a long sweep
+        traceback.print_exc()
+        result.status = f"error: {type(error).__name__}"
+    if out_of_memory:
+        result.status = "OOM"
+        if device.type == "cuda":
+            result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
+    del input_ids
+    _drop_cached_pool(model)
+    _free_memory(model, device)
+    return result
+
+
+def _elapsed(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
+
+
+def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str:
+    head = f"[{index}/{total}] {r.mode:<9} L={r.context:>9,}"
+    if r.status != "ok":
+        return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
+    gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""
+    return (
+        f"{head}  {r.step_time_s:.4g} s/step  {r.tokens_per_s:,.0f} tok/s{gpu}  "
+        f"host {r.peak_host_bytes / GIB:.2f} GiB  {r.floor_fraction:.1%} of floor  loss {r.loss:.3f}  "
+        f"(elapsed {_elapsed(elapsed)})"
+    )
+
+
+def _device(config: BenchConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def _print_now(line: str) -> None:
+    print(line, flush=True)  # progress must show while a long sweep runs, also when piped to a file
+
+
+def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[PointResult]:
+    """The sweep: every mode of ``config.modes`` at every length, on one model."""
+    unknown = [m for m in config.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; available: {', '.join(MODES)}")
+    device = _device(config)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = ModelShape.resolve(config.model)
+    started = time.perf_counter()
+    model = build_model(config, device, dtype)
+    log(f"built {shape.name} ({human_count(shape.total_params)} params, {str(dtype).removeprefix('torch.')}) on "
+        f"{machine_name(device)} in {_elapsed(time.perf_counter() - started)}")
+    results: list[PointResult] = []
+    total = len(config.modes) * len(config.lengths)
+    for name in config.modes:
+        mode = MODES[name]
+        mode.setup(model, config)
+        try:
+            for context in config.lengths:
+                result = measure(mode, model, context, config, device, shape)
+                results.append(result)
+                log(progress_line(len(results), total, result, time.perf_counter() - started))
+        finally:
+            mode.teardown(model, config)
+            _free_memory(model, device)
+    return results
+
+
+# == reporting ============================================================================================
+
+
+def markdown_table(results: list[PointResult]) -> str:
+    head = ("| mode | context | status | step time (s) | tokens/s | peak GPU (GiB) | planned GPU (GiB) "
+            "| peak host (GiB) | FLOP floor (s) | fraction of floor |")
+    rows = [head, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        row = r.row()
+        cells = [
+            r.mode, f"{r.context:,}", r.status,
+            _num(r.step_time_s) and f"{r.step_time_s:.4g}", _num(r.tokens_per_s) and f"{r.tokens_per_s:,.0f}",
+            row["peak_gpu_gib"] and f"{float(row['peak_gpu_gib']):.2f}",
+            row["planned_gpu_gib"] and f"{float(row['planned_gpu_gib']):.2f}",
+            row["peak_host_gib"] and f"{float(row['peak_host_gib']):.2f}",
+            f"{r.floor_s:.4g}", _num(r.floor_fraction) and f"{r.floor_fraction:.1%}",
+        ]
+        rows.append("| " + " | ".join(c or "–" for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def write_outputs(results: list[PointResult], config: BenchConfig, command: str, machine: str) -> dict[str, Path]:
+    """results.csv, results.md and results.png under ``config.out``; returns their paths."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "results.csv", "md": out / "results.md", "png": out / "results.png"}
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(r.row() for r in results)
+    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    settings = (
+        f"model `{config.model}`, batch {config.batch}, chunk {config.chunk_size}, page {config.page_size}, "
+        f"{'LoRA rank ' + str(config.lora_rank) if config.lora_rank else 'all parameters trainable'}, "
+        f"attention `{config.attention}`, layer checkpointing (oomb) {'on' if config.checkpoint_layers else 'off'}, "
+        f"{config.warmup} warm-up + {config.repeats} timed steps (median), "
+        f"FLOP floor at {config.matmul_tflops:g} TFLOP/s"
+    )
+    modes = "\n".join(f"- `{m}`: {MODES[m].description}" for m in config.modes)
+    paths["md"].write_text(
+        f"# lightning-oomb bench\n\n- machine: {machine}\n- date: {date}\n- command: `{command}`\n"
+        f"- settings: {settings}\n{modes}\n\n{markdown_table(results)}\n\n![step time and peak memory](results.png)\n"
+    )
+    plot(results, config, machine, paths["png"])
+    return paths
+
+
+def _tokens_label(n: float) -> str:
+    n = int(round(n))
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def plot(results: list[PointResult], config: BenchConfig, machine: str, path: Path) -> None:
+    """Two log-log panels against context length: step time (with the FLOP floor) and peak GPU memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
+    lengths = sorted({r.context for r in results})
+    for name in config.modes:
+        points = [r for r in results if r.mode == name]
+        ok = [r for r in points if r.status == "ok"]
+        line = ax_time.plot([r.context for r in ok], [r.step_time_s for r in ok], "o-", label=name)[0]
+        color = line.get_color()
+        with_memory = [r for r in ok if r.peak_gpu_bytes is not None]
+        memory_of = {r.context: r.peak_gpu_bytes for r in with_memory}
+        if not with_memory:  # CPU: the host peak is what there is
+            memory_of = {r.context: r.peak_host_bytes for r in ok}
+        ax_mem.plot(list(memory_of), [v / GIB for v in memory_of.values()], "o-", color=color, label=name)
+        planned = [r for r in points if r.planned_gpu_allocated_bytes is not None]
+        if planned and with_memory:
+            ax_mem.plot([r.context for r in planned], [r.planned_gpu_allocated_bytes / GIB for r in planned], ":",
+                        color=color, label=f"{name} (planned)")
+        failed = [r for r in points if r.status != "ok"]
+        for ax in (ax_time, ax_mem):
+            for r in failed:
+                ax.plot(r.context, 0.95, "x", color=color, markersize=10, transform=ax.get_xaxis_transform())
+                ax.annotate(r.status, (r.context, 0.95), xycoords=ax.get_xaxis_transform(), color=color,
+                            textcoords="offset points", xytext=(4, -12), fontsize=8)
+    floors = {r.context: r.floor_s for r in results}
+    ax_time.plot(lengths, [floors[n] for n in lengths], "k--", label=f"FLOP floor ({config.matmul_tflops:g} TFLOP/s)")
+    on_gpu = any(r.peak_gpu_bytes is not None for r in results)
+    ax_time.set_ylabel("step time (s)")
+    ax_mem.set_ylabel("peak GPU memory allocated (GiB)" if on_gpu else "peak host RSS (GiB)")
+    tokens = FuncFormatter(lambda x, _: _tokens_label(x))
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(tokens)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{ModelShape.resolve(config.model).name} on {machine}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# == command line =========================================================================================
+
+
+def _one(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
+
+
+def _list_of(parse):
+    def convert(text: str):
+        try:
+            return tuple(parse(x) for x in text.split(",") if x.strip())
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-oomb bench",
+        description="Step time and peak memory of training modes over context lengths (K = 1024 tokens, M = 1024^2).",
+    )
+    parser.add_argument("--model", default="qwen2.5-7b",
+                        help="built-in shape, a config.json or a model directory (default qwen2.5-7b)")
+    parser.add_argument("--lengths", type=_list_of(parse_tokens), default=BenchConfig.lengths,
+                        help="context lengths, e.g. 16k,32k,64k,128k")
+    parser.add_argument("--modes", type=_list_of(str.strip), default=BenchConfig.modes,
+                        help=f"comma-separated, from: {', '.join(MODES)}")
+    parser.add_argument("--chunk", type=_one(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
+    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank on q,k,v,o")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per point before timing")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    parser.add_argument("--attention", choices=("auto", "reference", "triton"), default="auto", help="oomb attention")
+    parser.add_argument("--checkpoint-layers", action="store_true", help="oomb: checkpoint decoder layers in stage 2")
+    parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
+                        help="matmul peak in TFLOP/s for the FLOP floor")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cuda:1, cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = BenchConfig(
+        model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
+        batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
+        checkpoint_layers=args.checkpoint_layers, matmul_tflops=args.matmul_tflops, out=args.out,
+        device=args.device, seed=args.seed,
+    )
+    for name, value in (("--repeats", config.repeats), ("--batch", config.batch)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1")
+    if config.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    unknown = [m for m in config.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; available: {', '.join(MODES)}")
+    try:
+        load_config_dict(config.model)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    results = run(config)
+    paths = write_outputs(results, config, "lightning-oomb bench " + shlex.join(argv), machine_name(_device(config)))
+    print()
+    print(markdown_table(results))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The bench command on CPU at tiny shapes: outputs, columns, finite times, OOM points recorded."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import torch
+
+from lightning_oomb.bench import run as bench
+from lightning_oomb.cli import main as cli_main
+
+TINY_QWEN2 = {
+    "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 101, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "use_sliding_window": False,
+}
+
+
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_QWEN2))
+    return path
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "64,128", "--modes", "baseline,oomb",
+            "--repeats", "1", "--chunk", "32", "--out", str(out)]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "[4/4] oomb" in printed and "| mode | context |" in printed
+    for name in ("results.csv", "results.md", "results.png"):
+        assert (out / name).stat().st_size > 0, name
+    columns, rows = read_rows(out / "results.csv")
+    assert tuple(columns) == bench.CSV_COLUMNS
+    assert [(r["mode"], int(r["context"])) for r in rows] == [
+        ("baseline", 64), ("baseline", 128), ("oomb", 64), ("oomb", 128)]
+    for r in rows:
+        assert r["status"] == "ok"
+        for column in ("step_time_s", "tokens_per_s", "floor_s", "floor_fraction", "loss"):
+            assert math.isfinite(float(r[column])) and float(r[column]) > 0, column
+        assert int(r["peak_host_bytes"]) > 0
+    # Same model, same tokens: the two modes compute the same loss.
+    losses = {(r["mode"], r["context"]): float(r["loss"]) for r in rows}
+    for n in ("64", "128"):
+        assert math.isclose(losses["baseline", n], losses["oomb", n], rel_tol=1e-5)
+    assert rows[2]["planned_step_s"] and not rows[0]["planned_step_s"]  # the planner models oomb only
+    md = (out / "results.md").read_text()
+    assert "- machine:" in md and "- date:" in md and "lightning-oomb bench --model" in md
+    assert md.count("\n| ") == 5  # header + 4 points
+
+
+def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    def step(model, input_ids, config):
+        if input_ids.shape[1] > 64:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return bench.MODES["oomb"].step(model, input_ids, config)
+
+    bench.register_mode(bench.BenchMode("oom-above-64", "oomb that runs out of memory above 64 tokens", step))
+    try:
+        config = bench.BenchConfig(model=str(tiny_config(tmp_path)), lengths=(64, 128, 64),
+                                   modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
+        results = bench.run(config, log=lambda line: None)
+        bench.write_outputs(results, config, "test", "cpu")
+    finally:
+        del bench.MODES["oom-above-64"]
+    assert [r.status for r in results] == ["ok", "OOM", "ok"]
+    _, rows = read_rows(tmp_path / "o" / "results.csv")
+    assert rows[1]["status"] == "OOM" and rows[1]["step_time_s"] == ""
+    assert (tmp_path / "o" / "results.png").exists()
