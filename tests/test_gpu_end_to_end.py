@@ -38,3 +38,17 @@ def test_bf16_train_step_within_full_sequence_bf16_error():
         for name in truth:
             plain_err, our_err = rel_err(plain[name], truth[name]), rel_err(ours[name], truth[name])
             assert our_err <= 2 * plain_err + 2e-3, (attention, name, our_err, plain_err)
+
+
+def test_step_that_cannot_fit_is_refused_before_allocating():
+    from lightning_oomb.core.planner import PlanError
+
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 26)
+    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
+    ids = torch.zeros(1, 48 << 20, dtype=torch.long, device="cuda")  # 48M tokens: ~290 GB of pages
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(PlanError, match="nothing was allocated"):
+        lightning_oomb.train_step(model, ids, chunk_size=4096)
+    assert torch.cuda.max_memory_allocated() - before < 1 << 30

@@ -59,10 +59,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         scale = grad_out.float()
+        # In place: backward runs once, and a scaled copy of the (V, d) float32 accumulator would cost GBs.
         return (
-            None if grad_h is None else grad_h * scale.to(grad_h.dtype),
-            None if grad_w is None else (grad_w * scale).to(w_dtype),
-            None if grad_b is None else (grad_b * scale).to(b_dtype),
+            None if grad_h is None else grad_h.mul_(scale.to(grad_h.dtype)),
+            None if grad_w is None else grad_w.mul_(scale).to(w_dtype),
+            None if grad_b is None else grad_b.mul_(scale).to(b_dtype),
             None,
             None,
         )

@@ -655,8 +655,8 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     head_w = shape.vocab * shape.hidden
     if head_trained:
         gpu["loss: dL/dW accumulator (fp32, vocab x hidden)"] = head_w * 4
-        # Backward scales the accumulator (fp32 copy) and casts it to the weight dtype.
-        gpu["loss: logits piece / dL/dW scaling (transient)"] = max(piece, head_w * (4 + p.param))
+        # Backward scales the accumulator in place and casts it to the weight dtype.
+        gpu["loss: logits piece / dL/dW cast (transient)"] = max(piece, head_w * p.param)
     else:
         gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
     kv_dtype = _kv_dtype(c.precision)
@@ -886,3 +886,44 @@ def parse_bytes(text: str | int) -> int:
     if unit not in _BYTE_UNITS:
         raise ValueError(f"cannot read the memory size {text!r}: use e.g. 141GB, 80GiB, 512MB")
     return int(value * _BYTE_UNITS[unit])
+
+
+# Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA
+# context); everything else is what the step itself allocates.
+_RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copies", "CUDA context")
+
+
+def check_step_memory(
+    model: Any, batch: int, seq_len: int, chunk_size: int, page_size: int, checkpoint_layers: bool,
+    device: torch.device, reusable_bytes: int = 0,
+) -> None:
+    """Refuse, before anything is allocated, a step on a CUDA ``device`` that would run out of memory.
+
+    Compares what the step allocates (K/V and gradient pages, one chunk's activations, the loss pieces,
+    and parameter gradients not yet allocated) with the device's free memory plus ``reusable_bytes`` (a
+    page pool the step would reuse or replace). Raises PlanError with the plan and what would make it fit.
+    """
+    if device.type != "cuda":
+        return
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    peft_config = getattr(model, "peft_config", None)
+    lora_rank = next(iter(peft_config.values())).r if peft_config else 0
+    if torch.is_autocast_enabled("cuda"):
+        precision = "bf16-mixed"
+    else:
+        precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_bytes
+    step = plan(
+        model, seq_len, chunk_size=min(chunk_size, seq_len), batch=batch, page_size=page_size,
+        lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=checkpoint_layers,
+        gpu_memory=total,
+    )
+    needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES))
+    needed += sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    if needed > free:
+        raise PlanError(
+            f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
+            f"{free / GIB:.2f} GiB free; nothing was allocated for it.\n\n{step}"
+        )

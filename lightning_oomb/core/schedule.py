@@ -21,6 +21,7 @@ from ..integrations.transformers import bind, causal_lm, check_supported
 from .attention import chunk_attention, resolve_backend
 from .loss import linear_cross_entropy
 from .pages import PagePool, StoreSpec
+from .planner import check_step_memory
 
 IGNORE_INDEX = -100
 
@@ -52,7 +53,8 @@ class ChunkConfig:
             raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
 
 
-# (spec, pages needed, with_grads) -> a pool with at least that many pages of that spec.
+# (spec, pages needed, with_grads) -> a pool with at least that many pages of that spec. A provider may
+# also have ``held_bytes()``: the bytes of a pool it already holds, which the step reuses or replaces.
 PoolProvider = Callable[[StoreSpec, int, bool], PagePool]
 
 _model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
@@ -77,6 +79,11 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             _model_pools[model] = pool
         return pool
 
+    def held_bytes() -> int:
+        pool = _model_pools.get(model)
+        return 0 if pool is None else pool.nbytes
+
+    provide.held_bytes = held_bytes
     return provide
 
 
@@ -141,6 +148,9 @@ class ChunkedSequence:
         self.head = self.lm.get_output_embeddings()
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
+        reusable = getattr(self.pools, "held_bytes", lambda: 0)()
+        check_step_memory(model, input_ids.shape[0], seq_len, config.chunk_size, config.page_size,
+                          config.checkpoint_layers, self.device, reusable)
         self.pool: PagePool | None = None
         self.table = None
         self._stage = "new"

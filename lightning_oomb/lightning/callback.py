@@ -79,8 +79,8 @@ class PagedKVCallback(Callback):
             pages = shape[0] * -(-shape[1] // self._page_size)
             self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=True)
 
-    def provide(self, spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
-        """The pool for a step that needs ``pages`` pages of ``spec`` (called by the engine)."""
+    def __call__(self, spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+        """The engine's pool provider: the pool for a step that needs ``pages`` pages of ``spec``."""
         if self.pool is None:
             self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=self._fitting or with_grads)
         if self.pool.spec != spec:
@@ -93,6 +93,10 @@ class PagedKVCallback(Callback):
                 f"{self.pool.num_pages}; pass PagedKVCallback(max_seq_len=..., max_batch_size=...) for the largest batch"
             )
         return self.pool
+
+    def held_bytes(self) -> int:
+        """Bytes of the pool already allocated, which the engine's memory check counts as available."""
+        return 0 if self.pool is None else self.pool.nbytes
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if self.pool is not None:

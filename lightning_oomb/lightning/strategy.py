@@ -84,7 +84,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         return next(cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, PagedKVCallback))
 
     def _serve(self, max_calls: int | None):
-        return serve(find_causal_lm(self.lightning_module), self.chunk_config, self.kv_callback.provide, max_calls)
+        return serve(find_causal_lm(self.lightning_module), self.chunk_config, self.kv_callback, max_calls)
 
     # -- steps ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
