@@ -209,9 +209,9 @@ def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -
 
 def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
     """Forget the page pool train_step keeps per model, so each point's peak holds only its own pool."""
-    from ..core import schedule
+    from ..core.schedule import release_cached_pool
 
-    schedule._model_pools.pop(_hf_model(model), None)
+    release_cached_pool(model)
 
 
 register_mode(BenchMode(

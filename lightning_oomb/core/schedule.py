@@ -87,6 +87,11 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
     return provide
 
 
+def release_cached_pool(model: nn.Module) -> None:
+    """Free the page pool ``train_step``/``eval_loss`` keep for ``model`` between steps."""
+    _model_pools.pop(causal_lm(model), None)
+
+
 def _check_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
