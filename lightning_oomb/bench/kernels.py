@@ -128,7 +128,7 @@ def time_kernels(past: int, t: int, tiles: tri.KernelTiles) -> tuple[float, floa
     return fwd, bwd
 
 
-def time_sdpa(length: int) -> tuple[float, float, str]:
+def time_sdpa(length: int, repeat_kv: bool = False) -> tuple[float, float, str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -139,6 +139,8 @@ def time_sdpa(length: int) -> tuple[float, float, str]:
     dout = torch.randn(1, H_Q, length, D, device=DEVICE, dtype=DTYPE)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         try:
+            if repeat_kv:
+                raise RuntimeError("K/V repeated to H_q heads on request")
             with torch.no_grad():
                 sdpa(q[:, :, :128], k[:, :, :128], v[:, :, :128], is_causal=True, enable_gqa=True)
             mode = "enable_gqa"
@@ -212,6 +214,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table as CSV here")
     ap.add_argument("--sweep", action="store_true", help="pick tile shapes by a short sweep first")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
+    ap.add_argument("--sdpa-repeat-kv", action="store_true",
+                    help="time SDPA on K/V repeated to all query heads (multi-head) instead of enable_gqa")
     args = ap.parse_args()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -238,7 +242,7 @@ def main() -> None:
                "fwd_tflops": f / fwd / 1e9, "bwd_tflops": 2.5 * f / bwd / 1e9}
         if not args.no_sdpa:
             length = past + t
-            sf, sb, mode = time_sdpa(length)
+            sf, sb, mode = time_sdpa(length, args.sdpa_repeat_kv)
             torch.cuda.empty_cache()
             s = sdpa_flops(length)
             row.update({"sdpa_fwd_ms": sf, "sdpa_bwd_ms": sb, "sdpa_fwd_tflops": s / sf / 1e9,
