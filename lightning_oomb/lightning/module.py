@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+import time
 from pathlib import Path
 
 import torch
@@ -11,13 +13,50 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassExactMatch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
+
+
+class SetupError(ValueError):
+    """A configuration that cannot train, found before the first step: the message names the option or file."""
+
+
+def collect_rng_states() -> dict:
+    """The RNG states a step may draw from: torch (CPU and every CUDA device), Python's random, numpy's."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        states["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        try:
+            import numpy
+
+            numpy.random.set_state(states["numpy"])
+        except ImportError:
+            pass
+
 
 class CausalLMModule(LightningModule):
     """Trains ``self.model``, a transformers causal LM, with next-token cross-entropy.
 
     Args:
-        pretrained: a local Hugging Face model directory (config and weights); or
+        pretrained: a local Hugging Face model directory (config and weights; nothing is downloaded); or
         config: a transformers config as a dict (with ``model_type``) for a randomly initialised model.
+        dtype: the dtype the weights are created in: "float32" (default), "bfloat16" (halves host memory while
+            loading; use with ``precision: bf16-true``) or "auto" (the checkpoint's). The Trainer's precision
+            still decides the training dtype: bf16-true converts the weights to bfloat16.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
         lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
         learning_rate, weight_decay: AdamW settings. warmup_steps: linear warm-up, then cosine decay to 0.
@@ -26,13 +65,18 @@ class CausalLMModule(LightningModule):
         seed: seeds the random initialisation.
 
     Batches are dicts with ``input_ids`` and ``labels`` (batch, seq_len). Logged: ``train/loss``,
+    ``train/tokens_per_s`` (input tokens over the wall time of the step, forward to optimizer step),
     ``val/loss`` (token-weighted mean), ``val/ppl`` and, if asked, ``val/retrieval_acc``.
+
+    AdamW keeps its state (``exp_avg``, ``exp_avg_sq``) in each parameter's dtype: float32 under
+    ``32-true`` and ``bf16-mixed``, bfloat16 under ``bf16-true``. Checkpoints also carry the RNG states.
     """
 
     def __init__(
         self,
         pretrained: str | None = None,
         config: dict | None = None,
+        dtype: str = "float32",
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
@@ -45,18 +89,20 @@ class CausalLMModule(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         if (pretrained is None) == (config is None):
-            raise ValueError("give exactly one of `pretrained` (a local model directory) or `config` (a dict)")
+            raise SetupError("give exactly one of model.pretrained (a local model directory) or model.config (a dict)")
+        if dtype not in DTYPES:
+            raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if pretrained is not None:
-            if not Path(pretrained).is_dir():
-                raise FileNotFoundError(f"pretrained model directory {pretrained!r} does not exist")
-            self.model = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+            self.model = load_pretrained(pretrained, DTYPES[dtype])
         else:
             config = dict(config)
             model_type = config.pop("model_type", None)
             if model_type is None:
-                raise ValueError("`config` needs a `model_type` (e.g. qwen2, llama)")
+                raise SetupError("model.config needs a `model_type` (e.g. qwen2, llama)")
             torch.manual_seed(seed)
             self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+            if dtype != "auto":
+                self.model.to(DTYPES[dtype])
         if lora_rank > 0:
             import peft
 
@@ -65,6 +111,44 @@ class CausalLMModule(LightningModule):
             self.model = peft.get_peft_model(self.model, lora)
         self.val_loss = MeanMetric()
         self.val_acc = MulticlassExactMatch(num_classes=self.model.config.vocab_size) if answer_tokens else None
+
+    def setup(self, stage: str) -> None:
+        """Under OOMBStrategy, refuse a model the engine would not train exactly, before any step."""
+        from ..integrations.transformers import causal_lm, check_supported
+        from .strategy import OOMBStrategy
+
+        if not isinstance(self.trainer.strategy, OOMBStrategy):
+            return
+        lm = causal_lm(self.model)
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None) or getattr(lm.config, "max_position_embeddings", 1)
+        was_training = lm.training
+        lm.train(stage == "fit")  # the attention-dropout check applies to training
+        try:
+            check_supported(lm, seq_len)
+        except NotImplementedError as e:
+            source = self.hparams.pretrained or "model.config"
+            raise SetupError(f"{source}: this model cannot be trained by lightning_oomb: {e}") from None
+        finally:
+            lm.train(was_training)
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
+        started = getattr(self, "_step_started", None)
+        if started is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = max(time.perf_counter() - started, 1e-9)
+        self.log("train/tokens_per_s", batch["input_ids"].numel() / seconds, prog_bar=True, on_step=True, on_epoch=False)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng_states"] = collect_rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "rng_states" in checkpoint:
+            restore_rng_states(checkpoint["rng_states"])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -105,3 +189,19 @@ class CausalLMModule(LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def load_pretrained(path: str, dtype) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory (never downloads), with errors that name the directory."""
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise SetupError(f"model.pretrained: the model directory {path} does not exist")
+    if not (where / "config.json").is_file():
+        raise SetupError(
+            f"model.pretrained: {path} has no config.json; give a directory written by save_pretrained "
+            "(config.json and *.safetensors)"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(where), local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise SetupError(f"model.pretrained: the model in {path} could not be loaded ({type(e).__name__}: {e})") from None
