@@ -1,0 +1,480 @@
+"""TextCorpusDataModule: local text, JSONL and Parquet files, tokenized, joined with EOS and packed.
+
+Every problem with the input is reported before the first training step, as a ``CorpusError`` that names
+the file (with line number or byte offset) or the option to change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .module import SetupError
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+PARQUET_SUFFIXES = (".parquet",)
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Large plain-text files are tokenized in pieces of about this many characters, cut after a newline.
+TEXT_PIECE_CHARS = 1 << 20
+# Documents per call of the tokenizer.
+TOKENIZE_BATCH = 256
+
+
+class CorpusError(SetupError):
+    """Bad training input: the message names the file or the option and what to do."""
+
+
+# == reading ===============================================================================================
+
+
+def find_files(paths: list[str]) -> list[Path]:
+    """The corpus files: each path is a file or a folder searched recursively, in sorted order."""
+    if not paths:
+        raise CorpusError("data.init_args.paths is empty: give one or more .txt/.md, .jsonl or .parquet files or folders")
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise CorpusError(f"data.init_args.paths: {raw} does not exist; check the path (relative paths are "
+                              f"taken from the current directory, {os.getcwd()})")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+            if not found:
+                raise CorpusError(f"data.init_args.paths: the folder {raw} holds no {', '.join(SUFFIXES)} files")
+            files += found
+        elif path.suffix.lower() in SUFFIXES:
+            files.append(path)
+        else:
+            raise CorpusError(f"data.init_args.paths: {raw} is not a supported file type; use {', '.join(SUFFIXES)}")
+    for f in files:
+        if not os.access(f, os.R_OK):
+            raise CorpusError(f"{f}: the file cannot be read (permission denied); fix its permissions")
+    return files
+
+
+def _decode(data: bytes, file: Path, base_offset: int = 0, line: int | None = None) -> str:
+    try:
+        text = data.decode("utf-8")
+        return text.removeprefix("\ufeff") if base_offset == 0 else text  # a UTF-8 byte-order mark is no text
+    except UnicodeDecodeError as e:
+        where = f", line {line}" if line is not None else ""
+        raise CorpusError(
+            f"{file}: not valid UTF-8 at byte offset {base_offset + e.start}{where} ({e.reason}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it from data.init_args.paths"
+        ) from None
+
+
+def _read_bytes(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise CorpusError(f"{file}: cannot be read ({e.strerror or e})") from None
+
+
+def read_text_file(file: Path) -> Iterator[str]:
+    """A plain-text file is one document, yielded in pieces of about TEXT_PIECE_CHARS cut after newlines."""
+    text = _decode(_read_bytes(file), file)
+    start = 0
+    while start < len(text):
+        end = start + TEXT_PIECE_CHARS
+        if end < len(text):
+            cut = text.rfind("\n", start, end)
+            end = cut + 1 if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def read_jsonl_file(file: Path, text_field: str) -> Iterator[str]:
+    """One document per line: the ``text_field`` string of each JSON object; blank lines are skipped."""
+    offset = 0
+    with _open(file) as f:
+        for number, raw in enumerate(f, start=1):
+            line_offset, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            line = _decode(raw, file, line_offset, number)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CorpusError(
+                    f"{file}, line {number}: not valid JSON ({e.msg} at column {e.colno}); every line of a .jsonl "
+                    "file must be one JSON object"
+                ) from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise CorpusError(
+                    f"{file}, line {number}: no {text_field!r} field (found: {keys}); set data.init_args.text_field "
+                    "to the field that holds the text"
+                )
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise CorpusError(
+                    f"{file}, line {number}: the {text_field!r} field is a {type(value).__name__}, not a string"
+                )
+            yield value
+
+
+def _open(file: Path):
+    try:
+        return open(file, "rb")
+    except OSError as e:
+        raise CorpusError(f"{file}: cannot be read ({e.strerror or e})") from None
+
+
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(
+            "reading .parquet files needs pyarrow: pip install 'lightning_oomb[data]' (or pip install pyarrow)"
+        ) from None
+    return pq
+
+
+def read_parquet_file(file: Path, text_field: str) -> Iterator[str]:
+    """One document per row: the ``text_field`` column, read a row group at a time."""
+    pq = _pyarrow_parquet()
+    try:
+        pf = pq.ParquetFile(file)
+    except Exception as e:  # pyarrow raises its own error types for a damaged file
+        raise CorpusError(f"{file}: not a readable Parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise CorpusError(
+            f"{file}: no {text_field!r} column (found: {', '.join(names)}); set data.init_args.text_field to the "
+            "column that holds the text"
+        )
+    kind = pf.schema_arrow.field(text_field).type
+    import pyarrow as pa
+
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise CorpusError(f"{file}: the {text_field!r} column holds {kind}, not strings")
+    for group in range(pf.num_row_groups):
+        for value in pf.read_row_group(group, columns=[text_field]).column(0).to_pylist():
+            if value is not None:
+                yield value
+
+
+def read_documents(file: Path, text_field: str) -> Iterator[tuple[str, bool, bool]]:
+    """(text, starts a document, ends a document) pieces of one file; empty documents are skipped."""
+    suffix = file.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        pieces = [p for p in read_text_file(file) if p]
+        for i, piece in enumerate(pieces):
+            yield piece, i == 0, i == len(pieces) - 1
+        return
+    docs = read_jsonl_file(file, text_field) if suffix in JSONL_SUFFIXES else read_parquet_file(file, text_field)
+    for doc in docs:
+        if doc:
+            yield doc, True, True
+
+
+# == tokenizing and packing ================================================================================
+
+
+def load_tokenizer(path: str, option: str = "data.init_args.tokenizer"):
+    """A local tokenizer directory (no network), with an EOS token."""
+    from transformers import AutoTokenizer
+
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise CorpusError(f"{option}: the tokenizer directory {path} does not exist")
+    if not any((where / name).exists() for name in TOKENIZER_FILES):
+        raise CorpusError(
+            f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)} missing); set {option} to a directory that has "
+            "one, or save the model's tokenizer there (tokenizer.save_pretrained)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception as e:
+        raise CorpusError(f"{option}: the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})") from None
+    if tokenizer.eos_token_id is None:
+        raise CorpusError(
+            f"the tokenizer in {path} has no EOS token, which joins the documents; set eos_token in its "
+            "tokenizer_config.json"
+        )
+    return tokenizer
+
+
+def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_bos: bool = False) -> tuple[torch.Tensor, int]:
+    """All documents as one int32 token stream, each document followed by EOS; and the document count."""
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    if add_bos and bos is None:
+        raise CorpusError("data.init_args.add_bos is true but the tokenizer has no BOS token; set add_bos: false")
+    parts: list[torch.Tensor] = []
+    documents = 0
+    pending: list[tuple[str, bool, bool]] = []
+
+    def flush():
+        ids = tokenizer([text for text, _, _ in pending], add_special_tokens=False, verbose=False)["input_ids"]
+        stream: list[int] = []
+        for (_, starts, ends), piece in zip(pending, ids):
+            if starts and add_bos:
+                stream.append(bos)
+            stream += piece
+            if ends:
+                stream.append(eos)
+        parts.append(torch.tensor(stream, dtype=torch.int32))
+        pending.clear()
+
+    for file in files:
+        for piece in read_documents(file, text_field):
+            pending.append(piece)
+            documents += piece[2]
+            if len(pending) >= TOKENIZE_BATCH:
+                flush()
+    if pending:
+        flush()
+    stream = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+    return stream, documents
+
+
+class PackedSequences(Dataset):
+    """Sequences ``rows`` of ``seq_len`` tokens cut from one token stream; labels are the inputs (the model
+    shifts them)."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, rows: torch.Tensor):
+        self.tokens, self.seq_len, self.rows = tokens, seq_len, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = int(self.rows[i]) * self.seq_len
+        ids = self.tokens[start : start + self.seq_len].long()
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7919) % (2**63))
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Batches of a permutation drawn from ``seed`` and the epoch; ``resume(epoch, batches)`` skips the batches
+    a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect."""
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
+        self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
+        self.epoch = 0
+        self._skip: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, batches: int) -> None:
+        self.epoch = epoch
+        self._skip = (epoch, batches)
+
+    def __len__(self) -> int:
+        return math.ceil(self.num_items / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self.epoch
+        skip = self._skip[1] if self._skip and self._skip[0] == epoch else 0
+        self._skip = None
+        order = (
+            torch.randperm(self.num_items, generator=epoch_generator(self.seed, epoch))
+            if self.shuffle
+            else torch.arange(self.num_items)
+        )
+        for b in range(skip, len(self)):
+            yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+
+
+# == the DataModule ========================================================================================
+
+
+class TextCorpusDataModule(LightningDataModule):
+    """Local documents, tokenized, joined with EOS and packed into sequences of ``seq_len`` tokens.
+
+    Args:
+        paths: files or folders (searched recursively) of plain text (``.txt``, ``.md``: one document per
+            file), JSON Lines (``.jsonl``: one document per line, its ``text_field``) and Parquet
+            (``.parquet``: one document per row, column ``text_field``; needs pyarrow).
+        tokenizer: a local tokenizer directory; None takes the model's ``pretrained`` directory.
+        seq_len: tokens per training sequence (the context). A ``seq_len`` longer than the strategy's
+            ``chunk_size`` must be a multiple of it.
+        batch_size: sequences per batch.
+        text_field: the JSONL field / Parquet column with the text.
+        val_fraction: the share of sequences held out for validation (at least one when > 0).
+        seed: the split and the shuffling of each epoch (the order of epoch e is drawn from seed and e).
+        add_bos: also start each document with the tokenizer's BOS token.
+
+    Documents are joined into one stream, each followed by EOS, and cut into consecutive sequences; the tail
+    shorter than ``seq_len`` is dropped. Attention crosses document borders inside a sequence. The data
+    position (epoch and batches consumed) is part of Lightning's checkpoints, so a resumed run continues
+    with the batch the interrupted one would have trained next.
+    """
+
+    def __init__(
+        self,
+        paths: list[str] | str,
+        tokenizer: str | None = None,
+        seq_len: int = 4096,
+        batch_size: int = 1,
+        text_field: str = "text",
+        val_fraction: float = 0.01,
+        seed: int = 0,
+        add_bos: bool = False,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CorpusError(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise CorpusError(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+        self.files = find_files(self.paths)  # missing paths fail here, before the model trains
+        self.tokenizer_path = tokenizer
+        self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
+        self.val_fraction, self.seed, self.add_bos = val_fraction, seed, add_bos
+        self.tokenizer = None
+        self.train_set: PackedSequences | None = None
+        self.val_set: PackedSequences | None = None
+        self.num_tokens = self.num_documents = 0
+        self._epoch, self._consumed = 0, 0  # the data position: epoch and training batches taken from it
+        self._resume_from: dict[str, Any] | None = None
+        self._sampler: ResumableBatchSampler | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def _trainer_or_none(self):
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
+    def _check_chunking(self, trainer) -> None:
+        config = getattr(getattr(trainer, "strategy", None), "chunk_config", None)
+        if config is None:
+            return
+        chunk = config.chunk_size
+        if self.seq_len > chunk and self.seq_len % chunk:
+            lower, upper = self.seq_len // chunk * chunk, -(-self.seq_len // chunk) * chunk
+            raise CorpusError(
+                f"data.init_args.seq_len {self.seq_len} is not a multiple of trainer.strategy.init_args.chunk_size "
+                f"{chunk}; change one of these two options (e.g. seq_len {lower} or {upper}, or a chunk_size that "
+                f"divides {self.seq_len})"
+            )
+
+    def _model_pretrained(self, trainer) -> tuple[str | None, int | None]:
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        if module is None:
+            return None, None
+        pretrained = getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("pretrained")
+        vocab = None
+        model = getattr(module, "model", None)
+        config = getattr(model, "config", None)
+        if config is not None:
+            vocab = getattr(config, "vocab_size", None)
+        return pretrained, vocab
+
+    def setup(self, stage: str | None = None) -> None:
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_chunking(trainer)
+        if self.train_set is not None:
+            return
+        pretrained, vocab_size = self._model_pretrained(trainer)
+        source = self.tokenizer_path or pretrained
+        if source is None:
+            raise CorpusError(
+                "TextCorpusDataModule needs a tokenizer: set data.init_args.tokenizer to a local tokenizer directory "
+                "(or train a model from model.pretrained, whose tokenizer is then used)"
+            )
+        option = "data.init_args.tokenizer" if self.tokenizer_path else "model.pretrained"
+        self.tokenizer = load_tokenizer(source, option)
+        tokens, self.num_documents = tokenize_corpus(self.files, self.tokenizer, self.text_field, self.add_bos)
+        self.num_tokens = len(tokens)
+        listing = ", ".join(map(str, self.paths))
+        if self.num_documents == 0:
+            raise CorpusError(f"the corpus ({listing}) holds no text; check data.init_args.paths and text_field")
+        if vocab_size is not None and int(tokens.max()) >= vocab_size:
+            raise CorpusError(
+                f"the tokenizer ({source}) produces token id {int(tokens.max())} but the model's vocabulary has "
+                f"{vocab_size} entries; use the model's own tokenizer (data.init_args.tokenizer) or a model with "
+                "a larger vocab_size"
+            )
+        sequences = self.num_tokens // self.seq_len
+        n_val = max(1, round(sequences * self.val_fraction)) if self.val_fraction > 0 else 0
+        needed = n_val + 1
+        if sequences < needed:
+            what = f"{needed} sequences ({needed - 1} held out for validation)" if n_val else "one sequence"
+            raise CorpusError(
+                f"the corpus ({listing}) has {self.num_tokens:,} tokens ({self.num_documents} documents, with EOS "
+                f"separators) but {what} of data.init_args.seq_len {self.seq_len} need {needed * self.seq_len:,}; "
+                "add text, lower data.init_args.seq_len"
+                + (" or data.init_args.val_fraction" if n_val else "")
+            )
+        tokens = tokens[: sequences * self.seq_len]
+        order = torch.randperm(sequences, generator=epoch_generator(self.seed, -1))
+        val_rows, train_rows = order[:n_val].sort().values, order[n_val:].sort().values
+        self.train_set = PackedSequences(tokens, self.seq_len, train_rows)
+        self.val_set = PackedSequences(tokens, self.seq_len, val_rows) if n_val else None
+        rank_zero_info(self.describe())
+
+    def describe(self) -> str:
+        if self.train_set is None:
+            return "corpus not read yet"
+        val = len(self.val_set) if self.val_set is not None else 0
+        return (
+            f"corpus: {len(self.files)} files, {self.num_documents:,} documents, {self.num_tokens:,} tokens -> "
+            f"{len(self.train_set):,} training and {val:,} validation sequences of {self.seq_len:,} tokens "
+            "(attention crosses document borders inside a sequence)"
+        )
+
+    # -- loaders ---------------------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        self._sampler = ResumableBatchSampler(len(self.train_set), self.batch_size, self.seed)
+        state = self._resume_from
+        if state is not None:
+            self._epoch, self._consumed = state["epoch"], state["batches_consumed"]
+            self._sampler.resume(self._epoch, self._consumed)
+            self._resume_from = None
+        return DataLoader(self.train_set, batch_sampler=self._sampler)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self._trainer_or_none()
+        if trainer is not None and trainer.training:
+            if trainer.current_epoch != self._epoch:
+                self._epoch, self._consumed = trainer.current_epoch, 0
+            self._consumed += 1
+        return batch
+
+    # -- checkpoint state: the data position -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "batches_consumed": self._consumed,
+            "seed": self.seed,
+            "train_sequences": len(self.train_set) if self.train_set is not None else None,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        now = {"seed": self.seed, "seq_len": self.seq_len, "batch_size": self.batch_size}
+        if self.train_set is not None:
+            now["train_sequences"] = len(self.train_set)
+        changed = [f"{k} {state_dict.get(k)} -> {v}" for k, v in now.items() if state_dict.get(k) != v]
+        if changed:
+            raise CorpusError(
+                "the checkpoint was trained on other data than this run would train on (" + "; ".join(changed) + "): "
+                "resume with the same corpus, seq_len, batch_size and seed, or start a new run without --ckpt_path"
+            )
+        self._resume_from = {"epoch": int(state_dict["epoch"]), "batches_consumed": int(state_dict["batches_consumed"])}
