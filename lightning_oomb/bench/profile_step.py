@@ -1,0 +1,67 @@
+"""Where does a train_step's time go? GPU time by kernel, grouped, for one step after a warm-up.
+
+    python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from .. import train_step
+from ..core.planner import ModelShape, parse_tokens
+from .run import BenchConfig, build_model
+
+GROUPS = (
+    ("attention forward (Triton)", ("_fwd_kernel",)),
+    ("attention dK/dV (Triton)", ("_dkdv_kernel",)),
+    ("attention dQ (Triton)", ("_dq_kernel",)),
+    ("matmul (cuBLAS)", ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")),
+)
+
+
+def _group(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in GROUPS:
+        if any(k.lower() in lowered for k in keys):
+            return group
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-7b")
+    parser.add_argument("--context", default="32k")
+    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    context = parse_tokens(args.context)
+    model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
+    ids = torch.randint(0, ModelShape.resolve(args.model).vocab, (1, context), device="cuda")
+    train_step(model, ids, chunk_size=args.chunk)
+    model.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        train_step(model, ids, chunk_size=args.chunk)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_total = sum(e.device_time_total for e in kernels) / 1e6
+    groups: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        groups[_group(e.key)] += e.device_time_total / 1e6
+    print(f"{args.model}, context {context:,}, chunk {args.chunk}: wall {wall:.2f} s, GPU busy {gpu_total:.2f} s")
+    for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<32} {seconds:8.3f} s  {100 * seconds / wall:5.1f}% of wall")
+    print(f"\ntop {args.top} kernels by GPU time:")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.top]:
+        print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
