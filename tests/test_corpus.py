@@ -279,8 +279,13 @@ def test_tokenizer_problems(tmp_path, tokenizer_dir):
     no_tok = tmp_path / "model"
     no_tok.mkdir()
     (no_tok / "config.json").write_text("{}")
-    msg = setup_error(module([corpus], no_tok))
-    assert f"{no_tok} has no tokenizer" in msg and "data.init_args.tokenizer" in msg
+    with pytest.raises(CorpusError) as info:
+        module([corpus], no_tok)  # at construction: before any model is loaded
+    assert f"{no_tok} has no tokenizer" in str(info.value) and "data.init_args.tokenizer" in str(info.value)
+    dm = TextCorpusDataModule(paths=[str(corpus)], seq_len=16)  # the model's directory, found at set-up
+    model_dir = SimpleNamespace(lightning_module=SimpleNamespace(hparams={"pretrained": str(no_tok)}))
+    msg = setup_error(dm, model_dir)
+    assert f"{no_tok} has no tokenizer" in msg
     msg = setup_error(TextCorpusDataModule(paths=[str(corpus)], seq_len=16))
     assert "needs a tokenizer" in msg
     small_vocab = SimpleNamespace(

@@ -195,7 +195,14 @@ def load_tokenizer(path: str, option: str = "data.init_args.tokenizer"):
             "one, or save the model's tokenizer there (tokenizer.save_pretrained)"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+        if _generic_fast_tokenizer(where):
+            # AutoTokenizer would swap a generic tokenizer.json for the class of the model family named in a
+            # config.json beside it (e.g. Qwen2Tokenizer), which tokenizes differently: load what the file says.
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(where), local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
     except Exception as e:
         raise CorpusError(f"{option}: the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})") from None
     if tokenizer.eos_token_id is None:
@@ -204,6 +211,15 @@ def load_tokenizer(path: str, option: str = "data.init_args.tokenizer"):
             "tokenizer_config.json"
         )
     return tokenizer
+
+
+def _generic_fast_tokenizer(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    generic = config.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    return generic and (folder / "tokenizer.json").is_file()
 
 
 def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_bos: bool = False) -> tuple[torch.Tensor, int]:
@@ -339,7 +355,8 @@ class TextCorpusDataModule(LightningDataModule):
         self.tokenizer_path = tokenizer
         self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
         self.val_fraction, self.seed, self.add_bos = val_fraction, seed, add_bos
-        self.tokenizer = None
+        # A tokenizer given here is loaded now, so that a directory without one fails before any model loads.
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
         self.num_tokens = self.num_documents = 0
@@ -387,13 +404,13 @@ class TextCorpusDataModule(LightningDataModule):
             return
         pretrained, vocab_size = self._model_pretrained(trainer)
         source = self.tokenizer_path or pretrained
-        if source is None:
-            raise CorpusError(
-                "TextCorpusDataModule needs a tokenizer: set data.init_args.tokenizer to a local tokenizer directory "
-                "(or train a model from model.pretrained, whose tokenizer is then used)"
-            )
-        option = "data.init_args.tokenizer" if self.tokenizer_path else "model.pretrained"
-        self.tokenizer = load_tokenizer(source, option)
+        if self.tokenizer is None:
+            if source is None:
+                raise CorpusError(
+                    "TextCorpusDataModule needs a tokenizer: set data.init_args.tokenizer to a local tokenizer "
+                    "directory (or train a model from model.pretrained, whose tokenizer is then used)"
+                )
+            self.tokenizer = load_tokenizer(source, "model.pretrained")
         tokens, self.num_documents = tokenize_corpus(self.files, self.tokenizer, self.text_field, self.add_bos)
         self.num_tokens = len(tokens)
         listing = ", ".join(map(str, self.paths))

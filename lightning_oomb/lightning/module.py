@@ -21,14 +21,18 @@ class SetupError(ValueError):
 
 
 def collect_rng_states() -> dict:
-    """The RNG states a step may draw from: torch (CPU and every CUDA device), Python's random, numpy's."""
+    """The RNG states a step may draw from: torch (CPU and every CUDA device), Python's random, numpy's.
+
+    Only tensors and plain Python values, so that checkpoints load with ``torch.load(weights_only=True)``.
+    """
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy
 
-        states["numpy"] = numpy.random.get_state()
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        states["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(gauss))
     except ImportError:
         pass
     return states
@@ -36,14 +40,16 @@ def collect_rng_states() -> dict:
 
 def restore_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states["cuda"])
     if "numpy" in states:
         try:
             import numpy
 
-            numpy.random.set_state(states["numpy"])
+            kind, keys, pos, has_gauss, gauss = states["numpy"]
+            numpy.random.set_state((kind, keys.numpy().astype(numpy.uint32), pos, has_gauss, gauss))
         except ImportError:
             pass
 
@@ -109,6 +115,7 @@ class CausalLMModule(LightningModule):
             targets = lora_target_modules or ["q_proj", "k_proj", "v_proj", "o_proj"]
             lora = peft.LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets)
             self.model = peft.get_peft_model(self.model, lora)
+        self.model.train()  # from_pretrained returns eval mode, which Lightning keeps
         self.val_loss = MeanMetric()
         self.val_acc = MulticlassExactMatch(num_classes=self.model.config.vocab_size) if answer_tokens else None
 
