@@ -1,29 +1,85 @@
-"""The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs."""
+"""The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs, plus the
+plain ``plan`` and ``bench`` commands."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .core.served import serve
 from .lightning import CausalLMModule
+from .lightning.checkpoint import AtomicCheckpointIO
+from .lightning.module import SetupError
 from .lightning.strategy import OOMBStrategy, find_causal_lm
+
+GIB = 2**30
 
 
 class OOMBCLI(LightningCLI):
-    """LightningCLI for CausalLMModule and any DataModule; after ``fit`` it reports the held-out result."""
+    """LightningCLI for CausalLMModule and any DataModule.
+
+    Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
+    another CheckpointIO plugin), the planner's summary of a step is printed before the first one, and
+    afterwards the model (or LoRA adapter) is exported in Hugging Face format with its tokenizer and the
+    held-out result is reported.
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--export_dir", type=Optional[str], default=None,
+            help="fit: where the trained model (or LoRA adapter) and tokenizer are saved in Hugging Face format "
+                 "(default: <log_dir>/hf_export, next to the checkpoints folder)",
+        )
+        parser.add_argument("--export", type=bool, default=True, help="fit: export the trained model at the end")
+        parser.add_argument("--plan", type=bool, default=True, help="fit: print the planner's summary of a step first")
+
+    def before_instantiate_classes(self) -> None:
+        # TextCorpusDataModule without a tokenizer takes the model's directory: write it into the config so
+        # that the saved config.yaml says which tokenizer was used.
+        config = self.config.get(str(self.subcommand), self.config)
+        data, model = config.get("data"), config.get("model")
+        if data is None or model is None or not str(getattr(data, "class_path", "")).endswith("TextCorpusDataModule"):
+            return
+        pretrained = model.get("pretrained")
+        if data.init_args.get("tokenizer") is None and pretrained and Path(pretrained).expanduser().is_dir():
+            data.init_args.tokenizer = pretrained  # (a missing directory is reported as model.pretrained)
+
+    # -- fit -------------------------------------------------------------------------------------------
+    def before_fit(self) -> None:
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        if self._get(self.config, "plan", True) and self.trainer.is_global_zero:
+            print_plan(self.trainer, self.model, self.datamodule)
 
     def after_fit(self) -> None:
         trainer, module = self.trainer, self.model
         if not trainer.is_global_zero:
             return
-        metrics = trainer.validate(module, datamodule=self.datamodule, verbose=False)[0]
-        print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
+        if trainer.interrupted:
+            print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
+            return
+        if self._get(self.config, "export", True):
+            export_hf(module, self.datamodule, self._get(self.config, "export_dir") or default_export_dir(trainer))
+        self.report_held_out()
+
+    def report_held_out(self) -> None:
+        trainer, module = self.trainer, self.model
+        if self.datamodule is not None and not _has_val_data(self.datamodule):
+            return
+        results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
+        if not results:
+            return
+        print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(results[0].items())))
         example = getattr(self.datamodule, "val_set", None)
-        n = module.hparams.answer_tokens
+        n = module.hparams.get("answer_tokens", 0)
         if example is None or not n:
             return
         item = example[0]
@@ -37,12 +93,93 @@ class OOMBCLI(LightningCLI):
               f"the model answers {answer}")
 
 
+def _has_val_data(datamodule) -> bool:
+    if hasattr(datamodule, "val_set"):
+        return datamodule.val_set is not None
+    return True
+
+
 class _plain:
     def __enter__(self):
         return None
 
     def __exit__(self, *exc):
         return False
+
+
+def print_plan(trainer, module, datamodule) -> None:
+    """The planner's memory and time of one step, for this run's model, data and strategy. Never raises."""
+    try:
+        from .core.planner import plan, this_host_memory
+
+        strategy = trainer.strategy
+        config = getattr(strategy, "chunk_config", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        if config is None or seq_len is None:
+            return
+        precision = str(trainer.precision)
+        gpu_memory = None
+        note = ""
+        if strategy.root_device.type != "cuda":
+            gpu_memory = this_host_memory()
+            note = (f"(no CUDA device: planned with GPU memory = this machine's RAM, {gpu_memory / GIB:.1f} GiB, "
+                    "where the CPU run keeps everything)")
+        result = plan(
+            find_causal_lm(module).config,
+            seq_len,
+            chunk_size=config.chunk_size,
+            batch=getattr(datamodule, "batch_size", 1) or 1,
+            page_size=config.page_size,
+            lora_rank=int(module.hparams.get("lora_rank", 0)) if hasattr(module, "hparams") else 0,
+            precision=precision if precision in ("32-true", "bf16-true", "bf16-mixed") else "32-true",
+            checkpoint_layers=config.checkpoint_layers,
+            gpu_memory=gpu_memory,
+        )
+        print(result)
+        if note:
+            print(note)
+        print()
+    except Exception as e:  # the printout is advice; it never stops a run
+        print(f"(planner summary unavailable: {type(e).__name__}: {e})")
+
+
+def default_export_dir(trainer) -> Path:
+    return Path(trainer.log_dir or trainer.default_root_dir) / "hf_export"
+
+
+def export_hf(module, datamodule, target) -> Path:
+    """Save the trained model (a LoRA adapter for peft models) and its tokenizer with save_pretrained.
+
+    The files are written to ``<target>.partial`` and moved into place when complete.
+    """
+    target = Path(target)
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model = module.model
+    model.save_pretrained(partial)
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    pretrained = module.hparams.get("pretrained") if hasattr(module, "hparams") else None
+    if tokenizer is None and pretrained:
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(pretrained, local_files_only=True)
+        except Exception:
+            tokenizer = None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+    is_adapter = hasattr(model, "peft_config")
+    how = (
+        f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({pretrained!r}), {str(target)!r})"
+        if is_adapter
+        else f"AutoModelForCausalLM.from_pretrained({str(target)!r})"
+    )
+    print(f"\nexported the trained {'LoRA adapter' if is_adapter else 'model'}"
+          f"{' and tokenizer' if tokenizer is not None else ''} to {target}; load it with {how}")
+    return target
 
 
 def main(args: list[str] | None = None) -> int | None:
@@ -56,13 +193,31 @@ def main(args: list[str] | None = None) -> int | None:
         from .bench.run import main as bench_main
 
         return bench_main(args[1:])
-    OOMBCLI(
-        CausalLMModule,
-        LightningDataModule,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        OOMBCLI(
+            CausalLMModule,
+            LightningDataModule,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except Exception as e:
+        # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
+        cause = _setup_error(e)
+        if cause is None:
+            raise
+        print(f"lightning-oomb: error: {cause}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _setup_error(e: BaseException | None) -> SetupError | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, SetupError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
     return None
 
 

@@ -1,8 +1,19 @@
 """The Lightning layer: strategy, callback, ready module and data, built on the core engine."""
 
 from .callback import PagedKVCallback
+from .checkpoint import AtomicCheckpointIO
+from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
-from .module import CausalLMModule
+from .module import CausalLMModule, SetupError
 from .strategy import OOMBStrategy
 
-__all__ = ["CausalLMModule", "OOMBStrategy", "PagedKVCallback", "PasskeyDataModule"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CausalLMModule",
+    "CorpusError",
+    "OOMBStrategy",
+    "PagedKVCallback",
+    "PasskeyDataModule",
+    "SetupError",
+    "TextCorpusDataModule",
+]

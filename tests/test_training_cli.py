@@ -1,0 +1,311 @@
+"""`lightning-oomb fit --config ...` on a tiny local model and corpus: what the user sees (plan, TensorBoard,
+Hugging Face export), checkpoints that resume bitwise after SIGKILL, and bad input refused before training.
+
+The CLI runs in-process through lightning_oomb.cli.main; only the runs that get killed are subprocesses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_oomb.cli import main
+from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO, partial_path
+from test_corpus import make_model_dir, write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 8, 2  # 11 training sequences in batches of 2: 6 batches per epoch, so step 8 is in epoch 1
+
+
+class KillingCheckpointIO(AtomicCheckpointIO):
+    """Atomic saving that SIGKILLs its own process right after save number ``kill_after_save`` completed,
+    or halfway through writing save number ``kill_during_save``."""
+
+    def __init__(self, kill_after_save: int = 0, kill_during_save: int = 0):
+        super().__init__()
+        self.kill_after_save, self.kill_during_save, self.saves = kill_after_save, kill_during_save, 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if self.saves == self.kill_after_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _write(self, checkpoint, f):
+        if self.saves == self.kill_during_save:
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super()._write(checkpoint, f)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return {
+        "model": make_model_dir(root / "model"),
+        "corpus": write_corpus(root / "corpus", docs=60, words=12),  # 780 tokens: 12 sequences of 64
+    }
+
+
+def write_config(folder: Path, assets: dict, **model) -> Path:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "precision": "32-true",
+            "max_steps": STEPS,
+            "log_every_n_steps": 1,
+            "num_sanity_val_steps": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "strategy": {"class_path": "lightning_oomb.OOMBStrategy", "init_args": {"chunk_size": 16, "page_size": 8}},
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": str(folder / "runs"), "name": "tiny", "version": "main"},
+            },
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                 "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": EVERY}},
+                {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+                 "init_args": {"logging_interval": "step"}},
+            ],
+        },
+        "model": {"pretrained": str(assets["model"]), "learning_rate": 1e-2, "warmup_steps": 2, **model},
+        "data": {
+            "class_path": "lightning_oomb.lightning.TextCorpusDataModule",
+            "init_args": {"paths": [str(assets["corpus"])], "seq_len": 64, "batch_size": 2, "val_fraction": 0.1},
+        },
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_dir(folder: Path) -> Path:
+    return folder / "runs" / "tiny" / "main"
+
+
+def fit(config: Path, *extra: str):
+    return main(["fit", "--config", str(config), *extra])
+
+
+def fit_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def killer(**init_args) -> str:
+    return "--trainer.plugins=" + json.dumps({"class_path": "test_training_cli.KillingCheckpointIO", "init_args": init_args})
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)  # checkpoints hold no pickled objects
+
+
+def assert_same_training_state(got: dict, want: dict):
+    assert got["global_step"] == want["global_step"] == STEPS
+    assert got["state_dict"].keys() == want["state_dict"].keys()
+    for name, tensor in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], tensor), f"{name} differs"
+    for (i, a), (j, b) in zip(got["optimizer_states"][0]["state"].items(), want["optimizer_states"][0]["state"].items()):
+        for key in b:
+            assert torch.equal(a[key], b[key]), f"optimizer state {key} of parameter {i} differs"
+    assert got["lr_schedulers"] == want["lr_schedulers"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    """The reference: STEPS steps without interruption, in-process."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    config = write_config(folder, assets)
+    assert fit(config) is None
+    return {"config": config, "dir": run_dir(folder), "last": load(run_dir(folder) / "checkpoints" / "last.ckpt")}
+
+
+# == what the user sees ====================================================================================
+
+
+def test_fit_logs_plan_tensorboard_and_export(uninterrupted, assets):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    events = EventAccumulator(str(uninterrupted["dir"]))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/tokens_per_s", "lr-AdamW", "val/loss", "val/ppl", "memory/pool_gib",
+                "memory/pages_in_use"):
+        assert tag in tags, (tag, sorted(tags))
+    lrs = [e.value for e in events.Scalars("lr-AdamW")]
+    assert lrs[0] < lrs[1] and lrs[-1] < max(lrs)  # warm-up, then cosine decay
+    assert all(e.value > 0 for e in events.Scalars("train/tokens_per_s"))
+
+    last = uninterrupted["last"]
+    assert last["global_step"] == STEPS and "rng_states" in last
+    assert last["TextCorpusDataModule"]["epoch"] == 1 and last["TextCorpusDataModule"]["batches_consumed"] == 2
+    assert all(t.dtype == torch.float32 for s in last["optimizer_states"][0]["state"].values() for t in s.values())
+
+    export = uninterrupted["dir"] / "hf_export"
+    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    trained = {k.removeprefix("model."): v for k, v in last["state_dict"].items()}
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, trained[name]), name
+    start = AutoModelForCausalLM.from_pretrained(assets["model"])
+    assert not torch.equal(start.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+    # A generic tokenizer.json: AutoTokenizer would substitute Qwen2Tokenizer (config.json says qwen2).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(export, local_files_only=True)
+    assert tokenizer.eos_token == "</s>" and tokenizer("the cat")["input_ids"] == [26, 7]
+    saved = yaml.safe_load((uninterrupted["dir"] / "config.yaml").read_text())
+    assert saved["data"]["init_args"]["tokenizer"] == str(assets["model"])  # taken from model.pretrained
+
+
+def test_plan_and_corpus_printed(assets, tmp_path, capsys):
+    config = write_config(tmp_path, assets)
+    assert fit(config, "--trainer.max_steps", "1", "--export", "false", "--trainer.limit_val_batches", "0") is None
+    out = capsys.readouterr().out
+    assert f"Plan: {assets['model']}, context 64 tokens x batch 2, chunk 16, page 8; full training" in out
+    assert "no CUDA device: planned with GPU memory = this machine's RAM" in out
+    assert not (run_dir(tmp_path) / "hf_export").exists()
+
+
+def test_print_config_shows_every_option(uninterrupted, capsys):
+    with pytest.raises(SystemExit) as info:
+        fit(uninterrupted["config"], "--data.init_args.seq_len", "32", "--print_config")
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["init_args"]["seq_len"] == 32 and printed["data"]["init_args"]["text_field"] == "text"
+    assert printed["trainer"]["strategy"]["init_args"]["chunk_size"] == 16
+    assert printed["model"]["lora_rank"] == 0 and printed["model"]["dtype"] == "float32"
+    assert printed["export"] is True and "export_dir" in printed
+
+
+def test_lora_exports_adapter(assets, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(tmp_path, assets, lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
+    assert fit(config, "--trainer.max_steps", str(2 * EVERY)) is None  # the last step is checkpointed
+    export = run_dir(tmp_path) / "hf_export"
+    assert (export / "adapter_config.json").exists() and (export / "tokenizer.json").exists()
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets["model"]), export)
+    trained = load(run_dir(tmp_path) / "checkpoints" / "last.ckpt")["state_dict"]
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(lora) == 2 * 2 * 2  # A and B of q and v in 2 layers
+    for name, p in lora.items():
+        assert torch.equal(p, trained["model." + name]), name
+    assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # B starts at 0: trained
+
+
+# == checkpoints that resume exactly ========================================================================
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bitwise(uninterrupted, assets, tmp_path):
+    config = write_config(tmp_path, assets)
+    killed = fit_subprocess(config, killer(kill_after_save=2))  # right after the step-4 checkpoint
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == 2 * EVERY
+    resumed = fit_subprocess(config, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_training_state(load(last), uninterrupted["last"])
+
+
+def test_sigkill_during_checkpoint_save_keeps_previous(uninterrupted, assets, tmp_path):
+    config = write_config(tmp_path, assets)
+    killed = fit_subprocess(config, killer(kill_during_save=2))  # halfway through writing the step-4 checkpoint
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    partial = partial_path(last)
+    assert partial.exists() and partial.stat().st_size > 0  # the kill came while writing
+    with pytest.raises(Exception):
+        load(partial)
+    assert load(last)["global_step"] == EVERY  # the previous checkpoint, intact
+    assert fit(config, "--ckpt_path", "last") is None  # resume in-process from it
+    assert not partial.exists()
+    assert_same_training_state(load(last), uninterrupted["last"])
+
+
+def test_atomic_io_is_the_default(tmp_path):
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    io_ = AtomicCheckpointIO()
+    target = tmp_path / "sub" / "x.ckpt"
+    io_.save_checkpoint({"a": torch.arange(3)}, target)
+    assert torch.equal(torch.load(target)["a"], torch.arange(3)) and not partial_path(target).exists()
+    assert isinstance(io_, TorchCheckpointIO)
+
+
+# == bad input: refused before training, the checkpoint untouched ==========================================
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def resumable(uninterrupted, tmp_path):
+    """A copy of the finished run, which every bad invocation below tries to resume."""
+    folder = tmp_path / "run"
+    shutil.copytree(uninterrupted["dir"], run_dir(folder))
+    last = run_dir(folder) / "checkpoints" / "last.ckpt"
+    return folder, last, digest(last)
+
+
+def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    no_tokenizer = tmp / "no_tokenizer"
+    shutil.copytree(assets["model"], no_tokenizer)
+    for f in no_tokenizer.glob("tokenizer*"):
+        f.unlink()
+    gpt2 = make_model_dir(tmp / "gpt2", model_type="gpt2")
+    bad_jsonl = tmp / "bad.jsonl"
+    bad_jsonl.write_text(json.dumps({"text": "the cat"}) + "\n{oops}\n")
+    return {
+        "missing path": (["--data.init_args.paths", f"[{tmp / 'absent'}]"], f"{tmp / 'absent'} does not exist"),
+        "seq_len vs chunk": (["--data.init_args.seq_len", "40"],
+                             "seq_len 40 is not a multiple of trainer.strategy.init_args.chunk_size 16"),
+        "short corpus": (["--data.init_args.seq_len", "4096"], "has 780 tokens"),
+        "no tokenizer": (["--model.pretrained", str(no_tokenizer)], f"{no_tokenizer} has no tokenizer"),
+        "unsupported model": (["--model.pretrained", str(gpt2)], "model_type 'gpt2' is not supported"),
+        "bad jsonl": (["--data.init_args.paths", f"[{bad_jsonl}]"], f"{bad_jsonl}, line 2: not valid JSON"),
+        "missing model": (["--model.pretrained", str(tmp / "nowhere")],
+                          f"model.pretrained: the model directory {tmp / 'nowhere'} does not exist"),
+    }
+
+
+def test_bad_input_refused_before_training(assets, resumable, tmp_path, capsys):
+    folder, last, before = resumable
+    config = write_config(folder, assets)
+    for name, (args, message) in bad_inputs(assets, tmp_path).items():
+        assert fit(config, "--ckpt_path", "last", *args) == 2, name
+        err = capsys.readouterr().err
+        assert "lightning-oomb: error:" in err and message in err, (name, err[-2000:])
+        assert digest(last) == before, name
+
+
+def test_unknown_yaml_key_is_named(assets, resumable, capsys):
+    folder, last, before = resumable
+    config = write_config(folder, assets, lora_rnk=4)
+    with pytest.raises(SystemExit) as info:
+        fit(config, "--ckpt_path", "last")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "lora_rnk" in err, err[-2000:]
+    assert digest(last) == before
