@@ -52,3 +52,28 @@ def test_step_that_cannot_fit_is_refused_before_allocating():
     with pytest.raises(PlanError, match="nothing was allocated"):
         lightning_oomb.train_step(model, ids, chunk_size=4096)
     assert torch.cuda.max_memory_allocated() - before < 1 << 30
+
+
+def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lightning_oomb import OOMBStrategy, PagedKVCallback
+    from lightning_oomb.core.planner import PlanError
+
+    class Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                 num_attention_heads=8, num_key_value_heads=2)
+            self.model = AutoModelForCausalLM.from_config(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = Trainer(accelerator="gpu", devices=1, strategy=OOMBStrategy(), precision="bf16-true", max_steps=1,
+                      logger=False, enable_checkpointing=False, callbacks=[PagedKVCallback(max_seq_len=48 << 20)])
+    with pytest.raises(PlanError, match="nothing was allocated"):
+        trainer.fit(Module(), [torch.zeros(1, 64, dtype=torch.long)])

@@ -180,7 +180,7 @@ def test_memory_series_in_tensorboard(tmp_path):
 
     logger = TensorBoardLogger(tmp_path, name="run")
     fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, page_size=4), logger=logger, log_every_n_steps=1,
-        callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
+        callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2, trace_step=1)])
     events = EventAccumulator(logger.log_dir)
     events.Reload()
     tags = events.Tags()["scalars"]
@@ -188,3 +188,7 @@ def test_memory_series_in_tensorboard(tmp_path):
         assert tag in tags, (tag, tags)
     pages = [e.value for e in events.Scalars("memory/pages_in_use")]
     assert len(pages) == 3 and all(p == 2 * 7 for p in pages)  # 2 sequences x ceil(27 / 4) pages
+    # The per-chunk trace of step 1: stage 1's 4 chunks of 8 tokens (27 = 8 + 8 + 8 + 3), then stage 2's.
+    stages = [e.value for e in events.Scalars("memory_trace/stage")]
+    assert stages == [1] * 4 + [2] * 4
+    assert len(events.Scalars("memory_trace/allocated_gib")) == 8

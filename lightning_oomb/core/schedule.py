@@ -53,6 +53,9 @@ class ChunkConfig:
             raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
 
 
+# Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
+ChunkObserver = Callable[[int, int, int, int], None]
+
 # (spec, pages needed, with_grads) -> a pool with at least that many pages of that spec. A provider may
 # also have ``held_bytes()``: the bytes of a pool it already holds, which the step reuses or replaces.
 PoolProvider = Callable[[StoreSpec, int, bool], PagePool]
@@ -127,8 +130,10 @@ class ChunkedSequence:
         config: ChunkConfig = ChunkConfig(),
         pools: PoolProvider | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        observer: ChunkObserver | None = None,
     ):
         self.targets = _check_tokens(input_ids, labels)
+        self.observer = observer
         self.model = model
         self.lm = causal_lm(model)
         check_supported(model, input_ids.shape[1])
@@ -204,12 +209,14 @@ class ChunkedSequence:
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
         with torch.no_grad(), bind(self.model, self):
-            for start, end in self.chunks:
+            for index, (start, end) in enumerate(self.chunks):
                 hidden = self._chunk_hidden(start, end)
                 if with_loss:
                     total += self._chunk_loss(hidden, start, end)
                 if keep_last and end > first_kept:
                     kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
+                if self.observer is not None:
+                    self.observer(1, index, start, end)
         return total, (torch.cat(kept, dim=1) if kept else None)
 
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -221,7 +228,8 @@ class ChunkedSequence:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
             with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers):
-                for start, end in reversed(self.chunks):
+                for index in reversed(range(len(self.chunks))):
+                    start, end = self.chunks[index]
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
                     loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
@@ -229,6 +237,8 @@ class ChunkedSequence:
                         raise RuntimeError("no parameter of the model requires grad")
                     torch.autograd.backward(loss, grad)
                     total += loss.detach()
+                    if self.observer is not None:
+                        self.observer(2, index, start, end)
         finally:
             self.release()
         return total

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..integrations.transformers import causal_lm
-from .schedule import ChunkConfig, ChunkedSequence, PoolProvider
+from .schedule import ChunkConfig, ChunkedSequence, ChunkObserver, PoolProvider
 
 # Keyword arguments of a causal LM's forward that we accept when they ask for nothing we do not compute.
 _IGNORED_WHEN_FALSY = ("use_cache", "output_attentions", "output_hidden_states", "inputs_embeds", "cache", "past_key_values")
@@ -74,6 +74,7 @@ class Serving:
     config: ChunkConfig
     pools: PoolProvider | None = None
     max_calls: int | None = None
+    observer: ChunkObserver | None = None
     sequences: list[ChunkedSequence] = field(default_factory=list)
 
     def forward(
@@ -110,7 +111,9 @@ class Serving:
                 raise ValueError("position_ids other than 0..L-1 are not supported")
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
-        seq = ChunkedSequence(self.model, input_ids, labels, self.config, self.pools, num_items_in_batch)
+        seq = ChunkedSequence(
+            self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer
+        )
         self.sequences.append(seq)
         train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
         loss, logits = seq.fill(with_loss=True, with_grads=train, keep_last=logits_to_keep)
@@ -132,6 +135,7 @@ def serve(
     config: ChunkConfig = ChunkConfig(),
     pools: PoolProvider | None = None,
     max_calls: int | None = None,
+    observer: ChunkObserver | None = None,
 ) -> Iterator[Serving]:
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
 
@@ -141,7 +145,7 @@ def serve(
     lm = causal_lm(model)
     if "forward" in lm.__dict__:
         raise RuntimeError(f"{type(lm).__name__}.forward is already overridden on this instance (nested serve?)")
-    serving = Serving(model, config, pools, max_calls)
+    serving = Serving(model, config, pools, max_calls, observer)
     lm.forward = serving.forward
     try:
         yield serving

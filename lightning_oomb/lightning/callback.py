@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..core.pages import PagePool, StoreSpec
+from ..core.planner import check_step_memory
 from ..core.schedule import ChunkConfig, ChunkedSequence
 
 GIB = 2**30
@@ -28,6 +29,15 @@ def probe_kv_dtype(model: torch.nn.Module, precision_plugin, device: torch.devic
     return seen[0]
 
 
+def _host_rss_bytes() -> int:
+    """Resident set size of this process now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return _host_peak_rss_bytes()
+
+
 def _host_peak_rss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
@@ -41,16 +51,24 @@ class PagedKVCallback(Callback):
             the DataModule's ``seq_len`` and ``batch_size``; without them the pool is sized by the first
             batch, and a larger batch later is refused with a message.
 
+        trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
+            ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
+            ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
+
     Logged each step through the Trainer's logger (``memory/...``): pool size (GiB), pages in use at the
     step's peak, pages in the pool, host peak RSS (GiB) and, on CUDA, GPU allocated and peak (GiB).
     """
 
-    def __init__(self, max_seq_len: int | None = None, max_batch_size: int | None = None):
+    def __init__(
+        self, max_seq_len: int | None = None, max_batch_size: int | None = None, trace_step: int | None = None
+    ):
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
+        self.trace_step = trace_step
+        self._trace: list[tuple[int, float]] | None = None
         self.pool: PagePool | None = None
         self._page_size = 1
         self._device = torch.device("cpu")
@@ -75,7 +93,12 @@ class PagedKVCallback(Callback):
 
         shape = self._largest_batch(trainer)
         if shape is not None:
-            spec = probe_kv_dtype(find_causal_lm(pl_module), trainer.precision_plugin, self._device)
+            model = find_causal_lm(pl_module)
+            config = trainer.strategy.chunk_config
+            with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
+                check_step_memory(model, *shape, config.chunk_size, config.page_size, config.checkpoint_layers,
+                                  self._device)
+            spec = probe_kv_dtype(model, trainer.precision_plugin, self._device)
             pages = shape[0] * -(-shape[1] // self._page_size)
             self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=True)
 
@@ -98,7 +121,15 @@ class PagedKVCallback(Callback):
         """Bytes of the pool already allocated, which the engine's memory check counts as available."""
         return 0 if self.pool is None else self.pool.nbytes
 
+    def observe(self, stage: int, index: int, start: int, end: int) -> None:
+        """The engine's chunk observer: records memory after each chunk of a traced step."""
+        if self._trace is not None:
+            used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else _host_rss_bytes()
+            self._trace.append((stage, used / GIB))
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.trace_step and trainer.logger is not None:
+            self._trace = []
         if self.pool is not None:
             self.pool.peak_pages_in_use = self.pool.pages_in_use
         if self._device.type == "cuda":
@@ -114,6 +145,10 @@ class PagedKVCallback(Callback):
             metrics["memory/gpu_allocated_gib"] = torch.cuda.memory_allocated(self._device) / GIB
             metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if self._trace:
+            for i, (stage, gib) in enumerate(self._trace):
+                trainer.logger.log_metrics({"memory_trace/allocated_gib": gib, "memory_trace/stage": stage}, step=i)
+            self._trace = None
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.pool = None

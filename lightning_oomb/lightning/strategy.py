@@ -84,7 +84,8 @@ class OOMBStrategy(SingleDeviceStrategy):
         return next(cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, PagedKVCallback))
 
     def _serve(self, max_calls: int | None):
-        return serve(find_causal_lm(self.lightning_module), self.chunk_config, self.kv_callback, max_calls)
+        callback = self.kv_callback
+        return serve(find_causal_lm(self.lightning_module), self.chunk_config, callback, max_calls, callback.observe)
 
     # -- steps ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
