@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import lightning_oomb
@@ -76,4 +77,4 @@ def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
     trainer = Trainer(accelerator="gpu", devices=1, strategy=OOMBStrategy(), precision="bf16-true", max_steps=1,
                       logger=False, enable_checkpointing=False, callbacks=[PagedKVCallback(max_seq_len=48 << 20)])
     with pytest.raises(PlanError, match="nothing was allocated"):
-        trainer.fit(Module(), [torch.zeros(1, 64, dtype=torch.long)])
+        trainer.fit(Module(), DataLoader([torch.zeros(64, dtype=torch.long)], batch_size=1))
