@@ -285,6 +285,7 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "no tokenizer": (["--model.pretrained", str(no_tokenizer)], f"{no_tokenizer} has no tokenizer"),
         "unsupported model": (["--model.pretrained", str(gpt2)], "model_type 'gpt2' is not supported"),
         "bad jsonl": (["--data.init_args.paths", f"[{bad_jsonl}]"], f"{bad_jsonl}, line 2: not valid JSON"),
+        "other data than the checkpoint": (["--data.init_args.seed", "1"], "trained on other data"),
         "missing model": (["--model.pretrained", str(tmp / "nowhere")],
                           f"model.pretrained: the model directory {tmp / 'nowhere'} does not exist"),
     }
@@ -309,3 +310,41 @@ def test_unknown_yaml_key_is_named(assets, resumable, capsys):
     err = capsys.readouterr().err
     assert "lora_rnk" in err, err[-2000:]
     assert digest(last) == before
+
+
+# == the example configs ===================================================================================
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "lora", "corpus_cpu"])
+def test_example_configs_parse(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["class_path"] == "lightning_oomb.lightning.TextCorpusDataModule"
+    chunk = printed["trainer"]["strategy"]["init_args"]["chunk_size"]
+    assert printed["data"]["init_args"]["seq_len"] % chunk == 0
+
+
+def test_cpu_corpus_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # its paths are relative to the repository
+    args = ["--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
+            "--data.init_args.seq_len", "128", "--data.init_args.batch_size", "2"]  # smaller steps for CI
+    assert main(["fit", "--config", "examples/corpus_cpu.yaml", *args]) is None
+    assert (tmp_path / "corpus_cpu" / "main" / "hf_export" / "model.safetensors").exists()
+    assert (tmp_path / "corpus_cpu" / "main" / "checkpoints" / "last.ckpt").exists()
+
+
+def test_rng_states_round_trip_through_weights_only_load(tmp_path):
+    import random
+
+    import numpy
+
+    from lightning_oomb.lightning.module import collect_rng_states, restore_rng_states
+
+    torch.save({"rng": collect_rng_states()}, tmp_path / "rng.pt")
+    want = (torch.rand(3), random.random(), numpy.random.rand())
+    restore_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    got = (torch.rand(3), random.random(), numpy.random.rand())
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
