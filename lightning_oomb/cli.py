@@ -133,6 +133,7 @@ def print_plan(trainer, module, datamodule) -> None:
             lora_rank=int(module.hparams.get("lora_rank", 0)) if hasattr(module, "hparams") else 0,
             precision=precision if precision in ("32-true", "bf16-true", "bf16-mixed") else "32-true",
             checkpoint_layers=config.checkpoint_layers,
+            grad_dtype=_dtype(getattr(config, "grad_dtype", torch.float32)),
             gpu_memory=gpu_memory,
         )
         print(result)
@@ -141,6 +142,10 @@ def print_plan(trainer, module, datamodule) -> None:
         print()
     except Exception as e:  # the printout is advice; it never stops a run
         print(f"(planner summary unavailable: {type(e).__name__}: {e})")
+
+
+def _dtype(value) -> torch.dtype:
+    return getattr(torch, value) if isinstance(value, str) else value
 
 
 def default_export_dir(trainer) -> Path:
