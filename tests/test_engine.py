@@ -131,3 +131,18 @@ def test_long_sequence_many_chunks():
     model = tiny_model("qwen3")
     ids = torch.randint(0, VOCAB, (1, 300))
     check_against_full(model, ids, chunk_size=16, page_size=8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_gradient_store(backend):
+    """bf16 KV-gradients: the store is bf16 and the gradient moves by bf16 rounding only."""
+    from lightning_oomb.core.schedule import _model_pools
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 40))
+    _, want = full_sequence_grads(model, ids)
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, attention=backend, grad_dtype=torch.bfloat16)
+    assert _model_pools[model].dk.dtype == torch.bfloat16
+    got = grads_of(model)
+    worst = max(rel_err(got[n], want[n]) for n in want)
+    assert 1e-6 < worst < 2e-2, worst

@@ -894,12 +894,11 @@ _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copie
 
 
 def check_step_memory(
-    model: Any, batch: int, seq_len: int, chunk_size: int, page_size: int, checkpoint_layers: bool,
-    device: torch.device, reusable_bytes: int = 0,
+    model: Any, batch: int, seq_len: int, config: Any, device: torch.device, reusable_bytes: int = 0
 ) -> None:
     """Refuse, before anything is allocated, a step on a CUDA ``device`` that would run out of memory.
 
-    Compares what the step allocates (K/V and gradient pages, one chunk's activations, the loss pieces,
+    ``config`` is the step's ChunkConfig. Compares what the step allocates (K/V and gradient pages, one chunk's activations, the loss pieces,
     and parameter gradients not yet allocated) with the device's free memory plus ``reusable_bytes`` (a
     page pool the step would reuse or replace). Raises PlanError with the plan and what would make it fit.
     """
@@ -916,9 +915,9 @@ def check_step_memory(
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_bytes
     step = plan(
-        model, seq_len, chunk_size=min(chunk_size, seq_len), batch=batch, page_size=page_size,
-        lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=checkpoint_layers,
-        gpu_memory=total,
+        model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=config.page_size,
+        lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
+        grad_dtype=config.grad_dtype, gpu_memory=total,
     )
     needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES))
     needed += sum(p.numel() * p.element_size() for p in trainable if p.grad is None)

@@ -36,6 +36,8 @@ class ChunkConfig:
     checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
     cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
         (an ablation: training then no longer follows the full-sequence gradient).
+    grad_dtype: dtype of the KV-gradient store, torch.float32 (default) or torch.bfloat16 (half the
+        memory; each chunk's contribution is rounded to bf16 as it is added: see docs/benchmarks.md).
     """
 
     chunk_size: int = 4096
@@ -43,8 +45,13 @@ class ChunkConfig:
     attention: str = "auto"
     checkpoint_layers: bool = False
     cross_chunk_gradients: bool = True
+    grad_dtype: torch.dtype | str = torch.float32
 
     def __post_init__(self):
+        dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
+        object.__setattr__(self, "grad_dtype", dtype)
         for name in ("chunk_size", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -150,6 +157,7 @@ class ChunkedSequence:
         self.n_valid = valid
         cfg = self.lm.config
         self.spec_base = dict(
+            grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
             n_kv_heads=cfg.num_key_value_heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -159,8 +167,7 @@ class ChunkedSequence:
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
         reusable = getattr(self.pools, "held_bytes", lambda: 0)()
-        check_step_memory(model, input_ids.shape[0], seq_len, config.chunk_size, config.page_size,
-                          config.checkpoint_layers, self.device, reusable)
+        check_step_memory(model, input_ids.shape[0], seq_len, config, self.device, reusable)
         self.pool: PagePool | None = None
         self.table = None
         self._stage = "new"
@@ -260,15 +267,17 @@ def train_step(
     page_size: int = 128,
     attention: str = "auto",
     checkpoint_layers: bool = False,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
     input_ids, labels: (batch, seq_len) token ids; labels default to input_ids, -100 is ignored, and are
     shifted over the whole sequence. Returns the loss (float32 scalar, detached): the mean token
     cross-entropy over the valid labels of the batch, in nats. Memory: activations of one chunk of
-    ``chunk_size`` tokens plus the paged K/V store and its float32 gradients.
+    ``chunk_size`` tokens plus the paged K/V store and its gradients (``grad_dtype``, float32 by default).
     """
-    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention, checkpoint_layers))
+    config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype)
+    seq = ChunkedSequence(model, input_ids, labels, config)
     try:
         seq.fill()
         return seq.backward()

@@ -15,7 +15,9 @@ from ..core.schedule import ChunkConfig, ChunkedSequence
 GIB = 2**30
 
 
-def probe_kv_dtype(model: torch.nn.Module, precision_plugin, device: torch.device) -> StoreSpec:
+def probe_kv_dtype(
+    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype
+) -> StoreSpec:
     """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec."""
     seen: list[StoreSpec] = []
 
@@ -25,7 +27,8 @@ def probe_kv_dtype(model: torch.nn.Module, precision_plugin, device: torch.devic
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
-        ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=2, page_size=1, attention="reference"), pools=record).fill(with_grads=False)
+        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype)
+        ChunkedSequence(model, ids, config=config, pools=record).fill(with_grads=False)
     return seen[0]
 
 
@@ -96,9 +99,8 @@ class PagedKVCallback(Callback):
             model = find_causal_lm(pl_module)
             config = trainer.strategy.chunk_config
             with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
-                check_step_memory(model, *shape, config.chunk_size, config.page_size, config.checkpoint_layers,
-                                  self._device)
-            spec = probe_kv_dtype(model, trainer.precision_plugin, self._device)
+                check_step_memory(model, *shape, config, self._device)
+            spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
             pages = shape[0] * -(-shape[1] // self._page_size)
             self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=True)
 

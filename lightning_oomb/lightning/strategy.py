@@ -43,6 +43,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         chunk_size: tokens per chunk. page_size: tokens per page of the KV store.
         attention: "auto" | "reference" | "triton". checkpoint_layers: checkpoint decoder layers in stage 2.
         cross_chunk_gradients: False is an ablation that drops gradients crossing chunk borders.
+        grad_dtype: "float32" (default) or "bfloat16" for the KV-gradient store (half its memory).
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -55,13 +56,16 @@ class OOMBStrategy(SingleDeviceStrategy):
         attention: str = "auto",
         checkpoint_layers: bool = False,
         cross_chunk_gradients: bool = True,
+        grad_dtype: str = "float32",
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         super().__init__(device=device, **kwargs)
-        self.chunk_config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients)
+        self.chunk_config = ChunkConfig(
+            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype
+        )
         self._pending: Serving | None = None
 
     # -- set-up -----------------------------------------------------------------------------------------
