@@ -1,13 +1,14 @@
 """lightning_oomb: exact chunk-recurrent training of transformers causal LMs on very long contexts.
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
-(``OOMBStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``) loads on first use.
+(``OOMBStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``, ``TextCorpusDataModule``)
+loads on first use.
 """
 
 from .core import ChunkConfig, eval_loss, train_step
 from .core.served import serve
 
-_LIGHTNING = ("OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule")
+_LIGHTNING = ("OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule", "TextCorpusDataModule")
 
 __all__ = ["ChunkConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@ plain ``plan`` and ``bench`` commands."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ class OOMBCLI(LightningCLI):
         ids = item["input_ids"][None].to(module.device)
         config = trainer.strategy.chunk_config if isinstance(trainer.strategy, OOMBStrategy) else None
         model = find_causal_lm(module)
-        with torch.no_grad(), serve(model, config) if config else _plain():
+        with torch.no_grad(), serve(model, config) if config else contextlib.nullcontext():
             logits = model(input_ids=ids, labels=item["labels"][None].to(module.device), logits_to_keep=n + 1).logits
         answer = logits[0, :-1].argmax(-1).tolist()
         print(f"example: {ids.shape[1]} tokens, passkey {ids[0, -n:].tolist()} stated near the start; "
@@ -97,14 +98,6 @@ def _has_val_data(datamodule) -> bool:
     if hasattr(datamodule, "val_set"):
         return datamodule.val_set is not None
     return True
-
-
-class _plain:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def print_plan(trainer, module, datamodule) -> None:
@@ -133,7 +126,7 @@ def print_plan(trainer, module, datamodule) -> None:
             lora_rank=int(module.hparams.get("lora_rank", 0)) if hasattr(module, "hparams") else 0,
             precision=precision if precision in ("32-true", "bf16-true", "bf16-mixed") else "32-true",
             checkpoint_layers=config.checkpoint_layers,
-            grad_dtype=_dtype(getattr(config, "grad_dtype", torch.float32)),
+            grad_dtype=config.grad_dtype,
             gpu_memory=gpu_memory,
         )
         print(result)
@@ -142,10 +135,6 @@ def print_plan(trainer, module, datamodule) -> None:
         print()
     except Exception as e:  # the printout is advice; it never stops a run
         print(f"(planner summary unavailable: {type(e).__name__}: {e})")
-
-
-def _dtype(value) -> torch.dtype:
-    return getattr(torch, value) if isinstance(value, str) else value
 
 
 def default_export_dir(trainer) -> Path:

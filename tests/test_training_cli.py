@@ -87,7 +87,7 @@ def write_config(folder: Path, assets: dict, **model) -> Path:
         },
         "model": {"pretrained": str(assets["model"]), "learning_rate": 1e-2, "warmup_steps": 2, **model},
         "data": {
-            "class_path": "lightning_oomb.lightning.TextCorpusDataModule",
+            "class_path": "lightning_oomb.TextCorpusDataModule",
             "init_args": {"paths": [str(assets["corpus"])], "seq_len": 64, "batch_size": 2, "val_fraction": 0.1},
         },
     }
@@ -321,7 +321,7 @@ def test_example_configs_parse(name, capsys):
         main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
     assert info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["class_path"] == "lightning_oomb.lightning.TextCorpusDataModule"
+    assert printed["data"]["class_path"] == "lightning_oomb.TextCorpusDataModule"
     chunk = printed["trainer"]["strategy"]["init_args"]["chunk_size"]
     assert printed["data"]["init_args"]["seq_len"] % chunk == 0
 

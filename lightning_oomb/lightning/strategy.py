@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
 from .callback import PagedKVCallback
+from .checkpoint import AtomicCheckpointIO
 
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
 
@@ -62,6 +63,8 @@ class OOMBStrategy(SingleDeviceStrategy):
     ):
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind.
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
             chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype
