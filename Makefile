@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) -m lightning_oomb.demo
+	$(PY) -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml
 
 test: setup
 	$(PY) -m pytest -q -x
