@@ -5,12 +5,15 @@ The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Li
 loads on first use.
 """
 
-from .core import ChunkConfig, eval_loss, train_step
+from .core import ChunkConfig, SparseConfig, eval_loss, train_step
 from .core.served import serve
 
-_LIGHTNING = ("OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule", "TextCorpusDataModule")
+_LIGHTNING = (
+    "OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule", "TextCorpusDataModule",
+    "SparseAttentionMixin", "SparseCausalLMModule",
+)
 
-__all__ = ["ChunkConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]
+__all__ = ["ChunkConfig", "SparseConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]
 __version__ = "0.1.0"
 
 

@@ -2,5 +2,6 @@
 
 from .pages import PagePool, PageTable, StoreSpec
 from .schedule import ChunkConfig, ChunkedSequence, eval_loss, train_step
+from .sparse import SparseConfig
 
-__all__ = ["ChunkConfig", "ChunkedSequence", "PagePool", "PageTable", "StoreSpec", "eval_loss", "train_step"]
+__all__ = ["ChunkConfig", "ChunkedSequence", "PagePool", "PageTable", "SparseConfig", "StoreSpec", "eval_loss", "train_step"]

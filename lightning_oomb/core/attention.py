@@ -2,6 +2,10 @@
 
 Backward adds the past's dK, dV into the store's gradient pages and returns the chunk's own dk, dv with
 what later chunks stored for them already added (DESIGN.md section 1, stage 2, step 3).
+
+With a page selection (``lightning_oomb.core.sparse``) the same function runs sparse attention: the past is
+only the selected pages of each query tile, and the backend is the sparse one (``resolve_backend(...,
+sparse=True)``), whose ``attention_forward``/``attention_backward`` take the selection as a last argument.
 """
 
 from __future__ import annotations
@@ -22,17 +26,26 @@ class AttentionBackend(Protocol):
     def attention_backward(self, dout, q, k, v, out, lse, store, start, scale): ...  # noqa: E704
 
 
-def resolve_backend(impl: str, device: torch.device):
-    """The module implementing ``attention_forward``/``attention_backward`` for ``impl`` on ``device``."""
+def resolve_backend(impl: str, device: torch.device, sparse: bool = False):
+    """The module implementing ``attention_forward``/``attention_backward`` for ``impl`` on ``device``
+    (with ``sparse``: the page-selection variants of ``lightning_oomb.core.sparse`` or its Triton kernels)."""
     if impl not in ("auto", "reference", "triton"):
         raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {impl!r}")
     if impl == "reference" or (impl == "auto" and device.type != "cuda"):
+        if sparse:
+            from . import sparse as sparse_reference
+
+            return sparse_reference
         return reference_attention
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention='triton' needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels in Triton's "
             "CPU interpreter; use attention='reference' (or 'auto') on CPU"
         )
+    if sparse:
+        from ..kernels import sparse_attention
+
+        return sparse_attention
     from ..kernels import chunk_attention as triton_attention
 
     return triton_attention
@@ -40,25 +53,32 @@ def resolve_backend(impl: str, device: torch.device):
 
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend):
-        out, lse = backend.attention_forward(q, k, v, store, start, scale)
+    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None):
+        extra = () if selection is None else (selection,)
+        out, lse = backend.attention_forward(q, k, v, store, start, scale, *extra)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.store, ctx.start, ctx.scale, ctx.backend = store, start, scale, backend
+        ctx.store, ctx.start, ctx.scale, ctx.backend, ctx.extra = store, start, scale, backend, extra
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.backend.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale
+            dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale, *ctx.extra
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
+    selection: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q."""
+    """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
+
+    selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
+    sparse ``backend``.
+    """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ChunkAttention.apply(q, k, v, store, start, scale, backend)
-    return backend.attention_forward(q, k, v, store, start, scale)[0]
+        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection)
+    extra = () if selection is None else (selection,)
+    return backend.attention_forward(q, k, v, store, start, scale, *extra)[0]

@@ -112,6 +112,22 @@ class PagePool:
         self.dv = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
         self._free = list(range(num_pages))
         self.peak_pages_in_use = 0
+        self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def summaries(self, score: str) -> tuple[torch.Tensor, ...]:
+        """Per-page key summaries for sparse attention, each (n_layers, num_pages, n_kv_heads, head_dim):
+        (mean,) in float32 for score "mean", (min, max) in the K dtype for "minmax". Allocated on first use
+        (only sparse steps use them), sized with the pool (1/page_size of K's memory each)."""
+        if score not in self._summaries:
+            shape = (self.spec.n_layers, self.num_pages, self.spec.n_kv_heads, self.spec.head_dim)
+            if score == "mean":
+                made = (torch.zeros(shape, dtype=torch.float32, device=self.device),)
+            elif score == "minmax":
+                made = tuple(torch.zeros(shape, dtype=self.spec.dtype, device=self.device) for _ in range(2))
+            else:
+                raise ValueError(f"unknown sparse score {score!r}")
+            self._summaries[score] = made
+        return self._summaries[score]
 
     @property
     def with_grads(self) -> bool:
@@ -123,7 +139,8 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.dk, self.dv) if t is not None)
+        tensors = [self.k, self.v, self.dk, self.dv, *(t for ts in self._summaries.values() for t in ts)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def pages_for(self, batch: int, seq_len: int) -> int:
         return batch * -(-seq_len // self.page_size)

@@ -22,6 +22,7 @@ from .attention import chunk_attention, resolve_backend
 from .loss import linear_cross_entropy
 from .pages import PagePool, StoreSpec
 from .planner import check_step_memory
+from .sparse import SparseConfig, select_pages, update_summaries
 
 IGNORE_INDEX = -100
 
@@ -38,6 +39,8 @@ class ChunkConfig:
         (an ablation: training then no longer follows the full-sequence gradient).
     grad_dtype: dtype of the KV-gradient store, torch.float32 (default) or torch.bfloat16 (half the
         memory; each chunk's contribution is rounded to bf16 as it is added: see docs/benchmarks.md).
+    sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
+        attention over the past (lightning_oomb.core.sparse).
     """
 
     chunk_size: int = 4096
@@ -46,8 +49,10 @@ class ChunkConfig:
     checkpoint_layers: bool = False
     cross_chunk_gradients: bool = True
     grad_dtype: torch.dtype | str = torch.float32
+    sparse: SparseConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
@@ -148,6 +153,11 @@ class ChunkedSequence:
         self.config = config
         self.device = input_ids.device
         self.backend = resolve_backend(config.attention, self.device)
+        if config.sparse is not None:
+            self.backend = resolve_backend(config.attention, self.device, sparse=True)
+        # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
+        self.selections: dict[tuple[int, int], torch.Tensor] = {}
+        self._chunk = 0
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         valid = int((self.targets != IGNORE_INDEX).sum())
         if num_items_in_batch is not None:
@@ -183,7 +193,20 @@ class ChunkedSequence:
             if k.dtype != self.pool.spec.dtype:
                 raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
             store.write(k, v, self._start)
-        return chunk_attention(q, k, v, store, self._start, scale, self.backend)
+        sparse = self.config.sparse
+        if sparse is None:
+            return chunk_attention(q, k, v, store, self._start, scale, self.backend)
+        key = (self._chunk, layer_idx)
+        if self._stage == "fill":
+            summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
+            # Select from the past's summaries, then add this chunk's keys for the chunks after it.
+            selection = select_pages(q, store, summaries, sparse, self._start)
+            update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
+            if self._with_grads:
+                self.selections[key] = selection
+        else:
+            selection = self.selections[key]
+        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection)
 
     def _take_pages(self, dtype: torch.dtype) -> None:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
@@ -217,6 +240,7 @@ class ChunkedSequence:
         first_kept = self.input_ids.shape[1] - keep_last
         with torch.no_grad(), bind(self.model, self):
             for index, (start, end) in enumerate(self.chunks):
+                self._chunk = index
                 hidden = self._chunk_hidden(start, end)
                 if with_loss:
                     total += self._chunk_loss(hidden, start, end)
@@ -237,12 +261,15 @@ class ChunkedSequence:
             with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers):
                 for index in reversed(range(len(self.chunks))):
                     start, end = self.chunks[index]
+                    self._chunk = index
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
                     loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
                     if not loss.requires_grad:
                         raise RuntimeError("no parameter of the model requires grad")
                     torch.autograd.backward(loss, grad)
+                    for key in [key for key in self.selections if key[0] == index]:
+                        del self.selections[key]  # this chunk's forward and backward are done
                     total += loss.detach()
                     if self.observer is not None:
                         self.observer(2, index, start, end)
@@ -255,6 +282,7 @@ class ChunkedSequence:
         if self.table is not None:
             self.pool.free(self.table)
             self.table = None
+        self.selections.clear()
         self._stage = "done"
 
 
@@ -268,6 +296,7 @@ def train_step(
     attention: str = "auto",
     checkpoint_layers: bool = False,
     grad_dtype: torch.dtype = torch.float32,
+    sparse: SparseConfig | dict | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -275,8 +304,10 @@ def train_step(
     shifted over the whole sequence. Returns the loss (float32 scalar, detached): the mean token
     cross-entropy over the valid labels of the batch, in nats. Memory: activations of one chunk of
     ``chunk_size`` tokens plus the paged K/V store and its gradients (``grad_dtype``, float32 by default).
+    sparse: a ``SparseConfig`` for page-level sparse attention (the gradient is then that of the sparse
+    model, exact for the pages selected in stage 1); None: dense.
     """
-    config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype)
+    config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse)
     seq = ChunkedSequence(model, input_ids, labels, config)
     try:
         seq.fill()
@@ -293,12 +324,14 @@ def eval_loss(
     chunk_size: int = 4096,
     page_size: int = 128,
     attention: str = "auto",
+    sparse: SparseConfig | dict | None = None,
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
-    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages.
+    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``: as
+    in ``train_step``.
     """
-    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention))
+    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention, sparse=sparse))
     try:
         return seq.fill(with_loss=True, with_grads=False)[0]
     finally:

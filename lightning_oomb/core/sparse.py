@@ -1,0 +1,301 @@
+"""Page-level sparse attention (DESIGN.md section 5): options, page summaries, selection, and the reference.
+
+What a query attends to. The queries of a chunk at tokens [start, start + T) are cut into query tiles of
+``page_size`` tokens, aligned to the chunk start (tile i holds queries [start + i*ps, start + (i+1)*ps), the
+last tile may be shorter). Every query attends causally to the whole current chunk. The past is tokens
+[0, start), cut into P = ceil(start / ps) past pages along the page table's boundaries: past page p is
+tokens [p*ps, min((p+1)*ps, start)), so the page that straddles the chunk start counts, clipped to its part
+before ``start``, as the last past page (its other part belongs to the current chunk). For each
+(query tile, KV head) (or per query tile, shared by all heads, with ``per_kv_head=False``) the past pages
+attended are:
+- all P of them when P <= budget_pages (dense);
+- else the first ``sink_pages`` pages, the last ``local_pages`` pages, and the top
+  (budget_pages - sink_pages - local_pages) of the other pages by score.
+
+Scores, from per-page key summaries of post-RoPE keys (written as stage 1 fills the store):
+- "mean": q_bar . mean_key(page), where q_bar is the mean of the tile's queries over its tokens and over the
+  query heads that read the KV head (all query heads, each against its own KV head's summary, when shared):
+  the mean over the tile of q . mean_key, i.e. the tile's average logit against the page's average key;
+- "minmax" (Quest's bound): sum_d max(q_bar_d * min_d, q_bar_d * max_d) with the element-wise min and max of
+  the page's keys: an upper bound of q_bar . k over the page's keys, i.e. of the tile's average logit.
+Equal scores are resolved by torch.topk; the selection is then sorted ascending by page number.
+
+A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
+slots; the kernels go through the page table), sorted ascending, with H_sel = n_kv_heads (per head) or 1
+(shared) and K = min(P, budget_pages). ``ChunkedSequence`` makes it once per (chunk, layer) in stage 1,
+keeps it until that chunk's stage-2 backward is done, and hands the same tensor to the stage-2 forward and
+backward. Gradients do not flow through the selection: they are exact for the chosen pattern.
+
+``attention_forward`` / ``attention_backward`` here are the plain-PyTorch reference (the oracle of the
+Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contract of
+``reference_attention`` plus the selection. They loop over query tiles; one tile's scores are
+(tile, K * page_size + its causal chunk prefix), never T x past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pages import LayerStore
+
+SCORES = ("mean", "minmax")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Page-level sparse attention over the stored past; ``None`` where a config is taken means dense.
+
+    budget_pages: past pages each query tile attends to (sinks and local window included). A query tile
+        whose past has no more pages than this attends densely.
+    sink_pages: the first pages of the sequence, always attended.
+    local_pages: the pages just before the chunk, always attended (the chunk itself is always attended).
+    score: "mean" (query . mean key of the page) or "minmax" (Quest's upper bound with per-page min/max).
+    per_kv_head: True selects pages per (query tile, KV head); False one selection per query tile for all
+        heads.
+    """
+
+    budget_pages: int = 64
+    sink_pages: int = 1
+    local_pages: int = 4
+    score: str = "mean"
+    per_kv_head: bool = True
+
+    def __post_init__(self):
+        for name, low in (("budget_pages", 1), ("sink_pages", 0), ("local_pages", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SparseConfig.{name} must be an integer >= {low}, got {value!r}")
+        if self.sink_pages + self.local_pages > self.budget_pages:
+            raise ValueError(
+                f"SparseConfig: sink_pages + local_pages ({self.sink_pages} + {self.local_pages}) must not exceed "
+                f"budget_pages ({self.budget_pages})"
+            )
+        if self.score not in SCORES:
+            raise ValueError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
+        if not isinstance(self.per_kv_head, bool):
+            raise ValueError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
+
+    @classmethod
+    def coerce(cls, value: "SparseConfig | dict | None") -> "SparseConfig | None":
+        """A SparseConfig from itself, a dict of its fields (as a YAML config gives it) or None (dense)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(
+                    f"sparse: unknown option(s) {', '.join(sorted(unknown))}; "
+                    f"known: {', '.join(cls.__dataclass_fields__)}"
+                )
+            return cls(**value)
+        raise TypeError(f"sparse must be a SparseConfig, a dict of its fields or None, got {type(value).__name__}")
+
+    def attended_past_tokens(self, page_size: int) -> int:
+        """Most past tokens one query attends to."""
+        return self.budget_pages * page_size
+
+
+# == page summaries ==========================================================================================
+
+
+def update_summaries(store: LayerStore, summaries: tuple[torch.Tensor, ...], score: str, start: int, end: int) -> None:
+    """Recompute the key summaries of the pages that tokens [start, end) touch, from the store's K.
+
+    ``summaries`` are this layer's (num_pages, n_kv_heads, D) tensors: (mean,) in float32, or (min, max).
+    A page's summary covers its tokens below ``end``: after a chunk is written, the straddling page's
+    summary is that of its past part, which is what the next chunk selects from.
+    """
+    ps = store.page_size
+    p0, p1 = start // ps, -(-end // ps)
+    k, _ = store.read(p0 * ps, end)  # (B, H, n, D)
+    b, h, n, d = k.shape
+    pad = (p1 - p0) * ps - n
+    k = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(b, h, p1 - p0, ps, d)
+    valid = (torch.arange((p1 - p0) * ps, device=k.device) < n).view(1, 1, p1 - p0, ps, 1)
+    slots = store.table.slots[:, p0:p1].long()  # (B, pages)
+    if score == "mean":
+        count = valid.sum(3).clamp_min(1)
+        mean = (k * valid).sum(3) / count  # (B, H, pages, D)
+        summaries[0][slots] = mean.transpose(1, 2).to(summaries[0].dtype)
+    else:
+        lo = k.masked_fill(~valid, float("inf")).amin(3)
+        hi = k.masked_fill(~valid, float("-inf")).amax(3)
+        summaries[0][slots] = lo.transpose(1, 2).to(summaries[0].dtype)
+        summaries[1][slots] = hi.transpose(1, 2).to(summaries[1].dtype)
+
+
+def summary_shapes(score: str) -> int:
+    """Number of (num_pages, n_kv_heads, D) summary tensors per layer a score needs."""
+    return 1 if score == "mean" else 2
+
+
+# == selection ==============================================================================================
+
+
+def tile_queries(q: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Mean query of each tile: q (B, H_q, T, D) -> (B, H_q, n_tiles, D) in float32."""
+    b, hq, t, d = q.shape
+    n = -(-t // page_size)
+    padded = torch.nn.functional.pad(q.float(), (0, 0, 0, n * page_size - t)).view(b, hq, n, page_size, d)
+    counts = torch.full((n,), float(page_size), device=q.device)
+    counts[-1] = t - (n - 1) * page_size
+    return padded.sum(3) / counts[:, None]
+
+
+def page_scores(
+    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int
+) -> torch.Tensor:
+    """Scores (B, H_sel, n_tiles, P) of every past page for every query tile."""
+    ps = store.page_size
+    n_past = -(-start // ps)
+    b, hq, t, d = q.shape
+    h = summaries[0].shape[1]
+    qbar = tile_queries(q, ps).view(b, h, hq // h, -1, d).mean(2)  # (B, H_kv, n_tiles, D)
+    slots = store.table.slots[:, :n_past].long()  # (B, P)
+    if config.score == "mean":
+        kbar = summaries[0][slots].float().transpose(1, 2)  # (B, H_kv, P, D)
+        scores = torch.einsum("bhnd,bhpd->bhnp", qbar, kbar)
+    else:
+        lo = summaries[0][slots].float().transpose(1, 2)
+        hi = summaries[1][slots].float().transpose(1, 2)
+        scores = torch.einsum("bhnd,bhpd->bhnp", qbar.clamp_min(0), hi) + torch.einsum(
+            "bhnd,bhpd->bhnp", qbar.clamp_max(0), lo
+        )
+    if not config.per_kv_head:
+        scores = scores.mean(1, keepdim=True)
+    return scores
+
+
+def select_pages(
+    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int
+) -> torch.Tensor:
+    """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T): see the module notes."""
+    ps = store.page_size
+    n_past = -(-start // ps)
+    b, hq, t, _ = q.shape
+    n_tiles = -(-t // ps)
+    h_sel = summaries[0].shape[1] if config.per_kv_head else 1
+    device = q.device
+    if n_past <= config.budget_pages:
+        return torch.arange(n_past, dtype=torch.int32, device=device).expand(b, h_sel, n_tiles, n_past).contiguous()
+    scores = page_scores(q, store, summaries, config, start)
+    forced = torch.zeros(n_past, dtype=torch.bool, device=device)
+    forced[: config.sink_pages] = True
+    if config.local_pages:
+        forced[n_past - config.local_pages :] = True
+    n_forced = int(forced.sum())
+    top = config.budget_pages - n_forced
+    always = torch.nonzero(forced).view(-1).to(torch.int32).expand(b, h_sel, n_tiles, n_forced)
+    if top == 0:
+        return always.contiguous()
+    chosen = scores.masked_fill(forced, float("-inf")).topk(top, dim=-1).indices.to(torch.int32)
+    return torch.cat([always, chosen], dim=-1).sort(dim=-1).values.contiguous()
+
+
+# == reference attention over a selection ===================================================================
+
+
+def _gather_pages(store: LayerStore, pages: torch.Tensor, start: int, grads: bool = False):
+    """Tokens of the selected pages: pages (B, H_kv, K) logical pages -> (k, v) (B, H_kv, K*ps, D) in
+    float32 (zero where not valid), pool rows (B, H_kv, K*ps), valid (B, H_kv, K*ps)."""
+    ps = store.page_size
+    tok = (pages.long()[..., None] * ps + torch.arange(ps, device=pages.device)).flatten(-2)
+    valid = tok < start
+    tok = tok.clamp_max(start - 1)
+    b = torch.arange(pages.shape[0], device=pages.device)[:, None, None]
+    rows = store.table.slots[b, tok // ps].long() * ps + tok % ps
+    heads = torch.arange(pages.shape[1], device=pages.device)[None, :, None]
+    a, c = (store.dk, store.dv) if grads else (store.k, store.v)
+    ka = a.view(-1, *a.shape[2:])[rows, heads].float()
+    va = c.view(-1, *c.shape[2:])[rows, heads].float()
+    zero = torch.zeros((), device=ka.device)
+    return torch.where(valid[..., None], ka, zero), torch.where(valid[..., None], va, zero), rows, valid
+
+
+def _tile_keys(q, k, v, store, start, selection, i):
+    """Keys of query tile i: its selected past pages then the chunk's keys [0, hi), with the mask."""
+    ps = store.page_size
+    t = q.shape[2]
+    h = k.shape[1]
+    lo, hi = i * ps, min((i + 1) * ps, t)
+    if start > 0:
+        pages = selection[:, :, i].expand(q.shape[0], h, selection.shape[-1])
+        kp, vp, rows, valid = _gather_pages(store, pages, start)
+    else:
+        kp = vp = k.new_zeros(q.shape[0], h, 0, k.shape[-1], dtype=torch.float32)
+        rows = valid = None
+    kc, vc = k[:, :, :hi].float(), v[:, :, :hi].float()
+    causal = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
+    past_ok = valid[:, :, None, None, :] if valid is not None else kp.new_ones(1, 1, 1, 1, 0, dtype=torch.bool)
+    mask = torch.cat(
+        [past_ok.expand(q.shape[0], h, 1, hi - lo, -1), causal.expand(q.shape[0], h, 1, hi - lo, hi)], dim=-1
+    )
+    return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, rows, valid
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
+    selection: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log)."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    qg = q.float().view(b, h, g, t, d)
+    out = torch.empty(b, h, g, t, v.shape[-1], device=q.device)
+    lse = torch.empty(b, h, g, t, device=q.device)
+    for i in range(-(-t // store.page_size)):
+        lo, hi, kt, vt, mask, _, _ = _tile_keys(q, k, v, store, start, selection, i)
+        s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
+        s = s.masked_fill(~mask, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True)
+        out[:, :, :, lo:hi] = torch.einsum("bhgtn,bhnd->bhgtd", p / denom, vt)
+        lse[:, :, :, lo:hi] = (m + torch.log(denom)).squeeze(-1)
+    return out.view(b, hq, t, -1).to(q.dtype), lse.view(b, hq, t)
+
+
+def attention_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    store: LayerStore, start: int, scale: float, selection: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the sparse chunk attention.
+
+    Adds dK, dV of the selected past pages into the store's gradient pages (index_put_ with accumulate: a
+    page chosen by several tiles receives the sum), and returns dq, and dk, dv of the chunk's own tokens
+    (this chunk's share plus what later chunks stored for them).
+    """
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    qg = q.float().view(b, h, g, t, d)
+    dog = dout.float().view(b, h, g, t, d)
+    lse_g = lse.view(b, h, g, t)
+    delta = (dog * out.float().view(b, h, g, t, d)).sum(-1)
+    dq = torch.zeros_like(qg)
+    dk_cur, dv_cur = store.read(start, start + t, grads=True)
+    dk_cur, dv_cur = dk_cur.float().clone(), dv_cur.float().clone()
+    fdk, fdv = store.dk.view(-1, *store.dk.shape[2:]), store.dv.view(-1, *store.dv.shape[2:])
+    heads = torch.arange(h, device=q.device)[None, :, None]
+    for i in range(-(-t // store.page_size)):
+        lo, hi, kt, vt, mask, rows, valid = _tile_keys(q, k, v, store, start, selection, i)
+        s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
+        p = torch.exp(s - lse_g[:, :, :, lo:hi, None]).masked_fill(~mask, 0.0)
+        do = dog[:, :, :, lo:hi]
+        dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, do)
+        ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", do, vt) - delta[:, :, :, lo:hi, None])
+        dq[:, :, :, lo:hi] = torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
+        dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg[:, :, :, lo:hi]) * scale
+        n_past = kt.shape[2] - hi
+        if n_past:
+            keep = valid[..., None]
+            zero = torch.zeros((), device=q.device)
+            idx = (rows.expand(b, h, n_past), heads.expand(b, h, n_past))
+            fdk.index_put_(idx, torch.where(keep, dk_t[:, :, :n_past], zero).to(fdk.dtype), accumulate=True)
+            fdv.index_put_(idx, torch.where(keep, dv_t[:, :, :n_past], zero).to(fdv.dtype), accumulate=True)
+        dk_cur[:, :, :hi] += dk_t[:, :, n_past:]
+        dv_cur[:, :, :hi] += dv_t[:, :, n_past:]
+    return dq.view(b, hq, t, d).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)

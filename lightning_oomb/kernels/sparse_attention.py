@@ -1,0 +1,464 @@
+"""Triton sparse chunk attention over per-tile page lists.
+
+Contract of :mod:`lightning_oomb.core.sparse` (the reference): the queries of the chunk at tokens
+[start, start + T) are cut into query tiles of ``page_size`` tokens aligned to the chunk start; tile i of
+KV head h attends to the past pages ``selection[b, h or 0, i, :]`` (logical page numbers, past page p being
+tokens [p*ps, min((p+1)*ps, start))) and causally to the whole chunk. Pages are found through the page table.
+
+Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_attention`):
+- forward, query-stationary: one program per (query block, query head); a query block is at most
+  BLOCK_M queries of ONE query tile (a tile of page_size queries takes cdiv(page_size, BLOCK_M) blocks), so
+  every program has one page list. It loops over the tile's pages (each in key blocks of BLOCK_N rows,
+  only over the page's past rows), then over the chunk's keys causally, with the dense kernel's online
+  softmax step.
+- dQ: the same loops with the dense kernel's dQ step.
+- dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
+  (every query sees the whole causal chunk, exactly as in dense attention).
+- dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
+  device (torch ops, no host sync) into, per (sequence, KV head), the list of distinct selected pages and,
+  per page, the list of query tiles that chose it. One program per (selected page, KV head) loads the
+  page's K, V and the gradient already stored for it, loops over the tiles that chose it and the group's
+  query heads accumulating dK, dV in fp32 registers, and writes the page once. Concurrent tiles that pick
+  the same page are therefore summed inside one program, in a fixed order: no atomics, each gradient row
+  written by one program, results bit-reproducible. The alternative, fp32 atomic adds from the
+  query-stationary programs, would make every step's gradient order-dependent and, with sink and local
+  pages chosen by every tile, serialise all tiles of a chunk on the same rows; the page-stationary pass
+  costs two extra matmuls per (tile, page) pair (P and dP are recomputed, as in the dense kernel's split of
+  dQ from dK/dV). Programs of pages nobody chose exit without touching memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.pages import LayerStore
+from .chunk_attention import (
+    _check,
+    _device_ctx,
+    _dkdv_kernel,
+    _dkdv_step,
+    _dq_step,
+    _fwd_step,
+    _last_dim_contiguous,
+    _load_tile,
+    _padded,
+    _precision,
+    _store_tile,
+    KernelTiles,
+    Tiles,
+    LN2,
+    LOG2E,
+    default_tiles as dense_tiles,
+    _chunk_split,
+    _interpreting,
+)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forward and dQ (query-stationary)
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _query_block(pid, T, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr):
+    """(tile index, first query, end of the block's queries) of query block ``pid``."""
+    tile = pid // SUB
+    m0 = tile * PAGE_SIZE + (pid % SUB) * BLOCK_M
+    m_end = tl.minimum(tl.minimum(m0 + BLOCK_M, tile * PAGE_SIZE + PAGE_SIZE), T)
+    return tile, m0, m_end
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    Q, K, V, KP, VP, SLOTS, SEL, OUT, LSE,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sv_b, sv_h, sv_t,
+    sp_page, sp_off, sp_h,
+    ss_b, ss_p,
+    ssel_b, ssel_h, ssel_i, ssel_k,
+    so_b, so_h, so_t,
+    T, start, n_sel, qk_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < m_end
+    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    # The tile's selected past pages; each page's first key block holds a past row, so m_i turns finite
+    # on the first block and no row sees exp(-inf + inf).
+    sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
+    kp = KP + hk * sp_h
+    vp = VP + hk * sp_h
+    for j in range(0, n_sel):
+        page = tl.load(sel + j * ssel_k)
+        slot = tl.load(SLOTS + b * ss_b + page * ss_p).to(tl.int64)
+        rows_in_page = tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE)
+        for n0 in range(0, rows_in_page, BLOCK_N):
+            valid = n0 + offs_n < rows_in_page
+            rows = slot * sp_page + (n0 + offs_n) * sp_off
+            k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+
+    # The chunk, causally (as the dense kernel): unmasked tiles wholly before the block's first query, then
+    # the diagonal ones up to its last query.
+    kc = K + b * sk_b + hk * sk_h
+    vc = V + b * sv_b + hk * sv_h
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+
+    out = acc / l_i[:, None]
+    _store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
+                out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
+
+
+@triton.jit
+def _sparse_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, KP, VP, SLOTS, SEL, DQ,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sv_b, sv_h, sv_t,
+    sdo_b, sdo_h, sdo_t,
+    sp_page, sp_off, sp_h,
+    ss_b, ss_p,
+    ssel_b, ssel_h, ssel_i, ssel_k,
+    sdq_b, sdq_h, sdq_t,
+    T, start, n_sel, qk_scale, scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < m_end
+    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+                    HEAD_DIM, D_PAD)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
+    kp = KP + hk * sp_h
+    vp = VP + hk * sp_h
+    for j in range(0, n_sel):
+        page = tl.load(sel + j * ssel_k)
+        slot = tl.load(SLOTS + b * ss_b + page * ss_p).to(tl.int64)
+        rows_in_page = tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE)
+        for n0 in range(0, rows_in_page, BLOCK_N):
+            valid = n0 + offs_n < rows_in_page
+            rows = slot * sp_page + (n0 + offs_n) * sp_off
+            k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+
+    kc = K + b * sk_b + hk * sk_h
+    vc = V + b * sv_b + hk * sv_h
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+
+    _store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
+                (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+
+
+# --------------------------------------------------------------------------------------------------------
+# dK/dV of the selected past pages (page-stationary)
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _page_dkdv_kernel(
+    Q, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
+    sq_b, sq_h, sq_t,
+    sdo_b, sdo_h, sdo_t,
+    sp_page, sp_off, sp_h,
+    sg_page, sg_off, sg_h,
+    ss_b, ss_p,
+    spg_b, spg_h, spg_i,
+    st_b, st_h, st_i, st_j,
+    T, start, qk_scale, scale,
+    H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    idx = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H_KV).to(tl.int64)
+    hk = bh % H_KV
+    count = tl.load(TCOUNT + b * spg_b + hk * spg_h + idx * spg_i)
+    page = tl.load(PAGES + b * spg_b + hk * spg_h + idx * spg_i)
+    slot = tl.load(SLOTS + b * ss_b + page * ss_p).to(tl.int64)
+    # A page nobody chose: no rows, no memory traffic.
+    rows_in_page = tl.where(count > 0, tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE), 0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    tiles = TILES + b * st_b + hk * st_h + idx * st_i
+    for n0 in range(0, rows_in_page, BLOCK_N):
+        valid = n0 + offs_n < rows_in_page
+        kv_rows = slot * sp_page + (n0 + offs_n) * sp_off + hk * sp_h
+        k = _load_tile(KP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(VP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        g_rows = slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h
+        dk = _load_tile(DKP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        dv = _load_tile(DVP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        for i in range(0, count):
+            tile = tl.load(tiles + i * st_j)
+            t0 = tile * PAGE_SIZE
+            t_end = tl.minimum(t0 + PAGE_SIZE, T)
+            for g in range(0, GROUP):
+                h = hk * GROUP + g
+                # Pointers shifted to the tile's first query: _dkdv_step's "T" bound is then the tile's end.
+                q_ptr = Q + b * sq_b + h * sq_h + t0 * sq_t
+                do_ptr = DO + b * sdo_b + h * sdo_h + t0 * sdo_t
+                lse_ptr = LSE + (b * H_Q + h) * T + t0
+                delta_ptr = DELTA + (b * H_Q + h) * T + t0
+                for m0 in range(0, t_end - t0, BLOCK_M):
+                    dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, t_end - t0,
+                                        sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
+        g_ptrs = g_rows[:, None] + offs_d[None, :]
+        _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
+        _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
+
+
+def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
+    """Per (sequence, KV head): the distinct selected pages (ascending, first), and per page the query tiles
+    that chose it (ascending, first) with their count. Torch ops only: no host synchronisation.
+
+    Returns pages (B, H_kv, NP), tiles (B, H_kv, NP, n_tiles), counts (B, H_kv, NP), all int32, with
+    NP = min(n_past, n_tiles * K); entries past a (sequence, head)'s distinct pages have count 0.
+    """
+    b, _, n_tiles, k = selection.shape
+    sel = selection.long().expand(b, n_kv, n_tiles, k)
+    chosen = torch.zeros(b, n_kv, n_tiles, n_past, dtype=torch.bool, device=selection.device)
+    chosen.scatter_(-1, sel, True)
+    chosen = chosen.transpose(2, 3)  # (B, H, P, n_tiles)
+    used = chosen.any(-1)
+    n_pages = min(n_past, n_tiles * k)
+    pages = torch.argsort((~used).to(torch.int8), dim=-1, stable=True)[..., :n_pages]
+    per_page = chosen.gather(2, pages[..., None].expand(b, n_kv, n_pages, n_tiles))
+    tiles = torch.argsort((~per_page).to(torch.int8), dim=-1, stable=True)
+    return pages.int(), tiles.int(), per_page.sum(-1).int()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------
+
+
+def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
+    """Forward/dQ: query blocks inside a page tile (BLOCK_M <= a 128-query tile) and key blocks of a page;
+    page dK/dV: the dense kernel's key-stationary shape. The chunk's dK/dV use the dense kernel's tiles."""
+    if _interpreting():
+        t = Tiles(16, 16)
+        return KernelTiles(t, t, t)
+    if dtype == torch.float32:
+        return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
+    if _padded(head_dim) > 64:
+        return KernelTiles(Tiles(128, 64, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 2))
+    return KernelTiles(Tiles(128, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3))
+
+
+def _check_selection(selection: torch.Tensor, q: torch.Tensor, k: torch.Tensor, store: LayerStore, start: int):
+    b, _, t, _ = q.shape
+    n_tiles = -(-t // store.page_size)
+    n_past = -(-start // store.page_size)
+    if (selection.dim() != 4 or selection.shape[0] != b or selection.shape[1] not in (1, k.shape[1])
+            or selection.shape[2] != n_tiles or selection.shape[3] > max(n_past, 0)):
+        raise ValueError(
+            f"selection must be (B={b}, 1 or H_kv={k.shape[1]}, n_tiles={n_tiles}, K<={n_past}), "
+            f"got {tuple(selection.shape)}"
+        )
+
+
+def _selection_args(selection: torch.Tensor, n_kv: int):
+    sel = selection.to(torch.int32)
+    strides = list(sel.stride())
+    if sel.shape[1] == 1:
+        strides[1] = 0  # one list shared by all KV heads
+    return sel, strides
+
+
+def _sub_blocks(page_size: int, block_m: int) -> int:
+    return triton.cdiv(page_size, block_m)
+
+
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor, tiles: Tiles):
+    _check(q, k, v, store, start)
+    _check_selection(selection, q, k, store, start)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    slots = store.table.slots.to(torch.int32)
+    sel, ssel = _selection_args(selection, hkv)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
+    ps = store.page_size
+    sub = _sub_blocks(ps, tiles.block_m)
+    grid = (triton.cdiv(t, ps) * sub, b * hq)
+    with _device_ctx(q):
+        _sparse_fwd_kernel[grid](
+            q, k, v, store.k, store.v, slots, sel, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            slots.stride(0), slots.stride(1),
+            *ssel,
+            out.stride(0), out.stride(1), out.stride(2),
+            t, start, sel.shape[-1], scale * 1.4426950408889634,
+            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
+              tiles: KernelTiles, chunk_tiles: KernelTiles):
+    _check(q, k, v, store, start)
+    _check_selection(selection, q, k, store, start)
+    if store.dk is None or store.dv is None:
+        raise ValueError("attention backward needs a page pool built with_grads=True")
+    if store.dk.stride() != store.dv.stride() or store.dk.stride(-1) != 1:
+        raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
+    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    ps = store.page_size
+    slots = store.table.slots.to(torch.int32)
+    sel, ssel = _selection_args(selection, hkv)
+    precision = _precision(q.dtype)
+    qk_scale = scale * 1.4426950408889634
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n_past = -(-start // ps)
+    with _device_ctx(q):
+        # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
+        # gradient later chunks stored for these tokens).
+        kt = chunk_tiles.dkdv
+        split = _chunk_split(chunk_tiles, 0, group, q.device)
+        if split == 1:
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            dk_out, dv_out, s_stride = dk, dv, 0
+        else:
+            dk_out = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
+            dv_out = torch.empty_like(dk_out)
+            s_stride = dk_out.stride(0)
+        _dkdv_kernel[(triton.cdiv(t, kt.block_n) * split, b * hkv)](
+            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
+            slots.stride(0), slots.stride(1),
+            s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
+            t, start, 0, qk_scale, scale,
+            H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=precision,
+            num_warps=kt.num_warps, num_stages=kt.num_stages,
+        )
+        if split > 1:
+            stored_dk, stored_dv = store.read(start, start + t, grads=True)
+            dk = (dk_out.sum(0) + stored_dk.float()).to(k.dtype)
+            dv = (dv_out.sum(0) + stored_dv.float()).to(v.dtype)
+
+        # The selected past pages, page-stationary: each (page, KV head) written by one program.
+        if n_past > 0 and sel.shape[-1] > 0:
+            pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
+            pt = tiles.dkdv
+            _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
+                q, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
+                q.stride(0), q.stride(1), q.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2),
+                store.k.stride(0), store.k.stride(1), store.k.stride(2),
+                store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
+                slots.stride(0), slots.stride(1),
+                pages.stride(0), pages.stride(1), pages.stride(2),
+                *tile_lists.stride(),
+                t, start, qk_scale, scale,
+                H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
+                BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
+                num_warps=pt.num_warps, num_stages=pt.num_stages,
+            )
+
+        qt = tiles.dq
+        sub = _sub_blocks(ps, qt.block_m)
+        _sparse_dq_kernel[(triton.cdiv(t, ps) * sub, b * hq)](
+            q, k, v, dout, lse, delta, store.k, store.v, slots, sel, dq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            slots.stride(0), slots.stride(1),
+            *ssel,
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            t, start, sel.shape[-1], qk_scale, scale,
+            H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
+            num_warps=qt.num_warps, num_stages=qt.num_stages,
+        )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------
+# The interface of lightning_oomb.core.attention (sparse backends)
+# --------------------------------------------------------------------------------------------------------
+
+
+def attention_forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor):
+    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log)."""
+    return _forward(q, k, v, store, start, scale, selection, default_tiles(q.shape[-1], q.dtype).fwd)
+
+
+def attention_backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor):
+    """dq, and the chunk's dk, dv (its share plus what later chunks stored); adds the selected pages'
+    dK, dV into ``store.dk``/``store.dv`` (one program per page and KV head: deterministic)."""
+    d = q.shape[-1]
+    return _backward(dout, q, k, v, out, lse, store, start, scale, selection,
+                     default_tiles(d, q.dtype), dense_tiles(d, q.dtype))

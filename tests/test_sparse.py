@@ -1,0 +1,282 @@
+"""Page-level sparse attention (lightning_oomb.core.sparse, kernels/sparse_attention.py), CPU.
+
+The oracle is autograd of a dense float64 softmax attention over the whole past plus the chunk with the
+block mask the selection stands for, built explicitly. Stores hold NaN wherever nothing was written, so a
+stray read shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core import sparse
+from lightning_oomb.core.attention import chunk_attention, resolve_backend
+from lightning_oomb.core.sparse import SparseConfig, select_pages, update_summaries
+from lightning_oomb.kernels import sparse_attention as tri
+from test_triton_attention import DEVICE, make_problem
+from tiny_models import VOCAB, grads_of, rel_err, tiny_model
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def random_selection(batch, h_sel, t, start, page_size, budget, seed=0):
+    """Sorted random subsets of min(P, budget) past pages per (batch, head, query tile)."""
+    g = torch.Generator().manual_seed(seed)
+    n_past = -(-start // page_size)
+    n_tiles = -(-t // page_size)
+    k = min(n_past, budget)
+    sel = torch.stack([torch.randperm(n_past, generator=g)[:k] for _ in range(batch * h_sel * n_tiles)])
+    return sel.view(batch, h_sel, n_tiles, k).sort(-1).values.int().to(DEVICE)
+
+
+def oracle(p, selection):
+    """Dense float64 attention with the selection's block mask: out, dq, dk, dv, and dK, dV of the past."""
+    b, hq, t, d = p.q.shape
+    h = p.k.shape[1]
+    g = hq // h
+    ps = p.store.page_size
+    kp, vp = p.store.read(0, p.start)
+    leaves = [x.detach().double().requires_grad_() for x in (p.q, p.k, p.v, kp, vp)]
+    q, k, v, kp, vp = leaves
+    keys, vals = torch.cat([kp, k], 2), torch.cat([vp, v], 2)  # (B, H, start + T, D)
+    allowed = torch.zeros(b, h, t, p.start + t, dtype=torch.bool)
+    tile = torch.arange(t) // ps
+    sel = selection.cpu().expand(b, h, *selection.shape[2:]).long()
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(t):
+                for page in sel[bi, hi, tile[i]]:
+                    allowed[bi, hi, i, page * ps : min((page + 1) * ps, p.start)] = True
+    allowed[..., p.start :] = torch.ones(t, t).tril().bool()
+    s = torch.einsum("bhgtd,bhnd->bhgtn", q.view(b, h, g, t, d), keys) * p.scale
+    s = s.masked_fill(~allowed[:, :, None].to(s.device), float("-inf"))
+    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, d)
+    out.backward(p.dout.double())
+    return out.detach(), *(x.grad for x in leaves)
+
+
+def run_op(p, selection, forward, backward):
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    before = p.store.read(0, p.start + p.q.shape[2], grads=True)
+    out, lse = forward(p.q, p.k, p.v, p.store, p.start, p.scale, selection)
+    dq, dk, dv = backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, selection)
+    after = p.store.read(0, p.start, grads=True)
+    p.pool.dk.copy_(saved[0])
+    p.pool.dv.copy_(saved[1])
+    # What the op added to the past's gradient pages, and the chunk's dk, dv minus what was stored for them.
+    t0 = p.start
+    return (out, lse, dq, dk - before[0][:, :, t0:].to(dk.dtype), dv - before[1][:, :, t0:].to(dv.dtype),
+            after[0] - before[0][:, :, :t0], after[1] - before[1][:, :, :t0])
+
+
+NAMES = ["out", "dq", "dk", "dv", "store dk", "store dv"]
+
+
+def assert_matches(got, want, tol, names=NAMES):
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert torch.isfinite(a).all(), f"{name}: non-finite"
+        err = rel_err(a.cpu(), b.cpu())
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+# == options ================================================================================================
+
+
+def test_config_validation():
+    assert lightning_oomb.SparseConfig is SparseConfig
+    with pytest.raises(ValueError, match="budget_pages"):
+        SparseConfig(budget_pages=0)
+    with pytest.raises(ValueError, match="must not exceed"):
+        SparseConfig(budget_pages=4, sink_pages=2, local_pages=3)
+    with pytest.raises(ValueError, match="score"):
+        SparseConfig(score="max")
+    with pytest.raises(ValueError, match="unknown option"):
+        SparseConfig.coerce({"budget": 3})
+    assert SparseConfig.coerce({"budget_pages": 8}) == SparseConfig(budget_pages=8)
+    from lightning_oomb.core.schedule import ChunkConfig
+
+    assert ChunkConfig(sparse={"budget_pages": 8, "score": "minmax"}).sparse == SparseConfig(8, score="minmax")
+
+
+# == the reference against the masked dense oracle =========================================================
+
+REF_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size, budget, per_kv_head
+    "gqa2-per-head": (2, 2, 2, 8, 11, 23, 4, 3, True),
+    "gqa1-shared-straddle": (1, 2, 1, 8, 9, 13, 5, 2, False),
+    "dense-budget": (1, 1, 3, 8, 7, 10, 3, 64, True),
+    "empty-past": (1, 2, 2, 8, 6, 0, 4, 2, True),
+}
+
+
+@pytest.mark.parametrize("case", list(REF_CASES), ids=list(REF_CASES))
+def test_reference_matches_masked_dense(case):
+    b, h, g, d, t, start, ps, budget, per_head = REF_CASES[case]
+    p = make_problem(b, h, g, d, t, start, ps, torch.float32, device="cpu")
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget).cpu()
+    got = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
+    want = oracle(p, sel)
+    assert_matches([got[0], *got[2:]], want, 1e-5)
+
+
+def test_selection_rules():
+    """Sinks, local window and the top scores; dense when the past fits the budget; shared = one list."""
+    p = make_problem(2, 2, 2, 8, 10, 37, 4, torch.float32, device="cpu")  # 10 past pages, the last partial
+    pool, store = p.pool, p.store
+    for score in ("mean", "minmax"):
+        summaries = tuple(s[1] for s in pool.summaries(score))
+        update_summaries(store, summaries, score, 0, p.start)
+        config = SparseConfig(budget_pages=5, sink_pages=1, local_pages=2, score=score)
+        sel = select_pages(p.q, store, summaries, config, p.start)
+        assert sel.dtype == torch.int32 and sel.shape == (2, 2, 3, 5)
+        scores = sparse.page_scores(p.q, store, summaries, config, p.start)
+        for row, sc in zip(sel.view(-1, 5), scores.reshape(-1, 10)):
+            assert row.tolist() == sorted(row.tolist())
+            assert {0, 8, 9} <= set(row.tolist())
+            middle = sc[1:8]
+            assert set(row.tolist()) - {0, 8, 9} == set((middle.topk(2).indices + 1).tolist())
+        shared = select_pages(p.q, store, summaries, SparseConfig(5, 1, 2, score, per_kv_head=False), p.start)
+        assert shared.shape == (2, 1, 3, 5)
+        dense = select_pages(p.q, store, summaries, SparseConfig(budget_pages=10), p.start)
+        assert (dense == torch.arange(10, dtype=torch.int32)).all()
+    # The summaries themselves: mean of the past keys of page 9 (tokens 36..36), min/max of page 3.
+    kp, _ = store.read(0, p.start)
+    mean = pool.summaries("mean")[0][1][p.store.table.slots[:, 9].long()]
+    assert torch.allclose(mean, kp[:, :, 36:37].mean(2).float())
+    lo, hi = (s[1][p.store.table.slots[:, 3].long()] for s in pool.summaries("minmax"))
+    assert torch.equal(lo, kp[:, :, 12:16].amin(2)) and torch.equal(hi, kp[:, :, 12:16].amax(2))
+
+
+def test_minmax_bounds_the_mean_query_logit():
+    p = make_problem(1, 1, 2, 8, 8, 24, 4, torch.float32, device="cpu")
+    summaries = tuple(s[1] for s in p.pool.summaries("minmax"))
+    update_summaries(p.store, summaries, "minmax", 0, p.start)
+    bound = sparse.page_scores(p.q, p.store, summaries, SparseConfig(2, 0, 0, "minmax"), p.start)  # (1,1,2,6)
+    qbar = sparse.tile_queries(p.q, 4).mean(1)  # (1, n_tiles, D)
+    kp, _ = p.store.read(0, p.start)
+    logits = torch.einsum("bnd,bpd->bnp", qbar, kp[:, 0].float()).view(1, 2, 6, 4)
+    assert (bound[0, 0] >= logits[0].amax(-1) - 1e-6).all()
+
+
+# == the engine ============================================================================================
+
+
+def _grads(model, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = lightning_oomb.train_step(model, ids, **kwargs)
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def _assert_grads(a, b, tol):
+    assert a.keys() == b.keys()
+    worst = max((rel_err(a[n], b[n]), n) for n in b)
+    assert worst[0] <= tol, worst
+
+
+@pytest.mark.parametrize("score", ["mean", "minmax"])
+def test_budget_covering_every_page_is_dense(score):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 37))
+    want_loss, want = _grads(model, ids, chunk_size=8, page_size=3, attention="reference")
+    loss, got = _grads(model, ids, chunk_size=8, page_size=3, attention="reference",
+                       sparse=SparseConfig(budget_pages=13, score=score))
+    assert rel_err(loss, want_loss) <= 1e-5
+    _assert_grads(got, want, 1e-5)
+    with torch.no_grad():
+        ev = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=3, sparse={"budget_pages": 13})
+    assert rel_err(ev, want_loss) <= 1e-5
+
+
+def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
+    """A small budget gives another loss than dense; stage 2 gets stage 1's selection tensors, per layer
+    and chunk, in the forward and in the backward."""
+    calls = []
+    fwd, bwd = sparse.attention_forward, sparse.attention_backward
+
+    def record_fwd(q, k, v, store, start, scale, selection):
+        calls.append(("fwd", start, selection))
+        return fwd(q, k, v, store, start, scale, selection)
+
+    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection):
+        calls.append(("bwd", start, selection))
+        return bwd(dout, q, k, v, out, lse, store, start, scale, selection)
+
+    monkeypatch.setattr(sparse, "attention_forward", record_fwd)
+    monkeypatch.setattr(sparse, "attention_backward", record_bwd)
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    config = SparseConfig(budget_pages=2, sink_pages=1, local_pages=0, score="mean")
+    loss, _ = _grads(model, ids, chunk_size=8, page_size=2, attention="reference", sparse=config)
+    dense_loss, _ = _grads(model, ids, chunk_size=8, page_size=2, attention="reference")
+    assert rel_err(loss, dense_loss) > 1e-4
+    calls = calls[: 3 * 2 * 5]  # the sparse step's: stage 1 (2 layers x 5 chunks), then stage 2's fwd + bwd
+    stage1, stage2 = calls[:10], calls[10:]
+    assert all(c[0] == "fwd" for c in stage1) and [c[1] for c in stage1[::2]] == [0, 8, 16, 24, 32]
+    made = {}
+    for i, c in enumerate(stage1):  # layers run in order within a chunk
+        made[(c[1], i % 2)] = c[2]
+    used = {}
+    for c in stage2:
+        used.setdefault((c[0], c[1]), []).append(c[2])
+    assert sorted(k[1] for k in used if k[0] == "bwd") == [0, 8, 16, 24, 32]
+    for (start, layer), sel in made.items():
+        for kind in ("fwd", "bwd"):
+            assert any(s is sel for s in used[(kind, start)]), (kind, start, layer)
+        if start >= 2 * 2:
+            assert sel.shape[-1] == 2  # budget-limited past
+
+
+# == Triton kernels against the reference (interpreter on CPU) =============================================
+
+KERNEL_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size, budget, per_kv_head
+    "gqa2-pages-of-5": (2, 2, 2, 16, 23, 41, 5, 3, True),
+    "gqa1-shared-pages-of-16": (1, 2, 1, 16, 37, 50, 16, 2, False),
+    "page-larger-than-block": (1, 1, 2, 16, 20, 70, 24, 2, True),
+    "dense-budget-odd-dim": (1, 2, 2, 8, 13, 17, 4, 64, True),
+    "empty-past": (1, 1, 2, 16, 9, 0, 4, 2, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
+def test_kernels_match_reference(case, dtype):
+    b, h, g, d, t, start, ps, budget, per_head = KERNEL_CASES[case]
+    p = make_problem(b, h, g, d, t, start, ps, dtype)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
+    assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
+
+
+def test_kernel_autograd_wiring():
+    p = make_problem(1, 1, 2, 16, 12, 10, 4, torch.float32)
+    sel = random_selection(1, 1, 12, 10, 4, 2)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    grads = []
+    for impl in ("triton", "reference"):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        q, k, v = (x.clone().requires_grad_() for x in (p.q, p.k, p.v))
+        backend = resolve_backend(impl, q.device, sparse=True)
+        out = chunk_attention(q, k, v, p.store, p.start, p.scale, backend, sel)
+        out.backward(p.dout)
+        grads.append((out.detach(), q.grad, k.grad, v.grad, *p.store.read(0, p.start, grads=True)))
+    for a, b in zip(*grads):
+        assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("per_kv_head,score", [(True, "mean"), (False, "minmax")])
+def test_train_step_triton_matches_reference(per_kv_head, score):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    config = SparseConfig(budget_pages=2, sink_pages=1, local_pages=1, score=score, per_kv_head=per_kv_head)
+    want_loss, want = _grads(model, ids, chunk_size=8, page_size=3, attention="reference", sparse=config)
+    loss, got = _grads(model, ids, chunk_size=8, page_size=3, attention="triton", sparse=config)
+    assert rel_err(loss, want_loss) <= 1e-5
+    _assert_grads(got, want, 1e-5)
