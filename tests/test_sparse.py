@@ -280,3 +280,48 @@ def test_train_step_triton_matches_reference(per_kv_head, score):
     loss, got = _grads(model, ids, chunk_size=8, page_size=3, attention="triton", sparse=config)
     assert rel_err(loss, want_loss) <= 1e-5
     _assert_grads(got, want, 1e-5)
+
+
+# == Lightning: the mixin and the strategy ================================================================
+
+
+def test_mixin_trains_sparse_through_a_trainer(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_oomb import OOMBStrategy, SparseCausalLMModule
+    from lightning_oomb.core import schedule
+
+    made = []
+    select = schedule.select_pages
+    monkeypatch.setattr(schedule, "select_pages", lambda *a: made.append(a[3]) or select(*a))
+    config = dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    module = SparseCausalLMModule(config=config, budget_pages=3, sink_pages=1, local_pages=1, sparse_score="minmax",
+                                  per_kv_head=False, learning_rate=1e-2)
+    want = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, score="minmax", per_kv_head=False)
+    assert module.sparse_config == want
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(0, VOCAB, (1, 40), generator=g)), "labels": ids} for _ in range(2)]
+    strategy = OOMBStrategy(chunk_size=8, page_size=4, sparse={"budget_pages": 50})  # the module's wins
+    trainer = Trainer(max_steps=2, accelerator="cpu", strategy=strategy, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer.fit(module, DataLoader(data, batch_size=None))
+    assert trainer.global_step == 2
+    assert strategy.chunk_config.sparse == want
+    assert made and all(c == want for c in made)
+    assert any(not torch.equal(p, before[n]) for n, p in module.named_parameters())
+    ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)
+    hp = ckpt["hyper_parameters"]
+    assert (hp["budget_pages"], hp["sink_pages"], hp["local_pages"], hp["sparse_score"], hp["per_kv_head"]) == (
+        3, 1, 1, "minmax", False)
+    with pytest.raises(ValueError, match="must not exceed"):
+        SparseCausalLMModule(config=config, budget_pages=2, sink_pages=1, local_pages=2)
+
+
+def test_strategy_takes_a_dict():
+    from lightning_oomb import OOMBStrategy
+
+    assert OOMBStrategy(sparse={"budget_pages": 8}).chunk_config.sparse == SparseConfig(budget_pages=8)
+    assert OOMBStrategy().chunk_config.sparse is None

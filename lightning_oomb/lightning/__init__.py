@@ -5,6 +5,7 @@ from .checkpoint import AtomicCheckpointIO
 from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
 from .module import CausalLMModule, SetupError
+from .sparse import SparseAttentionMixin, SparseCausalLMModule
 from .strategy import OOMBStrategy
 
 __all__ = [
@@ -15,5 +16,7 @@ __all__ = [
     "PagedKVCallback",
     "PasskeyDataModule",
     "SetupError",
+    "SparseAttentionMixin",
+    "SparseCausalLMModule",
     "TextCorpusDataModule",
 ]

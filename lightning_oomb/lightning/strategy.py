@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from transformers import PreTrainedModel
 
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
+from ..core.sparse import SparseConfig
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 
@@ -45,6 +47,8 @@ class OOMBStrategy(SingleDeviceStrategy):
         attention: "auto" | "reference" | "triton". checkpoint_layers: checkpoint decoder layers in stage 2.
         cross_chunk_gradients: False is an ablation that drops gradients crossing chunk borders.
         grad_dtype: "float32" (default) or "bfloat16" for the KV-gradient store (half its memory).
+        sparse: None (dense), a ``SparseConfig`` or a dict of its fields (YAML): page-level sparse attention.
+            A LightningModule with ``SparseAttentionMixin`` whose ``sparse_config`` is not None overrides it.
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -58,6 +62,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         checkpoint_layers: bool = False,
         cross_chunk_gradients: bool = True,
         grad_dtype: str = "float32",
+        sparse: SparseConfig | dict | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -67,7 +72,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
-            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype
+            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse
         )
         self._pending: Serving | None = None
 
@@ -81,6 +86,9 @@ class OOMBStrategy(SingleDeviceStrategy):
                 "16-mixed needs a gradient scaler that this strategy does not replay exactly: use bf16-mixed "
                 "or bf16-true"
             )
+        module_sparse = getattr(self.lightning_module, "sparse_config", None)
+        if module_sparse is not None:  # the module's sparse options (SparseAttentionMixin) take precedence
+            self.chunk_config = dataclasses.replace(self.chunk_config, sparse=module_sparse)
         trainer = self.lightning_module.trainer
         if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(PagedKVCallback())

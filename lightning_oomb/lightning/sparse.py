@@ -1,0 +1,78 @@
+"""The sparse-attention LightningModule mixin: a module that mixes it in trains with page-level sparse attention.
+
+    class MyModule(SparseAttentionMixin, LightningModule):
+        def __init__(self, ..., budget_pages=64, sink_pages=1, local_pages=4, sparse_score="mean",
+                     per_kv_head=True):
+            super().__init__()
+            self.save_hyperparameters()
+
+The sparse options are ordinary hyperparameters: ``save_hyperparameters`` stores them in checkpoints and the
+Lightning CLI's YAML sets them (``model.init_args.budget_pages: 64``). ``OOMBStrategy`` asks the module for
+``sparse_config`` at set-up; the module's config takes precedence over the strategy's ``sparse`` argument
+(a module without the mixin, or with ``budget_pages: null``, leaves the strategy's setting). On CUDA the
+sparse Triton kernels run (``attention="auto"``); on CPU the PyTorch reference.
+
+``SparseCausalLMModule`` is ``CausalLMModule`` with the mixin and these hyperparameters.
+"""
+
+from __future__ import annotations
+
+from ..core.sparse import SparseConfig
+from .module import CausalLMModule
+
+SPARSE_HPARAMS = {
+    "budget_pages": "budget_pages",
+    "sink_pages": "sink_pages",
+    "local_pages": "local_pages",
+    "sparse_score": "score",
+    "per_kv_head": "per_kv_head",
+}
+
+
+class SparseAttentionMixin:
+    """Gives a LightningModule ``sparse_config``, read from its hyperparameters (see the module notes).
+
+    Hyperparameters read: ``budget_pages`` (None: dense), ``sink_pages``, ``local_pages``, ``sparse_score``
+    ("mean" | "minmax"), ``per_kv_head``; missing ones take ``SparseConfig``'s defaults.
+    """
+
+    @property
+    def sparse_config(self) -> SparseConfig | None:
+        hparams = getattr(self, "hparams", {})
+        if hparams.get("budget_pages") is None:
+            return None
+        return SparseConfig(**{field: hparams[name] for name, field in SPARSE_HPARAMS.items() if name in hparams})
+
+
+class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
+    """``CausalLMModule`` trained with page-level sparse attention.
+
+    Args (besides CausalLMModule's): budget_pages, sink_pages, local_pages, sparse_score, per_kv_head: the
+    fields of ``lightning_oomb.SparseConfig`` (``sparse_score`` is its ``score``); budget_pages=None is dense.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: dict | None = None,
+        dtype: str = "float32",
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: list[str] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        answer_tokens: int = 0,
+        seed: int = 0,
+        budget_pages: int | None = 64,
+        sink_pages: int = 1,
+        local_pages: int = 4,
+        sparse_score: str = "mean",
+        per_kv_head: bool = True,
+    ):
+        if budget_pages is not None:  # refuse bad options before loading a model
+            SparseConfig(budget_pages, sink_pages, local_pages, sparse_score, per_kv_head)
+        super().__init__(
+            pretrained, config, dtype, lora_rank, lora_alpha, lora_target_modules, learning_rate, weight_decay,
+            warmup_steps, answer_tokens, seed,
+        )
