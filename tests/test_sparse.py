@@ -325,3 +325,44 @@ def test_strategy_takes_a_dict():
 
     assert OOMBStrategy(sparse={"budget_pages": 8}).chunk_config.sparse == SparseConfig(budget_pages=8)
     assert OOMBStrategy().chunk_config.sparse is None
+
+
+# == planner and bench ====================================================================================
+
+
+def test_planner_counts_sparse_attention():
+    from lightning_oomb.core.planner import core_features, plan, step_time
+
+    assert core_features()["sparse"]
+    kw = dict(gpu_memory=141e9, host_memory=128e9)
+    dense = plan("qwen2.5-7b", 131072, **kw)
+    sp = plan("qwen2.5-7b", 131072, sparse={"budget_pages": 64}, **kw)
+    assert sp.time.linear_flops == dense.time.linear_flops
+    # 32 chunks of 4096: chunk c attends min(4096 c, 8192) past tokens + its causal half.
+    pairs = sum(4096 * (min(4096 * c, 8192) + 2048) for c in range(32))
+    assert sp.time.attention_flops == pytest.approx(4.5 * 4 * 3584 * 28 * pairs)
+    assert any(k.startswith("sparse:") for k in sp.gpu_lines) and "sparse attention: 64 pages" in str(sp)
+    suggestion = next(s for s in dense.suggestions if "sparse" in s.change)
+    assert suggestion.available and suggestion.plan.time.attention_flops == sp.time.attention_flops
+    assert not any("sparse" in s.change for s in sp.suggestions)
+    # A budget covering the whole past is dense.
+    big = step_time("qwen2.5-7b", 32768, sparse=SparseConfig(budget_pages=1024))
+    assert big.attention_flops == step_time("qwen2.5-7b", 32768).attention_flops
+
+
+def test_bench_sparse_mode(tmp_path):
+    import json
+
+    from lightning_oomb.bench import run as bench
+    from test_bench import TINY_QWEN2, read_rows
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_QWEN2))
+    out = tmp_path / "out"
+    argv = ["--model", str(path), "--lengths", "96", "--modes", "oomb,sparse", "--repeats", "1", "--warmup", "0",
+            "--chunk", "32", "--page-size", "8", "--budget-pages", "6", "--out", str(out)]
+    assert bench.main(argv) == 0
+    _, rows = read_rows(out / "results.csv")
+    assert [r["mode"] for r in rows] == ["oomb", "sparse"] and all(r["status"] == "ok" for r in rows)
+    assert float(rows[1]["floor_s"]) < float(rows[0]["floor_s"])
+    assert float(rows[0]["loss"]) != float(rows[1]["loss"])

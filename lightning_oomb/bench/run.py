@@ -8,12 +8,14 @@ mode runs on it at every length: warm-up steps, then ``--repeats`` timed steps (
 a forward and backward with gradients zeroed before it (set_to_none) and no optimizer step. Modes:
 - baseline: transformers' full-sequence forward and backward, SDPA attention, gradient checkpointing
   (non-reentrant), ``model(input_ids, labels=input_ids).loss``;
-- oomb: ``lightning_oomb.train_step`` (chunk-recurrent, exact gradient).
+- oomb: ``lightning_oomb.train_step`` (chunk-recurrent, exact gradient);
+- sparse: ``train_step`` with page-level sparse attention, ``SparseConfig(budget_pages=--budget-pages)``
+  (the other SparseConfig fields at their defaults). Its floor counts the sparse attention FLOPs.
 Later modes join through ``register_mode``. An out-of-memory point is recorded as "OOM" and the sweep goes
 on. Written to --out: results.csv, results.md (machine, date, command line, table) and results.png (step
 time and peak GPU memory against context length, log-log, with the FLOP floor of DESIGN.md section 3).
 
-The floor is the same for every mode (8 P_mm L + 9 n_layers d_q L^2 at --matmul-tflops, no extra layer
+The floor is the same for every dense mode (8 P_mm L + 9 n_layers d_q L^2 at --matmul-tflops, no extra layer
 checkpointing recompute), so "fraction of floor" compares modes on the same useful work. For oomb rows
 the planner's predicted peak (minus its CUDA context allowance, which max_memory_allocated does not see)
 and predicted time are recorded next to the measurement: that is how the planner's assumptions are
@@ -78,6 +80,7 @@ class BenchConfig:
     warmup: int = 1
     attention: str = "auto"
     checkpoint_layers: bool = False
+    budget_pages: int = 64
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     out: Path = Path("bench-results")
     device: str = "auto"
@@ -154,6 +157,12 @@ class BenchMode:
     setup: Callable[[nn.Module, BenchConfig], None] = lambda model, config: None
     teardown: Callable[[nn.Module, BenchConfig], None] = lambda model, config: None
     planned: bool = False
+    sparse: bool = False
+
+    def sparse_config(self, config: "BenchConfig"):
+        from ..core.sparse import SparseConfig
+
+        return SparseConfig(budget_pages=config.budget_pages) if self.sparse else None
 
 
 MODES: dict[str, BenchMode] = {}
@@ -207,6 +216,16 @@ def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -
     )
 
 
+def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    from .. import train_step
+
+    return train_step(
+        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers,
+        sparse=MODES["sparse"].sparse_config(config),
+    )
+
+
 def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
     """Forget the page pool train_step keeps per model, so each point's peak holds only its own pool."""
     from ..core.schedule import release_cached_pool
@@ -221,6 +240,10 @@ register_mode(BenchMode(
 register_mode(BenchMode(
     "oomb", "lightning_oomb.train_step (chunk-recurrent, exact gradient)",
     _oomb_step, _drop_cached_pool, _drop_cached_pool, planned=True,
+))
+register_mode(BenchMode(
+    "sparse", "lightning_oomb.train_step with page-level sparse attention (--budget-pages pages per query tile)",
+    _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True,
 ))
 
 
@@ -297,8 +320,10 @@ def measure(
     dtype = next(model.parameters()).dtype
     result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,
                          str(dtype).removeprefix("torch."))
+    sparse = mode.sparse_config(config)
     floor = step_time(shape, context, batch=config.batch, chunk_size=config.chunk_size,
-                      lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops)
+                      lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops, sparse=sparse,
+                      page_size=config.page_size)
     result.floor_s = floor.floor_s
     if mode.planned:
         planned = plan(
@@ -306,7 +331,7 @@ def measure(
             lora_rank=config.lora_rank, optimizer="none",
             precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
             checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
-            matmul_tflops=config.matmul_tflops,
+            matmul_tflops=config.matmul_tflops, sparse=sparse,
         )
         result.planned_gpu_allocated_bytes = planned.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_step_s = planned.time.predicted_s
@@ -556,6 +581,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument("--attention", choices=("auto", "reference", "triton"), default="auto", help="oomb attention")
     parser.add_argument("--checkpoint-layers", action="store_true", help="oomb: checkpoint decoder layers in stage 2")
+    parser.add_argument("--budget-pages", type=int, default=64, help="sparse: past pages per query tile (default 64)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help="matmul peak in TFLOP/s for the FLOP floor")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cuda:1, cpu")
@@ -570,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
-        checkpoint_layers=args.checkpoint_layers, matmul_tflops=args.matmul_tflops, out=args.out,
+        checkpoint_layers=args.checkpoint_layers, budget_pages=args.budget_pages, matmul_tflops=args.matmul_tflops, out=args.out,
         device=args.device, seed=args.seed,
     )
     for name, value in (("--repeats", config.repeats), ("--batch", config.batch)):

@@ -3,8 +3,9 @@
 ``plan(model, context, ...)`` returns a ``Plan``: the GPU and host memory of one chunk-recurrent training
 step, line by line in bytes, whether it fits this (or a named) machine, the FLOP floor and a predicted
 step time, and, when it does not fit, what would make it fit, each with its own numbers. Features that
-``lightning_oomb.core`` does not implement yet (bf16 KV-gradients, host offload, sparse attention) are
-listed as "not yet available" with the numbers they would give; nothing here pretends they exist.
+``lightning_oomb.core`` does not implement yet (host offload) are listed as "not yet available" with the
+numbers they would give; nothing here pretends they exist. ``plan(..., sparse=SparseConfig(...))`` counts
+the FLOPs of page-level sparse attention and the memory of its page summaries and selections.
 
 Sizes on the command line: token counts take K = 1024 and M = 1024 * 1024 (``1M`` = 1,048,576 tokens);
 memory takes decimal GB/MB/TB (``141GB`` = 141e9 bytes) and binary GiB/MiB/TiB (``80GiB`` = 80 * 2**30).
@@ -25,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from .loss import piece_rows
+from .sparse import SparseConfig
 
 GIB = 1 << 30
 
@@ -40,7 +42,8 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.
 # Offload projection: the past streams through the GPU in segments of this many tokens per layer, two in
 # flight (double buffering), K, V, dK and dV each.
 OFFLOAD_SEGMENT_TOKENS = 16384
-# Sparse projection: tokens of the past each query attends to (sink + local window + top-k pages).
+# Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
+# window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
 
 # Smallest chunk the planner suggests: below it matmuls get too thin to keep the GPU busy.
@@ -378,8 +381,9 @@ def step_time(
     chunk_size: int = 4096,
     lora_rank: int = 0,
     checkpoint_layers: bool = False,
-    sparse: bool = False,
+    sparse: "bool | SparseConfig | None" = False,
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
+    page_size: int = 128,
 ) -> StepTime:
     """FLOP model of DESIGN.md section 3 for one step of ``batch`` sequences of ``context`` tokens.
 
@@ -390,7 +394,9 @@ def step_time(
     4.5 times: two forwards and a backward of 2.5 forwards).
     layer checkpointing recomputes each layer's forward once more: 2 * (P_mm - lm_head) * tokens plus
     2 * n_layers * d_q * L^2.
-    sparse (projection): each query attends to SPARSE_ATTENDED_TOKENS of the past plus its chunk causally.
+    sparse: each query attends to at most A past tokens (A = budget_pages * page_size for a SparseConfig,
+    SPARSE_ATTENDED_TOKENS for True) plus its chunk causally: per chunk of n tokens after s past tokens,
+    n * (min(s, A) + n / 2) pairs instead of n * (s + n / 2).
     """
     shape = ModelShape.resolve(model)
     tokens = batch * context
@@ -402,8 +408,12 @@ def step_time(
     dense_pairs = context * context / 2
     pairs = dense_pairs
     if sparse:
-        chunk = min(chunk_size, context)
-        pairs = min(dense_pairs, context * (SPARSE_ATTENDED_TOKENS + chunk / 2))
+        attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
+        pairs = 0.0
+        for start in range(0, context, chunk_size):
+            n = min(chunk_size, context - start)
+            pairs += n * (min(start, attended) + n / 2)
+        pairs = min(dense_pairs, pairs)
     forward_attention = 4.0 * shape.q_width * pairs * shape.n_layers * batch
     attention = 4.5 * forward_attention
     recompute = 0.0
@@ -419,8 +429,9 @@ def step_time(
 class PlanConfig:
     """One training step as the planner sees it. Token counts are per sequence; memory is in bytes.
 
-    offload and sparse are projections of features lightning_oomb.core does not have yet (see
-    ``core_features``); the planner only sets them for suggestions marked as such.
+    offload is a projection of a feature lightning_oomb.core does not have yet (see ``core_features``); the
+    planner only sets it for suggestions marked as such. sparse: None/False (dense), a SparseConfig, or True
+    (a projection with SPARSE_ATTENDED_TOKENS).
     """
 
     context: int
@@ -434,7 +445,7 @@ class PlanConfig:
     grad_dtype: torch.dtype = torch.float32
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     offload: bool = False
-    sparse: bool = False
+    sparse: "bool | SparseConfig | None" = False
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size"):
@@ -545,6 +556,12 @@ class Plan:
             f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
             f"{ckpt}, KV-gradients {_dtype_name(c.grad_dtype)}"
         )
+        if isinstance(c.sparse, SparseConfig):
+            sp = c.sparse
+            head += (
+                f"; sparse attention: {sp.budget_pages} pages per query tile ({sp.sink_pages} sink, "
+                f"{sp.local_pages} local), score {sp.score}, {'per KV head' if sp.per_kv_head else 'shared'}"
+            )
         width = max(len(k) for k in [*self.gpu_lines, *self.host_lines]) + 2
         rows = [head, "", f"{'GPU memory':<{width}}{'GiB':>10}"]
         rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.gpu_lines.items()]
@@ -678,6 +695,14 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     else:
         gpu[kv_name] = kv_bytes
         gpu[grad_name] = grad_bytes
+    if isinstance(c.sparse, SparseConfig):
+        pages = c.stored_tokens // c.page_size
+        per_page = shape.n_layers * shape.n_kv_heads * shape.head_dim
+        summaries = pages * per_page * (4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype))
+        # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile.
+        heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
+        selections = 4 * shape.n_layers * heads * pages * min(c.sparse.budget_pages, pages)
+        gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
     gpu["CUDA context and workspaces (assumed)"] = CUDA_CONTEXT_BYTES
     return gpu, host
 
@@ -695,6 +720,7 @@ def _estimate(
         checkpoint_layers=config.checkpoint_layers,
         sparse=config.sparse,
         matmul_tflops=config.matmul_tflops,
+        page_size=config.page_size,
     )
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
@@ -735,6 +761,7 @@ def plan(
     gpu_memory: int | float | None = None,
     host_memory: int | float | None = None,
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
+    sparse: SparseConfig | dict | None = None,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -742,6 +769,8 @@ def plan(
     transformers config (or config dict) or model. checkpoint_layers: None decides (off if it fits, else on).
     gpu_memory, host_memory: bytes; None takes this machine's CUDA device and RAM (no CUDA device: error).
     matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
+    sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
+    summaries and selections.
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -761,6 +790,7 @@ def plan(
         checkpoint_layers=bool(checkpoint_layers),
         grad_dtype=grad_dtype,
         matmul_tflops=matmul_tflops,
+        sparse=SparseConfig.coerce(sparse),
     )
 
     def estimate(config: PlanConfig) -> Plan:
@@ -840,10 +870,12 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
                 found.append(Suggestion("all of the above with bf16 KV-gradients and offload", available,
                                         estimate(everything)))
     t = result.time
-    if t.attention_flops > t.linear_flops:
-        sparse = estimate(dataclasses.replace(c, sparse=True))
+    if t.attention_flops > t.linear_flops and not c.sparse:
+        config = SparseConfig()
+        sparse = estimate(dataclasses.replace(c, sparse=config))
         found.append(Suggestion(
-            f"page-level sparse attention ({SPARSE_ATTENDED_TOKENS:,} past tokens per query; same memory)",
+            f"page-level sparse attention (sparse=SparseConfig(budget_pages={config.budget_pages}): at most "
+            f"{config.attended_past_tokens(c.page_size):,} past tokens per query)",
             features["sparse"], sparse, goal="time"))
     return found
 
