@@ -152,9 +152,7 @@ class ChunkedSequence:
         self.input_ids = input_ids
         self.config = config
         self.device = input_ids.device
-        self.backend = resolve_backend(config.attention, self.device)
-        if config.sparse is not None:
-            self.backend = resolve_backend(config.attention, self.device, sparse=True)
+        self.backend = resolve_backend(config.attention, self.device, sparse=config.sparse is not None)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
         self._chunk = 0
