@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(_Module(model), DataLoader([ids[0]] * (args.steps + 1), batch_size=1))
     t_lightning = statistics.median(timer.times[1:])
     print(f"{args.model}, context {context:,}, chunk {args.chunk}, {torch.cuda.get_device_name()}")
-    print(f"| train_step | SGD step | Lightning step | Lightning / (train_step + SGD) |")
-    print(f"|---|---|---|---|")
+    print("| train_step | SGD step | Lightning step | Lightning / (train_step + SGD) |")
+    print("|---|---|---|---|")
     print(f"| {t_step:.2f} s | {t_sgd * 1e3:.0f} ms | {t_lightning:.2f} s | {t_lightning / (t_step + t_sgd):.3f} |")
 
 

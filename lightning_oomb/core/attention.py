@@ -11,19 +11,11 @@ sparse=True)``), whose ``attention_forward``/``attention_backward`` take the sel
 from __future__ import annotations
 
 import os
-from typing import Literal, Protocol
 
 import torch
 
 from . import reference_attention
 from .pages import LayerStore
-
-AttentionImpl = Literal["auto", "reference", "triton"]
-
-
-class AttentionBackend(Protocol):
-    def attention_forward(self, q, k, v, store, start, scale): ...  # noqa: E704
-    def attention_backward(self, dout, q, k, v, out, lse, store, start, scale): ...  # noqa: E704
 
 
 def resolve_backend(impl: str, device: torch.device, sparse: bool = False):

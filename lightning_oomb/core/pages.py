@@ -142,9 +142,6 @@ class PagePool:
         tensors = [self.k, self.v, self.dk, self.dv, *(t for ts in self._summaries.values() for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def pages_for(self, batch: int, seq_len: int) -> int:
-        return batch * -(-seq_len // self.page_size)
-
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
         n = -(-seq_len // self.page_size)
