@@ -11,24 +11,50 @@ KEY_MARKER, QUERY_MARKER, FIRST_KEY = 1, 2, 3
 
 
 class PasskeyDataset(Dataset):
-    """Filler text with ``KEY <passkey>`` near the start and ``QUERY <passkey>`` as the last two tokens.
+    """A passkey stated near the start of a long filler text and asked for as the very last token.
 
-    As in the classic passkey test, the filler is one sentence repeated (``filler_len`` tokens drawn once
-    from the filler ids), starting at a random phase. Token ids: 1 marks the key, 2 the question,
-    ``3 .. 3 + num_keys - 1`` are the passkeys, the rest of the vocabulary is filler. Only the final
-    passkey token is a label, so the loss is the retrieval itself. Item i is drawn from its own seed, so the
-    data are the same on every run and every worker.
+    Token layout of one sequence of ``seq_len`` tokens (ids: 1 marks the key, 2 the question,
+    ``3 .. 3 + num_keys - 1`` are the passkeys, the ids above are filler)::
+
+        position  0 .. at-1      at .. at+2r-1              ...             seq_len-2  seq_len-1
+                  filler         KEY X KEY X ... (r times)  filler          QUERY      X
+
+    * X, the passkey, is one of ``num_keys`` tokens, uniformly at random: chance level is ``1 / num_keys``.
+    * The statement ``KEY X`` is repeated ``key_repeats`` times back to back (twice by default, as the classic
+      "the pass key is X. Remember it. X is the pass key" states it twice); the whole statement lies in the
+      first ``key_window`` tokens (``at`` uniform in ``[0, key_window - 2 * key_repeats]``). Keep
+      ``key_window <= chunk_size``: then the passkey is in the first chunk only.
+    * The filler is one sentence of ``filler_len`` tokens (drawn once, the same for every sequence) repeated
+      from a random phase. ``filler_len=1`` is one filler token repeated (a haystack of padding).
+    * The only label is the last token, X (``labels`` are -100 elsewhere): the loss is the retrieval itself.
+      X occurs in the input only inside the first ``key_window`` tokens, so nothing in the later chunks
+      tells it: it is reachable only by attending across chunk borders, back over ``seq_len - key_window``
+      tokens or more.
+
+    Item i is drawn from its own seed, so the data are the same on every run and every worker.
     """
 
     def __init__(
-        self, size: int, seq_len: int, vocab_size: int, num_keys: int, key_window: int, filler_len: int, seed: int
+        self,
+        size: int,
+        seq_len: int,
+        vocab_size: int,
+        num_keys: int,
+        key_window: int,
+        filler_len: int,
+        seed: int,
+        key_repeats: int = 2,
     ):
+        if key_repeats < 1 or filler_len < 1 or num_keys < 1:
+            raise ValueError("key_repeats, filler_len and num_keys must be >= 1")
+        if key_window < 2 * key_repeats:
+            raise ValueError(f"key_window {key_window} cannot hold {key_repeats} statements of 2 tokens")
         if seq_len < key_window + 4:
             raise ValueError(f"seq_len {seq_len} must exceed key_window + 4 = {key_window + 4}")
-        if vocab_size <= FIRST_KEY + num_keys + 1:
+        if vocab_size <= FIRST_KEY + num_keys:
             raise ValueError(f"vocab_size {vocab_size} leaves no filler tokens beside {num_keys} passkeys")
         self.size, self.seq_len, self.vocab_size = size, seq_len, vocab_size
-        self.num_keys, self.key_window, self.seed = num_keys, key_window, seed
+        self.num_keys, self.key_window, self.key_repeats, self.seed = num_keys, key_window, key_repeats, seed
         g = torch.Generator().manual_seed(0)  # the same sentence for training and held-out data
         self.sentence = torch.randint(FIRST_KEY + num_keys, vocab_size, (filler_len,), generator=g)
 
@@ -40,8 +66,10 @@ class PasskeyDataset(Dataset):
         phase = int(torch.randint(len(self.sentence), (1,), generator=g))
         ids = self.sentence.roll(-phase).repeat(self.seq_len // len(self.sentence) + 1)[: self.seq_len].clone()
         key = FIRST_KEY + int(torch.randint(self.num_keys, (1,), generator=g))
-        at = int(torch.randint(0, self.key_window - 1, (1,), generator=g))
-        ids[at], ids[at + 1] = KEY_MARKER, key
+        span = 2 * self.key_repeats
+        at = int(torch.randint(0, self.key_window - span + 1, (1,), generator=g))
+        ids[at : at + span : 2] = KEY_MARKER
+        ids[at + 1 : at + span : 2] = key
         ids[-2], ids[-1] = QUERY_MARKER, key
         labels = torch.full_like(ids, IGNORE_INDEX)
         labels[-1] = key
@@ -53,10 +81,13 @@ class PasskeyDataModule(LightningDataModule):
 
     Args:
         seq_len: tokens per sequence. batch_size: sequences per batch.
-        vocab_size: the model's vocabulary. num_keys: how many distinct passkeys.
-        key_window: the key is placed within the first ``key_window`` tokens (keep it inside the first chunk).
-        filler_len: tokens of the repeated filler sentence.
+        vocab_size: the model's vocabulary. num_keys: how many distinct passkeys (chance is 1 / num_keys).
+        key_window: the statement lies within the first ``key_window`` tokens (keep it <= the chunk size).
+        filler_len: tokens of the repeated filler sentence (1: one filler token repeated).
+        key_repeats: how many times ``KEY X`` is stated.
         train_size, val_size: sequences per epoch; validation sequences are held out (another seed).
+
+    See ``PasskeyDataset`` for the token layout.
     """
 
     answer_tokens = 1
@@ -64,20 +95,22 @@ class PasskeyDataModule(LightningDataModule):
     def __init__(
         self,
         seq_len: int = 4096,
-        batch_size: int = 4,
+        batch_size: int = 1,
         vocab_size: int = 256,
-        num_keys: int = 100,
-        key_window: int = 256,
-        filler_len: int = 24,
+        num_keys: int = 10,
+        key_window: int = 512,
+        filler_len: int = 1,
         train_size: int = 4096,
-        val_size: int = 64,
+        val_size: int = 100,
         seed: int = 0,
+        key_repeats: int = 2,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size = seq_len, batch_size
         common = dict(
-            seq_len=seq_len, vocab_size=vocab_size, num_keys=num_keys, key_window=key_window, filler_len=filler_len
+            seq_len=seq_len, vocab_size=vocab_size, num_keys=num_keys, key_window=key_window,
+            filler_len=filler_len, key_repeats=key_repeats,
         )
         self.train_set = PasskeyDataset(train_size, seed=seed, **common)
         self.val_set = PasskeyDataset(val_size, seed=seed + 1, **common)
