@@ -192,3 +192,32 @@ def test_memory_series_in_tensorboard(tmp_path):
     stages = [e.value for e in events.Scalars("memory_trace/stage")]
     assert stages == [1] * 4 + [2] * 4
     assert len(events.Scalars("memory_trace/allocated_gib")) == 8
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_pages_same_weights_as_plain_training(backend):
+    """offload="host": the pages live in host memory and stream through in segments; weights unchanged."""
+    compare(lambda: UserModule(tiny_model("qwen2")), STEPS_TOL,
+            {"attention": backend, "offload": "host", "segment_tokens": 8}, accumulate_grad_batches=2, max_steps=2)
+
+
+def test_offload_traffic_in_tensorboard(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, page_size=4), logger=logger, log_every_n_steps=1,
+        callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2, offload="host")])
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("offload/h2d_gib", "offload/d2h_gib", "offload/h2d_s", "offload/d2h_s", "memory/pool_host_gib"):
+        assert tag in tags, (tag, tags)
+    assert all(e.value > 0 for e in events.Scalars("offload/h2d_gib"))
+    assert all(e.value > 0 for e in events.Scalars("memory/pool_host_gib"))
+
+
+def test_callback_and_strategy_offload_must_agree():
+    with pytest.raises(ValueError, match="set it in one place"):
+        fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, offload="gpu"), max_steps=1,
+            callbacks=[PagedKVCallback(offload="host")])

@@ -6,6 +6,9 @@ what later chunks stored for them already added (DESIGN.md section 1, stage 2, s
 With a page selection (``lightning_oomb.core.sparse``) the same function runs sparse attention: the past is
 only the selected pages of each query tile, and the backend is the sparse one (``resolve_backend(...,
 sparse=True)``), whose ``attention_forward``/``attention_backward`` take the selection as a last argument.
+
+A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
+streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time.
 """
 
 from __future__ import annotations
@@ -43,11 +46,17 @@ def resolve_backend(impl: str, device: torch.device, sparse: bool = False):
     return triton_attention
 
 
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, extra: tuple):
+    if store.streamer is not None:
+        return store.streamer.forward(backend, q, k, v, store, start, scale)
+    return backend.attention_forward(q, k, v, store, start, scale, *extra)
+
+
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None):
         extra = () if selection is None else (selection,)
-        out, lse = backend.attention_forward(q, k, v, store, start, scale, *extra)
+        out, lse = _forward(q, k, v, store, start, scale, backend, extra)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.store, ctx.start, ctx.scale, ctx.backend, ctx.extra = store, start, scale, backend, extra
         return out
@@ -55,9 +64,11 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.backend.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale, *ctx.extra
-        )
+        args = (dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale)
+        if ctx.store.streamer is not None:
+            dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args)
+        else:
+            dq, dk, dv = ctx.backend.attention_backward(*args, *ctx.extra)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -73,4 +84,4 @@ def chunk_attention(
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection)
     extra = () if selection is None else (selection,)
-    return backend.attention_forward(q, k, v, store, start, scale, *extra)[0]
+    return _forward(q, k, v, store, start, scale, backend, extra)[0]

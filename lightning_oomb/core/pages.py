@@ -9,8 +9,12 @@ page p lives in physical slot ``page_table[b, p]``; token t of sequence b is row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .offload import Streamer
 
 
 @dataclass(frozen=True)
@@ -48,22 +52,32 @@ class PageTable:
         return self.slots[:, t // self.page_size].long() * self.page_size + t % self.page_size
 
 
+@dataclass
 class LayerStore:
-    """One layer's view of the pool: what the attention op reads and accumulates into."""
+    """One layer's view of a pool: what the attention op reads and accumulates into.
 
-    def __init__(self, pool: "PagePool", layer: int, table: PageTable):
-        self.k = pool.k[layer]
-        self.v = pool.v[layer]
-        self.dk = pool.dk[layer] if pool.dk is not None else None
-        self.dv = pool.dv[layer] if pool.dv is not None else None
-        self.table = table
-        self.page_size = pool.page_size
+    k, v, dk, dv: (num_pages, page_size, n_kv_heads, head_dim) tensors (dk, dv None without gradient pages).
+    ``streamer`` is set when the tensors live in host memory: attention then streams them through the GPU
+    (lightning_oomb.core.offload) with ``layer`` naming this layer there.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
+    table: PageTable
+    page_size: int
+    layer: int = 0
+    streamer: "Streamer | None" = None
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
+        if self.streamer is not None:
+            self.streamer.write(self, k, v, start)
+            return
         rows = self.table.rows(start, start + k.shape[2])
         self._flat(self.k)[rows] = k.transpose(1, 2).to(self.k.dtype)
         self._flat(self.v)[rows] = v.transpose(1, 2).to(self.v.dtype)
@@ -87,6 +101,11 @@ class PagePool:
 
     ``num_pages`` slots are shared by all sequences of a step; tables are handed out by ``allocate``
     and returned by ``free``. Nothing here grows after construction.
+
+    placement "gpu" keeps the pages on ``device``; "host" keeps them in host memory (pinned when ``device`` is
+    CUDA, registered in one piece per tensor) and attention streams them through the GPU in segments of
+    ``segment_tokens`` tokens, the sequences of a batch together (lightning_oomb.core.offload). On a CPU ``device`` "host" runs the same
+    streaming code with synchronous copies: that is how it is tested.
     """
 
     def __init__(
@@ -96,28 +115,54 @@ class PagePool:
         page_size: int,
         device: torch.device | str,
         with_grads: bool = True,
+        placement: str = "gpu",
+        segment_tokens: int | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if placement not in ("gpu", "host"):
+            raise ValueError(f"placement must be 'gpu' or 'host', got {placement!r}")
         self.spec = spec
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
+        self.placement = placement
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
-        self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=spec.dtype, device=self.device)
-        self.dk = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
-        self.dv = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+        if placement == "gpu":
+            self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            self.v = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            self.dk = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            self.dv = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            self.streamer = None
+        else:
+            from .offload import Streamer, pinned_empty
+
+            pin = self.device.type == "cuda"
+            self.k = pinned_empty(shape, spec.dtype, pin)
+            self.v = pinned_empty(shape, spec.dtype, pin)
+            # Gradient pages are never zeroed on the host: a step's first backward pass over a layer
+            # starts its staged gradients from zero instead (offload.Streamer).
+            self.dk = pinned_empty(shape, spec.grad_dtype, pin) if with_grads else None
+            self.dv = pinned_empty(shape, spec.grad_dtype, pin) if with_grads else None
+            if segment_tokens is None:
+                raise ValueError("a host-placed pool needs segment_tokens (tokens per staged segment, all sequences)")
+            self.streamer = Streamer(self, segment_tokens)
         self._free = list(range(num_pages))
         self.peak_pages_in_use = 0
         self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def on_host(self) -> bool:
+        return self.placement == "host"
 
     def summaries(self, score: str) -> tuple[torch.Tensor, ...]:
         """Per-page key summaries for sparse attention, each (n_layers, num_pages, n_kv_heads, head_dim):
         (mean,) in float32 for score "mean", (min, max) in the K dtype for "minmax". Allocated on first use
         (only sparse steps use them), sized with the pool (1/page_size of K's memory each)."""
+        if self.on_host:
+            raise ValueError("sparse attention over host-resident pages is not available: use offload='gpu'")
         if score not in self._summaries:
             shape = (self.spec.n_layers, self.num_pages, self.spec.n_kv_heads, self.spec.head_dim)
             if score == "mean":
@@ -139,8 +184,14 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pages (on the GPU or the host, by ``placement``) and, if any, sparse summaries."""
         tensors = [self.k, self.v, self.dk, self.dv, *(t for ts in self._summaries.values() for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def gpu_nbytes(self) -> int:
+        """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
+        return self.streamer.nbytes if self.on_host else self.nbytes
 
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
@@ -149,26 +200,36 @@ class PagePool:
             raise RuntimeError(
                 f"the page pool holds {self.num_pages} pages of {self.page_size} tokens "
                 f"({len(self._free)} free) but a batch of {batch} x {seq_len} tokens needs {batch * n}; "
-                "build the pool for the longest batch you will train on (PagedKVCallback(max_tokens=...))"
+                "build the pool for the longest batch you will train on (PagedKVCallback(max_seq_len=..., max_batch_size=...))"
             )
         taken, self._free = self._free[: batch * n], self._free[batch * n :]
         self.peak_pages_in_use = max(self.peak_pages_in_use, self.pages_in_use)
-        slots = torch.tensor(taken, dtype=torch.int32, device=self.device).view(batch, n)
-        if self.with_grads:
+        slots = torch.tensor(taken, dtype=torch.int32, device=self.k.device).view(batch, n)
+        table = PageTable(slots=slots, seq_len=seq_len, page_size=self.page_size)
+        if self.on_host:
+            self.streamer.begin(table)
+        elif self.with_grads:
             idx = slots.view(-1).long()
             self.dk[:, idx] = 0
             self.dv[:, idx] = 0
-        return PageTable(slots=slots, seq_len=seq_len, page_size=self.page_size)
+        return table
 
     def free(self, table: PageTable) -> None:
         """Give a table's pages back to the pool."""
-        self._free.extend(table.slots.view(-1).tolist())
+        if self.on_host:
+            self.streamer.end(table)
+        # Sorted, so that a sequence's pages form long runs of consecutive slots (one copy per run).
+        self._free = sorted(self._free + table.slots.view(-1).tolist())
 
     def zero_grads(self, table: PageTable, start: int, end: int) -> None:
         """Zero the gradient pages of tokens [start, end) of every layer."""
+        if self.on_host:
+            self.streamer.synchronize()  # no copy may still be writing these pages
         rows = table.rows(start, end).reshape(-1)
         for grads in (self.dk, self.dv):
             grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows] = 0
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        return LayerStore(self, layer, table)
+        dk = self.dk[layer] if self.dk is not None else None
+        dv = self.dv[layer] if self.dv is not None else None
+        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer)

@@ -39,9 +39,11 @@ HOST_PROCESS_BYTES = 4 * GIB
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
 ASSUMED_EFFICIENCY = 0.6
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
-# Offload projection: the past streams through the GPU in segments of this many tokens per layer, two in
-# flight (double buffering), K, V, dK and dV each.
-OFFLOAD_SEGMENT_TOKENS = 16384
+# Offload: the past streams through the GPU in segments of up to this many tokens per sequence (two in
+# flight, K, V, dK and dV of one layer each); longer segments mean fewer, larger copies and launches.
+OFFLOAD_SEGMENT_TOKENS = 65536
+# ... and the staging of both segments takes at most this fraction of the GPU memory the step leaves free.
+OFFLOAD_STAGING_SHARE = 0.25
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -429,9 +431,9 @@ def step_time(
 class PlanConfig:
     """One training step as the planner sees it. Token counts are per sequence; memory is in bytes.
 
-    offload is a projection of a feature lightning_oomb.core does not have yet (see ``core_features``); the
-    planner only sets it for suggestions marked as such. sparse: None/False (dense), a SparseConfig, or True
-    (a projection with SPARSE_ATTENDED_TOKENS).
+    offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
+    ``segment_tokens`` tokens per sequence. sparse: None/False (dense), a SparseConfig, or True (a
+    projection with SPARSE_ATTENDED_TOKENS).
     """
 
     context: int
@@ -445,10 +447,11 @@ class PlanConfig:
     grad_dtype: torch.dtype = torch.float32
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     offload: bool = False
+    segment_tokens: int = OFFLOAD_SEGMENT_TOKENS
     sparse: "bool | SparseConfig | None" = False
 
     def __post_init__(self):
-        for name in ("context", "chunk_size", "batch", "page_size"):
+        for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -472,6 +475,13 @@ class PlanConfig:
     def stored_tokens(self) -> int:
         """Tokens the page pool holds: whole pages per sequence."""
         return self.batch * math.ceil(self.context / self.page_size) * self.page_size
+
+
+def offload_segment_pages(c: PlanConfig) -> int:
+    """Pages of the staging area per half (all sequences of the batch together): ``segment_tokens`` of
+    each sequence, no more than the past needs, whole pages."""
+    per_seq = min(c.segment_tokens, math.ceil(c.context / c.page_size) * c.page_size)
+    return c.batch * math.ceil(per_seq / c.page_size)
 
 
 def core_features() -> dict[str, bool]:
@@ -556,6 +566,8 @@ class Plan:
             f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
             f"{ckpt}, KV-gradients {_dtype_name(c.grad_dtype)}"
         )
+        if c.offload:
+            head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if isinstance(c.sparse, SparseConfig):
             sp = c.sparse
             head += (
@@ -683,13 +695,17 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     kv_name = f"K/V pages ({_dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({_dtype_name(c.grad_dtype)})"
     if c.offload:
-        all_layers = shape.kv_bytes_per_token(kv_dtype) + shape.kv_bytes_per_token(c.grad_dtype)
-        per_layer_token = all_layers // shape.n_layers
-        chunk_pages = c.batch * math.ceil(min(c.chunk_size, c.context) / c.page_size) * c.page_size
-        gpu["K/V + gradient pages of the current chunk (all layers)"] = chunk_pages * per_layer_token * shape.n_layers
-        gpu[f"offload stream buffers (2 x {OFFLOAD_SEGMENT_TOKENS:,} tokens, one layer)"] = (
-            2 * min(OFFLOAD_SEGMENT_TOKENS, c.stored_tokens) * per_layer_token
+        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
+        segment = offload_segment_pages(c) * c.page_size
+        gpu[f"offload staging: 2 segments x {segment:,} tokens of K, V, dK, dV (one layer)"] = (
+            2 * segment * (kv_layer + grad_layer)
         )
+        # One chunk's K, V on their way out (two buffers) and its stored dK, dV on their way in.
+        chunk_rows = c.batch * (math.ceil(min(c.chunk_size, c.context) / c.page_size) + 1) * c.page_size
+        gpu["offload staging: a chunk's K, V out (x2) and dK, dV in"] = chunk_rows * (2 * kv_layer + grad_layer)
+        # The streamed forward carries its output in fp32, the streamed backward its dQ: one layer each.
+        gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = c.chunk_tokens * shape.q_width * 4
         host[f"pinned {kv_name}"] = kv_bytes
         host[f"pinned {grad_name}"] = grad_bytes
     else:
@@ -762,6 +778,8 @@ def plan(
     host_memory: int | float | None = None,
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
     sparse: SparseConfig | dict | None = None,
+    offload: bool = False,
+    segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -771,6 +789,8 @@ def plan(
     matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
     sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
     summaries and selections.
+    offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
+    ``segment_tokens`` tokens per sequence.
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -791,6 +811,8 @@ def plan(
         grad_dtype=grad_dtype,
         matmul_tflops=matmul_tflops,
         sparse=SparseConfig.coerce(sparse),
+        offload=offload,
+        segment_tokens=segment_tokens,
     )
 
     def estimate(config: PlanConfig) -> Plan:
@@ -923,19 +945,50 @@ def parse_bytes(text: str | int) -> int:
 # Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA
 # context); everything else is what the step itself allocates.
 _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copies", "CUDA context")
+PLACEMENTS = ("auto", "gpu", "host")
 
 
-def check_step_memory(
-    model: Any, batch: int, seq_len: int, config: Any, device: torch.device, reusable_bytes: int = 0
-) -> None:
-    """Refuse, before anything is allocated, a step on a CUDA ``device`` that would run out of memory.
+@dataclass(frozen=True)
+class Placement:
+    """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
+    through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences)."""
 
-    ``config`` is the step's ChunkConfig. Compares what the step allocates (K/V and gradient pages, one chunk's activations, the loss pieces,
-    and parameter gradients not yet allocated) with the device's free memory plus ``reusable_bytes`` (a
-    page pool the step would reuse or replace). Raises PlanError with the plan and what would make it fit.
+    where: str
+    segment_tokens: int
+    batch: int = 1
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return this_host_memory()
+
+
+def place_step(
+    model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
+    reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0,
+) -> Placement:
+    """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
+
+    ``config`` is the step's ChunkConfig; its ``offload`` is "gpu", "host" or "auto" (the GPU when the step
+    fits there, the host when it fits only there). On CUDA compares what the step allocates (pages or
+    their staging, one chunk's activations, the loss pieces, parameter gradients not yet allocated) with
+    the device's free memory plus ``reusable_gpu_bytes`` (a pool the step would reuse or replace), and the
+    pinned pages with the host's available memory plus ``reusable_host_bytes``. Raises PlanError with the
+    plan and what would make it fit. On a CPU device nothing is checked.
     """
+    if config.offload not in PLACEMENTS:
+        raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
+    page = config.page_size
     if device.type != "cuda":
-        return
+        segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
+        return Placement("host" if config.offload == "host" else "gpu", segment, batch)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     peft_config = getattr(model, "peft_config", None)
@@ -945,16 +998,46 @@ def check_step_memory(
     else:
         precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
     free, total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_bytes
-    step = plan(
-        model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=config.page_size,
-        lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
-        grad_dtype=config.grad_dtype, gpu_memory=total,
-    )
-    needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES))
-    needed += sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
-    if needed > free:
-        raise PlanError(
-            f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
-            f"{free / GIB:.2f} GiB free; nothing was allocated for it.\n\n{step}"
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
+    host_free = available_host_memory() + reusable_host_bytes
+    missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+
+    def step_plan(offload: bool, segment: int) -> tuple[Plan, int]:
+        step = plan(
+            model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
+            lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
+            grad_dtype=config.grad_dtype, gpu_memory=total, offload=offload, segment_tokens=segment,
         )
+        needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
+        return step, needed
+
+    if config.offload in ("auto", "gpu"):
+        on_gpu, needed = step_plan(False, page)
+        if needed <= free:
+            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch)
+        if config.offload == "gpu":
+            raise PlanError(
+                f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
+                f"{free / GIB:.2f} GiB free; nothing was allocated for it. offload='host' (or 'auto') keeps the "
+                f"pages in pinned host memory.\n\n{on_gpu}"
+            )
+    segment = config.segment_tokens
+    if segment is None:
+        # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
+        # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
+        smallest, needed = step_plan(True, page)
+        shape = smallest.shape
+        per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
+        per_token //= shape.n_layers
+        budget = max(0, free - needed) * OFFLOAD_STAGING_SHARE
+        segment = int(budget // (2 * batch * per_token)) // page * page
+        segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
+    step, needed = step_plan(True, segment)
+    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+    if needed > free or pinned > host_free:
+        raise PlanError(
+            f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
+            f"({free / GIB:.2f} GiB free) and {pinned / GIB:.2f} GiB of host memory ({host_free / GIB:.2f} GiB "
+            f"available); nothing was allocated for it.\n\n{step}"
+        )
+    return Placement("host", segment, batch)

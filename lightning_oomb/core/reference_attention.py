@@ -13,15 +13,15 @@ import torch
 from .pages import LayerStore
 
 
-def _grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    b, hq, t, d = q.shape
-    return q.float().view(b, n_kv_heads, hq // n_kv_heads, t, d)
+def _grouped(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    b, hq, t, d = x.shape
+    return x.float().view(b, n_kv_heads, hq // n_kv_heads, t, d)
 
 
-def _key_tiles(start: int, t: int, tile: int):
-    """(is_past, lo, hi) for the past tiles [0, start) then the current chunk's tiles [0, t)."""
-    for lo in range(0, start, tile):
-        yield True, lo, min(lo + tile, start)
+def _key_tiles(past_lo: int, past_hi: int, t: int, tile: int):
+    """(is_past, lo, hi) for the stored tiles [past_lo, past_hi) then the current chunk's tiles [0, t)."""
+    for lo in range(past_lo, past_hi, tile):
+        yield True, lo, min(lo + tile, past_hi)
     for lo in range(0, t, tile):
         yield False, lo, min(lo + tile, t)
 
@@ -31,23 +31,37 @@ def _causal_mask(t: int, lo: int, hi: int, device: torch.device) -> torch.Tensor
     return torch.arange(lo, hi, device=device)[None, :] > torch.arange(t, device=device)[:, None]
 
 
-def attention_forward(
+def forward_state(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     store: LayerStore,
-    start: int,
+    past_lo: int,
+    past_hi: int,
     scale: float,
+    chunk: bool,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
+    """Attend q (B, H_q, T, D) to the stored tokens [past_lo, past_hi) and, with ``chunk``, causally to the
+    chunk's own k, v (B, H_kv, T, D), continuing the online softmax of ``state``.
+
+    state: (out, lse) of the keys attended so far, out (B, H_q, T, D) float32 normalised, lse (B, H_q, T)
+    float32 natural log; updated in place. None starts from no keys. Returns (out, lse).
+    """
     b, hq, t, d = q.shape
     h = k.shape[1]
     qg = _grouped(q, h)
-    m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
-    denom = torch.zeros_like(m)
-    acc = torch.zeros(qg.shape[:-1] + (v.shape[-1],), device=q.device)
-    for is_past, lo, hi in _key_tiles(start, t, tile):
+    if state is None:
+        m = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+        denom = torch.zeros_like(m)
+        acc = torch.zeros(qg.shape[:-1] + (v.shape[-1],), device=q.device)
+    else:
+        # (out, lse) is the running state with its sum normalised to 1 at max lse.
+        acc = state[0].view(b, h, hq // h, t, -1).clone()
+        m = state[1].view(b, h, hq // h, t).clone()
+        denom = torch.ones_like(m)
+    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
         s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt.float()) * scale
         if not is_past:
@@ -58,9 +72,82 @@ def attention_forward(
         denom = denom * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, vt.float())
         m = m_new
-    out = (acc / denom[..., None]).view(b, hq, t, -1).to(q.dtype)
+    out = (acc / denom[..., None]).view(b, hq, t, -1)
     lse = (m + torch.log(denom)).view(b, hq, t)
-    return out, lse
+    if state is None:
+        return out, lse
+    state[0].copy_(out)
+    state[1].copy_(lse)
+    return state
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O): (B, H_q, T) float32, the softmax-backward term shared by every key range."""
+    return (dout.float() * out.float()).sum(-1)
+
+
+def backward_part(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    store: LayerStore,
+    past_lo: int,
+    past_hi: int,
+    chunk_start: int,
+    scale: float,
+    chunk: bool,
+    dq: torch.Tensor,
+    tile: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Gradients through the keys [past_lo, past_hi) of the store and, with ``chunk``, the chunk's own.
+
+    Adds into dq (B, H_q, T, D) float32 and into the store's gradient pages of [past_lo, past_hi). With
+    ``chunk`` returns the chunk's dk, dv (like k, v): its share plus what later chunks stored for tokens
+    [chunk_start, chunk_start + T); else None.
+    """
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    qg = _grouped(q, h)
+    dog = _grouped(dout, h)
+    lse_g = lse.view(b, h, hq // h, t)
+    delta_g = delta.view(b, h, hq // h, t)
+    dq_g = dq.view(b, h, hq // h, t, d)
+    if chunk:
+        dk_cur, dv_cur = store.read(chunk_start, chunk_start + t, grads=True)
+        dk_cur, dv_cur = dk_cur.float(), dv_cur.float()
+    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile):
+        kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
+        kt, vt = kt.float(), vt.float()
+        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
+        if not is_past:
+            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
+        p = torch.exp(s - lse_g[..., None])
+        dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, dog)
+        ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", dog, vt) - delta_g[..., None])
+        dq_g += torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
+        dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg) * scale
+        if is_past:
+            store.accumulate_grads(dk_t, dv_t, lo)
+        else:
+            dk_cur[:, :, lo:hi] += dk_t
+            dv_cur[:, :, lo:hi] += dv_t
+    return (dk_cur.to(k.dtype), dv_cur.to(v.dtype)) if chunk else None
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    store: LayerStore,
+    start: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
+    out, lse = forward_state(q, k, v, store, 0, start, scale, chunk=True)
+    return out.to(q.dtype), lse
 
 
 def attention_backward(
@@ -73,7 +160,6 @@ def attention_backward(
     store: LayerStore,
     start: int,
     scale: float,
-    tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the chunk attention.
 
@@ -81,29 +167,6 @@ def attention_backward(
     dq (like q), and dk, dv (like k, v) of the chunk's own tokens: this chunk's share plus what later
     chunks already accumulated for them in the store.
     """
-    b, hq, t, d = q.shape
-    h = k.shape[1]
-    qg = _grouped(q, h)
-    dog = _grouped(dout, h)
-    lse_g = lse.view(b, h, hq // h, t)
-    delta = (dog * _grouped(out, h)).sum(-1)
-    dq = torch.zeros_like(qg)
-    dk_cur, dv_cur = store.read(start, start + t, grads=True)
-    dk_cur, dv_cur = dk_cur.float(), dv_cur.float()
-    for is_past, lo, hi in _key_tiles(start, t, tile):
-        kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
-        kt, vt = kt.float(), vt.float()
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
-        if not is_past:
-            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
-        p = torch.exp(s - lse_g[..., None])
-        dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, dog)
-        ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", dog, vt) - delta[..., None])
-        dq += torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
-        dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg) * scale
-        if is_past:
-            store.accumulate_grads(dk_t, dv_t, lo)
-        else:
-            dk_cur[:, :, lo:hi] += dk_t
-            dv_cur[:, :, lo:hi] += dv_t
-    return dq.view(b, hq, t, d).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, 0, start, start, scale, True, dq)
+    return dq.to(q.dtype), dk, dv

@@ -21,7 +21,7 @@ from ..integrations.transformers import bind, causal_lm, check_supported
 from .attention import chunk_attention, resolve_backend
 from .loss import linear_cross_entropy
 from .pages import PagePool, StoreSpec
-from .planner import check_step_memory
+from .planner import PLACEMENTS, Placement, place_step
 from .sparse import SparseConfig, select_pages, update_summaries
 
 IGNORE_INDEX = -100
@@ -41,6 +41,11 @@ class ChunkConfig:
         memory; each chunk's contribution is rounded to bf16 as it is added: see docs/benchmarks.md).
     sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
         attention over the past (lightning_oomb.core.sparse).
+    offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
+        the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
+        host; lightning_oomb.core.planner.place_step).
+    segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
+        memory the step leaves free (on a CPU device: one chunk).
     """
 
     chunk_size: int = 4096
@@ -50,6 +55,8 @@ class ChunkConfig:
     cross_chunk_gradients: bool = True
     grad_dtype: torch.dtype | str = torch.float32
     sparse: SparseConfig | None = None
+    offload: str = "auto"
+    segment_tokens: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
@@ -63,14 +70,21 @@ class ChunkConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.attention not in ("auto", "reference", "triton"):
             raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
+        if self.offload not in PLACEMENTS:
+            raise ValueError(f"offload must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.offload!r}")
+        if self.segment_tokens is not None and (
+            isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1
+        ):
+            raise ValueError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
 
 
 # Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
 ChunkObserver = Callable[[int, int, int, int], None]
 
-# (spec, pages needed, with_grads) -> a pool with at least that many pages of that spec. A provider may
-# also have ``held_bytes()``: the bytes of a pool it already holds, which the step reuses or replaces.
-PoolProvider = Callable[[StoreSpec, int, bool], PagePool]
+# (spec, pages needed, with_grads, placement) -> a pool with at least that many pages of that spec, placed
+# so. A provider may also have ``held_bytes()``: (GPU bytes, host bytes) of a pool it already holds, which
+# the step reuses or replaces.
+PoolProvider = Callable[[StoreSpec, int, bool, Placement], PagePool]
 
 _model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
 
@@ -78,7 +92,7 @@ _model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKey
 def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device) -> PoolProvider:
     """Pools kept per model and reused across steps; replaced only when a step needs a bigger or other one."""
 
-    def provide(spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+    def provide(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
         pool = _model_pools.get(model)
         fits = (
             pool is not None
@@ -86,20 +100,36 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             and pool.page_size == page_size
             and pool.num_pages >= pages
             and (pool.with_grads or not with_grads)
+            and pool.placement == placement.where
+            and (not pool.on_host or pool.streamer.half_pages * page_size >= placement.batch * placement.segment_tokens)
         )
         if not fits:
             _model_pools.pop(model, None)
             pool = None  # drop the old pool before allocating the new one
-            pool = PagePool(spec, pages, page_size, device, with_grads=with_grads)
+            pool = new_pool(spec, pages, page_size, device, with_grads, placement)
             _model_pools[model] = pool
         return pool
 
-    def held_bytes() -> int:
+    def held_bytes() -> tuple[int, int]:
         pool = _model_pools.get(model)
-        return 0 if pool is None else pool.nbytes
+        return (0, 0) if pool is None else pool_bytes(pool)
 
     provide.held_bytes = held_bytes
     return provide
+
+
+def new_pool(
+    spec: StoreSpec, pages: int, page_size: int, device: torch.device, with_grads: bool, placement: Placement
+) -> PagePool:
+    """A pool of ``pages`` pages placed as ``placement`` says."""
+    segment = placement.batch * placement.segment_tokens if placement.where == "host" else None
+    return PagePool(spec, pages, page_size, device, with_grads=with_grads, placement=placement.where,
+                    segment_tokens=segment)
+
+
+def pool_bytes(pool: PagePool) -> tuple[int, int]:
+    """(GPU bytes, host bytes) a pool holds."""
+    return (pool.gpu_nbytes, pool.nbytes if pool.on_host else 0)
 
 
 def release_cached_pool(model: nn.Module) -> None:
@@ -174,8 +204,14 @@ class ChunkedSequence:
         self.head = self.lm.get_output_embeddings()
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
-        reusable = getattr(self.pools, "held_bytes", lambda: 0)()
-        check_step_memory(model, input_ids.shape[0], seq_len, config, self.device, reusable)
+        reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
+        self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable)
+        if config.sparse is not None and self.placement.where == "host":
+            raise ValueError(
+                "sparse attention over pages offloaded to the host is not available yet; this step would need "
+                "offload='host' (its pages do not fit on the GPU, or it was asked for): use offload='gpu' with a "
+                "shorter context, grad_dtype='bfloat16' or checkpoint_layers=True"
+            )
         self.pool: PagePool | None = None
         self.table = None
         self._stage = "new"
@@ -210,7 +246,7 @@ class ChunkedSequence:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
         batch, seq_len = self.input_ids.shape
         pages = batch * -(-seq_len // self.config.page_size)
-        self.pool = self.pools(spec, pages, self._with_grads)
+        self.pool = self.pools(spec, pages, self._with_grads, self.placement)
         self.table = self.pool.allocate(batch, seq_len)
 
     def _chunk_hidden(self, start: int, end: int) -> torch.Tensor:
@@ -295,6 +331,8 @@ def train_step(
     checkpoint_layers: bool = False,
     grad_dtype: torch.dtype = torch.float32,
     sparse: SparseConfig | dict | None = None,
+    offload: str = "auto",
+    segment_tokens: int | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -304,8 +342,13 @@ def train_step(
     ``chunk_size`` tokens plus the paged K/V store and its gradients (``grad_dtype``, float32 by default).
     sparse: a ``SparseConfig`` for page-level sparse attention (the gradient is then that of the sparse
     model, exact for the pages selected in stage 1); None: dense.
+    offload: "auto" (pages on the GPU when the step fits there, else in pinned host memory), "gpu" or "host";
+    segment_tokens: tokens per streamed segment with offload (None: chosen from free GPU memory).
     """
-    config = ChunkConfig(chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse)
+    config = ChunkConfig(
+        chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
+        offload=offload, segment_tokens=segment_tokens,
+    )
     seq = ChunkedSequence(model, input_ids, labels, config)
     try:
         seq.fill()
@@ -323,13 +366,18 @@ def eval_loss(
     page_size: int = 128,
     attention: str = "auto",
     sparse: SparseConfig | dict | None = None,
+    offload: str = "auto",
+    segment_tokens: int | None = None,
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
-    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``: as
-    in ``train_step``.
+    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``,
+    ``offload``, ``segment_tokens``: as in ``train_step``.
     """
-    seq = ChunkedSequence(model, input_ids, labels, ChunkConfig(chunk_size, page_size, attention, sparse=sparse))
+    config = ChunkConfig(
+        chunk_size, page_size, attention, sparse=sparse, offload=offload, segment_tokens=segment_tokens
+    )
+    seq = ChunkedSequence(model, input_ids, labels, config)
     try:
         return seq.fill(with_loss=True, with_grads=False)[0]
     finally:

@@ -147,9 +147,10 @@ def _fwd_kernel(
     sp_page, sp_off, sp_h,
     ss_b, ss_p,
     so_b, so_h, so_t,
-    T, start, qk_scale,
+    T, past_lo, past_hi, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, CARRY: tl.constexpr,
 ):
     # Tiles with the longest causal part first, so the last wave of the grid is the cheapest.
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -164,48 +165,57 @@ def _fwd_kernel(
     q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    out_ptrs = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
+    lse_ptrs = LSE + bh.to(tl.int64) * T + offs_m
+    if CARRY:
+        # Continue the softmax of earlier key ranges: (out, lse) is the running state with its sum
+        # normalised to 1 at the running max lse (OUT holds it in fp32).
+        acc = _load_tile(out_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        m_i = tl.load(lse_ptrs, mask=m_valid, other=0.0) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
-    # The past [0, start), all visible: whole tiles unmasked, then at most one partial tile.
+    # The stored keys [past_lo, past_hi), all visible: whole tiles unmasked, then at most one partial tile.
     slots_b = SLOTS + b * ss_b
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    past_whole = (start // BLOCK_N) * BLOCK_N
-    for lo in range(0, past_whole, BLOCK_N):
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < start, PAGE_SIZE, sp_page, sp_off)
+    past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
+    for lo in range(past_lo, past_whole, BLOCK_N):
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < past_hi, PAGE_SIZE, sp_page, sp_off)
         k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
-    for lo in range(past_whole, start, BLOCK_N):
-        valid = lo + offs_n < start
+    for lo in range(past_whole, past_hi, BLOCK_N):
+        valid = lo + offs_n < past_hi
         rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
         k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
-    # The chunk itself: tiles wholly at or before every query of this tile unmasked, then the diagonal.
-    kc = K + b * sk_b + hk * sk_h
-    vc = V + b * sv_b + hk * sv_h
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        # Chunk key 0 is visible to every query, so no row is ever fully masked (no exp(-inf + inf)).
-        causal = n[None, :] <= offs_m[:, None]
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, causal, PRECISION)
+    if CHUNK:
+        # The chunk itself: tiles wholly at or before every query of this tile unmasked, then the diagonal.
+        kc = K + b * sk_b + hk * sk_h
+        vc = V + b * sv_b + hk * sv_h
+        diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+        for lo in range(0, diag_lo, BLOCK_N):
+            n = lo + offs_n
+            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+        for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+            n = lo + offs_n
+            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+            # Chunk key 0 is visible to every query, so no row is ever fully masked (no exp(-inf + inf)).
+            causal = n[None, :] <= offs_m[:, None]
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, causal, PRECISION)
 
     out = acc / l_i[:, None]
-    _store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
-                out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
-    tl.store(LSE + bh.to(tl.int64) * T + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
+    _store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+    tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -243,7 +253,7 @@ def _dkdv_kernel(
     sg_page, sg_off, sg_h,
     ss_b, ss_p,
     sdk_s, sdk_b, sdk_h, sdk_t,
-    T, start, n_past_tiles, qk_scale, scale,
+    T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -258,18 +268,18 @@ def _dkdv_kernel(
     b = (bh // H_KV).to(tl.int64)
     hk = bh % H_KV
     is_past = tile < n_past_tiles
-    lo = tl.where(is_past, tile, (tile - n_past_tiles) // CHUNK_SPLIT) * BLOCK_N
+    lo = tl.where(is_past, past_lo + tile * BLOCK_N, (tile - n_past_tiles) // CHUNK_SPLIT * BLOCK_N)
     split = tl.where(is_past, 0, (tile - n_past_tiles) % CHUNK_SPLIT)
     n_heads = tl.where(is_past, GROUP, GROUP // CHUNK_SPLIT)
     offs_n = lo + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    past_rows = offs_n < tl.where(is_past, start, 0)
+    past_rows = offs_n < tl.where(is_past, past_hi, 0)
     chunk_rows = offs_n < tl.where(is_past, 0, T)
     n_valid = past_rows | chunk_rows
 
     # Page-table rows of these keys' tokens: the past token itself, or the chunk token whose gradient
     # later chunks already accumulated in the store.
-    tok = offs_n + tl.where(is_past, 0, start)
+    tok = offs_n + tl.where(is_past, 0, chunk_start)
     slot = tl.load(SLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
     in_page = tok % PAGE_SIZE
     kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
@@ -332,9 +342,10 @@ def _dq_kernel(
     sp_page, sp_off, sp_h,
     ss_b, ss_p,
     sdq_b, sdq_h, sdq_t,
-    T, start, qk_scale, scale,
+    T, past_lo, past_hi, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
@@ -356,35 +367,39 @@ def _dq_kernel(
     slots_b = SLOTS + b * ss_b
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    past_whole = (start // BLOCK_N) * BLOCK_N
-    for lo in range(0, past_whole, BLOCK_N):
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < start, PAGE_SIZE, sp_page, sp_off)
+    past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
+    for lo in range(past_lo, past_whole, BLOCK_N):
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < past_hi, PAGE_SIZE, sp_page, sp_off)
         k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
-    for lo in range(past_whole, start, BLOCK_N):
-        valid = lo + offs_n < start
+    for lo in range(past_whole, past_hi, BLOCK_N):
+        valid = lo + offs_n < past_hi
         rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
         k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
-    kc = K + b * sk_b + hk * sk_h
-    vc = V + b * sv_b + hk * sv_h
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    if CHUNK:
+        kc = K + b * sk_b + hk * sk_h
+        vc = V + b * sv_b + hk * sv_h
+        diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+        for lo in range(0, diag_lo, BLOCK_N):
+            n = lo + offs_n
+            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+        for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
+            n = lo + offs_n
+            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
 
-    _store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
-                (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+    dq_ptrs = DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :]
+    dq = dq * scale
+    if ACCUMULATE:  # the sum over key ranges, kept in fp32 by the caller
+        dq += _load_tile(dq_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -488,17 +503,12 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    tiles: Tiles,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, v, store, start)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+def _launch_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
+    scale: float, tiles: Tiles, chunk: bool, out: torch.Tensor, lse: torch.Tensor, carry: bool,
+) -> None:
     b, hq, t, d = q.shape
-    hkv = k.shape[1]
     slots = store.table.slots.to(torch.int32)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(t, tiles.block_m), b * hq)
     with _device_ctx(q):
         _fwd_kernel[grid](
@@ -509,38 +519,49 @@ def _forward(
             store.k.stride(0), store.k.stride(1), store.k.stride(2),
             slots.stride(0), slots.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            t, start, scale * 1.4426950408889634,
-            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            t, past_lo, past_hi, scale * 1.4426950408889634,
+            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
+            CARRY=carry, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
-    return out, lse
 
 
-def _backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(q, k, v, store, start)
+def _check_grads(store: LayerStore) -> None:
     if store.dk is None or store.dv is None:
         raise ValueError("attention backward needs a page pool built with_grads=True")
     if store.dk.stride() != store.dv.stride() or store.dk.stride(-1) != 1:
         raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
-    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
-    lse = lse.contiguous()
+
+
+def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO * O): (B, H_q, T) float32."""
+    b, hq, t, d = out.shape
+    delta = torch.empty((b, hq, t), dtype=torch.float32, device=out.device)
+    block = 64 if _padded(d) <= 64 else 32
+    with _device_ctx(out):
+        _delta_kernel[(triton.cdiv(t, block), b * hq)](
+            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2), t,
+            H_Q=hq, HEAD_DIM=d, D_PAD=_padded(d), BLOCK_M=block,
+        )
+    return delta
+
+
+def launch_dkdv(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
+    tiles: KernelTiles, chunk: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
+    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T))."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     slots = store.table.slots.to(torch.int32)
-    precision = _precision(q.dtype)
-    qk_scale = scale * 1.4426950408889634
-
-    delta = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kt = tiles.dkdv
-    n_past_tiles = triton.cdiv(start, kt.block_n)
-    split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device)
-    if split == 1:
+    n_past_tiles = triton.cdiv(past_hi - past_lo, kt.block_n)
+    split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device) if chunk else 1
+    if not chunk or split == 1:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         dk_out, dv_out, s_stride = dk, dv, 0
@@ -548,15 +569,11 @@ def _backward(
         dk_out = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
         dv_out = torch.empty_like(dk_out)
         s_stride = dk_out.stride(0)
+    n_chunk_tiles = triton.cdiv(t, kt.block_n) * split if chunk else 0
+    if n_past_tiles + n_chunk_tiles == 0:
+        return None
     with _device_ctx(q):
-        delta_block = 64 if _padded(d) <= 64 else 32
-        _delta_kernel[(triton.cdiv(t, delta_block), b * hq)](
-            out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2), t,
-            H_Q=hq, HEAD_DIM=d, D_PAD=_padded(d), BLOCK_M=delta_block,
-        )
-
-        _dkdv_kernel[(n_past_tiles + triton.cdiv(t, kt.block_n) * split, b * hkv)](
+        _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -566,18 +583,29 @@ def _backward(
             store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
             slots.stride(0), slots.stride(1),
             s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
-            t, start, n_past_tiles, qk_scale, scale,
+            t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=precision,
+            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
             num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
-        if split > 1:  # partial sums of the chunk's tiles + what later chunks stored: deterministic order
-            stored_dk, stored_dv = store.read(start, start + t, grads=True)
-            dk = (dk_out.sum(0) + stored_dk.float()).to(k.dtype)
-            dv = (dv_out.sum(0) + stored_dv.float()).to(v.dtype)
+    if not chunk:
+        return None
+    if split > 1:  # partial sums of the chunk's tiles + what later chunks stored: deterministic order
+        stored_dk, stored_dv = store.read(chunk_start, chunk_start + t, grads=True)
+        dk = (dk_out.sum(0) + stored_dk.float()).to(k.dtype)
+        dv = (dv_out.sum(0) + stored_dv.float()).to(v.dtype)
+    return dk, dv
 
-        qt = tiles.dq
-        _dq_kernel[(triton.cdiv(t, qt.block_m), b * hq)](
+
+def _launch_dq(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, scale: float, tiles: Tiles,
+    chunk: bool, dq: torch.Tensor, accumulate: bool,
+) -> None:
+    b, hq, t, d = q.shape
+    slots = store.table.slots.to(torch.int32)
+    with _device_ctx(q):
+        _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
             q, k, v, dout, lse, delta, store.k, store.v, slots, dq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -586,17 +614,43 @@ def _backward(
             store.k.stride(0), store.k.stride(1), store.k.stride(2),
             slots.stride(0), slots.stride(1),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            t, start, qk_scale, scale,
-            H_Q=hq, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
-            num_warps=qt.num_warps, num_stages=qt.num_stages,
+            t, past_lo, past_hi, scale * 1.4426950408889634, scale,
+            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
+            ACCUMULATE=accumulate, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+
+
+# --------------------------------------------------------------------------------------------------------
+# The interface of lightning_oomb.core.attention (and of its streaming over host pages)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
+    tiles: Tiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, v, store, start)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
+    return out, lse
+
+
+def _backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(q, k, v, store, start)
+    _check_grads(store)
+    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    delta = launch_delta(out, dout)
+    dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, chunk=True)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
     return dq, dk, dv
-
-
-# --------------------------------------------------------------------------------------------------------
-# The interface of lightning_oomb.core.attention
-# --------------------------------------------------------------------------------------------------------
 
 
 def attention_forward(
@@ -618,3 +672,41 @@ def attention_backward(
     Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place.
     """
     return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype))
+
+
+def forward_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
+    scale: float, chunk: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend q to the stored keys [past_lo, past_hi) and, with ``chunk``, causally to k, v, continuing the
+    online softmax ``state`` = (out (B, H_q, T, D) float32, lse (B, H_q, T) float32), updated in place;
+    None starts a new one. Returns the state."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    carry = state is not None
+    if not carry:
+        state = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+                 torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+    tiles = default_tiles(q.shape[-1], q.dtype).fwd
+    _launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry)
+    return state
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dO * O): (B, H_q, T) float32, shared by every key range of one chunk's backward."""
+    return launch_delta(_last_dim_contiguous(out), _last_dim_contiguous(dout))
+
+
+def backward_part(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
+    chunk: bool, dq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Gradients through the stored keys [past_lo, past_hi) (added into store.dk/dv) and, with ``chunk``,
+    the chunk's own (returned, plus the store's rows [chunk_start, chunk_start + T)); dQ of those keys is
+    added into dq (B, H_q, T, D) float32."""
+    _check_grads(store)
+    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
+    tiles = default_tiles(q.shape[-1], q.dtype)
+    grads = launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk)
+    _launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
+    return grads

@@ -36,8 +36,8 @@ import triton.language as tl
 from ..core.pages import LayerStore
 from .chunk_attention import (
     _check,
+    launch_dkdv,
     _device_ctx,
-    _dkdv_kernel,
     _dkdv_step,
     _dq_step,
     _fwd_step,
@@ -51,7 +51,6 @@ from .chunk_attention import (
     LN2,
     LOG2E,
     default_tiles as dense_tiles,
-    _chunk_split,
     _interpreting,
 )
 
@@ -377,35 +376,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     with _device_ctx(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
-        kt = chunk_tiles.dkdv
-        split = _chunk_split(chunk_tiles, 0, group, q.device)
-        if split == 1:
-            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            dk_out, dv_out, s_stride = dk, dv, 0
-        else:
-            dk_out = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
-            dv_out = torch.empty_like(dk_out)
-            s_stride = dk_out.stride(0)
-        _dkdv_kernel[(triton.cdiv(t, kt.block_n) * split, b * hkv)](
-            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            store.k.stride(0), store.k.stride(1), store.k.stride(2),
-            store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
-            slots.stride(0), slots.stride(1),
-            s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
-            t, start, 0, qk_scale, scale,
-            H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=precision,
-            num_warps=kt.num_warps, num_stages=kt.num_stages,
-        )
-        if split > 1:
-            stored_dk, stored_dv = store.read(start, start + t, grads=True)
-            dk = (dk_out.sum(0) + stored_dk.float()).to(k.dtype)
-            dv = (dv_out.sum(0) + stored_dv.float()).to(v.dtype)
+        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, 0, start, scale, chunk_tiles, chunk=True)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
         if n_past > 0 and sel.shape[-1] > 0:

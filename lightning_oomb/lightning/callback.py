@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 
@@ -9,8 +10,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..core.pages import PagePool, StoreSpec
-from ..core.planner import check_step_memory
-from ..core.schedule import ChunkConfig, ChunkedSequence
+from ..core.planner import PLACEMENTS, Placement, place_step
+from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
 
 GIB = 2**30
 
@@ -21,13 +22,13 @@ def probe_kv_dtype(
     """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec."""
     seen: list[StoreSpec] = []
 
-    def record(spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
+    def record(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
         seen.append(spec)
         return PagePool(spec, pages, 1, device, with_grads=False)
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
-        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype)
+        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu")
         ChunkedSequence(model, ids, config=config, pools=record).fill(with_grads=False)
     return seen[0]
 
@@ -49,28 +50,39 @@ def _host_peak_rss_bytes() -> int:
 class PagedKVCallback(Callback):
     """Allocates the KV page pool once at fit start, hands it to OOMBStrategy, frees it at teardown.
 
+    With its pages in host memory the pool is pinned once, in one block per tensor (pinning 100 GB takes
+    about a minute), and owns the staging buffers and copy streams that stream them through the GPU.
+
     Args:
         max_seq_len, max_batch_size: the largest batch the pool must hold. By default they are read from
             the DataModule's ``seq_len`` and ``batch_size``; without them the pool is sized by the first
             batch, and a larger batch later is refused with a message.
+        offload: "auto" | "gpu" | "host": where the pages live (see ``ChunkConfig.offload``); None follows
+            the strategy's ``offload``. The placement is decided once, for the largest batch.
 
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
             ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
             ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
 
-    Logged each step through the Trainer's logger (``memory/...``): pool size (GiB), pages in use at the
-    step's peak, pages in the pool, host peak RSS (GiB) and, on CUDA, GPU allocated and peak (GiB).
+    Logged each step through the Trainer's logger (``memory/...``): the pool's GPU and host bytes (GiB),
+    pages in use at the step's peak, pages in the pool, host peak RSS (GiB) and, on CUDA, GPU allocated and
+    peak (GiB); with host pages also ``offload/h2d_gib``, ``offload/d2h_gib`` (bytes copied each way) and
+    ``offload/h2d_s``, ``offload/d2h_s`` (seconds each copy stream was busy).
     """
 
     def __init__(
-        self, max_seq_len: int | None = None, max_batch_size: int | None = None, trace_step: int | None = None
+        self, max_seq_len: int | None = None, max_batch_size: int | None = None, trace_step: int | None = None,
+        offload: str | None = None,
     ):
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if offload is not None and offload not in PLACEMENTS:
+            raise ValueError(f"offload must be None or one of {', '.join(PLACEMENTS)}, got {offload!r}")
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.trace_step = trace_step
+        self.offload = offload
         self._trace: list[tuple[int, float]] | None = None
         self.pool: PagePool | None = None
         self._page_size = 1
@@ -81,6 +93,13 @@ class PagedKVCallback(Callback):
         config = getattr(trainer.strategy, "chunk_config", None)
         if config is None:
             raise RuntimeError("PagedKVCallback works with OOMBStrategy (Trainer(strategy=OOMBStrategy(...)))")
+        if self.offload is not None and self.offload != config.offload:
+            if config.offload != "auto":
+                raise ValueError(
+                    f"PagedKVCallback(offload={self.offload!r}) contradicts OOMBStrategy(offload={config.offload!r}): "
+                    "set it in one place"
+                )
+            trainer.strategy.chunk_config = dataclasses.replace(config, offload=self.offload)
         self._page_size = config.page_size
         self._device = trainer.strategy.root_device
         self._fitting = stage == "fit"  # only training steps need gradient pages
@@ -99,15 +118,17 @@ class PagedKVCallback(Callback):
             model = find_causal_lm(pl_module)
             config = trainer.strategy.chunk_config
             with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
-                check_step_memory(model, *shape, config, self._device)
+                placement = place_step(model, *shape, config, self._device)
             spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
             pages = shape[0] * -(-shape[1] // self._page_size)
-            self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=True)
+            self.pool = new_pool(spec, pages, self._page_size, self._device, True, placement)
 
-    def __call__(self, spec: StoreSpec, pages: int, with_grads: bool) -> PagePool:
-        """The engine's pool provider: the pool for a step that needs ``pages`` pages of ``spec``."""
+    def __call__(self, spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
+        """The engine's pool provider: the pool for a step that needs ``pages`` pages of ``spec``. The pool
+        keeps the placement decided when it was built (for the largest batch)."""
         if self.pool is None:
-            self.pool = PagePool(spec, pages, self._page_size, self._device, with_grads=self._fitting or with_grads)
+            grads = self._fitting or with_grads
+            self.pool = new_pool(spec, pages, self._page_size, self._device, grads, placement)
         if self.pool.spec != spec:
             raise RuntimeError(f"the page pool was built for {self.pool.spec} but this step stores {spec}")
         if with_grads and not self.pool.with_grads:
@@ -119,9 +140,9 @@ class PagedKVCallback(Callback):
             )
         return self.pool
 
-    def held_bytes(self) -> int:
-        """Bytes of the pool already allocated, which the engine's memory check counts as available."""
-        return 0 if self.pool is None else self.pool.nbytes
+    def held_bytes(self) -> tuple[int, int]:
+        """(GPU, host) bytes of the pool already allocated, which the engine's memory check counts as available."""
+        return (0, 0) if self.pool is None else pool_bytes(self.pool)
 
     def observe(self, stage: int, index: int, start: int, end: int) -> None:
         """The engine's chunk observer: records memory after each chunk of a traced step."""
@@ -140,9 +161,17 @@ class PagedKVCallback(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         metrics = {"memory/host_peak_rss_gib": _host_peak_rss_bytes() / GIB}
         if self.pool is not None:
-            metrics["memory/pool_gib"] = self.pool.nbytes / GIB
+            gpu_bytes, host_bytes = pool_bytes(self.pool)
+            metrics["memory/pool_gib"] = gpu_bytes / GIB
+            metrics["memory/pool_host_gib"] = host_bytes / GIB
             metrics["memory/pages_in_use"] = float(self.pool.peak_pages_in_use)
             metrics["memory/pages_total"] = float(self.pool.num_pages)
+            if self.pool.on_host:
+                stats = self.pool.streamer.take_stats()
+                metrics["offload/h2d_gib"] = stats.h2d_bytes / GIB
+                metrics["offload/d2h_gib"] = stats.d2h_bytes / GIB
+                metrics["offload/h2d_s"] = stats.h2d_s
+                metrics["offload/d2h_s"] = stats.d2h_s
         if self._device.type == "cuda":
             metrics["memory/gpu_allocated_gib"] = torch.cuda.memory_allocated(self._device) / GIB
             metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB

@@ -49,6 +49,9 @@ class OOMBStrategy(SingleDeviceStrategy):
         grad_dtype: "float32" (default) or "bfloat16" for the KV-gradient store (half its memory).
         sparse: None (dense), a ``SparseConfig`` or a dict of its fields (YAML): page-level sparse attention.
             A LightningModule with ``SparseAttentionMixin`` whose ``sparse_config`` is not None overrides it.
+        offload: "auto" (pages on the GPU when the largest batch fits there, else in pinned host memory),
+            "gpu" or "host". segment_tokens: tokens per streamed segment with host pages (None: chosen from
+            the GPU memory the step leaves free).
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -63,6 +66,8 @@ class OOMBStrategy(SingleDeviceStrategy):
         cross_chunk_gradients: bool = True,
         grad_dtype: str = "float32",
         sparse: SparseConfig | dict | None = None,
+        offload: str = "auto",
+        segment_tokens: int | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -72,7 +77,8 @@ class OOMBStrategy(SingleDeviceStrategy):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
-            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse
+            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse,
+            offload, segment_tokens,
         )
         self._pending: Serving | None = None
 

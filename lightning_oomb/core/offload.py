@@ -1,0 +1,391 @@
+"""Pages in host memory, streamed through the GPU (DESIGN.md section 4).
+
+A host-placed PagePool keeps K, V, dK and dV of every layer in (pinned) host memory. Attention over such a
+past never holds it on the GPU: the past is cut into segments of ``segment_tokens`` tokens, each brought
+into one half of a double-buffered staging area on a copy stream while the other half is computed on.
+
+- forward: the chunk's own causal part first (no copy needed), then segment after segment, carrying the
+  online-softmax state (out in fp32, lse) from one to the next (``backend.forward_state``);
+- backward: the chunk's own part starts from the gradient later chunks stored for its tokens (staged from
+  the host), then every segment brings in K, V, dK, dV, adds this chunk's dK, dV
+  (``backend.backward_part``) and sends dK, dV back on a second copy stream;
+- stage 1 sends each chunk's K, V to the host (through a staging buffer, on the device-to-host stream).
+
+Ordering is by CUDA events only: no host synchronisation inside a step, no Python threads. Gradient pages
+on the host are never zeroed: a step's first backward pass over a layer (the last chunk's, whose past is
+every other token) starts its staged gradients from zero and writes every page back.
+
+On a CPU device the same code runs with synchronous copies and no events, which is how it is tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .pages import LayerStore, PageTable
+
+if TYPE_CHECKING:
+    from .pages import PagePool
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor; with ``pin``, page-locked in one registration of its exact size.
+
+    (torch's pinned allocator rounds each block up to a power of two: up to twice the memory for a pool.)
+    """
+    t = torch.empty(shape, dtype=dtype)
+    if pin and t.numel():
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"could not pin {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory (CUDA error "
+                f"{int(err)}); the machine may not have that much lockable memory: shorten the context, use "
+                "grad_dtype='bfloat16', or offload='gpu'"
+            )
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
+@dataclass
+class CopyStats:
+    """Host<->GPU traffic of one step: bytes each way and seconds the copy streams were busy."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_s: float = 0.0
+    d2h_s: float = 0.0
+
+
+class _Streams:
+    """The two copy streams and their events; on a CPU device every operation is a no-op (copies run
+    synchronously where they are issued)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+        self._timed: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"h2d": [], "d2h": []}
+
+    def event(self):
+        return torch.cuda.Event() if self.cuda else None
+
+    @contextlib.contextmanager
+    def on(self, name: str, waits=()):
+        """Run the enclosed copies on copy stream ``name`` ("h2d" or "d2h") after ``waits`` (events)."""
+        if not self.cuda:
+            yield
+            return
+        stream = getattr(self, name)
+        for event in waits:
+            if event is not None:
+                stream.wait_event(event)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
+            yield
+            end.record(stream)
+        self._timed[name].append((begin, end))
+
+    def record(self, event, name: str | None = None) -> None:
+        """Record ``event`` on copy stream ``name``, or on the compute (current) stream."""
+        if self.cuda:
+            event.record(getattr(self, name) if name else torch.cuda.current_stream(self.device))
+
+    def compute_waits(self, event) -> None:
+        if self.cuda and event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def finish(self, stats: CopyStats) -> None:
+        """Wait for every copy, and add the busy time of each stream to ``stats``."""
+        if not self.cuda:
+            return
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+        stats.h2d_s += sum(a.elapsed_time(b) for a, b in self._timed["h2d"]) / 1e3
+        stats.d2h_s += sum(a.elapsed_time(b) for a, b in self._timed["d2h"]) / 1e3
+        self._timed = {"h2d": [], "d2h": []}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(pages, page_size, H, D) -> (pages * page_size, H, D): one row per token slot."""
+    return t.view(-1, *t.shape[2:])
+
+
+class Streamer:
+    """The GPU side of a host-placed PagePool: staging buffers, copy streams, and the streamed attention.
+
+    Staging holds two halves of ``segment_tokens`` tokens per step (shared by the sequences of a batch) of
+    K, V and, with gradient pages, dK and dV of ONE layer, plus one chunk's K, V on their way out and one
+    chunk's stored dK, dV on their way in: fixed memory, whatever the context length.
+    """
+
+    def __init__(self, pool: "PagePool", segment_tokens: int):
+        if segment_tokens < 1:
+            raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
+        self.pool = pool
+        self.device = pool.device
+        ps = pool.page_size
+        self.half_pages = -(-segment_tokens // ps)
+        spec = pool.spec
+        self._page = (ps, spec.n_kv_heads, spec.head_dim)
+        two = 2 * self.half_pages
+        self.k = torch.empty((two, *self._page), dtype=spec.dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
+        self.dk = self.dv = None
+        if pool.with_grads:
+            self.dk = torch.empty((two, *self._page), dtype=spec.grad_dtype, device=self.device)
+            self.dv = torch.empty_like(self.dk)
+        # One chunk's K, V going out (two, alternating) and stored dK, dV coming in: sized at first use.
+        self._out_k = self._out_v = self._in_dk = self._in_dv = None
+        self.streams = _Streams(self.device)
+        ev = self.streams.event
+        self._loaded, self._consumed, self._written = [ev(), ev()], [ev(), ev()], [ev(), ev()]
+        self._out_ready, self._out_done, self._out_turn = [ev(), ev()], [ev(), ev()], 0
+        self._in_loaded, self._in_consumed = ev(), ev()
+        self._last_d2h = None
+        self.stats = CopyStats()
+        self._step: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """GPU bytes of the staging buffers."""
+        bufs = (self.k, self.v, self.dk, self.dv, self._out_k, self._out_v, self._in_dk, self._in_dv)
+        return sum(b.numel() * b.element_size() for b in bufs if b is not None)
+
+    # -- a step's lifetime (called by PagePool.allocate / free) -------------------------------------------
+    def begin(self, table: PageTable) -> None:
+        batch, n_pages = table.slots.shape
+        per_seq = self.half_pages // batch
+        if per_seq < 1:
+            raise ValueError(
+                f"the offload staging holds {self.half_pages} pages per segment, fewer than the batch of "
+                f"{batch} sequences: raise segment_tokens to at least {batch * self.pool.page_size}"
+            )
+        p = torch.arange(n_pages, device=self.device)
+        b = torch.arange(batch, device=self.device)[:, None]
+        # Segment i holds pages [i * per_seq, (i + 1) * per_seq) of every sequence, in half i % 2.
+        seg_slots = ((p // per_seq) % 2) * self.half_pages + b * per_seq + p % per_seq
+        self._step = dict(
+            table=table,
+            slots=table.slots.tolist(),
+            seg_tokens=per_seq * self.pool.page_size,
+            seg_view=LayerStore(self.k, self.v, self.dk, self.dv,
+                                PageTable(seg_slots.int(), table.seq_len, table.page_size), self.pool.page_size),
+            fresh=set(range(self.pool.spec.n_layers)) if self.pool.with_grads else set(),
+            runs={},
+            chunk_views={},
+        )
+
+    def end(self, table: PageTable) -> None:
+        """Wait for the step's copies (the host pages are then final) and close its statistics."""
+        self.synchronize()
+        self._step = None
+
+    def synchronize(self) -> None:
+        self.streams.finish(self.stats)
+
+    def take_stats(self) -> CopyStats:
+        """The traffic since the last call."""
+        self.synchronize()
+        stats, self.stats = self.stats, CopyStats()
+        return stats
+
+    # -- where tokens are ---------------------------------------------------------------------------------
+    def _runs(self, b: int, t0: int, t1: int) -> list[tuple[int, int, int]]:
+        """Tokens [t0, t1) of sequence b as runs of consecutive host slots: (host row, rows, offset from t0)."""
+        key = (b, t0, t1)
+        runs = self._step["runs"].get(key)
+        if runs is None:
+            ps, slots = self.pool.page_size, self._step["slots"][b]
+            runs, t = [], t0
+            while t < t1:
+                first = last = t // ps
+                while (last + 1) * ps < t1 and slots[last + 1] == slots[last] + 1:
+                    last += 1
+                end = min((last + 1) * ps, t1)
+                runs.append((slots[first] * ps + t % ps, end - t, t - t0))
+                t = end
+            self._step["runs"][key] = runs
+        return runs
+
+    def _segments(self, start: int) -> list[tuple[int, int]]:
+        n = self._step["seg_tokens"]
+        return [(lo, min(lo + n, start)) for lo in range(0, start, n)]
+
+    def _chunk_rows(self, t: int) -> int:
+        """Staging rows per sequence for one chunk of t tokens starting anywhere in a page."""
+        ps = self.pool.page_size
+        return (-(-t // ps) + 1) * ps
+
+    def _chunk_view(self, start: int, t: int) -> LayerStore:
+        """A store whose dK, dV rows of tokens [start, start + t) are the staged incoming gradients."""
+        view = self._step["chunk_views"].get((start, t))
+        if view is None:
+            ps = self.pool.page_size
+            per_seq = self._chunk_rows(t) // ps
+            table = self._step["table"]
+            batch, n_pages = table.slots.shape
+            p = torch.arange(n_pages, device=self.device)
+            b = torch.arange(batch, device=self.device)[:, None]
+            slots = (b * per_seq + (p - start // ps).clamp(0, per_seq - 1)).int()
+            view = LayerStore(self.k, self.v, self._in_dk, self._in_dv, PageTable(slots, table.seq_len, ps), ps)
+            self._step["chunk_views"][(start, t)] = view
+        return view
+
+    def _ensure_chunk_buffers(self, batch: int, t: int) -> None:
+        rows = batch * self._chunk_rows(t)
+        if self._out_k is None or self._out_k.shape[1] < rows:
+            spec = self.pool.spec
+            shape = (2, rows, spec.n_kv_heads, spec.head_dim)
+            self._out_k = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            self._out_v = torch.empty_like(self._out_k)
+            if self.pool.with_grads:
+                pages = (rows // self.pool.page_size, *self._page)
+                self._in_dk = torch.empty(pages, dtype=spec.grad_dtype, device=self.device)
+                self._in_dv = torch.empty_like(self._in_dk)
+            self._step["chunk_views"].clear()
+
+    # -- copies -------------------------------------------------------------------------------------------
+    def write(self, store: LayerStore, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Send a chunk's K, V (B, H_kv, T, D) to the host pages of tokens [start, start + T)."""
+        batch, _, t, _ = k.shape
+        self._ensure_chunk_buffers(batch, t)
+        turn = self._out_turn
+        self._out_turn ^= 1
+        rows = self._chunk_rows(t)
+        self.streams.compute_waits(self._out_done[turn])  # this buffer's previous copy has left
+        out_k = self._out_k[turn, : batch * rows].view(batch, rows, *self._page[1:])
+        out_v = self._out_v[turn, : batch * rows].view(batch, rows, *self._page[1:])
+        out_k[:, :t].copy_(k.transpose(1, 2))
+        out_v[:, :t].copy_(v.transpose(1, 2))
+        self.streams.record(self._out_ready[turn])
+        host_k, host_v = _flat(store.k), _flat(store.v)
+        with self.streams.on("d2h", [self._out_ready[turn]]):
+            for b in range(batch):
+                for row, n, off in self._runs(b, start, start + t):
+                    host_k[row : row + n].copy_(out_k[b, off : off + n], non_blocking=True)
+                    host_v[row : row + n].copy_(out_v[b, off : off + n], non_blocking=True)
+        self.stats.d2h_bytes += 2 * out_k[:, :t].numel() * out_k.element_size()
+        self.streams.record(self._out_done[turn], "d2h")
+        self._last_d2h = self._out_done[turn]
+
+    def _load(self, store: LayerStore, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
+        """Bring segment ``index`` (tokens [lo, hi) of every sequence) of this layer into half index % 2."""
+        half = index % 2
+        per_seq = self._step["seg_tokens"]
+        pairs = [(store.k, self.k), (store.v, self.v)]
+        if grads and not fresh:
+            pairs += [(store.dk, self.dk), (store.dv, self.dv)]
+        nbytes = 0
+        with self.streams.on("h2d", [self._consumed[half], self._last_d2h]):
+            if grads and fresh:
+                rows = slice(half * self.half_pages, (half + 1) * self.half_pages)
+                self.dk[rows].zero_()
+                self.dv[rows].zero_()
+            for host, staged in pairs:
+                host, staged = _flat(host), _flat(staged)
+                for b in range(len(self._step["slots"])):
+                    base = (half * self.half_pages * self.pool.page_size) + b * per_seq
+                    for row, n, off in self._runs(b, lo, hi):
+                        staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
+                        nbytes += n * staged[0].numel() * staged.element_size()
+        self.stats.h2d_bytes += nbytes
+        self.streams.record(self._loaded[half], "h2d")
+
+    def _write_back(self, store: LayerStore, index: int, lo: int, hi: int) -> None:
+        """Send this layer's dK, dV of segment ``index`` (half index % 2) back to the host."""
+        half = index % 2
+        per_seq = self._step["seg_tokens"]
+        nbytes = 0
+        with self.streams.on("d2h", [self._consumed[half]]):
+            for host, staged in ((store.dk, self.dk), (store.dv, self.dv)):
+                host, staged = _flat(host), _flat(staged)
+                for b in range(len(self._step["slots"])):
+                    base = (half * self.half_pages * self.pool.page_size) + b * per_seq
+                    # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
+                    for row, n, off in self._runs(b, lo, _page_end(hi, self.pool.page_size, lo, per_seq)):
+                        host[row : row + n].copy_(staged[base + off : base + off + n], non_blocking=True)
+                        nbytes += n * staged[0].numel() * staged.element_size()
+        self.stats.d2h_bytes += nbytes
+        self.streams.record(self._written[half], "d2h")
+        self._last_d2h = self._written[half]
+
+    def _load_chunk_grads(self, store: LayerStore, start: int, t: int, fresh: bool) -> LayerStore:
+        """Stage the gradient later chunks stored for tokens [start, start + t) (zero on a fresh layer)."""
+        batch = len(self._step["slots"])
+        self._ensure_chunk_buffers(batch, t)
+        view = self._chunk_view(start, t)
+        rows = self._chunk_rows(t)
+        first = (start // self.pool.page_size) * self.pool.page_size
+        nbytes = 0
+        with self.streams.on("h2d", [self._in_consumed, self._last_d2h]):
+            if fresh:
+                self._in_dk.zero_()
+                self._in_dv.zero_()
+            else:
+                for host, staged in ((store.dk, self._in_dk), (store.dv, self._in_dv)):
+                    host, staged = _flat(host), _flat(staged)
+                    for b in range(batch):
+                        base = b * rows + (start - first)
+                        for row, n, off in self._runs(b, start, start + t):
+                            staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
+                            nbytes += n * staged[0].numel() * staged.element_size()
+        self.stats.h2d_bytes += nbytes
+        self.streams.record(self._in_loaded, "h2d")
+        return view
+
+    # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
+    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float):
+        """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
+        segments = self._segments(start)
+        view = self._step["seg_view"]
+        for i, (lo, hi) in enumerate(segments[:2]):
+            self._load(store, i, lo, hi, grads=False, fresh=False)
+        state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True)
+        for i, (lo, hi) in enumerate(segments):
+            half = i % 2
+            self.streams.compute_waits(self._loaded[half])
+            backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state)
+            self.streams.record(self._consumed[half])
+            if i + 2 < len(segments):
+                self._load(store, i + 2, *segments[i + 2], grads=False, fresh=False)
+        out, lse = state
+        return out.to(q.dtype), lse
+
+    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float):
+        """``backend.attention_backward`` over a host-resident past: (dq, dk, dv) of the chunk; the past's
+        dK, dV are added into the host gradient pages."""
+        fresh = store.layer in self._step["fresh"]
+        self._step["fresh"].discard(store.layer)
+        segments = self._segments(start)
+        view = self._step["seg_view"]
+        for i, (lo, hi) in enumerate(segments[:2]):
+            self._load(store, i, lo, hi, grads=True, fresh=fresh)
+        chunk_view = self._load_chunk_grads(store, start, q.shape[2], fresh)
+        delta = backend.backward_delta(out, dout)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        self.streams.compute_waits(self._in_loaded)
+        dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq)
+        self.streams.record(self._in_consumed)
+        for i, (lo, hi) in enumerate(segments):
+            half = i % 2
+            self.streams.compute_waits(self._loaded[half])
+            backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq)
+            self.streams.record(self._consumed[half])
+            self._write_back(store, i, lo, hi)
+            if i + 2 < len(segments):
+                self._load(store, i + 2, *segments[i + 2], grads=True, fresh=fresh)
+        return dq.to(q.dtype), dk, dv
+
+
+def _page_end(hi: int, page_size: int, lo: int, per_seq: int) -> int:
+    """The end of the page holding token hi - 1, within the segment that starts at lo."""
+    return min(-(-hi // page_size) * page_size, lo + per_seq)

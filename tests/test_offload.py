@@ -1,0 +1,161 @@
+"""Pages in host memory, streamed in segments (lightning_oomb.core.offload), on CPU with synchronous copies.
+
+The streamed step must give the gradient of the all-on-device step and of transformers' full-sequence
+backward (float32, 1e-5), for both attention backends, over segment lengths that cut pages, chunks and
+sequences in every way; the host pool's slots may be scattered.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core.pages import PagePool, StoreSpec
+from lightning_oomb.core.planner import Placement, place_step
+from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, new_pool
+from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
+
+TOL = 1e-5
+BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("triton") else [])
+
+
+def check_host_step(model, ids, labels=None, **kwargs):
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    loss = lightning_oomb.train_step(model, ids, labels, offload="host", **kwargs)
+    assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "seq_len,chunk_size,page_size,segment",
+    [(45, 8, 4, 8), (45, 8, 4, 12), (37, 10, 4, 4), (33, 10, 7, 14), (30, 6, 2, 64), (20, 20, 4, 4)],
+    ids=["segment=chunk", "segment-3-pages", "segment-1-page", "page-not-dividing-chunk", "one-segment", "one-chunk"],
+)
+def test_host_matches_full_sequence(seq_len, chunk_size, page_size, segment, backend):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, seq_len))
+    check_host_step(model, ids, chunk_size=chunk_size, page_size=page_size, segment_tokens=segment, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_batch_with_ignored_labels(backend):
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (3, 29))
+    labels = ids.clone()
+    labels[0, :11] = -100
+    labels[2, ::3] = -100
+    check_host_step(model, ids, labels, chunk_size=6, page_size=4, segment_tokens=8, attention=backend)
+
+
+def test_host_equals_gpu_placement_bitwise_close():
+    """Same model, same batch: the streamed step and the on-device step agree to rounding."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, VOCAB, (2, 40))
+    loss_dev = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, offload="gpu")
+    dev = {n: g.clone() for n, g in grads_of(model).items()}
+    model.zero_grad(set_to_none=True)
+    loss_host = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, offload="host", segment_tokens=12)
+    assert rel_err(loss_host, loss_dev) <= TOL
+    assert_grads_close(grads_of(model), dev, TOL)
+
+
+def test_scattered_host_slots_and_reuse_across_steps():
+    """A host pool whose free slots are out of order after a step with another batch shape."""
+    model = tiny_model("qwen2")
+    config = ChunkConfig(chunk_size=8, page_size=4, offload="host", segment_tokens=8)
+    spec = StoreSpec(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    pool = new_pool(spec, 40, 4, torch.device("cpu"), True, Placement("host", 8, 2))
+
+    def provide(spec, pages, with_grads, placement):
+        return pool
+
+    pool._free = [7, 3, 9, 2, 8, 1, 0, 4, 5, 6] + list(range(10, 40))  # runs of one, two and many slots
+    for shape in ((2, 37), (1, 45)):
+        ids = torch.randint(0, VOCAB, shape)
+        want_loss, want = full_sequence_grads(model, ids)
+        seq = ChunkedSequence(model, ids, config=config, pools=provide)
+        seq.fill()
+        loss = seq.backward()
+        assert rel_err(loss, want_loss) <= TOL
+        assert_grads_close(grads_of(model), want, TOL)
+        model.zero_grad(set_to_none=True)
+    assert pool.pages_in_use == 0
+
+
+def test_eval_loss_streams():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (2, 33))
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    got = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=4, offload="host", segment_tokens=8)
+    assert rel_err(got, want) <= TOL
+
+
+def test_cross_chunk_ablation_same_with_host_pages():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    grads = []
+    for offload in ("gpu", "host"):
+        config = ChunkConfig(chunk_size=8, page_size=4, cross_chunk_gradients=False, offload=offload, segment_tokens=8)
+        seq = ChunkedSequence(model, ids, config=config)
+        seq.fill()
+        seq.backward()
+        grads.append({n: g.clone() for n, g in grads_of(model).items()})
+        model.zero_grad(set_to_none=True)
+    assert_grads_close(grads[1], grads[0], TOL)
+
+
+def test_copy_statistics_count_every_byte():
+    """Bytes moved by a streamed step, against the count the schedule implies."""
+    model = tiny_model("qwen2")  # 2 layers, 2 KV heads of dim 8, float32
+    seq_len, chunk, page, segment = 32, 8, 4, 8
+    ids = torch.randint(0, VOCAB, (1, seq_len))
+    config = ChunkConfig(chunk_size=chunk, page_size=page, offload="host", segment_tokens=segment)
+    seq = ChunkedSequence(model, ids, config=config)
+    seq.fill()
+    pool = seq.pool
+    seq.backward()
+    stats = pool.streamer.take_stats()
+    row = 2 * 8 * 4  # bytes of one token's K (or V, dK, dV) in one layer
+    layers = 2
+    starts = range(0, seq_len, chunk)
+    past = sum(starts)  # tokens of past over all chunks
+    # Stage 1 sends every token's K, V out and, like the stage-2 forward, brings each chunk's past K, V in;
+    # the backward brings K, V and (after the first, fresh, chunk) dK, dV in, plus the chunk's own stored
+    # dK, dV (again not for the first), and sends dK, dV of the past back.
+    last = starts[-1]
+    h2d = layers * row * (3 * 2 * past + 2 * (past - last) + 2 * (seq_len - chunk))
+    d2h = layers * row * (2 * seq_len + 2 * past)
+    assert stats.d2h_bytes == d2h
+    assert stats.h2d_bytes == h2d
+
+
+def test_place_step_on_cpu():
+    model = tiny_model("qwen2")
+    for offload, where in (("auto", "gpu"), ("gpu", "gpu"), ("host", "host")):
+        config = ChunkConfig(chunk_size=8, page_size=4, offload=offload)
+        placement = place_step(model, 1, 32, config, torch.device("cpu"))
+        assert placement.where == where
+        assert placement.segment_tokens == 8  # one chunk on CPU unless given
+
+
+def test_bad_offload_options():
+    with pytest.raises(ValueError, match="offload must be one of"):
+        ChunkConfig(offload="disk")
+    with pytest.raises(ValueError, match="segment_tokens"):
+        ChunkConfig(segment_tokens=0)
+    spec = StoreSpec(n_layers=1, n_kv_heads=1, head_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="segment_tokens"):
+        PagePool(spec, 4, 4, "cpu", placement="host")
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="sparse attention over pages offloaded"):
+        lightning_oomb.train_step(
+            model, torch.randint(0, VOCAB, (1, 16)), chunk_size=8, page_size=4, offload="host",
+            sparse=lightning_oomb.SparseConfig(budget_pages=2, sink_pages=1, local_pages=1),
+        )
+    # A batch larger than what one staged segment holds: refused with the fix.
+    pool = PagePool(spec, 16, 4, "cpu", placement="host", segment_tokens=4)
+    with pytest.raises(ValueError, match="raise segment_tokens"):
+        pool.allocate(2, 8)
