@@ -33,17 +33,17 @@ def read_rows(path):
 
 def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "64,128", "--modes", "baseline,oomb",
-            "--repeats", "1", "--chunk", "32", "--out", str(out)]
+    argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "64,128", "--modes",
+            "baseline,oomb,offload", "--repeats", "1", "--chunk", "32", "--out", str(out)]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
-    assert "[4/4] oomb" in printed and "| mode | context |" in printed
+    assert "[6/6] offload" in printed and "| mode | context |" in printed
     for name in ("results.csv", "results.md", "results.png"):
         assert (out / name).stat().st_size > 0, name
     columns, rows = read_rows(out / "results.csv")
     assert tuple(columns) == bench.CSV_COLUMNS
     assert [(r["mode"], int(r["context"])) for r in rows] == [
-        ("baseline", 64), ("baseline", 128), ("oomb", 64), ("oomb", 128)]
+        ("baseline", 64), ("baseline", 128), ("oomb", 64), ("oomb", 128), ("offload", 64), ("offload", 128)]
     for r in rows:
         assert r["status"] == "ok"
         for column in ("step_time_s", "tokens_per_s", "floor_s", "floor_fraction", "loss"):
@@ -53,10 +53,15 @@ def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
     losses = {(r["mode"], r["context"]): float(r["loss"]) for r in rows}
     for n in ("64", "128"):
         assert math.isclose(losses["baseline", n], losses["oomb", n], rel_tol=1e-5)
+        assert math.isclose(losses["baseline", n], losses["offload", n], rel_tol=1e-5)
     assert rows[2]["planned_step_s"] and not rows[0]["planned_step_s"]  # the planner models oomb only
+    # Offload rows: the segment the step streamed (on CPU one chunk, at least a page of 128) and its traffic.
+    for r in rows[4:]:
+        assert int(r["segment_tokens"]) == 128 and int(r["h2d_bytes"]) > 0 and int(r["d2h_bytes"]) > 0
+        assert float(r["planned_host_gib"]) > 0
     md = (out / "results.md").read_text()
     assert "- machine:" in md and "- date:" in md and "lightning-oomb bench --model" in md
-    assert md.count("\n| ") == 5  # header + 4 points
+    assert md.count("\n| ") == 7  # header + 6 points
 
 
 def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):

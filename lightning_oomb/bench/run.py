@@ -48,6 +48,7 @@ from ..core.planner import (
     DEFAULT_MATMUL_TFLOPS,
     GIB,
     LORA_TARGETS,
+    OFFLOAD_SEGMENT_TOKENS,
     ModelShape,
     human_count,
     load_config_dict,
@@ -61,7 +62,8 @@ CSV_COLUMNS = (
     "mode", "context", "batch", "chunk_size", "lora_rank", "dtype", "status",
     "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
-    "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_step_s", "loss",
+    "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
+    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s",
 )
 
 
@@ -105,8 +107,15 @@ class PointResult:
     peak_host_bytes: int | None = None
     floor_s: float = math.nan
     planned_gpu_allocated_bytes: int | None = None
+    planned_host_bytes: int | None = None
     planned_step_s: float | None = None
     loss: float = math.nan
+    # Offload modes: the streamed segment (tokens per sequence) and one timed step's host<->GPU traffic.
+    segment_tokens: int | None = None
+    h2d_bytes: int | None = None
+    d2h_bytes: int | None = None
+    h2d_s: float | None = None
+    d2h_s: float | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -127,8 +136,13 @@ class PointResult:
             "floor_s": _num(self.floor_s), "floor_fraction": _num(self.floor_fraction),
             "planned_gpu_allocated_bytes": _blank_if_none(self.planned_gpu_allocated_bytes),
             "planned_gpu_gib": gib(self.planned_gpu_allocated_bytes),
+            "planned_host_gib": gib(self.planned_host_bytes),
             "planned_step_s": "" if self.planned_step_s is None else _num(self.planned_step_s),
             "loss": _num(self.loss),
+            "segment_tokens": _blank_if_none(self.segment_tokens),
+            "h2d_bytes": _blank_if_none(self.h2d_bytes), "d2h_bytes": _blank_if_none(self.d2h_bytes),
+            "h2d_s": "" if self.h2d_s is None else _num(self.h2d_s),
+            "d2h_s": "" if self.d2h_s is None else _num(self.d2h_s),
         }
 
 
@@ -158,6 +172,7 @@ class BenchMode:
     teardown: Callable[[nn.Module, BenchConfig], None] = lambda model, config: None
     planned: bool = False
     sparse: bool = False
+    offload: bool = False
 
     def sparse_config(self, config: "BenchConfig"):
         from ..core.sparse import SparseConfig
@@ -226,6 +241,15 @@ def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig)
     )
 
 
+def _offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    from .. import train_step
+
+    return train_step(
+        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers, offload="host",
+    )
+
+
 def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
     """Forget the page pool train_step keeps per model, so each point's peak holds only its own pool."""
     from ..core.schedule import release_cached_pool
@@ -244,6 +268,10 @@ register_mode(BenchMode(
 register_mode(BenchMode(
     "sparse", "lightning_oomb.train_step with page-level sparse attention (--budget-pages pages per query tile)",
     _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True,
+))
+register_mode(BenchMode(
+    "offload", "lightning_oomb.train_step with every K/V and KV-gradient page in pinned host memory, streamed",
+    _offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, offload=True,
 ))
 
 
@@ -317,6 +345,8 @@ def measure(
     mode: BenchMode, model: nn.Module, context: int, config: BenchConfig, device: torch.device, shape: ModelShape
 ) -> PointResult:
     """Warm-up and timed steps of one mode at one length; OOM is a result, not an error."""
+    from ..core.schedule import cached_pool
+
     dtype = next(model.parameters()).dtype
     result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,
                          str(dtype).removeprefix("torch."))
@@ -325,16 +355,21 @@ def measure(
                       lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops, sparse=sparse,
                       page_size=config.page_size)
     result.floor_s = floor.floor_s
-    if mode.planned:
-        planned = plan(
+
+    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS) -> None:
+        predicted = plan(
             shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
             lora_rank=config.lora_rank, optimizer="none",
             precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
             checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
-            matmul_tflops=config.matmul_tflops, sparse=sparse,
+            matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload, segment_tokens=segment_tokens,
         )
-        result.planned_gpu_allocated_bytes = planned.peak_gpu_bytes - CUDA_CONTEXT_BYTES
-        result.planned_step_s = planned.time.predicted_s
+        result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
+        result.planned_host_bytes = predicted.peak_host_bytes
+        result.planned_step_s = predicted.time.predicted_s
+
+    if mode.planned:
+        planned()
     generator = torch.Generator().manual_seed(config.seed + context)
     input_ids = torch.randint(0, shape.vocab, (config.batch, context), generator=generator).to(device)
     out_of_memory = False
@@ -344,6 +379,11 @@ def measure(
             model.zero_grad(set_to_none=True)
             mode.step(model, input_ids, config)
         _sync(device)
+        pool = cached_pool(model)
+        if mode.offload and pool is not None and pool.on_host:  # plan with the segment the step chose
+            result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
+            planned(result.segment_tokens)
+            pool.streamer.take_stats()  # the timed steps' traffic only
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _reset_host_peak()
@@ -355,6 +395,11 @@ def measure(
             loss = mode.step(model, input_ids, config)
             _sync(device)
             times.append(time.perf_counter() - start)
+            pool = cached_pool(model)
+            if pool is not None and pool.on_host:
+                stats = pool.streamer.take_stats()
+                result.h2d_bytes, result.d2h_bytes = stats.h2d_bytes, stats.d2h_bytes
+                result.h2d_s, result.d2h_s = stats.h2d_s, stats.d2h_s
         result.step_times_s = tuple(times)
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s

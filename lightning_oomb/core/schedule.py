@@ -132,6 +132,11 @@ def pool_bytes(pool: PagePool) -> tuple[int, int]:
     return (pool.gpu_nbytes, pool.nbytes if pool.on_host else 0)
 
 
+def cached_pool(model: nn.Module) -> PagePool | None:
+    """The page pool ``train_step``/``eval_loss`` keep for ``model`` between steps, if any."""
+    return _model_pools.get(causal_lm(model))
+
+
 def release_cached_pool(model: nn.Module) -> None:
     """Free the page pool ``train_step``/``eval_loss`` keep for ``model`` between steps."""
     _model_pools.pop(causal_lm(model), None)
