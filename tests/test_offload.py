@@ -159,3 +159,19 @@ def test_bad_offload_options():
     pool = PagePool(spec, 16, 4, "cpu", placement="host", segment_tokens=4)
     with pytest.raises(ValueError, match="raise segment_tokens"):
         pool.allocate(2, 8)
+
+
+def test_dropping_a_host_pool_frees_it_at_once():
+    """No reference cycle between a pool and its streamer: its (pinned) pages and staging go with it."""
+    import gc
+    import weakref
+
+    spec = StoreSpec(n_layers=1, n_kv_heads=1, head_dim=4, dtype=torch.float32)
+    pool = PagePool(spec, 4, 4, "cpu", placement="host", segment_tokens=8)
+    gone = [weakref.ref(pool), weakref.ref(pool.streamer)]
+    gc.disable()
+    try:
+        del pool
+        assert all(ref() is None for ref in gone)
+    finally:
+        gc.enable()

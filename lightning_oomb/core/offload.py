@@ -130,7 +130,9 @@ class Streamer:
     def __init__(self, pool: "PagePool", segment_tokens: int):
         if segment_tokens < 1:
             raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
-        self.pool = pool
+        # What it needs of the pool, not the pool: a reference back would make a cycle that keeps the staging
+        # buffers (and the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs.
+        self.page_size, self.spec, self.with_grads = pool.page_size, pool.spec, pool.with_grads
         self.device = pool.device
         ps = pool.page_size
         self.half_pages = -(-segment_tokens // ps)
@@ -140,7 +142,7 @@ class Streamer:
         self.k = torch.empty((two, *self._page), dtype=spec.dtype, device=self.device)
         self.v = torch.empty_like(self.k)
         self.dk = self.dv = None
-        if pool.with_grads:
+        if self.with_grads:
             self.dk = torch.empty((two, *self._page), dtype=spec.grad_dtype, device=self.device)
             self.dv = torch.empty_like(self.dk)
         # One chunk's K, V going out (two, alternating) and stored dK, dV coming in: sized at first use.
@@ -167,7 +169,7 @@ class Streamer:
         if per_seq < 1:
             raise ValueError(
                 f"the offload staging holds {self.half_pages} pages per segment, fewer than the batch of "
-                f"{batch} sequences: raise segment_tokens to at least {batch * self.pool.page_size}"
+                f"{batch} sequences: raise segment_tokens to at least {batch * self.page_size}"
             )
         p = torch.arange(n_pages, device=self.device)
         b = torch.arange(batch, device=self.device)[:, None]
@@ -176,10 +178,10 @@ class Streamer:
         self._step = dict(
             table=table,
             slots=table.slots.tolist(),
-            seg_tokens=per_seq * self.pool.page_size,
+            seg_tokens=per_seq * self.page_size,
             seg_view=LayerStore(self.k, self.v, self.dk, self.dv,
-                                PageTable(seg_slots.int(), table.seq_len, table.page_size), self.pool.page_size),
-            fresh=set(range(self.pool.spec.n_layers)) if self.pool.with_grads else set(),
+                                PageTable(seg_slots.int(), table.seq_len, table.page_size), self.page_size),
+            fresh=set(range(self.spec.n_layers)) if self.with_grads else set(),
             runs={},
             chunk_views={},
         )
@@ -204,7 +206,7 @@ class Streamer:
         key = (b, t0, t1)
         runs = self._step["runs"].get(key)
         if runs is None:
-            ps, slots = self.pool.page_size, self._step["slots"][b]
+            ps, slots = self.page_size, self._step["slots"][b]
             runs, t = [], t0
             while t < t1:
                 first = last = t // ps
@@ -222,14 +224,14 @@ class Streamer:
 
     def _chunk_rows(self, t: int) -> int:
         """Staging rows per sequence for one chunk of t tokens starting anywhere in a page."""
-        ps = self.pool.page_size
+        ps = self.page_size
         return (-(-t // ps) + 1) * ps
 
     def _chunk_view(self, start: int, t: int) -> LayerStore:
         """A store whose dK, dV rows of tokens [start, start + t) are the staged incoming gradients."""
         view = self._step["chunk_views"].get((start, t))
         if view is None:
-            ps = self.pool.page_size
+            ps = self.page_size
             per_seq = self._chunk_rows(t) // ps
             table = self._step["table"]
             batch, n_pages = table.slots.shape
@@ -243,12 +245,12 @@ class Streamer:
     def _ensure_chunk_buffers(self, batch: int, t: int) -> None:
         rows = batch * self._chunk_rows(t)
         if self._out_k is None or self._out_k.shape[1] < rows:
-            spec = self.pool.spec
+            spec = self.spec
             shape = (2, rows, spec.n_kv_heads, spec.head_dim)
             self._out_k = torch.empty(shape, dtype=spec.dtype, device=self.device)
             self._out_v = torch.empty_like(self._out_k)
-            if self.pool.with_grads:
-                pages = (rows // self.pool.page_size, *self._page)
+            if self.with_grads:
+                pages = (rows // self.page_size, *self._page)
                 self._in_dk = torch.empty(pages, dtype=spec.grad_dtype, device=self.device)
                 self._in_dv = torch.empty_like(self._in_dk)
             self._step["chunk_views"].clear()
@@ -293,7 +295,7 @@ class Streamer:
             for host, staged in pairs:
                 host, staged = _flat(host), _flat(staged)
                 for b in range(len(self._step["slots"])):
-                    base = (half * self.half_pages * self.pool.page_size) + b * per_seq
+                    base = (half * self.half_pages * self.page_size) + b * per_seq
                     for row, n, off in self._runs(b, lo, hi):
                         staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
                         nbytes += n * staged[0].numel() * staged.element_size()
@@ -309,9 +311,9 @@ class Streamer:
             for host, staged in ((store.dk, self.dk), (store.dv, self.dv)):
                 host, staged = _flat(host), _flat(staged)
                 for b in range(len(self._step["slots"])):
-                    base = (half * self.half_pages * self.pool.page_size) + b * per_seq
+                    base = (half * self.half_pages * self.page_size) + b * per_seq
                     # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
-                    for row, n, off in self._runs(b, lo, _page_end(hi, self.pool.page_size, lo, per_seq)):
+                    for row, n, off in self._runs(b, lo, _page_end(hi, self.page_size, lo, per_seq)):
                         host[row : row + n].copy_(staged[base + off : base + off + n], non_blocking=True)
                         nbytes += n * staged[0].numel() * staged.element_size()
         self.stats.d2h_bytes += nbytes
@@ -324,7 +326,7 @@ class Streamer:
         self._ensure_chunk_buffers(batch, t)
         view = self._chunk_view(start, t)
         rows = self._chunk_rows(t)
-        first = (start // self.pool.page_size) * self.pool.page_size
+        first = (start // self.page_size) * self.page_size
         nbytes = 0
         with self.streams.on("h2d", [self._in_consumed, self._last_d2h]):
             if fresh:

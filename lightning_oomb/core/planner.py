@@ -35,7 +35,7 @@ GIB = 1 << 30
 # that torch.cuda.max_memory_allocated does not report.
 CUDA_CONTEXT_BYTES = 1 * GIB
 # Host memory of the process itself (Python, torch, CUDA runtime, transformers) before any pinned pool.
-HOST_PROCESS_BYTES = 4 * GIB
+HOST_PROCESS_BYTES = 2 * GIB
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
 ASSUMED_EFFICIENCY = 0.6
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
