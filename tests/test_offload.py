@@ -175,3 +175,11 @@ def test_dropping_a_host_pool_frees_it_at_once():
         assert all(ref() is None for ref in gone)
     finally:
         gc.enable()
+
+
+def test_host_with_layer_checkpointing():
+    """Checkpointed layers re-run their forward inside the backward: the loads sent ahead for the next
+    layer's backward are then the wrong ones and must not be used."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    check_host_step(model, ids, chunk_size=8, page_size=4, segment_tokens=8, checkpoint_layers=True)

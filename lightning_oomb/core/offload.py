@@ -133,6 +133,7 @@ class Streamer:
         # What it needs of the pool, not the pool: a reference back would make a cycle that keeps the staging
         # buffers (and the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs.
         self.page_size, self.spec, self.with_grads = pool.page_size, pool.spec, pool.with_grads
+        self._host = {"k": pool.k, "v": pool.v, "dk": pool.dk, "dv": pool.dv}  # (n_layers, pages, ...) each
         self.device = pool.device
         ps = pool.page_size
         self.half_pages = -(-segment_tokens // ps)
@@ -151,7 +152,7 @@ class Streamer:
         ev = self.streams.event
         self._loaded, self._consumed, self._written = [ev(), ev()], [ev(), ev()], [ev(), ev()]
         self._out_ready, self._out_done, self._out_turn = [ev(), ev()], [ev(), ev()], 0
-        self._in_loaded, self._in_consumed = ev(), ev()
+        self._in_loaded, self._in_consumed, self._in_turn = [ev(), ev()], [ev(), ev()], 0
         self._last_d2h = None
         self.stats = CopyStats()
         self._step: dict | None = None
@@ -184,6 +185,8 @@ class Streamer:
             fresh=set(range(self.spec.n_layers)) if self.with_grads else set(),
             runs={},
             chunk_views={},
+            # (direction, layer, start, chunk-grad turn) whose first segments are already on their way in.
+            ahead=None,
         )
 
     def end(self, table: PageTable) -> None:
@@ -227,9 +230,9 @@ class Streamer:
         ps = self.page_size
         return (-(-t // ps) + 1) * ps
 
-    def _chunk_view(self, start: int, t: int) -> LayerStore:
-        """A store whose dK, dV rows of tokens [start, start + t) are the staged incoming gradients."""
-        view = self._step["chunk_views"].get((start, t))
+    def _chunk_view(self, start: int, t: int, turn: int) -> LayerStore:
+        """A store whose dK, dV rows of tokens [start, start + t) are the incoming gradients staged in ``turn``."""
+        view = self._step["chunk_views"].get((start, t, turn))
         if view is None:
             ps = self.page_size
             per_seq = self._chunk_rows(t) // ps
@@ -238,8 +241,8 @@ class Streamer:
             p = torch.arange(n_pages, device=self.device)
             b = torch.arange(batch, device=self.device)[:, None]
             slots = (b * per_seq + (p - start // ps).clamp(0, per_seq - 1)).int()
-            view = LayerStore(self.k, self.v, self._in_dk, self._in_dv, PageTable(slots, table.seq_len, ps), ps)
-            self._step["chunk_views"][(start, t)] = view
+            view = LayerStore(self.k, self.v, self._in_dk[turn], self._in_dv[turn], PageTable(slots, table.seq_len, ps), ps)
+            self._step["chunk_views"][(start, t, turn)] = view
         return view
 
     def _ensure_chunk_buffers(self, batch: int, t: int) -> None:
@@ -250,7 +253,7 @@ class Streamer:
             self._out_k = torch.empty(shape, dtype=spec.dtype, device=self.device)
             self._out_v = torch.empty_like(self._out_k)
             if self.with_grads:
-                pages = (rows // self.page_size, *self._page)
+                pages = (2, rows // self.page_size, *self._page)  # two: one layer's in use, the next one's coming
                 self._in_dk = torch.empty(pages, dtype=spec.grad_dtype, device=self.device)
                 self._in_dv = torch.empty_like(self._in_dk)
             self._step["chunk_views"].clear()
@@ -279,13 +282,12 @@ class Streamer:
         self.streams.record(self._out_done[turn], "d2h")
         self._last_d2h = self._out_done[turn]
 
-    def _load(self, store: LayerStore, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
-        """Bring segment ``index`` (tokens [lo, hi) of every sequence) of this layer into half index % 2."""
+    def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
+        """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2."""
         half = index % 2
         per_seq = self._step["seg_tokens"]
-        pairs = [(store.k, self.k), (store.v, self.v)]
-        if grads and not fresh:
-            pairs += [(store.dk, self.dk), (store.dv, self.dv)]
+        names = ("k", "v", "dk", "dv") if grads and not fresh else ("k", "v")
+        pairs = [(self._host[name][layer], getattr(self, name)) for name in names]
         nbytes = 0
         with self.streams.on("h2d", [self._consumed[half], self._last_d2h]):
             if grads and fresh:
@@ -320,37 +322,61 @@ class Streamer:
         self.streams.record(self._written[half], "d2h")
         self._last_d2h = self._written[half]
 
-    def _load_chunk_grads(self, store: LayerStore, start: int, t: int, fresh: bool) -> LayerStore:
-        """Stage the gradient later chunks stored for tokens [start, start + t) (zero on a fresh layer)."""
+    def _load_chunk_grads(self, layer: int, start: int, t: int, fresh: bool) -> int:
+        """Stage the gradient later chunks stored for tokens [start, start + t) of ``layer`` (zero on a fresh
+        layer) into the next of the two incoming buffers; returns that buffer's turn."""
         batch = len(self._step["slots"])
         self._ensure_chunk_buffers(batch, t)
-        view = self._chunk_view(start, t)
+        turn = self._in_turn
+        self._in_turn ^= 1
         rows = self._chunk_rows(t)
         first = (start // self.page_size) * self.page_size
         nbytes = 0
-        with self.streams.on("h2d", [self._in_consumed, self._last_d2h]):
+        with self.streams.on("h2d", [self._in_consumed[turn], self._last_d2h]):
             if fresh:
-                self._in_dk.zero_()
-                self._in_dv.zero_()
+                self._in_dk[turn].zero_()
+                self._in_dv[turn].zero_()
             else:
-                for host, staged in ((store.dk, self._in_dk), (store.dv, self._in_dv)):
-                    host, staged = _flat(host), _flat(staged)
+                for name in ("dk", "dv"):
+                    host = _flat(self._host[name][layer])
+                    staged = _flat(getattr(self, "_in_" + name)[turn])
                     for b in range(batch):
                         base = b * rows + (start - first)
                         for row, n, off in self._runs(b, start, start + t):
                             staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
                             nbytes += n * staged[0].numel() * staged.element_size()
         self.stats.h2d_bytes += nbytes
-        self.streams.record(self._in_loaded, "h2d")
-        return view
+        self.streams.record(self._in_loaded[turn], "h2d")
+        return turn
+
+    def _first_loads(self, direction: str, layer: int, start: int, t: int, fresh: bool) -> int | None:
+        """Issue the loads a call over ``layer`` starts with (its first two segments, and backward the chunk's
+        stored gradients), unless the previous call already sent them ahead; returns the chunk-grad turn."""
+        ahead, self._step["ahead"] = self._step["ahead"], None
+        if ahead is not None and ahead[:3] == (direction, layer, start):
+            return ahead[3]
+        grads = direction == "backward"
+        for i, (lo, hi) in enumerate(self._segments(start)[:2]):
+            self._load(layer, i, lo, hi, grads, fresh)
+        return self._load_chunk_grads(layer, start, t, fresh) if grads else None
+
+    def _send_ahead(self, direction: str, layer: int, start: int, t: int) -> None:
+        """Start the next layer's first loads now, so that they run behind the rest of this layer's work
+        (its projections and MLP): forward goes up the layers, backward down. A guess that turns out wrong
+        (e.g. layer checkpointing recomputes a forward first) only costs the copies."""
+        nxt = layer + 1 if direction == "forward" else layer - 1
+        if not 0 <= nxt < self.spec.n_layers:
+            return
+        fresh = nxt in self._step["fresh"]
+        turn = self._first_loads(direction, nxt, start, t, fresh)
+        self._step["ahead"] = (direction, nxt, start, turn)
 
     # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
     def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float):
         """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
         segments = self._segments(start)
         view = self._step["seg_view"]
-        for i, (lo, hi) in enumerate(segments[:2]):
-            self._load(store, i, lo, hi, grads=False, fresh=False)
+        self._first_loads("forward", store.layer, start, q.shape[2], fresh=False)
         state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True)
         for i, (lo, hi) in enumerate(segments):
             half = i % 2
@@ -358,7 +384,8 @@ class Streamer:
             backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state)
             self.streams.record(self._consumed[half])
             if i + 2 < len(segments):
-                self._load(store, i + 2, *segments[i + 2], grads=False, fresh=False)
+                self._load(store.layer, i + 2, *segments[i + 2], grads=False, fresh=False)
+        self._send_ahead("forward", store.layer, start, q.shape[2])
         out, lse = state
         return out.to(q.dtype), lse
 
@@ -369,14 +396,14 @@ class Streamer:
         self._step["fresh"].discard(store.layer)
         segments = self._segments(start)
         view = self._step["seg_view"]
-        for i, (lo, hi) in enumerate(segments[:2]):
-            self._load(store, i, lo, hi, grads=True, fresh=fresh)
-        chunk_view = self._load_chunk_grads(store, start, q.shape[2], fresh)
+        t = q.shape[2]
+        turn = self._first_loads("backward", store.layer, start, t, fresh)
         delta = backend.backward_delta(out, dout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        self.streams.compute_waits(self._in_loaded)
+        self.streams.compute_waits(self._in_loaded[turn])
+        chunk_view = self._chunk_view(start, t, turn)
         dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq)
-        self.streams.record(self._in_consumed)
+        self.streams.record(self._in_consumed[turn])
         for i, (lo, hi) in enumerate(segments):
             half = i % 2
             self.streams.compute_waits(self._loaded[half])
@@ -384,7 +411,8 @@ class Streamer:
             self.streams.record(self._consumed[half])
             self._write_back(store, i, lo, hi)
             if i + 2 < len(segments):
-                self._load(store, i + 2, *segments[i + 2], grads=True, fresh=fresh)
+                self._load(store.layer, i + 2, *segments[i + 2], grads=True, fresh=fresh)
+        self._send_ahead("backward", store.layer, start, t)
         return dq.to(q.dtype), dk, dv
 
 
