@@ -13,6 +13,7 @@ import torch
 
 from .core.planner import (
     DEFAULT_MATMUL_TFLOPS,
+    OFFLOAD_SEGMENT_TOKENS,
     OPTIMIZERS,
     PRECISIONS,
     builtin_names,
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="layer checkpointing in stage 2; auto: off if the step fits without it")
     parser.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="float32",
                         help="dtype of the KV-gradient pages")
+    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto",
+                        help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
+                        "else pinned host memory (as a training step decides)")
+    parser.add_argument("--segment-tokens", type=_argument(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
+                        help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
     parser.add_argument("--gpu-memory", type=_argument(parse_bytes), default=None,
                         help="GPU memory, e.g. 141GB (default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=_argument(parse_bytes), default=None,
@@ -70,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     """Print the plan; 0 when the step fits, 1 when it does not."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        result = plan(
+    def plan_for(offload: bool):
+        return plan(
             args.model,
             args.context,
             chunk_size=args.chunk,
@@ -85,7 +91,17 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory=args.gpu_memory,
             host_memory=args.host_memory,
             matmul_tflops=args.matmul_tflops,
+            offload=offload,
+            segment_tokens=args.segment_tokens,
         )
+
+    try:
+        result = plan_for(args.offload == "host")
+        if args.offload == "auto" and not result.fits:
+            on_host = plan_for(True)
+            if on_host.fits:
+                on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
+                result = on_host
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print(result)

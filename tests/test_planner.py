@@ -242,3 +242,25 @@ def test_size_parsing():
             parse_tokens(bad)
     with pytest.raises(ValueError):
         parse_bytes("80 gigs")
+
+
+def test_offload_plan_is_flat_on_the_gpu_and_holds_the_pages_on_the_host():
+    plans = {n: plan("qwen2.5-7b", parse_tokens(n), offload=True, segment_tokens=65536, **H200) for n in ("64K", "256K")}
+    assert plans["64K"].peak_gpu_bytes == plans["256K"].peak_gpu_bytes  # nothing on the GPU grows with L
+    for n, p in plans.items():
+        assert not any(k.startswith(("K/V pages", "KV-gradient pages")) for k in p.gpu_lines)
+        pinned = sum(v for k, v in p.host_lines.items() if k.startswith("pinned"))
+        assert pinned == parse_tokens(n) * (57_344 + 114_688)
+        assert "offloaded to pinned host memory" in str(p)
+    staging = next(v for k, v in plans["64K"].gpu_lines.items() if k.startswith("offload staging: 2 segments"))
+    assert staging == 2 * 65536 * (57_344 + 114_688) // 28  # K, V, dK, dV of one layer, two halves
+
+
+def test_cli_plan_auto_offloads_what_does_not_fit(capsys):
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "512k", "--gpu-memory", "141GB",
+                     "--host-memory", "256GB", "--checkpoint-layers", "on"])
+    out = capsys.readouterr().out
+    assert code == 0 and "offloaded to pinned host memory" in out and "offload='auto' puts them" in out
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "32k", "--gpu-memory", "141GB",
+                     "--host-memory", "128GB", "--offload", "gpu"])
+    assert code == 0 and "offloaded" not in capsys.readouterr().out
