@@ -183,3 +183,16 @@ def test_host_with_layer_checkpointing():
     model = tiny_model("qwen3")
     ids = torch.randint(0, VOCAB, (1, 40))
     check_host_step(model, ids, chunk_size=8, page_size=4, segment_tokens=8, checkpoint_layers=True)
+
+
+def test_host_with_bf16_gradient_pages():
+    """grad_dtype=bfloat16 on the host tier: the same roundings as on the device tier."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    grads = []
+    for offload in ("gpu", "host"):
+        lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, grad_dtype=torch.bfloat16,
+                                  offload=offload, segment_tokens=8)
+        grads.append({n: g.clone() for n, g in grads_of(model).items()})
+        model.zero_grad(set_to_none=True)
+    assert_grads_close(grads[1], grads[0], TOL)
