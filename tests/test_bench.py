@@ -94,7 +94,7 @@ def test_sparse_fidelity_report(tmp_path):
     config["trainer"]["max_steps"] = 2
     config["trainer"]["strategy"]["init_args"]["chunk_size"] = 64
     config["data"]["init_args"].update(seq_len=256, key_window=64, val_size=2)
-    config["model"]["config"]["max_position_embeddings"] = 256
+    config["model"]["config"].update(max_position_embeddings=256, num_attention_heads=2)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "fidelity.md"

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences the gradients are averaged over")
     parser.add_argument("--train-budget", type=int, default=16, help="budget of the sparse-trained model (pages)")
     parser.add_argument("--kv-heads", type=int, default=None,
-                        help="query and KV heads of the model (default: the YAML's); per-head and shared selection "
-                        "differ only with more than one KV head")
+                        help="KV heads of the model (default: the YAML's; must divide its query heads); per-head and "
+                        "shared selection differ only with more than one KV head")
     parser.add_argument("--out", type=Path, default=Path("sparse-fidelity.md"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = cfg["trainer"]["max_steps"]
     model_args = dict(cfg["model"])
     if args.kv_heads:
-        model_args["config"] = {**model_args["config"], "num_attention_heads": args.kv_heads,
-                                "num_key_value_heads": args.kv_heads}
+        model_args["config"] = {**model_args["config"], "num_key_value_heads": args.kv_heads}
     data_args = cfg["data"]["init_args"]
     torch.manual_seed(cfg.get("seed_everything", 0))
 
