@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -282,6 +282,19 @@ class Streamer:
         self.streams.record(self._out_done[turn], "d2h")
         self._last_d2h = self._out_done[turn]
 
+    def _copy(self, host: torch.Tensor, staged: torch.Tensor, base: Callable[[int], int], lo: int, hi: int,
+              to_host: bool) -> int:
+        """Copy tokens [lo, hi) of every sequence between host pages and staging rows ``base(b)`` onwards, one
+        copy per run of consecutive host slots; both tensors (pages, page_size, H, D). Returns the bytes."""
+        host, staged = _flat(host), _flat(staged)
+        nbytes = 0
+        for b in range(len(self._step["slots"])):
+            for row, n, off in self._runs(b, lo, hi):
+                src, dst = host[row : row + n], staged[base(b) + off : base(b) + off + n]
+                (src if to_host else dst).copy_(dst if to_host else src, non_blocking=True)
+                nbytes += n * staged[0].numel() * staged.element_size()
+        return nbytes
+
     def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
         """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2."""
         half = index % 2
@@ -295,12 +308,8 @@ class Streamer:
                 self.dk[rows].zero_()
                 self.dv[rows].zero_()
             for host, staged in pairs:
-                host, staged = _flat(host), _flat(staged)
-                for b in range(len(self._step["slots"])):
-                    base = (half * self.half_pages * self.page_size) + b * per_seq
-                    for row, n, off in self._runs(b, lo, hi):
-                        staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
-                        nbytes += n * staged[0].numel() * staged.element_size()
+                nbytes += self._copy(host, staged, lambda b: half * self.half_pages * self.page_size + b * per_seq,
+                                     lo, hi, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._loaded[half], "h2d")
 
@@ -310,14 +319,11 @@ class Streamer:
         per_seq = self._step["seg_tokens"]
         nbytes = 0
         with self.streams.on("d2h", [self._consumed[half]]):
+            # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
+            end = _page_end(hi, self.page_size, lo, per_seq)
             for host, staged in ((store.dk, self.dk), (store.dv, self.dv)):
-                host, staged = _flat(host), _flat(staged)
-                for b in range(len(self._step["slots"])):
-                    base = (half * self.half_pages * self.page_size) + b * per_seq
-                    # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
-                    for row, n, off in self._runs(b, lo, _page_end(hi, self.page_size, lo, per_seq)):
-                        host[row : row + n].copy_(staged[base + off : base + off + n], non_blocking=True)
-                        nbytes += n * staged[0].numel() * staged.element_size()
+                nbytes += self._copy(host, staged, lambda b: half * self.half_pages * self.page_size + b * per_seq,
+                                     lo, end, to_host=True)
         self.stats.d2h_bytes += nbytes
         self.streams.record(self._written[half], "d2h")
         self._last_d2h = self._written[half]
@@ -338,13 +344,8 @@ class Streamer:
                 self._in_dv[turn].zero_()
             else:
                 for name in ("dk", "dv"):
-                    host = _flat(self._host[name][layer])
-                    staged = _flat(getattr(self, "_in_" + name)[turn])
-                    for b in range(batch):
-                        base = b * rows + (start - first)
-                        for row, n, off in self._runs(b, start, start + t):
-                            staged[base + off : base + off + n].copy_(host[row : row + n], non_blocking=True)
-                            nbytes += n * staged[0].numel() * staged.element_size()
+                    nbytes += self._copy(self._host[name][layer], getattr(self, "_in_" + name)[turn],
+                                         lambda b: b * rows + (start - first), start, start + t, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._in_loaded[turn], "h2d")
         return turn
