@@ -24,7 +24,8 @@ GIB = 2**30
 
 
 class OOMBCLI(LightningCLI):
-    """LightningCLI for CausalLMModule and any DataModule.
+    """LightningCLI for CausalLMModule (or a subclass named by ``model.class_path``, such as
+    SparseCausalLMModule; without one, CausalLMModule) and any DataModule.
 
     Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
     another CheckpointIO plugin), the planner's summary of a step is printed before the first one, and
@@ -40,6 +41,7 @@ class OOMBCLI(LightningCLI):
         )
         parser.add_argument("--export", type=bool, default=True, help="fit: export the trained model at the end")
         parser.add_argument("--plan", type=bool, default=True, help="fit: print the planner's summary of a step first")
+        parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
 
     def before_instantiate_classes(self) -> None:
         # TextCorpusDataModule without a tokenizer takes the model's directory: write it into the config so
@@ -48,7 +50,7 @@ class OOMBCLI(LightningCLI):
         data, model = config.get("data"), config.get("model")
         if data is None or model is None or not str(getattr(data, "class_path", "")).endswith("TextCorpusDataModule"):
             return
-        pretrained = model.get("pretrained")
+        pretrained = model.init_args.get("pretrained")
         if data.init_args.get("tokenizer") is None and pretrained and Path(pretrained).expanduser().is_dir():
             data.init_args.tokenizer = pretrained  # (a missing directory is reported as model.pretrained)
 
@@ -191,6 +193,7 @@ def main(args: list[str] | None = None) -> int | None:
         OOMBCLI(
             CausalLMModule,
             LightningDataModule,
+            subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             args=args,

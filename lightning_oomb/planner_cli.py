@@ -16,11 +16,13 @@ from .core.planner import (
     OFFLOAD_SEGMENT_TOKENS,
     OPTIMIZERS,
     PRECISIONS,
+    ModelShape,
     builtin_names,
     parse_bytes,
     parse_tokens,
     plan,
 )
+from .core.sparse import SparseConfig
 
 CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "else pinned host memory (as a training step decides)")
     parser.add_argument("--segment-tokens", type=_argument(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
                         help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
+    parser.add_argument("--sparse-budget", type=int, default=0, metavar="PAGES",
+                        help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
+                        "other fields at their defaults); 0: dense. Sparse steps keep K/V on the GPU: --offload "
+                        "moves only KV-gradient pages (auto: of the fewest layers that fit; host: of all)")
     parser.add_argument("--gpu-memory", type=_argument(parse_bytes), default=None,
                         help="GPU memory, e.g. 141GB (default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=_argument(parse_bytes), default=None,
@@ -76,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     """Print the plan; 0 when the step fits, 1 when it does not."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    sparse = SparseConfig(budget_pages=args.sparse_budget) if args.sparse_budget else None
+
     def plan_for(offload: bool):
+        host_grad_layers = {"gpu": 0, "auto": None, "host": ModelShape.resolve(args.model).n_layers}[args.offload]
         return plan(
             args.model,
             args.context,
@@ -91,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory=args.gpu_memory,
             host_memory=args.host_memory,
             matmul_tflops=args.matmul_tflops,
-            offload=offload,
+            offload=offload and sparse is None,
             segment_tokens=args.segment_tokens,
+            sparse=sparse,
+            host_grad_layers=host_grad_layers if sparse else 0,
         )
 
     try:
         result = plan_for(args.offload == "host")
-        if args.offload == "auto" and not result.fits:
+        if args.offload == "auto" and not result.fits and sparse is None:
             on_host = plan_for(True)
             if on_host.fits:
                 on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")

@@ -193,7 +193,8 @@ def test_print_config_shows_every_option(uninterrupted, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["data"]["init_args"]["seq_len"] == 32 and printed["data"]["init_args"]["text_field"] == "text"
     assert printed["trainer"]["strategy"]["init_args"]["chunk_size"] == 16
-    assert printed["model"]["lora_rank"] == 0 and printed["model"]["dtype"] == "float32"
+    assert printed["model"]["class_path"] == "lightning_oomb.CausalLMModule"
+    assert printed["model"]["init_args"]["lora_rank"] == 0 and printed["model"]["init_args"]["dtype"] == "float32"
     assert printed["export"] is True and "export_dir" in printed
 
 
@@ -315,7 +316,7 @@ def test_unknown_yaml_key_is_named(assets, resumable, capsys):
 # == the example configs ===================================================================================
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "lora", "corpus_cpu"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu"])
 def test_example_configs_parse(name, capsys):
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])

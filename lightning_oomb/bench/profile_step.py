@@ -1,6 +1,9 @@
 """Where does a train_step's time go? GPU time by kernel, grouped, for one step after a warm-up.
 
-    python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096]
+    python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096] [--budget-pages 64]
+
+With --budget-pages, the step runs page-level sparse attention (SparseConfig(budget_pages=...)); its kernels
+fall into the same groups (forward, dK/dV, dQ).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
 from ..core.planner import ModelShape, parse_tokens
+from ..core.sparse import SparseConfig
 from .run import BenchConfig, build_model
 
 GROUPS = (
@@ -38,16 +42,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", default="32k")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--budget-pages", type=int, default=0, help="sparse attention with this budget (0: dense)")
     args = parser.parse_args(argv)
+    sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
     context = parse_tokens(args.context)
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, ModelShape.resolve(args.model).vocab, (1, context), device="cuda")
-    train_step(model, ids, chunk_size=args.chunk)
+    train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
     model.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        train_step(model, ids, chunk_size=args.chunk)
+        train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
@@ -55,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     groups: dict[str, float] = defaultdict(float)
     for e in kernels:
         groups[_group(e.key)] += e.device_time_total / 1e6
-    print(f"{args.model}, context {context:,}, chunk {args.chunk}: wall {wall:.2f} s, GPU busy {gpu_total:.2f} s")
+    kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
+    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}: wall {wall:.2f} s, GPU busy {gpu_total:.2f} s")
     for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<32} {seconds:8.3f} s  {100 * seconds / wall:5.1f}% of wall")
     print(f"\ntop {args.top} kernels by GPU time:")

@@ -63,7 +63,7 @@ CSV_COLUMNS = (
     "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
-    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s",
+    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers",
 )
 
 
@@ -82,6 +82,7 @@ class BenchConfig:
     warmup: int = 1
     attention: str = "auto"
     checkpoint_layers: bool = False
+    grad_dtype: str = "float32"
     budget_pages: int = 64
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     out: Path = Path("bench-results")
@@ -116,6 +117,9 @@ class PointResult:
     d2h_bytes: int | None = None
     h2d_s: float | None = None
     d2h_s: float | None = None
+    # oomb modes: dtype of the KV-gradient pages; sparse: layers whose gradient pages the step put on the host.
+    grad_dtype: str = ""
+    host_grad_layers: int | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -143,6 +147,7 @@ class PointResult:
             "h2d_bytes": _blank_if_none(self.h2d_bytes), "d2h_bytes": _blank_if_none(self.d2h_bytes),
             "h2d_s": "" if self.h2d_s is None else _num(self.h2d_s),
             "d2h_s": "" if self.d2h_s is None else _num(self.d2h_s),
+            "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
         }
 
 
@@ -227,7 +232,7 @@ def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -
 
     return train_step(
         model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers,
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
     )
 
 
@@ -236,7 +241,7 @@ def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig)
 
     return train_step(
         model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers,
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
         sparse=MODES["sparse"].sparse_config(config),
     )
 
@@ -246,7 +251,8 @@ def _offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig
 
     return train_step(
         model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers, offload="host",
+        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
+        offload="host",
     )
 
 
@@ -350,19 +356,22 @@ def measure(
     dtype = next(model.parameters()).dtype
     result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,
                          str(dtype).removeprefix("torch."))
+    if mode.planned:  # the lightning_oomb modes
+        result.grad_dtype = config.grad_dtype
     sparse = mode.sparse_config(config)
     floor = step_time(shape, context, batch=config.batch, chunk_size=config.chunk_size,
                       lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops, sparse=sparse,
                       page_size=config.page_size)
     result.floor_s = floor.floor_s
 
-    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS) -> None:
+    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0) -> None:
         predicted = plan(
             shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
             lora_rank=config.lora_rank, optimizer="none",
             precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
             checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
             matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload, segment_tokens=segment_tokens,
+            grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -384,6 +393,9 @@ def measure(
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
             planned(result.segment_tokens)
             pool.streamer.take_stats()  # the timed steps' traffic only
+        if mode.sparse and pool is not None:  # plan with the placement the step chose
+            result.host_grad_layers = pool.host_grad_layers
+            planned(host_grad_layers=pool.host_grad_layers)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _reset_host_peak()
@@ -626,6 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     parser.add_argument("--attention", choices=("auto", "reference", "triton"), default="auto", help="oomb attention")
     parser.add_argument("--checkpoint-layers", action="store_true", help="oomb: checkpoint decoder layers in stage 2")
+    parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="oomb modes: dtype of the KV-gradient pages (default float32)")
     parser.add_argument("--budget-pages", type=int, default=64, help="sparse: past pages per query tile (default 64)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help="matmul peak in TFLOP/s for the FLOP floor")
@@ -641,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
-        checkpoint_layers=args.checkpoint_layers, budget_pages=args.budget_pages, matmul_tflops=args.matmul_tflops, out=args.out,
+        checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages, matmul_tflops=args.matmul_tflops, out=args.out,
         device=args.device, seed=args.seed,
     )
     for name, value in (("--repeats", config.repeats), ("--batch", config.batch)):

@@ -106,6 +106,12 @@ class PagePool:
     CUDA, registered in one piece per tensor) and attention streams them through the GPU in segments of
     ``segment_tokens`` tokens, the sequences of a batch together (lightning_oomb.core.offload). On a CPU ``device`` "host" runs the same
     streaming code with synchronous copies: that is how it is tested.
+
+    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of the last that many
+    layers live in pinned host memory (``host_dk``, ``host_dv``), K and V stay on the GPU. The sparse
+    kernels read and add into them in place through their host-mapped address, so only the pages a chunk
+    selected cross the bus, inside the one kernel launch that uses them; the pages of the other layers
+    are ``dk``, ``dv`` on the GPU.
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class PagePool:
         with_grads: bool = True,
         placement: str = "gpu",
         segment_tokens: int | None = None,
+        host_grad_layers: int = 0,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -128,13 +135,28 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
+        if not 0 <= host_grad_layers <= spec.n_layers or (host_grad_layers and (placement != "gpu" or not with_grads)):
+            raise ValueError(
+                f"host_grad_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' with gradient pages, "
+                f"got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
+            )
         self.placement = placement
+        self.host_grad_layers = host_grad_layers
+        self.host_dk = self.host_dv = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
         if placement == "gpu":
             self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
             self.v = torch.empty(shape, dtype=spec.dtype, device=self.device)
-            self.dk = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
-            self.dv = torch.zeros(shape, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            on_gpu = (spec.n_layers - host_grad_layers, *shape[1:])
+            self.dk = torch.zeros(on_gpu, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            self.dv = torch.zeros(on_gpu, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            if host_grad_layers:
+                from .offload import pinned_empty
+
+                pin = self.device.type == "cuda"
+                # Zeroed page by page as batches take them (allocate), not here.
+                self.host_dk = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
+                self.host_dv = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
             self.streamer = None
         else:
             from .offload import Streamer, pinned_empty
@@ -184,14 +206,22 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pages (on the GPU or the host, by ``placement``) and, if any, sparse summaries."""
-        tensors = [self.k, self.v, self.dk, self.dv, *(t for ts in self._summaries.values() for t in ts)]
+        """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
+        tensors = [self.k, self.v, self.dk, self.dv, self.host_dk, self.host_dv,
+                   *(t for ts in self._summaries.values() for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of pages in host memory: all of them with placement "host", else the host gradient layers'."""
+        if self.on_host:
+            return self.nbytes
+        return sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
 
     @property
     def gpu_nbytes(self) -> int:
         """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
-        return self.streamer.nbytes if self.on_host else self.nbytes
+        return self.streamer.nbytes if self.on_host else self.nbytes - self.host_nbytes
 
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
@@ -212,6 +242,11 @@ class PagePool:
             idx = slots.view(-1).long()
             self.dk[:, idx] = 0
             self.dv[:, idx] = 0
+            if self.host_dk is not None:
+                from ..kernels.host_pages import zero_pages
+
+                zero_pages(self.host_dk, slots)
+                zero_pages(self.host_dv, slots)
         return table
 
     def free(self, table: PageTable) -> None:
@@ -225,11 +260,19 @@ class PagePool:
         """Zero the gradient pages of tokens [start, end) of every layer."""
         if self.on_host:
             self.streamer.synchronize()  # no copy may still be writing these pages
+        elif self.host_dk is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no kernel may still be adding into the host pages
         rows = table.rows(start, end).reshape(-1)
-        for grads in (self.dk, self.dv):
-            grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows] = 0
+        for grads in (self.dk, self.dv, self.host_dk, self.host_dv):
+            if grads is not None:
+                grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows.to(grads.device)] = 0
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        dk = self.dk[layer] if self.dk is not None else None
-        dv = self.dv[layer] if self.dv is not None else None
+        dk = dv = None
+        if self.dk is not None:
+            on_gpu = self.dk.shape[0]
+            if layer < on_gpu:
+                dk, dv = self.dk[layer], self.dv[layer]
+            else:
+                dk, dv = self.host_dk[layer - on_gpu], self.host_dv[layer - on_gpu]
         return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer)

@@ -432,8 +432,10 @@ class PlanConfig:
     """One training step as the planner sees it. Token counts are per sequence; memory is in bytes.
 
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
-    ``segment_tokens`` tokens per sequence. sparse: None/False (dense), a SparseConfig, or True (a
-    projection with SPARSE_ATTENDED_TOKENS).
+    ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
+    True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
+    of that many layers in pinned host memory, read and added into in place by the sparse kernels; K/V
+    stay on the GPU.
     """
 
     context: int
@@ -449,6 +451,7 @@ class PlanConfig:
     offload: bool = False
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS
     sparse: "bool | SparseConfig | None" = False
+    host_grad_layers: int = 0
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
@@ -465,6 +468,18 @@ class PlanConfig:
             raise ValueError(f"matmul_tflops must be > 0, got {self.matmul_tflops}")
         if self.grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
+        if self.host_grad_layers < 0:
+            raise ValueError(f"host_grad_layers must be >= 0, got {self.host_grad_layers}")
+        if self.host_grad_layers and (not self.sparse or self.offload):
+            raise ValueError(
+                "host_grad_layers (gradient pages updated in place in host memory) is for sparse attention, "
+                "without offload (which streams every page of a dense step)"
+            )
+        if self.sparse and self.offload:
+            raise ValueError(
+                "sparse attention does not stream its pages (offload): it keeps K/V on the GPU and can keep the "
+                "gradient pages of some layers in host memory instead (host_grad_layers)"
+            )
 
     @property
     def chunk_tokens(self) -> int:
@@ -513,7 +528,7 @@ class Suggestion:
         tag = "" if self.available else "[not yet available] "
         p = self.plan
         verdict = "fits" if p.fits else "still does not fit"
-        host = f", host {_gib(p.peak_host_bytes)} GiB" if p.config.offload else ""
+        host = f", host {_gib(p.peak_host_bytes)} GiB" if p.config.offload or p.config.host_grad_layers else ""
         return (
             f"- {tag}{self.change}: GPU {_gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
             f"step ≈ {_duration(p.time.predicted_s)}"
@@ -568,6 +583,8 @@ class Plan:
         )
         if c.offload:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
+        if c.host_grad_layers:
+            head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
         if isinstance(c.sparse, SparseConfig):
             sp = c.sparse
             head += (
@@ -710,7 +727,17 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         host[f"pinned {grad_name}"] = grad_bytes
     else:
         gpu[kv_name] = kv_bytes
-        gpu[grad_name] = grad_bytes
+        n_host = c.host_grad_layers
+        if n_host > shape.n_layers:
+            raise ValueError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
+        if n_host:
+            n_gpu = shape.n_layers - n_host
+            gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu
+            host[f"pinned {grad_name}, {n_host} layers (sparse kernels add in place)"] = (
+                grad_bytes // shape.n_layers * n_host
+            )
+        else:
+            gpu[grad_name] = grad_bytes
     if isinstance(c.sparse, SparseConfig):
         pages = c.stored_tokens // c.page_size
         per_page = shape.n_layers * shape.n_kv_heads * shape.head_dim
@@ -780,6 +807,7 @@ def plan(
     sparse: SparseConfig | dict | None = None,
     offload: bool = False,
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
+    host_grad_layers: int | None = 0,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -790,7 +818,9 @@ def plan(
     sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
     summaries and selections.
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
-    ``segment_tokens`` tokens per sequence.
+    ``segment_tokens`` tokens per sequence (dense attention).
+    host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, updated in place
+    by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is).
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -813,10 +843,14 @@ def plan(
         sparse=SparseConfig.coerce(sparse),
         offload=offload,
         segment_tokens=segment_tokens,
+        host_grad_layers=host_grad_layers or 0,
     )
 
     def estimate(config: PlanConfig) -> Plan:
         return _estimate(shape, config, gpu_memory, host_memory, machine)
+
+    if host_grad_layers is None:
+        base = fewest_host_grad_layers(base, shape, estimate).config
 
     result = estimate(base)
     other = estimate(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
@@ -833,6 +867,16 @@ def plan(
             "(it accumulates them in float32): these numbers are a projection"
         )
     result.suggestions = _suggestions(result, estimate, features)
+    return result
+
+
+def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
+    """The plan of ``config`` with the fewest layers' KV-gradient pages in host memory (sparse) that fits on
+    the GPU, or with all of them when none does."""
+    for n in range(shape.n_layers + 1):
+        result = estimate(dataclasses.replace(config, host_grad_layers=n))
+        if result.peak_gpu_bytes <= result.gpu_memory:
+            return result
     return result
 
 
@@ -867,8 +911,14 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
             found.append(Suggestion(
                 "bf16 KV-gradients (grad_dtype=torch.bfloat16" + (")" if available else "; with the offload issue)"),
                 available, estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16))))
-        found.append(Suggestion("offload K/V and KV-gradient pages to pinned host memory",
-                                features["offload"], estimate(dataclasses.replace(c, offload=True))))
+        if c.sparse:
+            hosted = fewest_host_grad_layers(c, result.shape, estimate)
+            found.append(Suggestion(
+                f"KV-gradient pages of {hosted.config.host_grad_layers} layers in pinned host memory (offload='auto')",
+                features["offload"], hosted))
+        else:
+            found.append(Suggestion("offload K/V and KV-gradient pages to pinned host memory",
+                                    features["offload"], estimate(dataclasses.replace(c, offload=True))))
         if not any(s.plan.fits for s in found):
             combined = c
             for s in found:
@@ -884,7 +934,8 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
             if combined != c:
                 found.append(Suggestion("all available changes above together", True, estimate(combined)))
             everything = dataclasses.replace(
-                combined, grad_dtype=torch.bfloat16, offload=True,
+                combined, grad_dtype=torch.bfloat16, offload=not c.sparse,
+                host_grad_layers=result.shape.n_layers if c.sparse else 0,
                 checkpoint_layers=True, lora_rank=max(combined.lora_rank, 16),
             )
             if everything != combined:
@@ -894,7 +945,9 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
     t = result.time
     if t.attention_flops > t.linear_flops and not c.sparse:
         config = SparseConfig()
-        sparse = estimate(dataclasses.replace(c, sparse=config))
+        sparse = estimate(dataclasses.replace(c, sparse=config, offload=False))
+        if c.offload:  # sparse keeps K/V on the GPU; host memory holds gradient pages where needed
+            sparse = fewest_host_grad_layers(sparse.config, result.shape, estimate)
         found.append(Suggestion(
             f"page-level sparse attention (sparse=SparseConfig(budget_pages={config.budget_pages}): at most "
             f"{config.attended_past_tokens(c.page_size):,} past tokens per query)",
@@ -951,11 +1004,14 @@ PLACEMENTS = ("auto", "gpu", "host")
 @dataclass(frozen=True)
 class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
-    through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences)."""
+    through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
+    sparse attention, the KV-gradient pages of the last ``host_grad_layers`` layers may live in pinned host
+    memory, updated in place by the sparse kernels."""
 
     where: str
     segment_tokens: int
     batch: int = 1
+    host_grad_layers: int = 0
 
 
 def available_host_memory() -> int:
@@ -977,7 +1033,9 @@ def place_step(
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
     ``config`` is the step's ChunkConfig; its ``offload`` is "gpu", "host" or "auto" (the GPU when the step
-    fits there, the host when it fits only there). On CUDA compares what the step allocates (pages or
+    fits there, the host when it fits only there). With sparse attention K/V always stay on the GPU and the
+    host holds KV-gradient pages: of every layer with "host", of the fewest layers that make the step fit
+    with "auto". On CUDA compares what the step allocates (pages or
     their staging, one chunk's activations, the loss pieces, parameter gradients not yet allocated) with
     the device's free memory plus ``reusable_gpu_bytes`` (a pool the step would reuse or replace), and the
     pinned pages with the host's available memory plus ``reusable_host_bytes``. Raises PlanError with the
@@ -986,8 +1044,12 @@ def place_step(
     if config.offload not in PLACEMENTS:
         raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
     page = config.page_size
+    sparse = config.sparse is not None
     if device.type != "cuda":
         segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
+        if sparse:
+            n_layers = ModelShape.resolve(model).n_layers
+            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0)
         return Placement("host" if config.offload == "host" else "gpu", segment, batch)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -1002,14 +1064,33 @@ def place_step(
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
 
-    def step_plan(offload: bool, segment: int) -> tuple[Plan, int]:
+    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0) -> tuple[Plan, int]:
         step = plan(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
             lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
             grad_dtype=config.grad_dtype, gpu_memory=total, offload=offload, segment_tokens=segment,
+            sparse=config.sparse, host_grad_layers=host_grad_layers,
         )
         needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
         return step, needed
+
+    if sparse:
+        n_layers = ModelShape.resolve(model).n_layers
+        counts = {"gpu": [0], "auto": range(n_layers + 1), "host": [n_layers]}[config.offload]
+        for n in counts:
+            step, needed = step_plan(False, page, n)
+            pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+            if needed <= free and pinned <= host_free:
+                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n)
+        where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
+                 "host": "with the KV-gradient pages in host memory"}[config.offload]
+        raise PlanError(
+            f"{where} this sparse step needs {needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free) and "
+            f"{pinned / GIB:.2f} GiB of pinned host memory ({host_free / GIB:.2f} GiB available); nothing was "
+            "allocated for it. Sparse attention keeps K/V pages on the GPU"
+            + (": offload='auto' moves gradient pages to the host." if config.offload == "gpu" else ".")
+            + f"\n\n{step}"
+        )
 
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)

@@ -101,6 +101,7 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             and pool.num_pages >= pages
             and (pool.with_grads or not with_grads)
             and pool.placement == placement.where
+            and pool.host_grad_layers == (placement.host_grad_layers if with_grads else 0)
             and (not pool.on_host or pool.streamer.half_pages * page_size >= placement.batch * placement.segment_tokens)
         )
         if not fits:
@@ -124,12 +125,12 @@ def new_pool(
     """A pool of ``pages`` pages placed as ``placement`` says."""
     segment = placement.batch * placement.segment_tokens if placement.where == "host" else None
     return PagePool(spec, pages, page_size, device, with_grads=with_grads, placement=placement.where,
-                    segment_tokens=segment)
+                    segment_tokens=segment, host_grad_layers=placement.host_grad_layers if with_grads else 0)
 
 
 def pool_bytes(pool: PagePool) -> tuple[int, int]:
     """(GPU bytes, host bytes) a pool holds."""
-    return (pool.gpu_nbytes, pool.nbytes if pool.on_host else 0)
+    return (pool.gpu_nbytes, pool.host_nbytes)
 
 
 def cached_pool(model: nn.Module) -> PagePool | None:
@@ -211,11 +212,13 @@ class ChunkedSequence:
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable)
-        if config.sparse is not None and self.placement.where == "host":
+        reference_on_gpu = self.device.type == "cuda" and config.attention == "reference"
+        if self.placement.host_grad_layers and (config.sparse is None or reference_on_gpu):
+            # Only the sparse kernels read and add into host-mapped gradient pages in place.
             raise ValueError(
-                "sparse attention over pages offloaded to the host is not available yet; this step would need "
-                "offload='host' (its pages do not fit on the GPU, or it was asked for): use offload='gpu' with a "
-                "shorter context, grad_dtype='bfloat16' or checkpoint_layers=True"
+                f"gradient pages in host memory ({self.placement.host_grad_layers} layers) need sparse attention "
+                f"with attention='triton' or 'auto' on CUDA, got attention={config.attention!r}, "
+                f"sparse={config.sparse!r}"
             )
         self.pool: PagePool | None = None
         self.table = None

@@ -1,0 +1,198 @@
+"""Sparse attention with KV-gradient pages in host memory (``PagePool(host_grad_layers=N)``).
+
+The sparse kernels add into those pages in place; on a CPU device the "host" tensors are ordinary memory,
+so these tests check the bookkeeping (which layer lives where, zeroing, reuse, planning); the GPU tests at
+the end check the host-mapped access itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core.pages import PagePool, StoreSpec
+from lightning_oomb.core.planner import PlanConfig, Placement, place_step, plan
+from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, cached_pool, new_pool, release_cached_pool
+from lightning_oomb.core.sparse import SparseConfig
+from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
+
+SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
+
+
+def _step(model, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    release_cached_pool(model)
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, **kwargs)
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 35))
+    want_loss, want = _step(model, ids, attention=attention, offload="gpu")
+    model.zero_grad(set_to_none=True)
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, attention=attention,
+                                     offload="host")
+    pool = cached_pool(model)
+    assert pool.placement == "gpu" and pool.host_grad_layers == 2 and pool.dk.shape[0] == 0
+    assert pool.host_nbytes == 2 * pool.host_dk.numel() * pool.host_dk.element_size()
+    assert rel_err(loss, want_loss) <= 1e-6
+    assert_grads_close(grads_of(model), want, 1e-6)
+
+
+def _split_step(model, ids, host_layers: int, config: ChunkConfig, garbage: bool = False):
+    """One step through a pool whose last ``host_layers`` layers keep their gradient pages apart."""
+    pools = {}
+
+    def provide(spec, pages, with_grads, placement):
+        if "pool" not in pools:
+            pools["pool"] = new_pool(spec, pages + 5, config.page_size, torch.device("cpu"), with_grads,
+                                     Placement("gpu", 8, 1, host_layers))
+            if garbage:  # what a previous step left: allocate() must zero the pages it hands out
+                pools["pool"].host_dk.fill_(math.nan)
+                pools["pool"].host_dv.fill_(math.nan)
+        return pools["pool"]
+
+    model.zero_grad(set_to_none=True)
+    seq = ChunkedSequence(model, ids, config=config, pools=provide)
+    seq.fill()
+    loss = seq.backward()
+    return loss, grads_of(model), pools["pool"]
+
+
+@pytest.mark.parametrize("cross_chunk", [True, False], ids=["exact", "ablation"])
+def test_one_layer_on_the_host_matches_all_on_the_gpu(cross_chunk):
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 41))
+    config = ChunkConfig(chunk_size=8, page_size=3, attention="reference", sparse=SPARSE,
+                         cross_chunk_gradients=cross_chunk)
+    want_loss, want, _ = _split_step(model, ids, 0, config)
+    loss, got, pool = _split_step(model, ids, 1, config, garbage=True)
+    assert pool.dk.shape[0] == 1 and pool.host_dk.shape[0] == 1
+    assert rel_err(loss, want_loss) <= 1e-6
+    assert_grads_close(got, want, 1e-6)
+
+
+def test_pool_refuses_impossible_splits():
+    spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="host_grad_layers"):
+        PagePool(spec, 4, 2, "cpu", host_grad_layers=3)
+    with pytest.raises(ValueError, match="host_grad_layers"):
+        PagePool(spec, 4, 2, "cpu", placement="host", segment_tokens=4, host_grad_layers=1)
+    with pytest.raises(ValueError, match="host_grad_layers"):
+        PagePool(spec, 4, 2, "cpu", with_grads=False, host_grad_layers=1)
+
+
+def test_eval_loss_sparse_with_offload_host_holds_no_gradient_pages():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    release_cached_pool(model)
+    want = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, offload="gpu")
+    got = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, offload="host")
+    assert cached_pool(model).host_grad_layers == 0 and not cached_pool(model).with_grads
+    assert rel_err(got, want) <= 1e-6
+
+
+def test_place_step_on_cpu_puts_sparse_gradients_on_the_host_only_when_asked():
+    model = tiny_model("qwen2")
+    for offload, layers in (("auto", 0), ("gpu", 0), ("host", 2)):
+        config = ChunkConfig(sparse=SPARSE, offload=offload)
+        placement = place_step(model, 1, 64, config, torch.device("cpu"))
+        assert (placement.where, placement.host_grad_layers) == ("gpu", layers)
+
+
+# == the planner =============================================================================================
+
+H200 = dict(gpu_memory=143771 * 2**20, host_memory=128e9, optimizer="none", grad_dtype=torch.bfloat16)
+
+
+def test_planner_moves_the_fewest_gradient_layers_that_fit():
+    """1M tokens of Qwen2.5-7B with sparse attention, bf16 KV-gradients, layer checkpointing: K/V (56 GiB)
+    and all gradient pages (56 GiB) do not fit next to the weights; a few layers' gradients go to the host."""
+    kwargs = dict(H200, sparse=SparseConfig(), checkpoint_layers=True)
+    on_gpu = plan("qwen2.5-7b", 1 << 20, **kwargs)
+    assert not on_gpu.fits
+    chosen = plan("qwen2.5-7b", 1 << 20, host_grad_layers=None, **kwargs)
+    n = chosen.config.host_grad_layers
+    assert chosen.fits and 0 < n < 28
+    assert not plan("qwen2.5-7b", 1 << 20, host_grad_layers=n - 1, **kwargs).fits
+    grad_lines = [v for k, v in {**chosen.gpu_lines, **chosen.host_lines}.items() if "KV-gradient" in k]
+    assert sum(grad_lines) == 56 * 2**30
+    assert any(k.startswith("pinned KV-gradient") for k in chosen.host_lines)
+    assert f"KV-gradient pages of {n} of 28 layers in pinned host memory" in str(chosen)
+    # The suggestion list offers it too (not the dense streaming offload, which sparse does not use).
+    assert any("KV-gradient pages of" in s.change for s in on_gpu.suggestions)
+    assert not any(s.change.startswith("offload K/V") for s in on_gpu.suggestions)
+
+
+def test_plan_config_refuses_host_gradients_without_sparse():
+    with pytest.raises(ValueError, match="for sparse attention"):
+        PlanConfig(context=1024, host_grad_layers=2)
+    with pytest.raises(ValueError, match="does not stream"):
+        PlanConfig(context=1024, sparse=SparseConfig(), offload=True)
+    with pytest.raises(ValueError, match="exceeds"):
+        plan("qwen2.5-0.5b", 1024, sparse=SparseConfig(), host_grad_layers=99, **H200)
+
+
+def test_plan_cli_sparse(capsys):
+    from lightning_oomb.planner_cli import main
+
+    args = ["--model", "qwen2.5-7b", "--context", "1M", "--optimizer", "none", "--grad-dtype", "bfloat16",
+            "--checkpoint-layers", "on", "--sparse-budget", "64", "--gpu-memory", "143771MiB", "--host-memory", "128GB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "sparse attention: 64 pages per query tile" in out and "in pinned host memory" in out
+    assert main([*args, "--offload", "gpu"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+# == GPU: the host-mapped pages themselves ===================================================================
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zero_pages_writes_pinned_host_memory_from_the_gpu():
+    from lightning_oomb.core.offload import pinned_empty
+    from lightning_oomb.kernels.host_pages import zero_pages
+
+    pages = pinned_empty((3, 10, 4, 2, 8), torch.bfloat16, pin=True)
+    pages.fill_(1.0)
+    slots = torch.tensor([[7, 2], [3, 9]], device="cuda")
+    zero_pages(pages, slots)
+    torch.cuda.synchronize()
+    zeroed = torch.zeros(10, dtype=torch.bool)
+    zeroed[[2, 3, 7, 9]] = True
+    assert (pages[:, zeroed] == 0).all() and (pages[:, ~zeroed] == 1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sparse_step_with_host_gradient_pages_equals_gpu_pages():
+    """bf16, GQA, pages of 16: the same kernels on host-mapped gradient pages give bitwise the same result."""
+    model = tiny_model("qwen2", dtype=torch.bfloat16, head_dim=16, hidden_size=64).cuda()
+    ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    config = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    results = {}
+    for offload in ("gpu", "host"):
+        model.zero_grad(set_to_none=True)
+        release_cached_pool(model)
+        loss = lightning_oomb.train_step(model, ids, chunk_size=64, page_size=16, sparse=config, offload=offload)
+        pool = cached_pool(model)
+        assert pool.host_grad_layers == (2 if offload == "host" else 0)
+        results[offload] = (loss, grads_of(model))
+        # A second step on the same pool: its pages must be zeroed again.
+        model.zero_grad(set_to_none=True)
+        again = lightning_oomb.train_step(model, ids, chunk_size=64, page_size=16, sparse=config, offload=offload)
+        assert torch.equal(again, loss)
+        for name, g in grads_of(model).items():
+            assert torch.equal(g, results[offload][1][name]), name
+    (loss_gpu, gpu), (loss_host, host) = results["gpu"], results["host"]
+    assert torch.equal(loss_gpu, loss_host)
+    for name in gpu:
+        assert torch.equal(gpu[name], host[name]), name
