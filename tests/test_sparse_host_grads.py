@@ -107,6 +107,21 @@ def test_place_step_on_cpu_puts_sparse_gradients_on_the_host_only_when_asked():
         assert (placement.where, placement.host_grad_layers) == ("gpu", layers)
 
 
+def test_host_page_kernels_in_the_interpreter():
+    """The two kernels that reach host pages from the GPU, run on CPU tensors in Triton's interpreter."""
+    from lightning_oomb.kernels.host_pages import read_rows, zero_pages
+
+    pages = torch.randn(3, 10, 4, 2, 8)
+    want = pages.clone()
+    slots = torch.tensor([[7, 2], [3, 9]])
+    zero_pages(pages, slots)
+    want[:, [2, 3, 7, 9]] = 0
+    assert torch.equal(pages, want)
+    flat = pages[1].reshape(-1, 2, 8)
+    rows = torch.tensor([[5, 0, 39], [12, 12, 1]])
+    assert torch.equal(read_rows(flat, rows), flat[rows])
+
+
 # == the planner =============================================================================================
 
 H200 = dict(gpu_memory=143771 * 2**20, host_memory=128e9, optimizer="none", grad_dtype=torch.bfloat16)

@@ -393,9 +393,7 @@ def measure(
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
             planned(result.segment_tokens)
             pool.streamer.take_stats()  # the timed steps' traffic only
-        if mode.sparse and pool is not None:  # plan with the placement the step chose
-            result.host_grad_layers = pool.host_grad_layers
-            planned(host_grad_layers=pool.host_grad_layers)
+
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _reset_host_peak()
@@ -412,6 +410,10 @@ def measure(
                 stats = pool.streamer.take_stats()
                 result.h2d_bytes, result.d2h_bytes = stats.h2d_bytes, stats.d2h_bytes
                 result.h2d_s, result.d2h_s = stats.h2d_s, stats.d2h_s
+        pool = cached_pool(model)
+        if mode.sparse and pool is not None:  # plan with the placement the step chose
+            result.host_grad_layers = pool.host_grad_layers
+            planned(host_grad_layers=pool.host_grad_layers)
         result.step_times_s = tuple(times)
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s
@@ -427,6 +429,9 @@ def measure(
         result.status = f"error: {type(error).__name__}"
     if out_of_memory:
         result.status = "OOM"
+        pool = cached_pool(model)
+        if mode.sparse and pool is not None:
+            result.host_grad_layers = pool.host_grad_layers
         if device.type == "cuda":
             result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
     del input_ids
@@ -442,6 +447,8 @@ def _elapsed(seconds: float) -> str:
 
 def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str:
     head = f"[{index}/{total}] {r.mode:<9} L={r.context:>9,}"
+    if r.host_grad_layers:
+        head += f"  (KV-gradient pages of {r.host_grad_layers} layers on the host)"
     if r.status != "ok":
         return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""

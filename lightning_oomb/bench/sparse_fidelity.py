@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="8,16,32,64,128,256")
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences the gradients are averaged over")
     parser.add_argument("--train-budget", type=int, default=16, help="budget of the sparse-trained model (pages)")
+    parser.add_argument("--train-score", choices=("mean", "minmax"), default="mean",
+                        help="page score of the sparse-trained model")
     parser.add_argument("--kv-heads", type=int, default=None,
                         help="KV heads of the model (default: the YAML's; must divide its query heads); per-head and "
                         "shared selection differ only with more than one KV head")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"training the sparse model (budget {args.train_budget} pages)", flush=True)
     torch.manual_seed(cfg.get("seed_everything", 0))
-    sparse_module = SparseCausalLMModule(**model_args, budget_pages=args.train_budget)
+    sparse_module = SparseCausalLMModule(**model_args, budget_pages=args.train_budget, sparse_score=args.train_score)
     sparse_acc = _train(sparse_module, data(), steps, chunk_size, args.page_size)
     print(f"  sparse held-out retrieval accuracy {sparse_acc:.2f}", flush=True)
 
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         f"# Sparse attention fidelity on a trained passkey model\n\n- machine: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}\n- date: {date}\n"
         f"- command: `python -m lightning_oomb.bench.sparse_fidelity --config {args.config} --page-size {args.page_size} "
-        f"--budgets {args.budgets} --sequences {args.sequences} --train-budget {args.train_budget}"
+        f"--budgets {args.budgets} --sequences {args.sequences} --train-budget {args.train_budget} "
+        f"--train-score {args.train_score}"
         f"{f' --kv-heads {args.kv_heads}' if args.kv_heads else ''}`\n"
         f"- model and task: `{args.config}` ({steps} steps, sequences of {seq_len} tokens, chunks of {chunk_size}), "
         f"pages of {args.page_size} tokens ({pages} pages per sequence; a chunk's past has up to "
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Gradient of all parameters, sparse against dense, over {args.sequences} held-out sequences of the dense-trained "
         f"model:\n\n" + "\n".join(table) + "\n\n"
         f"Held-out retrieval accuracy ({len(held_out.val_set)} sequences): dense-trained {dense_acc:.2f}, "
-        f"sparse-trained (budget {args.train_budget} pages, score mean, per KV head) {sparse_acc:.2f}.\n"
+        f"sparse-trained (budget {args.train_budget} pages, score {args.train_score}, per KV head) {sparse_acc:.2f}.\n"
     )
     print(f"wrote {args.out}")
 

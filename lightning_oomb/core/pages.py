@@ -86,6 +86,10 @@ class LayerStore:
         """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
         rows = self.table.rows(start, end)
         a, b = (self.dk, self.dv) if grads else (self.k, self.v)
+        if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=...))
+            from ..kernels.host_pages import read_rows
+
+            return read_rows(self._flat(a), rows).transpose(1, 2), read_rows(self._flat(b), rows).transpose(1, 2)
         return self._flat(a)[rows].transpose(1, 2), self._flat(b)[rows].transpose(1, 2)
 
     def accumulate_grads(self, dk: torch.Tensor, dv: torch.Tensor, start: int) -> None:
@@ -135,7 +139,8 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        if not 0 <= host_grad_layers <= spec.n_layers or (host_grad_layers and (placement != "gpu" or not with_grads)):
+        split_ok = host_grad_layers == 0 or (placement == "gpu" and with_grads)
+        if not 0 <= host_grad_layers <= spec.n_layers or not split_ok:
             raise ValueError(
                 f"host_grad_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' with gradient pages, "
                 f"got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
@@ -242,11 +247,14 @@ class PagePool:
             idx = slots.view(-1).long()
             self.dk[:, idx] = 0
             self.dv[:, idx] = 0
-            if self.host_dk is not None:
+            if self.host_dk is not None and self.device.type == "cuda":
                 from ..kernels.host_pages import zero_pages
 
                 zero_pages(self.host_dk, slots)
                 zero_pages(self.host_dv, slots)
+            elif self.host_dk is not None:
+                self.host_dk[:, idx] = 0
+                self.host_dv[:, idx] = 0
         return table
 
     def free(self, table: PageTable) -> None:

@@ -44,6 +44,9 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.
 OFFLOAD_SEGMENT_TOKENS = 65536
 # ... and the staging of both segments takes at most this fraction of the GPU memory the step leaves free.
 OFFLOAD_STAGING_SHARE = 0.25
+# A step is placed only where its plan leaves this fraction of the device's memory unused: measured peaks ran
+# up to 3% above the plan (docs/planner.md), and a 1M-token sparse step planned with less ran out of memory.
+PLACEMENT_HEADROOM_SHARE = 0.03
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -1061,6 +1064,7 @@ def place_step(
         precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
+    free -= int(PLACEMENT_HEADROOM_SHARE * total)
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
 
@@ -1085,9 +1089,10 @@ def place_step(
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
         raise PlanError(
-            f"{where} this sparse step needs {needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free) and "
-            f"{pinned / GIB:.2f} GiB of pinned host memory ({host_free / GIB:.2f} GiB available); nothing was "
-            "allocated for it. Sparse attention keeps K/V pages on the GPU"
+            f"{where} this sparse step needs {needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free "
+            f"beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {pinned / GIB:.2f} GiB of pinned host memory "
+            f"({host_free / GIB:.2f} GiB available); nothing was allocated for it. Sparse attention keeps K/V "
+            "pages on the GPU"
             + (": offload='auto' moves gradient pages to the host." if config.offload == "gpu" else ".")
             + f"\n\n{step}"
         )
@@ -1099,8 +1104,8 @@ def place_step(
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
-                f"{free / GIB:.2f} GiB free; nothing was allocated for it. offload='host' (or 'auto') keeps the "
-                f"pages in pinned host memory.\n\n{on_gpu}"
+                f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
+                f"for it. offload='host' (or 'auto') keeps the pages in pinned host memory.\n\n{on_gpu}"
             )
     segment = config.segment_tokens
     if segment is None:
@@ -1118,7 +1123,7 @@ def place_step(
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
-            f"({free / GIB:.2f} GiB free) and {pinned / GIB:.2f} GiB of host memory ({host_free / GIB:.2f} GiB "
-            f"available); nothing was allocated for it.\n\n{step}"
+            f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {pinned / GIB:.2f} GiB "
+            f"of host memory ({host_free / GIB:.2f} GiB available); nothing was allocated for it.\n\n{step}"
         )
     return Placement("host", segment, batch)
