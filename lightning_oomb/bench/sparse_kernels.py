@@ -1,12 +1,14 @@
 """Sparse attention kernels against the dense kernels on the same attended work (CUDA).
 
-    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096]
+    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096] [--sweep]
 
 Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128), bf16, one chunk of --chunk queries. The sparse
 kernels run over a past of --past tokens with --budget pages of 128 per query tile (1 sink, 4 local, the
 rest random and distinct per tile and KV head, so that tiles share only the sink and local pages); the dense
 kernels over a past of budget * 128 tokens, where every query attends to the same number of keys. The ratio
 is the cost of the page lists and of the page-stationary dK/dV pass against the dense key-stationary one.
+With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
+the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
 """
 
 from __future__ import annotations
@@ -54,11 +56,49 @@ def _selection(past: int, t: int, budget: int, n_kv: int = 4, ps: int = 128) -> 
     return torch.stack(lists).view(1, n_kv, n_tiles, budget).int().cuda()
 
 
+SWEEP = {
+    # The first of each list is the default (sparse_attention.default_tiles, head dim 128, bf16).
+    "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
+    "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+}
+
+
+def sweep(store, q, k, v, do, sel, past: int, scale: float, pairs: float) -> None:
+    """Print the time and rate of each candidate tile shape (see the module notes)."""
+    import dataclasses
+
+    from ..kernels import chunk_attention as dense
+    from ..kernels import sparse_attention as sparse
+    from ..kernels.chunk_attention import Tiles
+
+    base = sparse.default_tiles(q.shape[-1], q.dtype)
+    chunk_tiles = dense.default_tiles(q.shape[-1], q.dtype)
+    out, lse = sparse.attention_forward(q, k, v, store, past, scale, sel)
+    for kind, candidates in SWEEP.items():
+        for shape in candidates:
+            tiles = Tiles(*shape)
+            try:
+                if kind == "fwd":
+                    ms = _timed(lambda: sparse._forward(q, k, v, store, past, scale, sel, tiles))
+                    work = 4 * 128 * pairs
+                else:
+                    kt = dataclasses.replace(base, **{kind: tiles})
+                    ms = _timed(lambda: sparse._backward(do, q, k, v, out, lse, store, past, scale, sel, kt,
+                                                         chunk_tiles))
+                    work = 10 * 128 * pairs
+            except Exception as error:  # a shape that does not compile (shared memory) is a result
+                print(f"sweep {kind:5s} {shape}: {type(error).__name__}")
+                continue
+            print(f"sweep {kind:5s} {shape}: {ms:.3f} ms ({work / ms / 1e9:.0f} TFLOP/s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--past", type=int, default=131072)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
     args = parser.parse_args(argv)
     from ..kernels import chunk_attention as dense
     from ..kernels import sparse_attention as sparse
@@ -84,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense  forward {d_fwd:.2f} ms ({tflops(d_fwd, 4 * 128 * pairs):.0f} TFLOP/s), "
           f"backward {d_bwd:.2f} ms ({tflops(d_bwd, 10 * 128 * pairs):.0f} TFLOP/s)")
     print(f"sparse / dense: forward {s_fwd / d_fwd:.2f}, backward {s_bwd / d_bwd:.2f}")
+    if args.sweep:
+        sweep(store, q, k, v, do, sel, args.past, scale, pairs)
     return 0
 
 

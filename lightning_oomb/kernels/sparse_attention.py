@@ -70,6 +70,22 @@ def _query_block(pid, T, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl
 
 
 @triton.jit
+def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, sp_page, sp_off, start, offs_n, offs_d,
+                PAGE_SIZE: tl.constexpr, PAGE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr):
+    """K, V and the row mask of key block ``it`` of a tile's page list: block it % PAGE_BLOCKS of page
+    ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling page's chunk part) are masked."""
+    page = tl.load(sel + (it // PAGE_BLOCKS) * ssel_k)
+    slot = tl.load(slots + page * ss_p).to(tl.int64)
+    n0 = (it % PAGE_BLOCKS) * BLOCK_N
+    valid = (n0 + offs_n < PAGE_SIZE) & (page * PAGE_SIZE + n0 + offs_n < start)
+    rows = slot * sp_page + (n0 + offs_n) * sp_off
+    k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+    v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+    return k, v, valid
+
+
+@triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, KP, VP, SLOTS, SEL, OUT, LSE,
     sq_b, sq_h, sq_t,
@@ -82,6 +98,7 @@ def _sparse_fwd_kernel(
     T, start, n_sel, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh = tl.program_id(1)
@@ -98,21 +115,16 @@ def _sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
-    # The tile's selected past pages; each page's first key block holds a past row, so m_i turns finite
-    # on the first block and no row sees exp(-inf + inf).
+    # The tile's selected past pages, one key block after another in ONE loop (so that Triton's pipeliner
+    # overlaps the next block's page lookup and loads with this block's math). The first page's first block
+    # holds a past row, so m_i turns finite on it and no row sees exp(-inf + inf).
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    for j in range(0, n_sel):
-        page = tl.load(sel + j * ssel_k)
-        slot = tl.load(SLOTS + b * ss_b + page * ss_p).to(tl.int64)
-        rows_in_page = tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE)
-        for n0 in range(0, rows_in_page, BLOCK_N):
-            valid = n0 + offs_n < rows_in_page
-            rows = slot * sp_page + (n0 + offs_n) * sp_off
-            k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+    for it in range(0, n_sel * PAGE_BLOCKS):
+        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, sp_page, sp_off, start, offs_n,
+                                  offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
     # The chunk, causally (as the dense kernel): unmasked tiles wholly before the block's first query, then
     # the diagonal ones up to its last query.
@@ -150,6 +162,7 @@ def _sparse_dq_kernel(
     T, start, n_sel, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh = tl.program_id(1)
@@ -171,16 +184,10 @@ def _sparse_dq_kernel(
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    for j in range(0, n_sel):
-        page = tl.load(sel + j * ssel_k)
-        slot = tl.load(SLOTS + b * ss_b + page * ss_p).to(tl.int64)
-        rows_in_page = tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE)
-        for n0 in range(0, rows_in_page, BLOCK_N):
-            valid = n0 + offs_n < rows_in_page
-            rows = slot * sp_page + (n0 + offs_n) * sp_off
-            k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+    for it in range(0, n_sel * PAGE_BLOCKS):
+        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, sp_page, sp_off, start, offs_n,
+                                  offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
     kc = K + b * sk_b + hk * sk_h
     vc = V + b * sv_b + hk * sv_h
@@ -218,7 +225,7 @@ def _page_dkdv_kernel(
     T, start, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr,
 ):
     idx = tl.program_id(0)
     bh = tl.program_id(1)
@@ -240,20 +247,22 @@ def _page_dkdv_kernel(
         g_rows = slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h
         dk = _load_tile(DKP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
         dv = _load_tile(DVP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-        for i in range(0, count):
-            tile = tl.load(tiles + i * st_j)
+        # (choosing tile, query head of the group, query block of the tile) in ONE loop, so that the
+        # pipeliner overlaps the next block's loads with this block's math. A tile shorter than the page
+        # (the chunk's last) leaves whole blocks masked: they add exactly 0.
+        for it in range(0, count * GROUP * TILE_BLOCKS):
+            tile = tl.load(tiles + (it // (GROUP * TILE_BLOCKS)) * st_j)
+            h = hk * GROUP + (it // TILE_BLOCKS) % GROUP
             t0 = tile * PAGE_SIZE
-            t_end = tl.minimum(t0 + PAGE_SIZE, T)
-            for g in range(0, GROUP):
-                h = hk * GROUP + g
-                # Pointers shifted to the tile's first query: _dkdv_step's "T" bound is then the tile's end.
-                q_ptr = Q + b * sq_b + h * sq_h + t0 * sq_t
-                do_ptr = DO + b * sdo_b + h * sdo_h + t0 * sdo_t
-                lse_ptr = LSE + (b * H_Q + h) * T + t0
-                delta_ptr = DELTA + (b * H_Q + h) * T + t0
-                for m0 in range(0, t_end - t0, BLOCK_M):
-                    dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, t_end - t0,
-                                        sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
+            # Pointers shifted to the tile's first query: _dkdv_step's "T" bound is then the tile's end.
+            q_ptr = Q + b * sq_b + h * sq_h + t0 * sq_t
+            do_ptr = DO + b * sdo_b + h * sdo_h + t0 * sdo_t
+            lse_ptr = LSE + (b * H_Q + h) * T + t0
+            delta_ptr = DELTA + (b * H_Q + h) * T + t0
+            m0 = (it % TILE_BLOCKS) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n,
+                                tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
+                                BLOCK_M, False, PRECISION)
         g_ptrs = g_rows[:, None] + offs_d[None, :]
         _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
         _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
@@ -347,7 +356,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
             t, start, sel.shape[-1], scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return out, lse
 
@@ -394,7 +403,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 t, start, qk_scale, scale,
                 H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
                 BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
-                num_warps=pt.num_warps, num_stages=pt.num_stages,
+                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), num_warps=pt.num_warps, num_stages=pt.num_stages,
             )
 
         qt = tiles.dq
@@ -412,7 +421,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             t, start, sel.shape[-1], qk_scale, scale,
             H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
-            num_warps=qt.num_warps, num_stages=qt.num_stages,
+            PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), num_warps=qt.num_warps, num_stages=qt.num_stages,
         )
     return dq, dk, dv
 
