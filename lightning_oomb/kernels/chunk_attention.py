@@ -133,6 +133,44 @@ def _dkdv_step(
     return dk, dv
 
 
+@triton.jit
+def _fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over the chunk's own keys for queries [m0, m_end): key tiles wholly at or before
+    every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
+    fully masked (no exp(-inf + inf))."""
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``_fwd_chunk``."""
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    return dq
+
+
 # --------------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------------
@@ -196,22 +234,9 @@ def _fwd_kernel(
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
     if CHUNK:
-        # The chunk itself: tiles wholly at or before every query of this tile unmasked, then the diagonal.
-        kc = K + b * sk_b + hk * sk_h
-        vc = V + b * sv_b + hk * sv_h
-        diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-        for lo in range(0, diag_lo, BLOCK_N):
-            n = lo + offs_n
-            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
-        for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
-            n = lo + offs_n
-            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-            # Chunk key 0 is visible to every query, so no row is ever fully masked (no exp(-inf + inf)).
-            causal = n[None, :] <= offs_m[:, None]
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, causal, PRECISION)
+        acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+                                   m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
+                                   HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
     _store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
@@ -381,19 +406,9 @@ def _dq_kernel(
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
     if CHUNK:
-        kc = K + b * sk_b + hk * sk_h
-        vc = V + b * sv_b + hk * sv_h
-        diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-        for lo in range(0, diag_lo, BLOCK_N):
-            n = lo + offs_n
-            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
-        for lo in range(diag_lo, tl.minimum(m0 + BLOCK_M, T), BLOCK_N):
-            n = lo + offs_n
-            k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-            v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+        dq = _dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+                       m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
+                       HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :]
     dq = dq * scale

@@ -36,6 +36,8 @@ import triton.language as tl
 from ..core.pages import LayerStore
 from .chunk_attention import (
     _check,
+    _dq_chunk,
+    _fwd_chunk,
     launch_dkdv,
     _device_ctx,
     _dkdv_step,
@@ -126,21 +128,9 @@ def _sparse_fwd_kernel(
                                   offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
-    # The chunk, causally (as the dense kernel): unmasked tiles wholly before the block's first query, then
-    # the diagonal ones up to its last query.
-    kc = K + b * sk_b + hk * sk_h
-    vc = V + b * sv_b + hk * sv_h
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, m_end, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    # The chunk, causally, as the dense kernel.
+    acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+                               m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
     _store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
@@ -189,19 +179,8 @@ def _sparse_dq_kernel(
                                   offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
-    kc = K + b * sk_b + hk * sk_h
-    vc = V + b * sv_b + hk * sv_h
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, m_end, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    dq = _dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+                   m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     _store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
                 (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
