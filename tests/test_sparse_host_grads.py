@@ -122,6 +122,31 @@ def test_host_page_kernels_in_the_interpreter():
     assert torch.equal(read_rows(flat, rows), flat[rows])
 
 
+def test_trainer_with_callback_and_host_gradient_pages(tmp_path):
+    """OOMBStrategy(sparse, offload="host") with PagedKVCallback: the callback's pool keeps every layer's
+    gradient pages on the host, TensorBoard shows them, and training ends with the all-GPU run's weights."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_oomb import OOMBStrategy, PagedKVCallback
+    from test_strategy import UserModule, fit, weights
+
+    runs = {}
+    for offload in ("gpu", "host"):
+        module = UserModule(tiny_model("qwen2"))
+        logger = TensorBoardLogger(tmp_path, name=offload)
+        callback = PagedKVCallback(max_seq_len=27, max_batch_size=2)
+        strategy = OOMBStrategy(chunk_size=8, page_size=3, sparse=SPARSE, offload=offload)
+        fit(module, strategy, logger=logger, log_every_n_steps=1, callbacks=[callback], max_steps=2)
+        runs[offload] = weights(module)
+        events = EventAccumulator(logger.log_dir)
+        events.Reload()
+        host_gib = [e.value for e in events.Scalars("memory/pool_host_gib")]
+        assert all(v > 0 for v in host_gib) if offload == "host" else all(v == 0 for v in host_gib)
+    for name, want in runs["gpu"].items():
+        assert rel_err(runs["host"][name], want) <= 1e-6, name
+
+
 # == the planner =============================================================================================
 
 H200 = dict(gpu_memory=143771 * 2**20, host_memory=128e9, optimizer="none", grad_dtype=torch.bfloat16)
