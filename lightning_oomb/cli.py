@@ -105,7 +105,7 @@ def _has_val_data(datamodule) -> bool:
 def print_plan(trainer, module, datamodule) -> None:
     """The planner's memory and time of one step, for this run's model, data and strategy. Never raises."""
     try:
-        from .core.planner import plan, this_host_memory
+        from .core.planner import plan_placed, this_host_memory
 
         strategy = trainer.strategy
         config = getattr(strategy, "chunk_config", None)
@@ -119,9 +119,13 @@ def print_plan(trainer, module, datamodule) -> None:
             gpu_memory = this_host_memory()
             note = (f"(no CUDA device: planned with GPU memory = this machine's RAM, {gpu_memory / GIB:.1f} GiB, "
                     "where the CPU run keeps everything)")
-        result = plan(
+        # The module's sparse_config (SparseAttentionMixin) wins over the strategy's, as at set-up.
+        sparse = getattr(module, "sparse_config", None) or config.sparse
+        result = plan_placed(
             find_causal_lm(module).config,
             seq_len,
+            offload=config.offload,
+            sparse=sparse,
             chunk_size=config.chunk_size,
             batch=getattr(datamodule, "batch_size", 1) or 1,
             page_size=config.page_size,

@@ -16,11 +16,10 @@ from .core.planner import (
     OFFLOAD_SEGMENT_TOKENS,
     OPTIMIZERS,
     PRECISIONS,
-    ModelShape,
     builtin_names,
     parse_bytes,
     parse_tokens,
-    plan,
+    plan_placed,
 )
 from .core.sparse import SparseConfig
 
@@ -84,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     sparse = SparseConfig(budget_pages=args.sparse_budget) if args.sparse_budget else None
 
-    def plan_for(offload: bool):
-        host_grad_layers = {"gpu": 0, "auto": None, "host": ModelShape.resolve(args.model).n_layers}[args.offload]
-        return plan(
+    try:
+        result = plan_placed(
             args.model,
             args.context,
+            offload=args.offload,
+            sparse=sparse,
             chunk_size=args.chunk,
             batch=args.batch,
             page_size=args.page_size,
@@ -100,19 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory=args.gpu_memory,
             host_memory=args.host_memory,
             matmul_tflops=args.matmul_tflops,
-            offload=offload and sparse is None,
             segment_tokens=args.segment_tokens,
-            sparse=sparse,
-            host_grad_layers=host_grad_layers if sparse else 0,
         )
-
-    try:
-        result = plan_for(args.offload == "host")
-        if args.offload == "auto" and not result.fits and sparse is None:
-            on_host = plan_for(True)
-            if on_host.fits:
-                on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
-                result = on_host
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print(result)

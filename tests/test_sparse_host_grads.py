@@ -14,7 +14,7 @@ import torch
 
 import lightning_oomb
 from lightning_oomb.core.pages import PagePool, StoreSpec
-from lightning_oomb.core.planner import PlanConfig, Placement, place_step, plan
+from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, Placement, place_step, plan
 from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import SparseConfig
 from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
@@ -161,7 +161,8 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
     chosen = plan("qwen2.5-7b", 1 << 20, host_grad_layers=None, **kwargs)
     n = chosen.config.host_grad_layers
     assert chosen.fits and 0 < n < 28
-    assert not plan("qwen2.5-7b", 1 << 20, host_grad_layers=n - 1, **kwargs).fits
+    fewer = plan("qwen2.5-7b", 1 << 20, host_grad_layers=n - 1, **kwargs)
+    assert fewer.peak_gpu_bytes > fewer.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE)  # place_step's reserve
     grad_lines = [v for k, v in {**chosen.gpu_lines, **chosen.host_lines}.items() if "KV-gradient" in k]
     assert sum(grad_lines) == 56 * 2**30
     assert any(k.startswith("pinned KV-gradient") for k in chosen.host_lines)
@@ -169,6 +170,20 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
     # The suggestion list offers it too (not the dense streaming offload, which sparse does not use).
     assert any("KV-gradient pages of" in s.change for s in on_gpu.suggestions)
     assert not any(s.change.startswith("offload K/V") for s in on_gpu.suggestions)
+
+
+def test_plan_placed_places_like_a_step():
+    """plan_placed (the plan CLI and the fit CLI's printout) places pages as place_step would."""
+    from lightning_oomb.core.planner import plan_placed
+
+    kwargs = dict(H200, checkpoint_layers=True)
+    dense = plan_placed("qwen2.5-7b", 1 << 20, offload="auto", **kwargs)
+    assert dense.config.offload and dense.fits and any("pinned host memory" in n for n in dense.notes)
+    sparse = {o: plan_placed("qwen2.5-7b", 1 << 20, offload=o, sparse=SparseConfig(), **kwargs).config
+              for o in ("gpu", "auto", "host")}
+    assert sparse["gpu"].host_grad_layers == 0 and sparse["host"].host_grad_layers == 28
+    assert sparse["auto"].host_grad_layers == 7  # what place_step chose on the H200 (docs/benchmarks.md)
+    assert not any(c.offload for c in sparse.values())
 
 
 def test_plan_config_refuses_host_gradients_without_sparse():

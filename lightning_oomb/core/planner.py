@@ -873,12 +873,37 @@ def plan(
     return result
 
 
+def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: SparseConfig | dict | None = None,
+                **kwargs: Any) -> Plan:
+    """``plan`` with the pages placed as a training step with ``offload`` ("auto", "gpu", "host") would place
+    them: dense steps stream every page from the host ("host", or "auto" when it fits only there); sparse
+    steps keep K/V on the GPU and put KV-gradient pages of all layers ("host") or of the fewest that fit
+    ("auto") in host memory. Other keyword arguments go to ``plan``."""
+    if offload not in PLACEMENTS:
+        raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {offload!r}")
+    sparse = SparseConfig.coerce(sparse)
+    if sparse is not None:
+        layers = {"gpu": 0, "auto": None, "host": ModelShape.resolve(model).n_layers}[offload]
+        result = plan(model, context, sparse=sparse, host_grad_layers=layers, **kwargs)
+        if result.config.host_grad_layers and offload == "auto":
+            result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
+                                f"{result.config.host_grad_layers} layers in pinned host memory")
+        return result
+    result = plan(model, context, offload=offload == "host", **kwargs)
+    if offload == "auto" and not result.fits:
+        on_host = plan(model, context, offload=True, **kwargs)
+        if on_host.fits:
+            on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
+            return on_host
+    return result
+
+
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
     """The plan of ``config`` with the fewest layers' KV-gradient pages in host memory (sparse) that fits on
-    the GPU, or with all of them when none does."""
+    the GPU with ``place_step``'s reserve, or with all of them when none does."""
     for n in range(shape.n_layers + 1):
         result = estimate(dataclasses.replace(config, host_grad_layers=n))
-        if result.peak_gpu_bytes <= result.gpu_memory:
+        if result.peak_gpu_bytes <= result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE):
             return result
     return result
 
