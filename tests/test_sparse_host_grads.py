@@ -97,6 +97,12 @@ def test_eval_loss_sparse_with_offload_host_holds_no_gradient_pages():
     got = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, offload="host")
     assert cached_pool(model).host_grad_layers == 0 and not cached_pool(model).with_grads
     assert rel_err(got, want) <= 1e-6
+    # After a training step with host gradient pages, evaluation reuses that pool.
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, offload="host")
+    trained = cached_pool(model)
+    assert trained.host_grad_layers == 2
+    again = lightning_oomb.eval_loss(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, offload="host")
+    assert cached_pool(model) is trained and rel_err(again, want) <= 1e-6
 
 
 def test_place_step_on_cpu_puts_sparse_gradients_on_the_host_only_when_asked():

@@ -101,7 +101,7 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             and pool.num_pages >= pages
             and (pool.with_grads or not with_grads)
             and pool.placement == placement.where
-            and pool.host_grad_layers == (placement.host_grad_layers if with_grads else 0)
+            and (not with_grads or pool.host_grad_layers == placement.host_grad_layers)
             and (not pool.on_host or pool.streamer.half_pages * page_size >= placement.batch * placement.segment_tokens)
         )
         if not fits:
