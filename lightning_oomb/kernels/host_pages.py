@@ -9,11 +9,11 @@ the GPU, not the CPU, so that nothing waits for the host inside a step: zeroing 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from .chunk_attention import _device_ctx
 
 
 @triton.jit
@@ -35,10 +35,6 @@ def _read_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constex
         tl.store(DST + i * ROW_ELEMS + j + offs, tl.load(SRC + row * ROW_ELEMS + j + offs, mask=mask), mask=mask)
 
 
-def _device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def zero_pages(pages: torch.Tensor, slots: torch.Tensor) -> None:
     """Zero ``pages[:, slots]`` of a (n_layers, num_pages, ...) tensor whose pages are contiguous.
 
@@ -51,7 +47,7 @@ def zero_pages(pages: torch.Tensor, slots: torch.Tensor) -> None:
     if pages.stride(1) != page_elems or not pages[0, 0].is_contiguous():
         raise ValueError("zero_pages needs pages stored contiguously, one after another")
     flat = slots.reshape(-1).to(torch.int32)
-    with _device(slots):
+    with _device_ctx(slots):
         _zero_pages_kernel[(flat.numel(), pages.shape[0])](
             pages, flat, pages.stride(0), pages.stride(1), PAGE_ELEMS=page_elems, BLOCK=1024
         )
@@ -67,7 +63,7 @@ def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*rows.shape, *src.shape[1:]), dtype=src.dtype, device=rows.device)
     flat = rows.reshape(-1)
     if flat.numel():
-        with _device(rows):
+        with _device_ctx(rows):
             block = triton.next_power_of_2(min(row_elems, 1024))
             _read_rows_kernel[(flat.numel(),)](src, flat, out, ROW_ELEMS=row_elems, BLOCK=block)
     return out
