@@ -197,6 +197,7 @@ def test_plan_config_refuses_host_gradients_without_sparse():
         PlanConfig(context=1024, host_grad_layers=2)
     with pytest.raises(ValueError, match="does not stream"):
         PlanConfig(context=1024, sparse=SparseConfig(), offload=True)
+    assert plan("qwen2.5-7b", 1 << 20, host_grad_layers=None, **H200).config.host_grad_layers == 0  # dense
     with pytest.raises(ValueError, match="exceeds"):
         plan("qwen2.5-0.5b", 1024, sparse=SparseConfig(), host_grad_layers=99, **H200)
 

@@ -823,7 +823,8 @@ def plan(
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
     ``segment_tokens`` tokens per sequence (dense attention).
     host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, updated in place
-    by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is).
+    by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
+    for dense attention).
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -852,7 +853,7 @@ def plan(
     def estimate(config: PlanConfig) -> Plan:
         return _estimate(shape, config, gpu_memory, host_memory, machine)
 
-    if host_grad_layers is None:
+    if host_grad_layers is None and base.sparse:
         base = fewest_host_grad_layers(base, shape, estimate).config
 
     result = estimate(base)
