@@ -410,10 +410,6 @@ def measure(
                 stats = pool.streamer.take_stats()
                 result.h2d_bytes, result.d2h_bytes = stats.h2d_bytes, stats.d2h_bytes
                 result.h2d_s, result.d2h_s = stats.h2d_s, stats.d2h_s
-        pool = cached_pool(model)
-        if mode.sparse and pool is not None:  # plan with the placement the step chose
-            result.host_grad_layers = pool.host_grad_layers
-            planned(host_grad_layers=pool.host_grad_layers)
         result.step_times_s = tuple(times)
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s
@@ -429,12 +425,13 @@ def measure(
         result.status = f"error: {type(error).__name__}"
     if out_of_memory:
         result.status = "OOM"
-        pool = cached_pool(model)
-        if mode.sparse and pool is not None:
-            result.host_grad_layers = pool.host_grad_layers
         if device.type == "cuda":
             result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
-    del input_ids
+    pool = cached_pool(model)
+    if mode.sparse and pool is not None:  # the placement the step chose (also when it ran out of memory)
+        result.host_grad_layers = pool.host_grad_layers
+        planned(host_grad_layers=pool.host_grad_layers)
+    del input_ids, pool
     _drop_cached_pool(model)
     _free_memory(model, device)
     return result
