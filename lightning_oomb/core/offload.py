@@ -295,10 +295,13 @@ class Streamer:
                 nbytes += n * staged[0].numel() * staged.element_size()
         return nbytes
 
+    def _segment_base(self, half: int) -> Callable[[int], int]:
+        """First staging row of sequence b's share of staging half ``half``."""
+        return lambda b: half * self.half_pages * self.page_size + b * self._step["seg_tokens"]
+
     def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
         """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2."""
         half = index % 2
-        per_seq = self._step["seg_tokens"]
         names = ("k", "v", "dk", "dv") if grads and not fresh else ("k", "v")
         pairs = [(self._host[name][layer], getattr(self, name)) for name in names]
         nbytes = 0
@@ -308,8 +311,7 @@ class Streamer:
                 self.dk[rows].zero_()
                 self.dv[rows].zero_()
             for host, staged in pairs:
-                nbytes += self._copy(host, staged, lambda b: half * self.half_pages * self.page_size + b * per_seq,
-                                     lo, hi, to_host=False)
+                nbytes += self._copy(host, staged, self._segment_base(half), lo, hi, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._loaded[half], "h2d")
 
@@ -322,8 +324,7 @@ class Streamer:
             # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
             end = _page_end(hi, self.page_size, lo, per_seq)
             for host, staged in ((store.dk, self.dk), (store.dv, self.dv)):
-                nbytes += self._copy(host, staged, lambda b: half * self.half_pages * self.page_size + b * per_seq,
-                                     lo, end, to_host=True)
+                nbytes += self._copy(host, staged, self._segment_base(half), lo, end, to_host=True)
         self.stats.d2h_bytes += nbytes
         self.streams.record(self._written[half], "d2h")
         self._last_d2h = self._written[half]
