@@ -181,15 +181,20 @@ def select_pages(
     if n_past <= config.budget_pages:
         return torch.arange(n_past, dtype=torch.int32, device=device).expand(b, h_sel, n_tiles, n_past).contiguous()
     scores = page_scores(q, store, summaries, config, start)
-    forced = torch.zeros(n_past, dtype=torch.bool, device=device)
-    forced[: config.sink_pages] = True
-    if config.local_pages:
-        forced[n_past - config.local_pages :] = True
-    n_forced = int(forced.sum())
-    top = config.budget_pages - n_forced
-    always = torch.nonzero(forced).view(-1).to(torch.int32).expand(b, h_sel, n_tiles, n_forced)
+    # n_past > budget >= sink + local: the sink and local ranges are disjoint, known here without asking the
+    # GPU (a host sync per layer and chunk would leave the GPU idle while Python catches up).
+    local_start = n_past - config.local_pages
+    always = torch.cat([
+        torch.arange(config.sink_pages, dtype=torch.int32, device=device),
+        torch.arange(local_start, n_past, dtype=torch.int32, device=device),
+    ])
+    always = always.expand(b, h_sel, n_tiles, always.numel())
+    top = config.budget_pages - config.sink_pages - config.local_pages
     if top == 0:
         return always.contiguous()
+    forced = torch.zeros(n_past, dtype=torch.bool, device=device)
+    forced[: config.sink_pages] = True
+    forced[local_start:] = True
     chosen = scores.masked_fill(forced, float("-inf")).topk(top, dim=-1).indices.to(torch.int32)
     return torch.cat([always, chosen], dim=-1).sort(dim=-1).values.contiguous()
 
