@@ -1,9 +1,12 @@
-"""Wiring into transformers: an AttentionInterface entry, a mask function returning None, and the checks
-that refuse models this engine would not compute exactly. No model class is modified."""
+"""Wiring into transformers: an AttentionInterface entry, a mask function returning None, the fused
+Triton ops (RMSNorm, RoPE, SwiGLU) swapped in for a step, and the checks that refuse models this engine
+would not compute exactly. No model class is modified: instances get a ``forward`` attribute and the
+modeling module its ``apply_rotary_pos_emb`` for the duration of a step, restored after it."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from functools import partial
 from typing import Iterator, Protocol
 
@@ -112,9 +115,60 @@ def check_supported(model: nn.Module, seq_len: int) -> None:
         )
 
 
+def _fused_rms_norm(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    from ..kernels.rms_norm import rms_norm
+
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _fused_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from ..kernels.swiglu import silu_mul
+
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+
+
+def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1):
+    if unsqueeze_dim != 1:  # another layout than the supported models use: transformers' own function
+        return original(q, k, cos, sin, unsqueeze_dim)
+    from ..kernels.rope import apply_rope
+
+    return apply_rope(q, k, cos, sin)
+
+
 @contextlib.contextmanager
-def bind(model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False) -> Iterator[None]:
-    """Route the model's attention to ``attender`` (and checkpoint each decoder layer if asked); restore after."""
+def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
+    """Swap transformers' RMSNorm, SwiGLU MLP and RoPE for the fused Triton ops (lightning_oomb.kernels) in
+    ``lm`` for the block: the same functions, each in one pass over memory and rounded once."""
+    swapped = []
+    for m in lm.modules():
+        name = type(m).__name__
+        if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
+            swapped.append(m)
+            m.forward = partial(_fused_rms_norm, m)
+        elif name.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
+            if lm.config.hidden_act == "silu":
+                swapped.append(m)
+                m.forward = partial(_fused_mlp, m)
+    modeling = {sys.modules[type(m).__module__] for m in lm.modules() if hasattr(m, "layer_idx")}
+    modeling = [mod for mod in modeling if hasattr(mod, "apply_rotary_pos_emb")]
+    originals = [mod.apply_rotary_pos_emb for mod in modeling]
+    for mod, original in zip(modeling, originals):
+        mod.apply_rotary_pos_emb = partial(_fused_rope, original)
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward
+        for mod, original in zip(modeling, originals):
+            mod.apply_rotary_pos_emb = original
+
+
+@contextlib.contextmanager
+def bind(
+    model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False, fused_ops: bool = False
+) -> Iterator[None]:
+    """Route the model's attention to ``attender`` (and checkpoint each decoder layer if asked, and swap in
+    the fused Triton ops if asked); restore after."""
     global _active
     lm = causal_lm(model)
     if _active is not None:
@@ -133,7 +187,8 @@ def bind(model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = Fa
             m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
     _active = attender
     try:
-        yield
+        with _fused_ops(lm) if fused_ops else contextlib.nullcontext():
+            yield
     finally:
         _active = None
         lm.set_attn_implementation(saved_impl)

@@ -1,0 +1,98 @@
+"""Fused SwiGLU product: ``silu(gate) * up``, the middle of transformers' MLP
+(``down_proj(act_fn(gate_proj(x)) * up_proj(x))``).
+
+Unfused, autograd keeps silu(gate) alive for backward next to gate and up: one more (T, intermediate)
+tensor per layer, the largest activation of the block. Here backward gets gate and up only and the kernel
+recomputes sigmoid(gate), which costs nothing next to reading the tensors. Both directions are one flat
+pass over the elements, computed in fp32 and rounded once:
+
+    out   = g * s * u                        s = sigmoid(g), silu(g) = g * s
+    dgate = dout * u * s * (1 + g * (1 - s))  (d silu / dg)
+    dup   = dout * g * s
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_attention import _device_ctx
+
+# Elements per program: 16 per thread at 8 warps, enough bytes in flight per SM to stay bandwidth-bound.
+_BLOCK = 4096
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(G, U, OUT, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(DOUT, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(DG + offs, (dout * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (dout * g * s).to(DU.dtype.element_ty), mask=mask)
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    if not gate.is_floating_point() or not up.is_floating_point():
+        raise ValueError(f"silu_mul needs floating-point gate and up, got {gate.dtype} and {up.dtype}")
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must have one dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"gate and up must be on one device, got {gate.device} and {up.device}")
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, _BLOCK),)
+
+
+class SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # Linear outputs are contiguous already; anything else is read through a contiguous copy.
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        if out.numel():
+            with _device_ctx(gate):
+                _silu_mul_fwd_kernel[_grid(out.numel())](
+                    gate, up, out, out.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+                )
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        dout = dout.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        if dout.numel():
+            with _device_ctx(gate):
+                _silu_mul_bwd_kernel[_grid(dout.numel())](
+                    dout, gate, up, dgate, dup, dout.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+                )
+        return dgate, dup
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in fp32, rounded once to the inputs' dtype.
+
+    gate, up: one shape (e.g. (B, T, intermediate)), dtype and device; contiguous, as Linear outputs are
+    (others are copied). Returns that shape and dtype, contiguous. Saves gate and up for backward (not
+    silu(gate): backward recomputes it).
+    """
+    _check(gate, up)
+    return SiluMulFunction.apply(gate, up)

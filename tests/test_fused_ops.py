@@ -1,0 +1,307 @@
+"""Fused RMSNorm, SwiGLU product and RoPE against transformers' own formulas (CPU: Triton interpreter).
+
+fp32 cases compare with the HF formula in fp32 at rtol 1e-5. fp16 cases compare both the fused op and the
+HF formula run in fp16 (forward, and backward through autograd) with the same formula in fp64 on the same
+inputs: the fused op must be no worse than twice the HF formula's own error, plus a tiny absolute term.
+bf16 runs only on a GPU: Triton's interpreter truncates fp32 -> bf16 casts instead of rounding them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+from lightning_oomb.kernels.rms_norm import rms_norm
+from lightning_oomb.kernels.rope import apply_rope
+from lightning_oomb.kernels.swiglu import silu_mul
+
+# On a GPU box the same cases run compiled on the GPU; otherwise in the interpreter (tests/conftest.py).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16: Triton's interpreter truncates casts")
+
+
+def max_abs(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().max()) if t.numel() else 0.0
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype, got.shape, want.shape)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max_abs(want), msg=lambda m: f"{name}: {m}")
+
+
+def assert_no_worse(got: torch.Tensor, hf: torch.Tensor, exact: torch.Tensor, name: str) -> tuple[float, float]:
+    """The fused result's max error against the fp64 formula is at most 2x the HF formula's (same dtype)."""
+    assert got.dtype == hf.dtype and got.shape == hf.shape, (name, got.dtype, hf.dtype, got.shape, hf.shape)
+    err, hf_err = max_abs(got.double() - exact), max_abs(hf.double() - exact)
+    assert err <= 2 * hf_err + 1e-6 * max_abs(exact), f"{name}: fused error {err:.3g}, HF formula's {hf_err:.3g}"
+    return err, hf_err
+
+
+def run(fn, inputs: list[torch.Tensor], douts: tuple) -> tuple:
+    """Outputs of fn(*inputs) and the grads of <outputs, douts> w.r.t. inputs."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = torch.autograd.grad(outs, inputs, [d.to(o.dtype) for o, d in zip(outs, douts, strict=True)])
+    return tuple(o.detach() for o in outs), grads
+
+
+def compare(fused, hf, inputs: list[torch.Tensor], dout, names: list[str]) -> None:
+    """fused and hf on copies of inputs (same dtypes and strides) made leaves here; outside fp32 also hf on
+    the inputs in fp64, the reference both are measured against."""
+    douts = dout if isinstance(dout, tuple) else (dout,)
+
+    def leaves(dtype=None):
+        return [x.detach().to(dtype or x.dtype, copy=True).requires_grad_() for x in inputs]
+
+    got, want = run(fused, leaves(), douts), run(hf, leaves(), douts)
+    results, refs = [t for pair in got for t in pair], [t for pair in want for t in pair]
+    if inputs[0].dtype == torch.float32:
+        for name, g, w in zip(names, results, refs, strict=True):
+            assert_fp32_close(g, w, name)
+    else:
+        exact = run(hf, leaves(torch.float64), tuple(d.double() for d in douts))
+        for name, g, w, e in zip(names, results, refs, [t for pair in exact for t in pair], strict=True):
+            assert_no_worse(g, w, e, name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------------------
+
+
+def hf_rms_norm(eps: float):
+    """transformers' Qwen2RMSNorm forward, with the weight given as an input (so grads reach it)."""
+    def f(x, weight):
+        norm = Qwen2RMSNorm(weight.shape[0], eps=eps).to(device=weight.device, dtype=weight.dtype)
+        return torch.func.functional_call(norm, {"weight": weight}, (x,))
+
+    return f
+
+
+def rms_inputs(shape, n, dtype, seed=0):
+    torch.manual_seed(seed)
+    x = (torch.randn(*shape, n, device=DEVICE) * 3 + 0.5).to(dtype)
+    w = (1 + 0.3 * torch.randn(n, device=DEVICE)).to(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "shape, n",
+    [
+        ((2, 7), 48),  # fewer rows than one tile holds
+        ((130,), 48),  # several tiles, the last partly masked
+        ((300,), 100),  # backward programs loop over several tiles each: dweight partials over many rows
+        ((1,), 100),
+        ((2, 5, 3), 128),  # Qwen3's q/k norm over the head dim of (B, T, H, D)
+        ((3,), 3584),  # Qwen2-7B's hidden size, one row per program
+    ],
+)
+def test_rms_norm(shape, n, dtype):
+    x, w = rms_inputs(shape, n, dtype)
+    dout = torch.randn(*shape, n, device=DEVICE)
+    compare(lambda a, b: rms_norm(a, b, 1e-6), hf_rms_norm(1e-6), [x, w], dout, ["y", "dx", "dweight"])
+
+
+def test_rms_norm_forward_bits():
+    """In half precision the forward reproduces HF's rounding order: equal to Qwen2RMSNorm to within one ulp
+    (the fp32 statistics may differ in the last bit: another summation order), nearly everywhere equal."""
+    dtype = torch.float16
+    x, w = rms_inputs((4, 9), 100, dtype)
+    got, want = rms_norm(x, w, 1e-5), hf_rms_norm(1e-5)(x, w)
+    ulp = torch.finfo(dtype).eps * want.abs().float().clamp_min(torch.finfo(dtype).tiny)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got != want).float().mean() < 0.01
+
+
+def test_rms_norm_mixed_dtypes():
+    """fp32 weight on fp16 x: HF's product promotes to fp32, so does the fused op; both grads keep their dtype."""
+    x, _ = rms_inputs((2, 6), 48, torch.float16)
+    _, w = rms_inputs((2, 6), 48, torch.float32, seed=1)
+    x.requires_grad_()
+    w.requires_grad_()
+    got = rms_norm(x, w, 1e-6)
+    want = hf_rms_norm(1e-6)(x, w)
+    assert got.dtype == want.dtype == torch.float32
+    assert_fp32_close(got, want, "y")
+    dx, dw = torch.autograd.grad(got, [x, w], torch.ones_like(got))
+    assert dx.dtype == torch.float16 and dw.dtype == torch.float32
+
+
+def test_rms_norm_strided_rows_and_frozen_weight():
+    """Rows read with their stride (a column slice), rows that need a copy (a transposed batch), and a
+    weight without grad (LoRA: dweight is skipped)."""
+    torch.manual_seed(0)
+    wide = torch.randn(9, 64, device=DEVICE)
+    w = 1 + 0.3 * torch.randn(48, device=DEVICE)
+    for x in (wide[:, :48], torch.randn(7, 2, 48, device=DEVICE).transpose(0, 1)):
+        x = x.requires_grad_() if x.is_leaf else x.detach().requires_grad_()
+        got = rms_norm(x, w, 1e-6)
+        want = hf_rms_norm(1e-6)(x, w)
+        assert_fp32_close(got, want, "y")
+        dout = torch.randn_like(want)
+        assert_fp32_close(torch.autograd.grad(got, x, dout)[0], torch.autograd.grad(want, x, dout)[0], "dx")
+
+
+# --------------------------------------------------------------------------------------------------------
+# SwiGLU product
+# --------------------------------------------------------------------------------------------------------
+
+
+def hf_silu_mul(gate, up):
+    return F.silu(gate) * up  # Qwen2MLP: act_fn(gate_proj(x)) * up_proj(x), act_fn = nn.SiLU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 48), (2, 3, 700), (1, 1, 1)])  # 2 x 3 x 700 = 4200: two blocks, masked
+def test_silu_mul(shape, dtype):
+    torch.manual_seed(0)
+    gate = (torch.randn(*shape, device=DEVICE) * 4).to(dtype)
+    up = torch.randn(*shape, device=DEVICE).to(dtype)
+    dout = torch.randn(*shape, device=DEVICE)
+    compare(silu_mul, hf_silu_mul, [gate, up], dout, ["out", "dgate", "dup"])
+
+
+def test_silu_mul_saves_inputs_only():
+    """Backward keeps gate and up alive, nothing else of activation size."""
+    gate = torch.randn(4, 64, device=DEVICE, requires_grad=True)
+    up = torch.randn(4, 64, device=DEVICE, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        silu_mul(gate, up)
+    assert len(saved) == 2 and {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------------------
+
+
+def hf_rope(q, k, cos, sin):
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+
+
+def rope_tables(batch: int, t: int, d: int, dtype, random: bool = False):
+    """cos, sin (batch, t, d) as transformers' rotary embedding makes them (cat(freqs, freqs), per-sequence
+    positions), or with unrelated random halves to pin down the exact formula."""
+    if random:
+        return tuple(torch.randn(batch, t, d, device=DEVICE).to(dtype) for _ in range(2))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, device=DEVICE).float() / d)
+    pos = torch.arange(t, device=DEVICE).float() + 1000 * torch.arange(batch, device=DEVICE).float()[:, None]
+    emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def model_views(batch: int, h: int, t: int, d: int, dtype):
+    """(B, H, T, D) as a transformers attention layer hands it over: proj(x).view(B, T, H, D).transpose(1, 2)."""
+    return torch.randn(batch, t, h * d, device=DEVICE).to(dtype).view(batch, t, h, d).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "batch, h_q, h_kv, t, d, cos_batch, random",
+    [
+        (2, 7, 1, 5, 64, 2, False),  # GQA 7:1, per-sequence positions
+        (2, 4, 2, 3, 16, 1, False),  # cos/sin (1, T, D) broadcast over the batch
+        (1, 4, 2, 6, 128, 1, False),
+        (2, 3, 3, 4, 16, 2, True),  # cos/sin halves unrelated: the exact formula, not only true rotations
+    ],
+)
+def test_rope(batch, h_q, h_kv, t, d, cos_batch, random, dtype):
+    torch.manual_seed(0)
+    q, k = model_views(batch, h_q, t, d, dtype), model_views(batch, h_kv, t, d, dtype)
+    assert not q.is_contiguous() and (h_kv == 1 or not k.is_contiguous())
+    cos, sin = rope_tables(cos_batch, t, d, dtype, random)
+    dq, dk = torch.randn(batch, h_q, t, d, device=DEVICE), torch.randn(batch, t, h_kv, d, device=DEVICE).transpose(1, 2)
+
+    def fused(q_, k_):
+        q_embed, k_embed = apply_rope(q_, k_, cos, sin)
+        assert q_embed.stride() == q_.stride() and k_embed.stride() == k_.stride()  # laid out like the inputs
+        return q_embed, k_embed
+
+    def hf(q_, k_):
+        return hf_rope(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype))
+
+    compare(fused, hf, [q, k], (dq, dk), ["q_embed", "k_embed", "dq", "dk"])
+
+
+def test_rope_reads_views_in_place():
+    """Rotating a (B, T, H, D) buffer's transposed view writes nothing into it and matches the contiguous copy."""
+    torch.manual_seed(0)
+    q, k = model_views(2, 4, 5, 16, torch.float32), model_views(2, 2, 5, 16, torch.float32)
+    before = q.clone(), k.clone()
+    cos, sin = rope_tables(2, 5, 16, torch.float32)
+    got = apply_rope(q, k, cos, sin)
+    want = apply_rope(q.contiguous(), k.contiguous(), cos, sin)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    f32 = {"device": DEVICE}
+    x, w = torch.randn(3, 8, **f32), torch.ones(8, **f32)
+    q, k = torch.randn(1, 2, 4, 8, **f32), torch.randn(1, 1, 4, 8, **f32)
+    cos, sin = torch.randn(1, 4, 8, **f32), torch.randn(1, 4, 8, **f32)
+    return [
+        (lambda: rms_norm(x, torch.ones(7, **f32), 1e-6), "N = weight"),
+        (lambda: rms_norm(x, torch.ones(2, 8, **f32), 1e-6), "1-D"),
+        (lambda: rms_norm(x.long(), w, 1e-6), "floating-point"),
+        (lambda: rms_norm(x, w.to("meta"), 1e-6), "one device"),
+        (lambda: silu_mul(x, torch.randn(3, 9, **f32)), "one shape"),
+        (lambda: silu_mul(x, x.half()), "one dtype"),
+        (lambda: silu_mul(x.int(), x.int()), "floating-point"),
+        (lambda: silu_mul(x, x.to("meta")), "one device"),
+        (lambda: apply_rope(q[0], k, cos, sin), r"\(B, H, T, D\)"),
+        (lambda: apply_rope(q, torch.randn(1, 1, 3, 8, **f32), cos, sin), "matching q"),
+        (lambda: apply_rope(q, k.half(), cos, sin), "one dtype"),
+        (lambda: apply_rope(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7]), "even"),
+        (lambda: apply_rope(q, k, cos[:, :3], sin[:, :3]), "cos and sin must be"),
+        (lambda: apply_rope(q, k, cos.expand(3, 4, 8), sin.expand(3, 4, 8)), "cos and sin must be"),
+        (lambda: apply_rope(q, k, cos, sin[:, :, :4]), "one shape"),
+        (lambda: apply_rope(q, k, cos.requires_grad_(), sin), "no gradient"),
+        (lambda: apply_rope(q, k, cos.int(), sin), "floating-point"),
+        (lambda: apply_rope(q, k.to("meta"), cos, sin), "one device"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_bad_input(case):
+    call, match = _bad_calls()[case]
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# --------------------------------------------------------------------------------------------------------
+# bf16 (GPU only)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_against_fp32_formulas():
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x, w = rms_inputs((4, 333), 3584, dt)
+    compare(lambda a, b: rms_norm(a, b, 1e-6), hf_rms_norm(1e-6), [x, w], torch.randn_like(x, dtype=torch.float32),
+            ["y", "dx", "dweight"])
+    got, want = rms_norm(x, w, 1e-6), hf_rms_norm(1e-6)(x, w)
+    ulp = torch.finfo(dt).eps * want.abs().float().clamp_min(torch.finfo(dt).tiny)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+
+    gate, up = torch.randn(2, 257, 2368, device="cuda").to(dt) * 4, torch.randn(2, 257, 2368, device="cuda").to(dt)
+    compare(silu_mul, hf_silu_mul, [gate, up], torch.randn_like(gate, dtype=torch.float32), ["out", "dgate", "dup"])
+
+    q, k = model_views(2, 28, 300, 128, dt), model_views(2, 4, 300, 128, dt)
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    cos, sin = rope_tables(2, 300, 128, dt)
+    compare(lambda a, b: apply_rope(a, b, cos, sin), lambda a, b: hf_rope(a, b, cos.to(a.dtype), sin.to(a.dtype)),
+            [q, k], (torch.randn(2, 28, 300, 128, device="cuda"), torch.randn(2, 4, 300, 128, device="cuda")),
+            ["q_embed", "k_embed", "dq", "dk"])
