@@ -1,6 +1,7 @@
 """train_step / eval_loss against transformers' own full-sequence autograd, float32 on CPU."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -9,7 +10,9 @@ import lightning_oomb
 from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
 
 TOL = 1e-5
-BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("lightning_oomb.kernels.chunk_attention") else [])
+# CPU tensors: the Triton kernels run here only in Triton's interpreter (CPU machines; tests/conftest.py).
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
 
 
 def check_against_full(model, ids, labels=None, **kwargs):
@@ -146,3 +149,73 @@ def test_bf16_gradient_store(backend):
     got = grads_of(model)
     worst = max(rel_err(got[n], want[n]) for n in want)
     assert 1e-6 < worst < 2e-2, worst
+
+
+SPARSE_2 = {"budget_pages": 2, "sink_pages": 1, "local_pages": 0}
+
+
+# The kept pair is backend-independent bookkeeping: every combination on the reference, one in the (slow)
+# Triton interpreter.
+@pytest.mark.parametrize(
+    "backend,checkpoint_layers,sparse",
+    [("reference", c, s) for c in (False, True) for s in (None, SPARSE_2)]
+    + ([("triton", False, None)] if "triton" in BACKENDS else []),
+)
+def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layers, sparse, monkeypatch):
+    """Stage 2 reuses stage 1's attention outputs of the kept chunks: bitwise the same gradient, fewer forwards."""
+    from lightning_oomb.core import attention
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2 if backend == "reference" else 1, 37))  # 5 chunks of 8
+    kwargs = dict(chunk_size=8, page_size=4, attention=backend, checkpoint_layers=checkpoint_layers, sparse=sparse)
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
+    results = {}
+    for keep in (0, 2, 100):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = lightning_oomb.train_step(model, ids, keep_attention=keep, **kwargs)
+        results[keep] = (loss, grads_of(model), len(calls))
+    layers = model.config.num_hidden_layers
+    passes = 3 if checkpoint_layers else 2  # a checkpointed layer runs its stage-2 forward twice
+    assert results[0][2] == 5 * layers * passes
+    assert results[2][2] == 5 * layers + 3 * layers * (passes - 1)
+    assert results[100][2] == 5 * layers
+    for keep in (2, 100):
+        assert torch.equal(results[keep][0], results[0][0])
+        for name, grad in results[0][1].items():
+            assert torch.equal(results[keep][1][name], grad), name
+    if sparse is None:
+        check_against_full(model, ids, keep_attention=2, **kwargs)
+
+
+def test_triton_steps_swap_in_the_fused_ops_and_restore_the_model(monkeypatch):
+    """attention='triton' runs RMSNorm (also Qwen3's per-head norms), RoPE and SwiGLU as the fused Triton
+    ops during the step; afterwards the model's modules and modeling module are as they were."""
+    if "triton" not in BACKENDS:
+        pytest.skip("no Triton")
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    from lightning_oomb.kernels import rms_norm, rope, swiglu
+
+    calls = {"rms_norm": 0, "silu_mul": 0, "apply_rope": 0}
+    for module, name in ((rms_norm, "rms_norm"), (swiglu, "silu_mul"), (rope, "apply_rope")):
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    model = tiny_model("qwen3")
+    rope_before = modeling.apply_rotary_pos_emb
+    ids = torch.randint(0, VOCAB, (1, 12))
+    lightning_oomb.train_step(model, ids, chunk_size=12, page_size=4, attention="reference")
+    assert calls == {"rms_norm": 0, "silu_mul": 0, "apply_rope": 0}
+    check_against_full(model, ids, chunk_size=12, page_size=4, attention="triton")
+    layers = model.config.num_hidden_layers
+    # One chunk, two forwards (stage 1 and 2): per layer 2 norms + q_norm + k_norm, and the final norm.
+    assert calls == {"rms_norm": 2 * (4 * layers + 1), "silu_mul": 2 * layers, "apply_rope": 2 * layers}
+    assert modeling.apply_rotary_pos_emb is rope_before
+    assert not [m for m in model.modules() if "forward" in m.__dict__]

@@ -264,3 +264,25 @@ def test_cli_plan_auto_offloads_what_does_not_fit(capsys):
     code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "32k", "--gpu-memory", "141GB",
                      "--host-memory", "128GB", "--offload", "gpu"])
     assert code == 0 and "offloaded" not in capsys.readouterr().out
+
+
+def test_kept_attention_outputs_in_the_plan_and_the_placement():
+    """keep_attention: a plan line of n_layers x tokens x (q_width bf16 + fp32 lse) per chunk; place_step
+    keeps what is asked on a CPU device (nothing by default), and refuses it when pages go to the host."""
+    from lightning_oomb.core.planner import place_step
+
+    base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
+    kept = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=3, **H200)
+    line = next(k for k in kept.gpu_lines if k.startswith("attention outputs kept"))
+    assert "3 of 8 chunks" in line
+    assert kept.gpu_lines[line] == 3 * 28 * 4096 * (3584 * 2 + 4 * 28)
+    assert kept.peak_gpu_bytes - base.peak_gpu_bytes == kept.gpu_lines[line]
+    model = tiny_model("qwen2")
+    cpu = torch.device("cpu")
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8), cpu).kept_chunks == 0
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=3), cpu).kept_chunks == 3
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9), cpu).kept_chunks == 4
+    with pytest.raises(PlanError, match="keep_attention=2 keeps attention outputs on the GPU"):
+        place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=2, offload="host"), cpu)
+    with pytest.raises(ValueError, match="keep_attention must be None or an integer >= 0"):
+        ChunkConfig(keep_attention=-1)

@@ -21,12 +21,17 @@ from . import reference_attention
 from .pages import LayerStore
 
 
+def uses_triton(impl: str, device: torch.device) -> bool:
+    """Whether ``attention=impl`` on ``device`` runs the Triton kernels (attention and the fused ops)."""
+    if impl not in ("auto", "reference", "triton"):
+        raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {impl!r}")
+    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+
+
 def resolve_backend(impl: str, device: torch.device, sparse: bool = False):
     """The module implementing ``attention_forward``/``attention_backward`` for ``impl`` on ``device``
     (with ``sparse``: the page-selection variants of ``lightning_oomb.core.sparse`` or its Triton kernels)."""
-    if impl not in ("auto", "reference", "triton"):
-        raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {impl!r}")
-    if impl == "reference" or (impl == "auto" and device.type != "cuda"):
+    if not uses_triton(impl, device):
         if sparse:
             from . import sparse as sparse_reference
 
@@ -54,9 +59,14 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, extr
 
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None):
+    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None, kept=None):
         extra = () if selection is None else (selection,)
-        out, lse = _forward(q, k, v, store, start, scale, backend, extra)
+        if kept is None:
+            out, lse = _forward(q, k, v, store, start, scale, backend, extra)
+        else:
+            # A new tensor object on the kept storage: autograd attaches this call's history to it, and a
+            # layer checkpoint's recompute may call again with the same kept pair.
+            out, lse = kept[0].detach(), kept[1]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.store, ctx.start, ctx.scale, ctx.backend, ctx.extra = store, start, scale, backend, extra
         return out
@@ -69,19 +79,30 @@ class ChunkAttention(torch.autograd.Function):
             dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args)
         else:
             dq, dk, dv = ctx.backend.attention_backward(*args, *ctx.extra)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def chunk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
-    selection: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
 
     selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
-    sparse ``backend``.
+    sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
+    used instead of computing them again.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection)
+        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept)
+    if kept is not None:
+        return kept[0]
+    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection)[0]
+
+
+def chunk_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
+    selection: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log)."""
     extra = () if selection is None else (selection,)
-    return _forward(q, k, v, store, start, scale, backend, extra)[0]
+    return _forward(q, k, v, store, start, scale, backend, extra)

@@ -47,6 +47,9 @@ OFFLOAD_STAGING_SHARE = 0.25
 # A step is placed only where its plan leaves this fraction of the device's memory unused: measured peaks ran
 # up to 3% above the plan (docs/planner.md), and a 1M-token sparse step planned with less ran out of memory.
 PLACEMENT_HEADROOM_SHARE = 0.03
+# Share of the GPU memory a step leaves free that it may fill with attention outputs kept from stage 1
+# (the rest stays for what the user's code allocates between forward and backward).
+KEPT_ATTENTION_SHARE = 0.5
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -438,7 +441,8 @@ class PlanConfig:
     ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
     True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
     of that many layers in pinned host memory, read and added into in place by the sparse kernels; K/V
-    stay on the GPU.
+    stay on the GPU. kept_chunks: attention outputs of the last that many chunks kept on the GPU from
+    stage 1 for stage 2 (which then skips their attention forward).
     """
 
     context: int
@@ -455,6 +459,7 @@ class PlanConfig:
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS
     sparse: "bool | SparseConfig | None" = False
     host_grad_layers: int = 0
+    kept_chunks: int = 0
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
@@ -473,6 +478,8 @@ class PlanConfig:
             raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
         if self.host_grad_layers < 0:
             raise ValueError(f"host_grad_layers must be >= 0, got {self.host_grad_layers}")
+        if self.kept_chunks < 0:
+            raise ValueError(f"kept_chunks must be >= 0, got {self.kept_chunks}")
         if self.host_grad_layers and (not self.sparse or self.offload):
             raise ValueError(
                 "host_grad_layers (gradient pages updated in place in host memory) is for sparse attention, "
@@ -488,6 +495,10 @@ class PlanConfig:
     def chunk_tokens(self) -> int:
         """Tokens of one chunk over the batch (what one chunk's activations scale with)."""
         return self.batch * min(self.chunk_size, self.context)
+
+    @property
+    def n_chunks(self) -> int:
+        return math.ceil(self.context / self.chunk_size)
 
     @property
     def stored_tokens(self) -> int:
@@ -749,8 +760,18 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
         selections = 4 * shape.n_layers * heads * pages * min(c.sparse.budget_pages, pages)
         gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
+    if c.kept_chunks:
+        kept = min(c.kept_chunks, c.n_chunks)
+        gpu[f"attention outputs kept from stage 1 ({kept} of {c.n_chunks} chunks)"] = kept * kept_chunk_bytes(
+            shape, c.chunk_tokens, kv_dtype
+        )
     gpu["CUDA context and workspaces (assumed)"] = CUDA_CONTEXT_BYTES
     return gpu, host
+
+
+def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
+    return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
 
 
 def _estimate(
@@ -811,6 +832,7 @@ def plan(
     offload: bool = False,
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
     host_grad_layers: int | None = 0,
+    kept_chunks: int = 0,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -825,6 +847,7 @@ def plan(
     host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, updated in place
     by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
     for dense attention).
+    kept_chunks: attention outputs of the last that many chunks kept from stage 1 for stage 2.
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -848,6 +871,7 @@ def plan(
         offload=offload,
         segment_tokens=segment_tokens,
         host_grad_layers=host_grad_layers or 0,
+        kept_chunks=kept_chunks,
     )
 
     def estimate(config: PlanConfig) -> Plan:
@@ -1035,12 +1059,14 @@ class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
     through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
     sparse attention, the KV-gradient pages of the last ``host_grad_layers`` layers may live in pinned host
-    memory, updated in place by the sparse kernels."""
+    memory, updated in place by the sparse kernels. With every page on the GPU, stage 1 keeps the attention
+    outputs of the last ``kept_chunks`` chunks for stage 2, which then skips their attention forward."""
 
     where: str
     segment_tokens: int
     batch: int = 1
     host_grad_layers: int = 0
+    kept_chunks: int = 0
 
 
 def available_host_memory() -> int:
@@ -1069,17 +1095,35 @@ def place_step(
     the device's free memory plus ``reusable_gpu_bytes`` (a pool the step would reuse or replace), and the
     pinned pages with the host's available memory plus ``reusable_host_bytes``. Raises PlanError with the
     plan and what would make it fit. On a CPU device nothing is checked.
+
+    With every page on the GPU it also decides how many chunks' attention outputs stage 1 keeps for stage 2
+    (``config.keep_attention``: that many, refused if they do not fit; None: as many as fit in
+    KEPT_ATTENTION_SHARE of the memory the step leaves free, none on a CPU device).
     """
     if config.offload not in PLACEMENTS:
         raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
     page = config.page_size
     sparse = config.sparse is not None
+    n_chunks = -(-seq_len // config.chunk_size)
+    keep = config.keep_attention
+
+    def not_kept(where: str) -> int:
+        if keep:
+            raise PlanError(
+                f"keep_attention={keep} keeps attention outputs on the GPU next to every page, but this step's "
+                f"pages go to host memory ({where}); set keep_attention=None (or 0)"
+            )
+        return 0
+
     if device.type != "cuda":
         segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
+        if config.offload == "host":
+            not_kept("offload='host'")
+        kept = min(keep or 0, n_chunks)  # None: nothing on a CPU device, whose memory is the host's
         if sparse:
             n_layers = ModelShape.resolve(model).n_layers
-            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0)
-        return Placement("host" if config.offload == "host" else "gpu", segment, batch)
+            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0, kept)
+        return Placement("host" if config.offload == "host" else "gpu", segment, batch, kept_chunks=kept)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     peft_config = getattr(model, "peft_config", None)
@@ -1104,6 +1148,21 @@ def place_step(
         needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
         return step, needed
 
+    def kept_chunks(step: Plan, needed: int) -> int:
+        """Chunks whose attention outputs stage 1 keeps for stage 2 in a step with every page on the GPU."""
+        per_chunk = kept_chunk_bytes(step.shape, step.config.chunk_tokens, _kv_dtype(precision))
+        if keep is None:
+            return min(n_chunks, int(KEPT_ATTENTION_SHARE * max(0, free - needed)) // per_chunk)
+        wanted = min(keep, n_chunks)
+        if needed + wanted * per_chunk > free:
+            raise PlanError(
+                f"keep_attention={keep} needs {wanted * per_chunk / GIB:.2f} GiB for the attention outputs of "
+                f"{wanted} chunks on top of the step's {needed / GIB:.2f} GiB, but {free / GIB:.2f} GiB are free "
+                f"beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated for it. keep_attention="
+                "None keeps as many as fit"
+            )
+        return wanted
+
     if sparse:
         n_layers = ModelShape.resolve(model).n_layers
         counts = {"gpu": [0], "auto": range(n_layers + 1), "host": [n_layers]}[config.offload]
@@ -1111,7 +1170,8 @@ def place_step(
             step, needed = step_plan(False, page, n)
             pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
             if needed <= free and pinned <= host_free:
-                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n)
+                kept = kept_chunks(step, needed) if n == 0 else not_kept(f"{n} layers' KV-gradient pages")
+                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, kept)
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
         raise PlanError(
@@ -1126,13 +1186,15 @@ def place_step(
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)
         if needed <= free:
-            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch)
+            kept = kept_chunks(on_gpu, needed)
+            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept)
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
                 f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
                 f"for it. offload='host' (or 'auto') keeps the pages in pinned host memory.\n\n{on_gpu}"
             )
+    not_kept("offload='host'" if config.offload == "host" else "the step does not fit on the GPU")
     segment = config.segment_tokens
     if segment is None:
         # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the

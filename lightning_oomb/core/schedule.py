@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
-from .attention import chunk_attention, resolve_backend
+from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .loss import linear_cross_entropy
 from .pages import PagePool, StoreSpec
 from .planner import PLACEMENTS, Placement, place_step
@@ -33,7 +33,9 @@ class ChunkConfig:
 
     chunk_size: tokens per chunk (activation memory is that of one chunk).
     page_size: tokens per page of the KV store.
-    attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton".
+    attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton". The Triton kernels
+        cover attention and the fused RMSNorm, RoPE and SwiGLU ops swapped in for the step
+        (lightning_oomb.kernels; the same functions, rounded once instead of after every elementwise op).
     checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
     cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
         (an ablation: training then no longer follows the full-sequence gradient).
@@ -46,6 +48,10 @@ class ChunkConfig:
         host; lightning_oomb.core.planner.place_step).
     segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
         memory the step leaves free (on a CPU device: one chunk).
+    keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks
+        for stage 2, which then skips their attention forward: the same numbers, one attention pass less
+        per kept chunk, at the memory of one query tensor per layer and chunk. None: as many as fit in half
+        the GPU memory the step leaves free, none when pages live in host memory or on a CPU device.
     """
 
     chunk_size: int = 4096
@@ -57,6 +63,7 @@ class ChunkConfig:
     sparse: SparseConfig | None = None
     offload: str = "auto"
     segment_tokens: int | None = None
+    keep_attention: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
@@ -76,6 +83,10 @@ class ChunkConfig:
             isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1
         ):
             raise ValueError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
+        if self.keep_attention is not None and (
+            isinstance(self.keep_attention, bool) or not isinstance(self.keep_attention, int) or self.keep_attention < 0
+        ):
+            raise ValueError(f"keep_attention must be None or an integer >= 0, got {self.keep_attention!r}")
 
 
 # Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
@@ -189,8 +200,12 @@ class ChunkedSequence:
         self.config = config
         self.device = input_ids.device
         self.backend = resolve_backend(config.attention, self.device, sparse=config.sparse is not None)
+        self.fused_ops = uses_triton(config.attention, self.device)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
+        # Attention (out, lse) of the last placement.kept_chunks chunks from stage 1, by (chunk, layer), until
+        # the chunk's stage-2 backward.
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._chunk = 0
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         valid = int((self.targets != IGNORE_INDEX).sum())
@@ -231,24 +246,27 @@ class ChunkedSequence:
         if self.pool is None:
             self._take_pages(k.dtype)
         store = self.pool.layer(layer_idx, self.table)
-        if self._stage == "fill":
+        key = (self._chunk, layer_idx)
+        fill = self._stage == "fill"
+        if fill:
             if k.dtype != self.pool.spec.dtype:
                 raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
             store.write(k, v, self._start)
         sparse = self.config.sparse
-        if sparse is None:
-            return chunk_attention(q, k, v, store, self._start, scale, self.backend)
-        key = (self._chunk, layer_idx)
-        if self._stage == "fill":
+        selection = None
+        if sparse is not None and fill:
             summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
             # Select from the past's summaries, then add this chunk's keys for the chunks after it.
             selection = select_pages(q, store, summaries, sparse, self._start)
             update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
             if self._with_grads:
                 self.selections[key] = selection
-        else:
+        elif sparse is not None:
             selection = self.selections[key]
-        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection)
+        if fill and self._with_grads and self._chunk >= len(self.chunks) - self.placement.kept_chunks:
+            self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
+            return self.kept[key][0]
+        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key))
 
     def _take_pages(self, dtype: torch.dtype) -> None:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
@@ -280,7 +298,7 @@ class ChunkedSequence:
         total = torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
-        with torch.no_grad(), bind(self.model, self):
+        with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
             for index, (start, end) in enumerate(self.chunks):
                 self._chunk = index
                 hidden = self._chunk_hidden(start, end)
@@ -300,7 +318,7 @@ class ChunkedSequence:
         grad = torch.as_tensor(grad_scale, dtype=torch.float32, device=self.device)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
-            with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers):
+            with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers, self.fused_ops):
                 for index in reversed(range(len(self.chunks))):
                     start, end = self.chunks[index]
                     self._chunk = index
@@ -310,8 +328,9 @@ class ChunkedSequence:
                     if not loss.requires_grad:
                         raise RuntimeError("no parameter of the model requires grad")
                     torch.autograd.backward(loss, grad)
-                    for key in [key for key in self.selections if key[0] == index]:
-                        del self.selections[key]  # this chunk's forward and backward are done
+                    for done in (self.selections, self.kept):  # this chunk's forward and backward are done
+                        for key in [key for key in done if key[0] == index]:
+                            del done[key]
                     total += loss.detach()
                     if self.observer is not None:
                         self.observer(2, index, start, end)
@@ -325,6 +344,7 @@ class ChunkedSequence:
             self.pool.free(self.table)
             self.table = None
         self.selections.clear()
+        self.kept.clear()
         self._stage = "done"
 
 
@@ -341,6 +361,7 @@ def train_step(
     sparse: SparseConfig | dict | None = None,
     offload: str = "auto",
     segment_tokens: int | None = None,
+    keep_attention: int | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -352,10 +373,12 @@ def train_step(
     model, exact for the pages selected in stage 1); None: dense.
     offload: "auto" (pages on the GPU when the step fits there, else in pinned host memory), "gpu" or "host";
     segment_tokens: tokens per streamed segment with offload (None: chosen from free GPU memory).
+    keep_attention: chunks whose attention outputs stage 1 keeps for stage 2 (None: as many as fit in half
+    the GPU memory left free; see ``ChunkConfig``).
     """
     config = ChunkConfig(
         chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
-        offload=offload, segment_tokens=segment_tokens,
+        offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention,
     )
     seq = ChunkedSequence(model, input_ids, labels, config)
     try:

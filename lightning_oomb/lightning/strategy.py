@@ -52,6 +52,8 @@ class OOMBStrategy(SingleDeviceStrategy):
         offload: "auto" (pages on the GPU when the largest batch fits there, else in pinned host memory),
             "gpu" or "host". segment_tokens: tokens per streamed segment with host pages (None: chosen from
             the GPU memory the step leaves free).
+        keep_attention: chunks whose attention outputs stage 1 keeps so that stage 2 skips their attention
+            forward (same numbers, faster); None: as many as fit in half the GPU memory the step leaves free.
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -68,6 +70,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         sparse: SparseConfig | dict | None = None,
         offload: str = "auto",
         segment_tokens: int | None = None,
+        keep_attention: int | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -78,7 +81,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
             chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse,
-            offload, segment_tokens,
+            offload, segment_tokens, keep_attention,
         )
         self._pending: Serving | None = None
 
