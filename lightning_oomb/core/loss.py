@@ -25,6 +25,16 @@ def _pieces(n: int, vocab_size: int):
         yield slice(lo, min(lo + step, n))
 
 
+def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """grad_w (V, d) float32 += g.T @ h, with g (n, V) and h (n, d) of one dtype."""
+    if grad_w.is_cuda and g.dtype in (torch.bfloat16, torch.float16):
+        # cuBLAS accumulates into the float32 sum itself: no rounded half-precision partial per piece and
+        # no separate cast and add passes over a (V, d) matrix.
+        torch.addmm(grad_w, g.t(), h, out_dtype=torch.float32, out=grad_w)
+    else:  # torch has no mixed-dtype matmul on the CPU
+        grad_w += (g.t() @ h).float()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, normalizer: float):
@@ -47,7 +57,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)
                 if need_w:
-                    grad_w += (g.t() @ h.to(g.dtype)).float()
+                    _add_weight_grad(grad_w, g, h.to(g.dtype))
                 if need_b:
                     grad_b += g.float().sum(0)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
