@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", default="32k")
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--ops", type=int, default=0, help="also list this many torch ops (with input shapes) by GPU time")
     parser.add_argument("--budget-pages", type=int, default=0, help="sparse attention with this budget (0: dense)")
     args = parser.parse_args(argv)
     sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
     model.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.ops > 0) as prof:
         t = time.perf_counter()
         train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
         torch.cuda.synchronize()
@@ -68,6 +69,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ntop {args.top} kernels by GPU time:")
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.top]:
         print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
+
+    if args.ops:
+        # The op that launched each kernel: which elementwise work (norm, RoPE, SiLU, copies) costs what.
+        ops = [
+            e for e in prof.key_averages(group_by_input_shape=True)
+            if e.self_device_time_total > 0 and e.device_type.name == "CPU"
+        ]
+        print(f"\ntop {args.ops} torch ops by GPU time (self), with input shapes:")
+        for e in sorted(ops, key=lambda e: -e.self_device_time_total)[: args.ops]:
+            shapes = str(e.input_shapes)[:90]
+            print(f"  {e.self_device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:40]:<40} {shapes}")
 
 
 if __name__ == "__main__":
