@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import peft
 import pytest
@@ -74,9 +75,10 @@ def test_shape_from_config_dir_model_and_peft(tmp_path):
 # -- activations -----------------------------------------------------------------------------------------
 
 
-def saved_bytes_of_one_chunk(model, chunk: int, precision: str) -> int:
+def saved_bytes_of_one_chunk(model, chunk: int, precision: str, fused_ops: bool = False) -> int:
     """Bytes of the tensors stage 2 saves for backward in the last chunk's forward (parameters excluded),
-    deduplicated by storage (each storage counted at the largest tensor seen on it)."""
+    deduplicated by storage (each storage counted at the largest tensor seen on it). fused_ops: with the
+    fused Triton RMSNorm/RoPE/SwiGLU (in Triton's interpreter on CPU) around the reference attention."""
     model = model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
     ids = torch.randint(0, 100, (1, 2 * chunk), generator=torch.Generator().manual_seed(0))
     seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=chunk, page_size=16, attention="reference"))
@@ -93,34 +95,40 @@ def saved_bytes_of_one_chunk(model, chunk: int, precision: str) -> int:
         seq.fill()
         start, end = seq.chunks[-1]  # a chunk with a past in the store, as in stage 2
         try:
-            with torch.enable_grad(), bind(model, seq), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.enable_grad(), bind(model, seq, fused_ops=fused_ops), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 seq._chunk_hidden(start, end)
         finally:
             seq.release()
     return sum(seen.values())
 
 
+FUSED = [False] + ([True] if os.environ.get("TRITON_INTERPRET") == "1" else [])  # CPU tensors: the interpreter
+
+
+@pytest.mark.parametrize("fused_ops", FUSED, ids=["hf-ops", "fused-ops"][: len(FUSED)])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("chunk", [32, 96])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_activation_formula_matches_saved_tensors(family, chunk, precision):
+def test_activation_formula_matches_saved_tensors(family, chunk, precision, fused_ops):
     model = tiny_model(family)
     shape = ModelShape.resolve(model)
-    counted = saved_bytes_of_one_chunk(model, chunk, precision)
-    assert activation_bytes(shape, chunk, precision) == pytest.approx(counted, rel=0.10)
+    counted = saved_bytes_of_one_chunk(model, chunk, precision, fused_ops)
+    assert activation_bytes(shape, chunk, precision, fused_ops=fused_ops) == pytest.approx(counted, rel=0.10)
 
 
+@pytest.mark.parametrize("fused_ops", FUSED, ids=["hf-ops", "fused-ops"][: len(FUSED)])
 @pytest.mark.parametrize(
     "family,lora_rank,precision",
     [("qwen3", 0, "32-true"), ("qwen2", 4, "32-true"), ("llama", 4, "bf16-true"), ("qwen2", 0, "bf16-mixed")],
 )
-def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precision):
+def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precision, fused_ops):
     model = tiny_model(family)
     shape = ModelShape.resolve(model)
     if lora_rank:
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
-    counted = saved_bytes_of_one_chunk(model, 64, precision)
-    expected = activation_bytes(shape, 64, precision, lora_rank=lora_rank)
+    counted = saved_bytes_of_one_chunk(model, 64, precision, fused_ops)
+    expected = activation_bytes(shape, 64, precision, lora_rank=lora_rank, fused_ops=fused_ops)
     if precision == "bf16-mixed":  # the layers' bf16 weight casts are saved too (a separate line of the plan)
         expected += 2 * shape.n_layers * shape.layer_matmul_params
     assert expected == pytest.approx(counted, rel=0.10)
@@ -132,7 +140,7 @@ def test_layer_checkpointing_keeps_layer_inputs_and_one_layer():
     ckpt = activation_bytes(shape, 4096, "bf16-true", checkpoint_layers=True)
     layer_inputs = 28 * 4096 * 3584 * 2
     assert layer_inputs < ckpt < full / 10
-    assert 20e9 < full < 30e9  # "a 7B model at 4096 tokens holds about 20 GB of activations" (README)
+    assert 18e9 < full < 30e9  # "a 7B model at 4096 tokens holds about 20 GB of activations" (README)
 
 
 # -- plans -----------------------------------------------------------------------------------------------

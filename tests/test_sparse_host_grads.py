@@ -188,7 +188,9 @@ def test_plan_placed_places_like_a_step():
     sparse = {o: plan_placed("qwen2.5-7b", 1 << 20, offload=o, sparse=SparseConfig(), **kwargs).config
               for o in ("gpu", "auto", "host")}
     assert sparse["gpu"].host_grad_layers == 0 and sparse["host"].host_grad_layers == 28
-    assert sparse["auto"].host_grad_layers == 7  # what place_step chose on the H200 (docs/benchmarks.md)
+    # The measured 1M steps (docs/benchmarks.md) put 7 layers on the host, placed with the activations of
+    # transformers' own norm/SwiGLU ops; with the fused ops' smaller activations one layer fewer fits.
+    assert sparse["auto"].host_grad_layers == 6
     assert not any(c.offload for c in sparse.values())
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from .attention import uses_triton
 from .loss import piece_rows
 from .sparse import SparseConfig
 
@@ -280,7 +281,9 @@ def _kv_dtype(precision: str) -> torch.dtype:
 # == activations ==========================================================================================
 
 
-def layer_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0) -> int:
+def layer_activation_bytes(
+    shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True
+) -> int:
     """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
 
     Derived from transformers' Llama/Qwen2/Qwen3 decoder layer with lightning_oomb's attention (and checked
@@ -299,12 +302,27 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf1
     weight, a frozen norm weight makes the norm skip its normalised input, so what remains is the norm
     statistics, the first norm's output (read by the q/k/v adapters), attention as above, o's input (its
     adapter), the MLP without down_proj's input (3 x I), and each adapter's rank-r intermediate.
+
+    fused_ops (the Triton steps, lightning_oomb.kernels): each RMSNorm saves its input (in its own dtype)
+    and one fp32 rstd per row instead of the fp32 copy and the normalised input; SwiGLU saves gate and up,
+    not silu(gate) (one I less).
     """
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     lora = lora_rank > 0
-    norm_stats = 2 * (4 * h + 4)
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
+    if fused_ops:
+        per_token = 2 * (p.residual * h + 4) + attention + (2 if lora else 3) * p.linear * i
+        if lora:
+            per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
+        elif p.autocast_weight_copies:
+            per_token += 5 * 2 * h
+        else:
+            per_token += 2 * p.linear * h
+        if shape.qk_norm:  # input (the projection's output) and rstd per head
+            per_token += p.linear * (dq + dkv) + 4 * (shape.n_heads + shape.n_kv_heads)
+        return tokens * per_token
+    norm_stats = 2 * (4 * h + 4)
     if not lora:
         per_token = norm_stats + 2 * p.residual * h + attention + 4 * p.linear * i
         if p.autocast_weight_copies:
@@ -322,14 +340,19 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf1
     return tokens * per_token
 
 
-def model_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0) -> int:
+def model_activation_bytes(
+    shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True
+) -> int:
     """Bytes saved outside the decoder layers: embedding indices (int64), RoPE cos and sin (shared by all
     layers, in the embedding's dtype) and the final RMSNorm. With LoRA the embedding is frozen (no indices
     saved, and the first layer's input needs no gradient, so its first norm saves nothing) and the final
-    norm's weight is frozen (no normalised input saved)."""
+    norm's weight is frozen (no normalised input saved). fused_ops: a norm saves its input and an fp32 rstd
+    (see ``layer_activation_bytes``); with LoRA the final norm's then cancels the first layer's."""
     p = PROFILES[precision]
     h = shape.hidden
     rope = 2 * shape.head_dim * p.param
+    if fused_ops:
+        return tokens * (rope if lora_rank > 0 else 8 + rope + p.residual * h + 4)
     final_norm_stats = 4 * h + 4
     if lora_rank > 0:
         first_norm_stats_not_saved = 4 * h + 4
@@ -338,19 +361,21 @@ def model_activation_bytes(shape: ModelShape, tokens: int, precision: str = "bf1
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, precision: str = "bf16-true", checkpoint_layers: bool = False, lora_rank: int = 0
+    shape: ModelShape, tokens: int, precision: str = "bf16-true", checkpoint_layers: bool = False, lora_rank: int = 0,
+    fused_ops: bool = True,
 ) -> int:
     """Saved activations of one chunk's stage-2 forward (``tokens`` = batch x chunk tokens), in bytes.
 
     Without checkpointing: every layer's saved tensors. With it: each layer's input (T x hidden, residual
     dtype, kept by the checkpoint for the recompute) plus one layer's full activations (the recompute).
+    fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops).
     """
-    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank)
+    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
     if checkpoint_layers:
         layers = shape.n_layers * tokens * shape.hidden * PROFILES[precision].residual + one_layer
     else:
         layers = shape.n_layers * one_layer
-    return layers + model_activation_bytes(shape, tokens, precision, lora_rank)
+    return layers + model_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
 
 
 # == time =================================================================================================
@@ -442,7 +467,8 @@ class PlanConfig:
     True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
     of that many layers in pinned host memory, read and added into in place by the sparse kernels; K/V
     stay on the GPU. kept_chunks: attention outputs of the last that many chunks kept on the GPU from
-    stage 1 for stage 2 (which then skips their attention forward).
+    stage 1 for stage 2 (which then skips their attention forward). fused_ops: the fused Triton
+    RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
     """
 
     context: int
@@ -460,6 +486,7 @@ class PlanConfig:
     sparse: "bool | SparseConfig | None" = False
     host_grad_layers: int = 0
     kept_chunks: int = 0
+    fused_ops: bool = True
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
@@ -599,6 +626,8 @@ class Plan:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
+        if not c.fused_ops:
+            head += "; transformers' own RMSNorm/RoPE/SwiGLU"
         if isinstance(c.sparse, SparseConfig):
             sp = c.sparse
             head += (
@@ -703,11 +732,11 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     t = c.chunk_tokens
     ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
     gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
-        shape, t, c.precision, c.checkpoint_layers, c.lora_rank
+        shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops
     )
     # Gradients in flight while autograd walks back through a layer: at most what that layer saved
     # (an assumption, see docs/planner.md).
-    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank)
+    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
     rows = min(piece_rows(shape.vocab), t)
     # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast.
@@ -833,6 +862,7 @@ def plan(
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
     host_grad_layers: int | None = 0,
     kept_chunks: int = 0,
+    fused_ops: bool = True,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -848,6 +878,8 @@ def plan(
     by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
     for dense attention).
     kept_chunks: attention outputs of the last that many chunks kept from stage 1 for stage 2.
+    fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
+    transformers' own ops (attention="reference").
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -872,6 +904,7 @@ def plan(
         segment_tokens=segment_tokens,
         host_grad_layers=host_grad_layers or 0,
         kept_chunks=kept_chunks,
+        fused_ops=fused_ops,
     )
 
     def estimate(config: PlanConfig) -> Plan:
@@ -1143,7 +1176,7 @@ def place_step(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
             lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
             grad_dtype=config.grad_dtype, gpu_memory=total, offload=offload, segment_tokens=segment,
-            sparse=config.sparse, host_grad_layers=host_grad_layers,
+            sparse=config.sparse, host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
         )
         needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
         return step, needed
