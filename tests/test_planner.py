@@ -294,3 +294,12 @@ def test_kept_attention_outputs_in_the_plan_and_the_placement():
         place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=2, offload="host"), cpu)
     with pytest.raises(ValueError, match="keep_attention must be None or an integer >= 0"):
         ChunkConfig(keep_attention=-1)
+
+
+def test_placed_plan_says_how_many_attention_outputs_a_step_keeps():
+    from lightning_oomb.core.planner import plan_placed
+
+    roomy = plan_placed("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
+    assert any("attention outputs of 8 of 8 chunks" in n for n in roomy.notes), roomy.notes
+    offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)
+    assert not any("attention outputs" in n for n in offloaded.notes)

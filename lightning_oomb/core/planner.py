@@ -946,6 +946,7 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         if result.config.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
                                 f"{result.config.host_grad_layers} layers in pinned host memory")
+        _note_kept_attention(result)
         return result
     result = plan(model, context, offload=offload == "host", **kwargs)
     if offload == "auto" and not result.fits:
@@ -953,7 +954,24 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         if on_host.fits:
             on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
             return on_host
+    _note_kept_attention(result)
     return result
+
+
+def _note_kept_attention(result: Plan) -> None:
+    """Say how many chunks' attention outputs a step would keep (keep_attention=None) in what this plan
+    leaves free, as place_step decides it."""
+    c = result.config
+    if c.offload or c.host_grad_layers or not result.fits:
+        return
+    spare = result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE) - result.peak_gpu_bytes
+    per_chunk = kept_chunk_bytes(result.shape, c.chunk_tokens, _kv_dtype(c.precision))
+    kept = min(c.n_chunks, int(KEPT_ATTENTION_SHARE * max(0.0, spare)) // per_chunk)
+    if kept:
+        result.notes.append(
+            f"a step keeps stage 1's attention outputs of {kept} of {c.n_chunks} chunks in the memory to spare "
+            f"({kept * per_chunk / GIB:.2f} GiB; keep_attention=None), so stage 2 skips their attention forward"
+        )
 
 
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
