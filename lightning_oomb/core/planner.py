@@ -803,6 +803,12 @@ def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -
     return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
 
 
+def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int) -> int:
+    """Chunks whose attention outputs (``chunk_bytes`` each) a step keeps by default when ``spare_bytes`` of
+    GPU memory are left beyond it: those that fit in KEPT_ATTENTION_SHARE of them, at most all."""
+    return min(n_chunks, int(KEPT_ATTENTION_SHARE * max(0.0, spare_bytes)) // chunk_bytes)
+
+
 def _estimate(
     shape: ModelShape, config: PlanConfig, gpu_memory: int, host_memory: int, machine: str
 ) -> Plan:
@@ -966,7 +972,7 @@ def _note_kept_attention(result: Plan) -> None:
         return
     spare = result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE) - result.peak_gpu_bytes
     per_chunk = kept_chunk_bytes(result.shape, c.chunk_tokens, _kv_dtype(c.precision))
-    kept = min(c.n_chunks, int(KEPT_ATTENTION_SHARE * max(0.0, spare)) // per_chunk)
+    kept = keepable_chunks(spare, per_chunk, c.n_chunks)
     if kept:
         result.notes.append(
             f"a step keeps stage 1's attention outputs of {kept} of {c.n_chunks} chunks in the memory to spare "
@@ -1203,7 +1209,7 @@ def place_step(
         """Chunks whose attention outputs stage 1 keeps for stage 2 in a step with every page on the GPU."""
         per_chunk = kept_chunk_bytes(step.shape, step.config.chunk_tokens, _kv_dtype(precision))
         if keep is None:
-            return min(n_chunks, int(KEPT_ATTENTION_SHARE * max(0, free - needed)) // per_chunk)
+            return keepable_chunks(free - needed, per_chunk, n_chunks)
         wanted = min(keep, n_chunks)
         if needed + wanted * per_chunk > free:
             raise PlanError(
