@@ -230,33 +230,30 @@ def _baseline_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfi
     return loss.detach()
 
 
+def _step_options(config: BenchConfig, sparse=None, offload: str = "auto") -> dict:
+    """The ``train_step`` keyword arguments (equally, ChunkConfig fields) of an oomb-family mode."""
+    return dict(
+        chunk_size=config.chunk_size, page_size=config.page_size, attention=config.attention,
+        checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, sparse=sparse, offload=offload,
+    )
+
+
 def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
     from .. import train_step
 
-    return train_step(
-        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
-    )
+    return train_step(model, input_ids, **_step_options(config))
 
 
 def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
     from .. import train_step
 
-    return train_step(
-        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
-        sparse=MODES["sparse"].sparse_config(config),
-    )
+    return train_step(model, input_ids, **_step_options(config, sparse=MODES["sparse"].sparse_config(config)))
 
 
 def _offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
     from .. import train_step
 
-    return train_step(
-        model, input_ids, chunk_size=config.chunk_size, page_size=config.page_size,
-        attention=config.attention, checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype,
-        offload="host",
-    )
+    return train_step(model, input_ids, **_step_options(config, offload="host"))
 
 
 def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
@@ -396,9 +393,7 @@ def measure(
         pool = cached_pool(model)
         if mode.planned:  # the placement the timed steps get (the warm-up step's pool reused, no gradients yet)
             model.zero_grad(set_to_none=True)
-            step_config = ChunkConfig(config.chunk_size, config.page_size, config.attention, config.checkpoint_layers,
-                                      grad_dtype=config.grad_dtype, sparse=sparse,
-                                      offload="host" if mode.offload else "auto")
+            step_config = ChunkConfig(**_step_options(config, sparse, "host" if mode.offload else "auto"))
             reusable = pool_bytes(pool) if pool is not None else (0, 0)
             result.kept_chunks = place_step(model, config.batch, context, step_config, device, *reusable).kept_chunks
             planned()
