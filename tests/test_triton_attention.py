@@ -98,7 +98,7 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_matches_reference(case, dtype):
+def test_matches_reference(case, dtype, dq_mode):
     got, want = run_both(make_problem(*CASES[case], dtype=dtype))
     assert_close(got, want, TOL[dtype])
 
@@ -115,7 +115,7 @@ def test_store_gradients_are_added():
 
 
 @pytest.mark.parametrize("chunk_split", [1, 2])
-def test_other_tiles_and_strided_inputs(chunk_split):
+def test_other_tiles_and_strided_inputs(chunk_split, dq_mode):
     """Unequal query/key tiles (the causal split inside a tile), (B, T, H, D)-strided q, k, v, and the
     chunk's dK/dV tiles computed whole (split 1) or by two programs of two query heads each."""
     tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16), chunk_split=chunk_split)

@@ -1,1 +1,2 @@
-"""Triton kernels: chunk attention over the paged KV store (forward, and a deterministic backward)."""
+"""Triton kernels: chunk attention over the paged KV store (dense and sparse, forward and backward) and the
+fused RMSNorm, RoPE and SwiGLU ops."""

@@ -8,19 +8,20 @@ KV head h // g with g = H_q // H_kv; K/V are never repeated.
 Kernels:
 - forward, query-stationary: one program per (query tile, query head), online softmax in the log2 domain
   with fp32 accumulators; writes out and the natural-log lse.
-- backward, three launches:
+- backward:
   - delta = rowsum(dO * O) per query;
   - dK/dV, key-stationary: one program per (key tile, KV head), the past's tiles and the chunk's own in
     one grid. It loops over the g query heads of its group and every query tile that sees its keys, so
-    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics, and
-    the result is deterministic. When the past is too short to fill the GPU, each of the chunk's key
-    tiles is shared by g programs (one query head each) whose fp32 partial sums the launcher adds in a
-    fixed order (still deterministic);
-  - dQ, query-stationary like the forward, recomputing P and dS.
-  Splitting dQ from dK/dV costs two extra matmuls per (query tile, key tile) pair (7 instead of 5) and
-  buys determinism without fp32 atomics on a (T, D) buffer per query head. Measured on an H200
-  (lightning_oomb.bench.kernels): ~390-415 TFLOP/s forward, ~300 backward (FlashAttention's 5-matmul
-  count), at or above SDPA's flash backend forward and ~0.94x its backward at 32K-512K tokens of past.
+    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics on
+    the KV-gradient store, and dK/dV are deterministic. When the past is too short to fill the GPU, each
+    of the chunk's key tiles is shared by g programs (one query head each) whose fp32 partial sums the
+    launcher adds in a fixed order (still deterministic);
+  - dQ, by default inside the same loop: dS K of each (query tile, key tile) pair added with fp32
+    atomics into a (B, H_q, T, D) buffer (5 matmuls per pair; programs start their query loop at
+    different tiles so that their atomics rarely meet). Its summation order varies, so the last bits of
+    dQ do. With ``torch.use_deterministic_algorithms(True)`` (``Trainer(deterministic=True)``) dQ runs
+    instead as a query-stationary kernel like the forward, recomputing P and dS: 7 matmuls per pair,
+    bit-reproducible. Both measured in docs/benchmarks.md (lightning_oomb.bench.kernels).
 
 Head dims that are not a power of two >= 16 run on padded tiles (masked columns read as zero).
 
@@ -110,11 +111,12 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constex
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """dV += P^T dO and dK += dS^T Q (dK still unscaled) for one query tile [m0, m0 + BLOCK_M) of one head."""
+    """dV += P^T dO and dK += dS^T Q for one query tile [m0, m0 + BLOCK_M) of one head; with DQ_ATOMIC
+    also dQ += dS K, added into the fp32 rows at dq_ptr with atomics (5 matmuls per tile pair, not 7)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
@@ -128,8 +130,12 @@ def _dkdv_step(
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds_t = p_t * (dp_t * scale - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    ds_t = (p_t * (dp_t * scale - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+    if DQ_ATOMIC:
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
+        dq_ok = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tl.atomic_add(dq_ptr + offs_m[:, None] * sdq_t + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
@@ -269,7 +275,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
+    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV, DQ,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -278,10 +284,11 @@ def _dkdv_kernel(
     sg_page, sg_off, sg_h,
     ss_b, ss_p,
     sdk_s, sdk_b, sdk_h, sdk_t,
+    sdq_b, sdq_h, sdq_t,
     T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
@@ -336,18 +343,26 @@ def _dkdv_kernel(
     m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
     m_free = tl.where(is_past, 0, tl.cdiv(lo + BLOCK_N - 1, BLOCK_M) * BLOCK_M)
     m_diag_end = tl.minimum(m_free, T)
+    # The unmasked query tiles are visited starting at a different one in each program, so that
+    # concurrent programs' dQ atomics land on different rows instead of queueing on the same ones.
+    n_free = tl.cdiv(T - m_free, BLOCK_M)
+    rotate = tile % tl.maximum(n_free, 1)
     for g in range(split * n_heads, (split + 1) * n_heads):
         h = hk * GROUP + g
         q_ptr = Q + b * sq_b + h * sq_h
         do_ptr = DO + b * sdo_b + h * sdo_h
         lse_ptr = LSE + (b * H_Q + h) * T
         delta_ptr = DELTA + (b * H_Q + h) * T
+        dq_ptr = DQ + b * sdq_b + h * sdq_h
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
-                                qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION)
-        for m0 in range(m_free, T, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, m0, offs_n, T, sq_t, sdo_t,
-                                qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t,
+                                sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION,
+                                DQ_ATOMIC)
+        for i in range(0, n_free):
+            m0 = m_free + ((i + rotate) % n_free) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t,
+                                sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION,
+                                DQ_ATOMIC)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
@@ -476,6 +491,14 @@ def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: tor
     return group if past_programs < 4 * sms else 1
 
 
+def atomic_dq() -> bool:
+    """Whether the backward adds dQ with fp32 atomics inside the dK/dV kernel (5 matmuls per pair of
+    tiles; the summation order, and so the last bits of dQ, vary from run to run) or runs the separate
+    query-stationary dQ kernel (7 matmuls, bit-reproducible). The latter whenever PyTorch is asked for
+    deterministic algorithms: ``torch.use_deterministic_algorithms(True)``, ``Trainer(deterministic=True)``."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
 def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -565,10 +588,11 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def launch_dkdv(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    tiles: KernelTiles, chunk: bool,
+    tiles: KernelTiles, chunk: bool, dq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
-    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T))."""
+    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
+    With ``dq`` (B, H_q, T, D) float32, also adds these keys' dQ into it with atomics."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -587,9 +611,12 @@ def launch_dkdv(
     n_chunk_tiles = triton.cdiv(t, kt.block_n) * split if chunk else 0
     if n_past_tiles + n_chunk_tiles == 0:
         return None
+    if dq is not None and (dq.dtype != torch.float32 or dq.shape != q.shape or dq.stride(-1) != 1):
+        raise ValueError(f"dq must be float32 {tuple(q.shape)} with contiguous rows, got {dq.dtype} {tuple(dq.shape)}")
+    dq_arg = dk_out if dq is None else dq  # never read without DQ_ATOMIC
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
-            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
+            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out, dq_arg,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -598,10 +625,11 @@ def launch_dkdv(
             store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
             slots.stride(0), slots.stride(1),
             s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
+            dq_arg.stride(-4), dq_arg.stride(-3), dq_arg.stride(-2),
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
-            num_warps=kt.num_warps, num_stages=kt.num_stages,
+            DQ_ATOMIC=dq is not None, num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
     if not chunk:
         return None
@@ -662,6 +690,10 @@ def _backward(
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
+    if atomic_dq():
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, True, dq)
+        return dq.to(q.dtype), dk, dv
     dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, chunk=True)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
@@ -722,6 +754,8 @@ def backward_part(
     _check_grads(store)
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(q.shape[-1], q.dtype)
+    if atomic_dq():
+        return launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk, dq)
     grads = launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk)
     _launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
     return grads
