@@ -110,6 +110,7 @@ def timed(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         fn()
         return (time.perf_counter() - c0) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()  # compiles what it has not yet
     torch.cuda.synchronize()
     start.record()
     fn()

@@ -83,6 +83,21 @@ def _pool_rows(slots_b, ss_p, tok, valid, PAGE_SIZE: tl.constexpr, s_page, s_off
 
 
 @triton.jit
+def _past_tile(desc, pool, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE: tl.constexpr, sp_page, sp_off,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr):
+    """The whole tile of stored rows [lo, lo + BLOCK_N) of KV head hk from a (num_pages, PAGE_SIZE, H, D)
+    pool. PAGED_TMA (tiles never cross a page): one bulk copy through ``desc``, a descriptor of the pool
+    as (num_pages * PAGE_SIZE, H, D) rows; else one gathered row per key (``pool`` points at head hk)."""
+    if PAGED_TMA:
+        slot = tl.load(slots_b + (lo // PAGE_SIZE) * ss_p)
+        x = desc.load([slot * PAGE_SIZE + lo % PAGE_SIZE, hk, 0]).reshape(BLOCK_N, D_PAD)
+    else:
+        rows = _pool_rows(slots_b, ss_p, lo + offs_n, offs_n >= 0, PAGE_SIZE, sp_page, sp_off)
+        x = _load_tile(pool + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+    return x
+
+
+@triton.jit
 def _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
     """One key tile of the online softmax in the log2 domain: m_i is the running max of s * qk_scale
     (qk_scale = scale * log2 e > 0), so each probability costs one FMA and one exp2."""
@@ -111,12 +126,15 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constex
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_bh, dq_t0, m0, offs_n, T, sq_t, sdo_t, sdq_t,
+    qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     """dV += P^T dO and dK += dS^T Q for one query tile [m0, m0 + BLOCK_M) of one head; with DQ_ATOMIC
-    also dQ += dS K, added into the fp32 rows at dq_ptr with atomics (5 matmuls per tile pair, not 7)."""
+    also dQ += dS K (5 matmuls per tile pair, not 7), added into fp32 rows: with DQ_TMA as one bulk
+    reduction of the tile through ``dq_ptr``, a descriptor of dQ as (B * H_q, T, D), at rows
+    [dq_t0 + m0, ...) of head row dq_bh (rows past T are dropped by the copy engine; rows past a sparse
+    tile's end get exact zeros); else with per-element atomics at dq_ptr (head and dq_t0 applied)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
@@ -134,8 +152,11 @@ def _dkdv_step(
     dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
     if DQ_ATOMIC:
         dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
-        dq_ok = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(dq_ptr + offs_m[:, None] * sdq_t + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
+        if DQ_TMA:
+            dq_ptr.atomic_add([dq_bh, dq_t0 + m0, 0], dq.reshape(1, BLOCK_M, D_PAD))
+        else:
+            dq_ok = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+            tl.atomic_add(dq_ptr + offs_m[:, None] * sdq_t + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
@@ -184,7 +205,7 @@ def _dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, KP, VP, SLOTS, OUT, LSE,
+    Q, K, V, KP, VP, KD, VD, SLOTS, OUT, LSE,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -194,7 +215,7 @@ def _fwd_kernel(
     T, past_lo, past_hi, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    CHUNK: tl.constexpr, CARRY: tl.constexpr,
+    CHUNK: tl.constexpr, CARRY: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     # Tiles with the longest causal part first, so the last wave of the grid is the cheapest.
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -228,9 +249,10 @@ def _fwd_kernel(
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
     for lo in range(past_lo, past_whole, BLOCK_N):
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < past_hi, PAGE_SIZE, sp_page, sp_off)
-        k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        k = _past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+                       BLOCK_N, PAGED_TMA)
+        v = _past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+                       BLOCK_N, PAGED_TMA)
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
@@ -288,7 +310,7 @@ def _dkdv_kernel(
     T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
@@ -353,16 +375,16 @@ def _dkdv_kernel(
         do_ptr = DO + b * sdo_b + h * sdo_h
         lse_ptr = LSE + (b * H_Q + h) * T
         delta_ptr = DELTA + (b * H_Q + h) * T
-        dq_ptr = DQ + b * sdq_b + h * sdq_h
+        dq_ptr = DQ if DQ_TMA else DQ + b * sdq_b + h * sdq_h
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t,
-                                sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION,
-                                DQ_ATOMIC)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, 0, m0,
+                                offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True,
+                                PRECISION, DQ_ATOMIC, DQ_TMA)
         for i in range(0, n_free):
             m0 = m_free + ((i + rotate) % n_free) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n, T, sq_t,
-                                sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION,
-                                DQ_ATOMIC)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, 0, m0,
+                                offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False,
+                                PRECISION, DQ_ATOMIC, DQ_TMA)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
@@ -374,7 +396,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, SLOTS, DQ,
+    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, DQ,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -385,7 +407,7 @@ def _dq_kernel(
     T, past_lo, past_hi, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
@@ -409,9 +431,10 @@ def _dq_kernel(
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
     for lo in range(past_lo, past_whole, BLOCK_N):
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, lo + offs_n < past_hi, PAGE_SIZE, sp_page, sp_off)
-        k = _load_tile(kp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vp + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        k = _past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+                       BLOCK_N, PAGED_TMA)
+        v = _past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+                       BLOCK_N, PAGED_TMA)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
@@ -499,6 +522,45 @@ def atomic_dq() -> bool:
     return not torch.are_deterministic_algorithms_enabled()
 
 
+def _copy_engine(t: torch.Tensor) -> bool:
+    """Whether Triton can read t through a tensor descriptor (Hopper's bulk copy engine, or the interpreter
+    that emulates its loads): 16-byte aligned base and strides, contiguous rows."""
+    if t.is_cuda:
+        if torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | None:
+    """Descriptors of the K and V pools as (num_pages * page_size, H_kv, D) rows with (block_n, 1, D_pad)
+    boxes, when whole key tiles of the past never cross a page; None otherwise (gathered loads)."""
+    pools = (store.k, store.v)
+    if store.page_size % block_n or past_lo % block_n or not all(_copy_engine(x) for x in pools):
+        return None
+    if any(x.stride(0) != x.shape[1] * x.stride(1) for x in pools):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, ps, h, d = store.k.shape
+    return tuple(TensorDescriptor(x, [n * ps, h, d], [x.stride(1), x.stride(2), 1], [block_n, 1, _padded(d)])
+                 for x in pools)
+
+
+def _dq_descriptor(dq: torch.Tensor, block_m: int):
+    """dQ (B, H_q, T, D) float32 as (B * H_q, T, D) with (1, block_m, D_pad) boxes, for bulk atomic adds;
+    None where the copy engine cannot do them (the interpreter has no bulk reductions)."""
+    if not dq.is_cuda or not _copy_engine(dq) or dq.stride(0) != dq.shape[1] * dq.stride(1):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, t, d = dq.shape
+    return TensorDescriptor(dq, [b * h, t, d], [dq.stride(1), dq.stride(2), 1], [1, block_m, _padded(d)])
+
+
 def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -548,9 +610,10 @@ def _launch_forward(
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
     grid = (triton.cdiv(t, tiles.block_m), b * hq)
+    descs = _pool_descriptors(store, past_lo, tiles.block_n)
     with _device_ctx(q):
         _fwd_kernel[grid](
-            q, k, v, store.k, store.v, slots, out, lse,
+            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -560,7 +623,7 @@ def _launch_forward(
             t, past_lo, past_hi, scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
-            CARRY=carry, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            CARRY=carry, PAGED_TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 
 
@@ -613,10 +676,12 @@ def launch_dkdv(
         return None
     if dq is not None and (dq.dtype != torch.float32 or dq.shape != q.shape or dq.stride(-1) != 1):
         raise ValueError(f"dq must be float32 {tuple(q.shape)} with contiguous rows, got {dq.dtype} {tuple(dq.shape)}")
+    dq_desc = None if dq is None else _dq_descriptor(dq, kt.block_m)
     dq_arg = dk_out if dq is None else dq  # never read without DQ_ATOMIC
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
-            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out, dq_arg,
+            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
+            dq_arg if dq_desc is None else dq_desc,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -629,7 +694,8 @@ def launch_dkdv(
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
-            DQ_ATOMIC=dq is not None, num_warps=kt.num_warps, num_stages=kt.num_stages,
+            DQ_ATOMIC=dq is not None, DQ_TMA=dq_desc is not None, num_warps=kt.num_warps,
+            num_stages=kt.num_stages,
         )
     if not chunk:
         return None
@@ -647,9 +713,10 @@ def _launch_dq(
 ) -> None:
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
+    descs = _pool_descriptors(store, past_lo, tiles.block_n)
     with _device_ctx(q):
         _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
-            q, k, v, dout, lse, delta, store.k, store.v, slots, dq,
+            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -660,7 +727,8 @@ def _launch_dq(
             t, past_lo, past_hi, scale * 1.4426950408889634, scale,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
-            ACCUMULATE=accumulate, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            ACCUMULATE=accumulate, PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
 
 

@@ -50,6 +50,7 @@ from .chunk_attention import (
     _padded,
     _precision,
     atomic_dq,
+    _dq_descriptor,
     _store_tile,
     KernelTiles,
     Tiles,
@@ -208,7 +209,7 @@ def _page_dkdv_kernel(
     T, start, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
 ):
     idx = tl.program_id(0)
     bh = tl.program_id(1)
@@ -242,11 +243,11 @@ def _page_dkdv_kernel(
             do_ptr = DO + b * sdo_b + h * sdo_h + t0 * sdo_t
             lse_ptr = LSE + (b * H_Q + h) * T + t0
             delta_ptr = DELTA + (b * H_Q + h) * T + t0
-            dq_ptr = DQ + b * sdq_b + h * sdq_h + t0 * sdq_t
+            dq_ptr = DQ if DQ_TMA else DQ + b * sdq_b + h * sdq_h + t0 * sdq_t
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, m0, offs_n,
-                                tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, sdq_t, qk_scale, scale, HEAD_DIM,
-                                D_PAD, BLOCK_M, False, PRECISION, DQ_ATOMIC)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, t0, m0,
+                                offs_n, tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, sdq_t, qk_scale, scale,
+                                HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, DQ_ATOMIC, DQ_TMA)
         g_ptrs = g_rows[:, None] + offs_d[None, :]
         _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
         _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
@@ -377,8 +378,10 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
         if n_past > 0 and sel.shape[-1] > 0:
             pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
             pt = tiles.dkdv
+            dq_desc = _dq_descriptor(dq, pt.block_m) if atomic else None
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
-                q, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts, dq,
+                q, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
+                dq if dq_desc is None else dq_desc,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 dq.stride(0), dq.stride(1), dq.stride(2),
@@ -390,7 +393,8 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 t, start, qk_scale, scale,
                 H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
                 BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
-                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), DQ_ATOMIC=atomic, num_warps=pt.num_warps,
+                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), DQ_ATOMIC=atomic, DQ_TMA=dq_desc is not None,
+                num_warps=pt.num_warps,
                 num_stages=pt.num_stages,
             )
         if atomic:
