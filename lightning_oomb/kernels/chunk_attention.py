@@ -153,7 +153,7 @@ def _dkdv_step(
     if DQ_ATOMIC:
         dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
         if DQ_TMA:
-            dq_ptr.atomic_add([dq_bh, dq_t0 + m0, 0], dq.reshape(1, BLOCK_M, D_PAD))
+            dq_ptr.atomic_add([dq_bh.to(tl.int32), (dq_t0 + m0).to(tl.int32), 0], dq.reshape(1, BLOCK_M, D_PAD))
         else:
             dq_ok = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
             tl.atomic_add(dq_ptr + offs_m[:, None] * sdq_t + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
