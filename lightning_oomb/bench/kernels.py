@@ -6,16 +6,14 @@ Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128), bf16, bat
 queries over a paged past of 0, 32K, 128K and 512K tokens (pages of 128 in random pool slots), forward and
 backward timed separately (median), next to SDPA (flash) on a full causal sequence of the same total
 length. TFLOP/s count only unmasked work: forward 4 * D * H_q * (T * past + T (T + 1) / 2), backward 2.5x
-that (FlashAttention's convention: the 5 backward matmuls). The backward is timed both ways it can run
-(kernels/chunk_attention.atomic_dq): dQ added with atomics inside the dK/dV kernel (5 matmuls, the default)
-and the deterministic split (7 matmuls). Before timing, every size is checked against the reference on a
-sub-problem (T=256 queries at the end of the full past), both ways.
+that (FlashAttention's convention: the 5 backward matmuls; our backward actually runs 7, see
+kernels/chunk_attention.py). Before timing, every size is checked against the reference on a sub-problem
+(T=256 queries at the end of the full past).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 import time
@@ -54,35 +52,13 @@ def chunk_inputs(t: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
     return q, k, v, dout
 
 
-@contextlib.contextmanager
-def deterministic(on: bool):
-    """Run the backward with the separate dQ kernel (on) or with atomic dQ (off)."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def check(past: int, tiles: tri.KernelTiles, t: int = 256) -> dict[str, float]:
-    """Kernel vs reference (fp32 math on the same bf16 values) for t queries after the full past; the
-    deterministic backward's errors carry the prefix det_."""
-    errs = _check(past, tiles, t)
-    with deterministic(True):
-        errs.update({f"det_{k}": v for k, v in _check(past, tiles, t).items() if k not in ("out", "lse")})
-    # For scale: the relative error of rounding normal fp32 values to bf16 once.
-    x = torch.randn(1 << 20, device=DEVICE)
-    errs["bf16_rounding"] = rel(x.bfloat16(), x)
-    return errs
-
-
-def _check(past: int, tiles: tri.KernelTiles, t: int) -> dict[str, float]:
+    """Kernel vs reference (fp32 math on the same bf16 values) for t queries after the full past."""
     pool, store = make_store(past, t)
     q, k, v, dout = chunk_inputs(t)
     scale = D**-0.5
@@ -98,7 +74,11 @@ def _check(past: int, tiles: tri.KernelTiles, t: int) -> dict[str, float]:
         dq, dk, dv = bwd(dout, q, k, v, out, lse, store, past, scale)
         results.append((out, lse, dq, dk, dv, *store.read(0, past, grads=True)))
     names = ["out", "lse", "dq", "dk", "dv", "store_dk", "store_dv"]
-    return {n: rel(a, b) for n, a, b in zip(names, *results) if b.numel()}
+    errs = {n: rel(a, b) for n, a, b in zip(names, *results) if b.numel()}
+    # For scale: the relative error of rounding normal fp32 values to bf16 once.
+    x = torch.randn(1 << 20, device=DEVICE)
+    errs["bf16_rounding"] = rel(x.bfloat16(), x)
+    return errs
 
 
 def timed(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
@@ -130,28 +110,23 @@ def sdpa_flops(length: int) -> float:
     return 4.0 * D * H_Q * length * (length + 1) / 2
 
 
-def time_kernels(past: int, t: int, tiles: tri.KernelTiles) -> tuple[float, float, float]:
-    """Milliseconds of the forward, the backward with atomic dQ and the deterministic backward."""
+def time_kernels(past: int, t: int, tiles: tri.KernelTiles) -> tuple[float, float]:
     pool, store = make_store(past, t)
     q, k, v, dout = chunk_inputs(t)
     scale = D**-0.5
     out, lse = tri._forward(q, k, v, store, past, scale, tiles.fwd)
     fwd = timed(lambda: tri._forward(q, k, v, store, past, scale, tiles.fwd))
-    bwd = {}
-    for det in (False, True):
-        with deterministic(det):
-            bwd[det] = timed(lambda: tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles))
-            if DEVICE == "cuda":  # where the backward's time goes, per kernel
-                from torch.profiler import ProfilerActivity, profile
+    bwd = timed(lambda: tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles))
+    if DEVICE == "cuda":  # where the backward's time goes, per kernel
+        from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles)
-                    torch.cuda.synchronize()
-                parts = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
-                print(f"  past {past}{' deterministic' if det else ''}: backward kernels (ms): "
-                      + ", ".join(f"{k[:40]} {ms:.2f}" for k, ms in parts), flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            tri._backward(dout, q, k, v, out, lse, store, past, scale, tiles)
+            torch.cuda.synchronize()
+        parts = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+        print(f"  past {past}: backward kernels (ms): " + ", ".join(f"{k[:40]} {ms:.2f}" for k, ms in parts), flush=True)
     del pool, store
-    return fwd, bwd[False], bwd[True]
+    return fwd, bwd
 
 
 def time_sdpa(length: int, repeat_kv: bool = False) -> tuple[float, float, str]:
@@ -195,7 +170,7 @@ def sweep(t: int) -> tri.KernelTiles:
     base = tri.default_tiles(D, DTYPE)
     # Candidates whose inner loops are free of register spills in the sm_90 SASS.
     fwd_opts = [tri.Tiles(128, 128, 8, 3), tri.Tiles(128, 64, 8, 3), tri.Tiles(64, 128, 4, 3), tri.Tiles(64, 64, 4, 4)]
-    dkdv_opts = [tri.Tiles(32, 128, 8, 3), tri.Tiles(32, 128, 8, 4), tri.Tiles(16, 128, 8, 4), tri.Tiles(64, 128, 8, 2)]
+    dkdv_opts = [tri.Tiles(32, 128, 8, 3), tri.Tiles(32, 128, 8, 4), tri.Tiles(16, 128, 8, 4)]
     dq_opts = [tri.Tiles(128, 64, 8, 2), tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 8, 4)]
     past = 32768
     pool, store = make_store(past, t)
@@ -221,9 +196,8 @@ def sweep(t: int) -> tri.KernelTiles:
     fwd = best("fwd", fwd_opts, lambda o: o, lambda c: tri._forward(q, k, v, store, past, scale, c))
     dkdv = best("dkdv", dkdv_opts, lambda o: tri.KernelTiles(fwd, o, base.dq),
                 lambda c: tri._backward(dout, q, k, v, out, lse, store, past, scale, c))
-    with deterministic(True):  # the dQ kernel runs only in the deterministic backward
-        dq = best("dq", dq_opts, lambda o: tri.KernelTiles(fwd, dkdv, o),
-                  lambda c: tri._backward(dout, q, k, v, out, lse, store, past, scale, c))
+    dq = best("dq", dq_opts, lambda o: tri.KernelTiles(fwd, dkdv, o),
+              lambda c: tri._backward(dout, q, k, v, out, lse, store, past, scale, c))
     del pool, store
     pool, store = make_store(0, t)
     out, lse = tri._forward(q, k, v, store, 0, scale, fwd)
@@ -262,11 +236,11 @@ def main() -> None:
 
     rows = []
     for past in pasts:
-        fwd, bwd, bwd_det = time_kernels(past, t, tiles)
+        fwd, bwd = time_kernels(past, t, tiles)
         torch.cuda.empty_cache()
         f = kernel_flops(past, t)
-        row = {"past": past, "T": t, "fwd_ms": fwd, "bwd_ms": bwd, "bwd_det_ms": bwd_det,
-               "fwd_tflops": f / fwd / 1e9, "bwd_tflops": 2.5 * f / bwd / 1e9, "bwd_det_tflops": 2.5 * f / bwd_det / 1e9}
+        row = {"past": past, "T": t, "fwd_ms": fwd, "bwd_ms": bwd,
+               "fwd_tflops": f / fwd / 1e9, "bwd_tflops": 2.5 * f / bwd / 1e9}
         if not args.no_sdpa:
             length = past + t
             sf, sb, mode = time_sdpa(length, args.sdpa_repeat_kv)
@@ -281,13 +255,11 @@ def main() -> None:
         rows.append(row)
 
     print()
-    print("| past | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | deterministic bwd ms | SDPA fwd TFLOP/s | "
-          "SDPA bwd TFLOP/s | fwd ratio | bwd ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| past | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s | fwd ratio | bwd ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         get = lambda key, fmt: (fmt.format(r[key]) if key in r and not math.isnan(r[key]) else "-")  # noqa: E731
         print(f"| {r['past']} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r['bwd_ms']:.2f} | {r['bwd_tflops']:.0f} | "
-              f"{r['bwd_det_ms']:.2f} | "
               f"{get('sdpa_fwd_tflops', '{:.0f}')} | {get('sdpa_bwd_tflops', '{:.0f}')} | "
               f"{get('fwd_ratio', '{:.2f}')} | {get('bwd_ratio', '{:.2f}')} |")
     if args.out:

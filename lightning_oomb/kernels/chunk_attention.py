@@ -8,20 +8,24 @@ KV head h // g with g = H_q // H_kv; K/V are never repeated.
 Kernels:
 - forward, query-stationary: one program per (query tile, query head), online softmax in the log2 domain
   with fp32 accumulators; writes out and the natural-log lse.
-- backward:
+- backward, three launches:
   - delta = rowsum(dO * O) per query;
   - dK/dV, key-stationary: one program per (key tile, KV head), the past's tiles and the chunk's own in
     one grid. It loops over the g query heads of its group and every query tile that sees its keys, so
-    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics on
-    the KV-gradient store, and dK/dV are deterministic. When the past is too short to fill the GPU, each
-    of the chunk's key tiles is shared by g programs (one query head each) whose fp32 partial sums the
-    launcher adds in a fixed order (still deterministic);
-  - dQ, by default inside the same loop: dS K of each (query tile, key tile) pair added with fp32
-    atomics into a (B, H_q, T, D) buffer (5 matmuls per pair; programs start their query loop at
-    different tiles so that their atomics rarely meet). Its summation order varies, so the last bits of
-    dQ do. With ``torch.use_deterministic_algorithms(True)`` (``Trainer(deterministic=True)``) dQ runs
-    instead as a query-stationary kernel like the forward, recomputing P and dS: 7 matmuls per pair,
-    bit-reproducible. Both measured in docs/benchmarks.md (lightning_oomb.bench.kernels).
+    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics, and
+    the result is deterministic. When the past is too short to fill the GPU, each of the chunk's key
+    tiles is shared by g programs (one query head each) whose fp32 partial sums the launcher adds in a
+    fixed order (still deterministic);
+  - dQ, query-stationary like the forward, recomputing P and dS.
+  Splitting dQ from dK/dV costs two extra matmuls per (query tile, key tile) pair (7 instead of 5) and
+  buys determinism without fp32 atomics on a (T, D) buffer per query head. Measured on an H200
+  (lightning_oomb.bench.kernels): ~390-415 TFLOP/s forward, ~300 backward (FlashAttention's 5-matmul
+  count), at or above SDPA's flash backend forward and ~0.94x its backward at 32K-512K tokens of past.
+
+On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
+when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer
+loads. The interpreter runs both (tests/test_triton_attention.py); tests/test_kernels_compile.py builds both
+for sm_90 on a CPU machine.
 
 Head dims that are not a power of two >= 16 run on padded tiles (masked columns read as zero).
 
@@ -125,21 +129,33 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constex
 
 
 @triton.jit
+def _query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                ROWS_TMA: tl.constexpr):
+    """Rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor, rows at or past
+    t0 + T (the bound T counted from t0) reading as 0 (ROWS_TMA: rows only past the tensor's end; the
+    caller's masks make the others count for nothing). ROWS_TMA: one bulk copy through the descriptor
+    ``src``; else ``src`` points at row t0 of head h of sequence b."""
+    if ROWS_TMA:
+        x = src.load([b.to(tl.int32), h, t0 + m0, 0]).reshape(BLOCK_M, D_PAD)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        x = _load_tile(src + offs_m[:, None] * s_t + offs_d[None, :], offs_m < T, offs_d, HEAD_DIM, D_PAD)
+    return x
+
+
+@triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dq_bh, dq_t0, m0, offs_n, T, sq_t, sdo_t, sdq_t,
-    qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
-    """dV += P^T dO and dK += dS^T Q for one query tile [m0, m0 + BLOCK_M) of one head; with DQ_ATOMIC
-    also dQ += dS K (5 matmuls per tile pair, not 7), added into fp32 rows: with DQ_TMA as one bulk
-    reduction of the tile through ``dq_ptr``, a descriptor of dQ as (B * H_q, T, D), at rows
-    [dq_t0 + m0, ...) of head row dq_bh (rows past T are dropped by the copy engine; rows past a sparse
-    tile's end get exact zeros); else with per-element atomics at dq_ptr (head and dq_t0 applied)."""
+    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
+    query head h; q_src, do_src as in ``_query_rows``; lse_ptr, delta_ptr point at row t0 of head h."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
-    q = _load_tile(q_ptr + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d, HEAD_DIM, D_PAD)
-    do = _load_tile(do_ptr + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d, HEAD_DIM, D_PAD)
+    q = _query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
+    do = _query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
     # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
     lse2 = tl.load(lse_ptr + offs_m, mask=m_valid, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0) * scale
@@ -148,15 +164,8 @@ def _dkdv_step(
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds_t = (p_t * (dp_t * scale - delta[None, :])).to(q.dtype)
-    dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-    if DQ_ATOMIC:
-        dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION)
-        if DQ_TMA:
-            dq_ptr.atomic_add([dq_bh.to(tl.int32), (dq_t0 + m0).to(tl.int32), 0], dq.reshape(1, BLOCK_M, D_PAD))
-        else:
-            dq_ok = m_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-            tl.atomic_add(dq_ptr + offs_m[:, None] * sdq_t + offs_d[None, :], dq, mask=dq_ok, sem="relaxed")
+    ds_t = p_t * (dp_t * scale - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -297,7 +306,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV, DQ,
+    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -306,11 +315,10 @@ def _dkdv_kernel(
     sg_page, sg_off, sg_h,
     ss_b, ss_p,
     sdk_s, sdk_b, sdk_h, sdk_t,
-    sdq_b, sdq_h, sdq_t,
     T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
@@ -365,26 +373,18 @@ def _dkdv_kernel(
     m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
     m_free = tl.where(is_past, 0, tl.cdiv(lo + BLOCK_N - 1, BLOCK_M) * BLOCK_M)
     m_diag_end = tl.minimum(m_free, T)
-    # The unmasked query tiles are visited starting at a different one in each program, so that
-    # concurrent programs' dQ atomics land on different rows instead of queueing on the same ones.
-    n_free = tl.cdiv(T - m_free, BLOCK_M)
-    rotate = tile % tl.maximum(n_free, 1)
     for g in range(split * n_heads, (split + 1) * n_heads):
         h = hk * GROUP + g
-        q_ptr = Q + b * sq_b + h * sq_h
-        do_ptr = DO + b * sdo_b + h * sdo_h
+        q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h
+        do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h
         lse_ptr = LSE + (b * H_Q + h) * T
         delta_ptr = DELTA + (b * H_Q + h) * T
-        dq_ptr = DQ if DQ_TMA else DQ + b * sdq_b + h * sdq_h
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, 0, m0,
-                                offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True,
-                                PRECISION, DQ_ATOMIC, DQ_TMA)
-        for i in range(0, n_free):
-            m0 = m_free + ((i + rotate) % n_free) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, 0, m0,
-                                offs_n, T, sq_t, sdo_t, sdq_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False,
-                                PRECISION, DQ_ATOMIC, DQ_TMA)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA)
+        for m0 in range(m_free, T, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
@@ -514,17 +514,9 @@ def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: tor
     return group if past_programs < 4 * sms else 1
 
 
-def atomic_dq() -> bool:
-    """Whether the backward adds dQ with fp32 atomics inside the dK/dV kernel (5 matmuls per pair of
-    tiles; the summation order, and so the last bits of dQ, vary from run to run) or runs the separate
-    query-stationary dQ kernel (7 matmuls, bit-reproducible). The latter whenever PyTorch is asked for
-    deterministic algorithms: ``torch.use_deterministic_algorithms(True)``, ``Trainer(deterministic=True)``."""
-    return not torch.are_deterministic_algorithms_enabled()
-
-
 def _copy_engine(t: torch.Tensor) -> bool:
     """Whether Triton can read t through a tensor descriptor (Hopper's bulk copy engine, or the interpreter
-    that emulates its loads): 16-byte aligned base and strides, contiguous rows."""
+    that emulates it): 16-byte aligned base and strides, contiguous rows."""
     if t.is_cuda:
         if torch.cuda.get_device_capability(t.device)[0] < 9:
             return False
@@ -550,15 +542,15 @@ def _pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | 
                  for x in pools)
 
 
-def _dq_descriptor(dq: torch.Tensor, block_m: int):
-    """dQ (B, H_q, T, D) float32 as (B * H_q, T, D) with (1, block_m, D_pad) boxes, for bulk atomic adds;
-    None where the copy engine cannot do them (the interpreter has no bulk reductions)."""
-    if not dq.is_cuda or not _copy_engine(dq) or dq.stride(0) != dq.shape[1] * dq.stride(1):
+def query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
+    """Descriptors of (B, H_q, T, D) tensors with (1, 1, block_m, D_pad) boxes (bulk copies of query
+    tiles); None unless every one of them can take one."""
+    if not all(_copy_engine(x) for x in xs):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    b, h, t, d = dq.shape
-    return TensorDescriptor(dq, [b * h, t, d], [dq.stride(1), dq.stride(2), 1], [1, block_m, _padded(d)])
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_m, _padded(x.shape[-1])])
+                 for x in xs)
 
 
 def _device_ctx(t: torch.Tensor):
@@ -651,11 +643,10 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def launch_dkdv(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    tiles: KernelTiles, chunk: bool, dq: torch.Tensor | None = None,
+    tiles: KernelTiles, chunk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
-    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
-    With ``dq`` (B, H_q, T, D) float32, also adds these keys' dQ into it with atomics."""
+    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T))."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -674,14 +665,11 @@ def launch_dkdv(
     n_chunk_tiles = triton.cdiv(t, kt.block_n) * split if chunk else 0
     if n_past_tiles + n_chunk_tiles == 0:
         return None
-    if dq is not None and (dq.dtype != torch.float32 or dq.shape != q.shape or dq.stride(-1) != 1):
-        raise ValueError(f"dq must be float32 {tuple(q.shape)} with contiguous rows, got {dq.dtype} {tuple(dq.shape)}")
-    dq_desc = None if dq is None else _dq_descriptor(dq, kt.block_m)
-    dq_arg = dk_out if dq is None else dq  # never read without DQ_ATOMIC
+    rows = query_descriptors(kt.block_m, q, dout)
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
-            q, k, v, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
-            dq_arg if dq_desc is None else dq_desc,
+            *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
+            lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -690,12 +678,10 @@ def launch_dkdv(
             store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
             slots.stride(0), slots.stride(1),
             s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
-            dq_arg.stride(-4), dq_arg.stride(-3), dq_arg.stride(-2),
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
-            DQ_ATOMIC=dq is not None, DQ_TMA=dq_desc is not None, num_warps=kt.num_warps,
-            num_stages=kt.num_stages,
+            ROWS_TMA=rows is not None, num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
     if not chunk:
         return None
@@ -758,10 +744,6 @@ def _backward(
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
-    if atomic_dq():
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, True, dq)
-        return dq.to(q.dtype), dk, dv
     dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, chunk=True)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
@@ -822,8 +804,6 @@ def backward_part(
     _check_grads(store)
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(q.shape[-1], q.dtype)
-    if atomic_dq():
-        return launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk, dq)
     grads = launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk)
     _launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
     return grads

@@ -11,9 +11,7 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
   every program has one page list. It loops over the tile's pages (each in key blocks of BLOCK_N rows,
   only over the page's past rows), then over the chunk's keys causally, with the dense kernel's online
   softmax step.
-- dQ: added with fp32 atomics by the two dK/dV passes below (the dense kernel's default), or, under
-  ``torch.use_deterministic_algorithms(True)``, by a query-stationary kernel with the forward's loops and
-  the dense kernel's dQ step.
+- dQ: the same loops with the dense kernel's dQ step.
 - dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
   (every query sees the whole causal chunk, exactly as in dense attention).
 - dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
@@ -25,8 +23,8 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
   written by one program, results bit-reproducible. The alternative, fp32 atomic adds from the
   query-stationary programs, would make every step's gradient order-dependent and, with sink and local
   pages chosen by every tile, serialise all tiles of a chunk on the same rows; the page-stationary pass
-  costs no extra matmuls when it also adds dQ (atomics on the (T, D) dQ buffer only), two when dQ runs
-  separately. Programs of pages nobody chose exit without touching memory.
+  costs two extra matmuls per (tile, page) pair (P and dP are recomputed, as in the dense kernel's split of
+  dQ from dK/dV). Programs of pages nobody chose exit without touching memory.
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ from .chunk_attention import (
     _load_tile,
     _padded,
     _precision,
-    atomic_dq,
-    _dq_descriptor,
+    query_descriptors,
     _store_tile,
     KernelTiles,
     Tiles,
@@ -197,10 +194,9 @@ def _sparse_dq_kernel(
 
 @triton.jit
 def _page_dkdv_kernel(
-    Q, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT, DQ,
+    Q, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
-    sdq_b, sdq_h, sdq_t,
     sp_page, sp_off, sp_h,
     sg_page, sg_off, sg_h,
     ss_b, ss_p,
@@ -209,7 +205,7 @@ def _page_dkdv_kernel(
     T, start, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQ_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     idx = tl.program_id(0)
     bh = tl.program_id(1)
@@ -238,16 +234,15 @@ def _page_dkdv_kernel(
             tile = tl.load(tiles + (it // (GROUP * TILE_BLOCKS)) * st_j)
             h = hk * GROUP + (it // TILE_BLOCKS) % GROUP
             t0 = tile * PAGE_SIZE
-            # Pointers shifted to the tile's first query: _dkdv_step's "T" bound is then the tile's end.
-            q_ptr = Q + b * sq_b + h * sq_h + t0 * sq_t
-            do_ptr = DO + b * sdo_b + h * sdo_h + t0 * sdo_t
+            # Rows counted from the tile's first query: _dkdv_step's "T" bound is then the tile's end.
+            q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h + t0 * sq_t
+            do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h + t0 * sdo_t
             lse_ptr = LSE + (b * H_Q + h) * T + t0
             delta_ptr = DELTA + (b * H_Q + h) * T + t0
-            dq_ptr = DQ if DQ_TMA else DQ + b * sdq_b + h * sdq_h + t0 * sdq_t
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, b * H_Q + h, t0, m0,
-                                offs_n, tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, sdq_t, qk_scale, scale,
-                                HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, DQ_ATOMIC, DQ_TMA)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, t0, m0, offs_n,
+                                tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
+                                BLOCK_M, False, PRECISION, ROWS_TMA)
         g_ptrs = g_rows[:, None] + offs_d[None, :]
         _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
         _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
@@ -365,26 +360,23 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     precision = _precision(q.dtype)
     qk_scale = scale * 1.4426950408889634
     delta = (out.float() * dout.float()).sum(-1).contiguous()
-    atomic = atomic_dq()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
     with _device_ctx(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
-        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, 0, start, scale, chunk_tiles, True,
-                             dq if atomic else None)
+        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, 0, start, scale, chunk_tiles, chunk=True)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
         if n_past > 0 and sel.shape[-1] > 0:
             pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
             pt = tiles.dkdv
-            dq_desc = _dq_descriptor(dq, pt.block_m) if atomic else None
+            rows = query_descriptors(pt.block_m, q, dout)
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
-                q, dout, lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
-                dq if dq_desc is None else dq_desc,
+                *((q, dout) if rows is None else rows),
+                lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
-                dq.stride(0), dq.stride(1), dq.stride(2),
                 store.k.stride(0), store.k.stride(1), store.k.stride(2),
                 store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
                 slots.stride(0), slots.stride(1),
@@ -393,12 +385,9 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 t, start, qk_scale, scale,
                 H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
                 BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
-                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), DQ_ATOMIC=atomic, DQ_TMA=dq_desc is not None,
-                num_warps=pt.num_warps,
+                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, num_warps=pt.num_warps,
                 num_stages=pt.num_stages,
             )
-        if atomic:
-            return dq.to(q.dtype), dk, dv
 
         qt = tiles.dq
         sub = _sub_blocks(ps, qt.block_m)

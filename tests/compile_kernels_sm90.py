@@ -1,0 +1,61 @@
+"""Compile every attention kernel for sm_90 (Hopper) without a GPU: Triton's front end, its GPU passes and
+ptxas, each kernel once with bulk copies through tensor descriptors and once with pointer loads.
+
+Catches what the interpreter cannot: it runs kernels as Python, so type rules of the compiler (say, 32-bit
+descriptor offsets) only show on a real build. Run by tests/test_kernels_compile.py in a process without
+TRITON_INTERPRET, since kernels defined under the interpreter cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightning_oomb.kernels import chunk_attention as tri  # noqa: E402
+from lightning_oomb.kernels import sparse_attention as sparse  # noqa: E402
+
+D = 128
+HEADS = dict(H_Q=28, GROUP=7)
+SHAPE = dict(HEAD_DIM=D, D_PAD=D, PRECISION="tf32", PAGE_SIZE=128)
+
+
+def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8) -> None:
+    """Compile fn for sm_90: arguments named in ``types`` get that type, constexprs their value, other
+    pointers (other upper-case names) bf16 and scalars i32."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        else:
+            sig[name] = "*bf16" if name.isupper() else "i32"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+
+
+def main() -> None:
+    f32 = {n: "*fp32" for n in ("LSE", "DELTA", "DKP", "DVP", "OUT_F32")}
+    i32 = {n: "*i32" for n in ("SLOTS", "PAGES", "TILES", "TCOUNT")}
+    scalars = {"qk_scale": "fp32", "scale": "fp32", "T": "i32"}
+    for tma in (True, False):
+        pool = (lambda n: f"tensordesc<bf16[{n},1,{D}]>") if tma else (lambda n: "*bf16")
+        rows = f"tensordesc<bf16[1,1,32,{D}]>" if tma else "*bf16"
+        build(tri._fwd_kernel, {"KD": pool(128), "VD": pool(128), "LSE": "*fp32", **i32, **scalars},
+              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=tma))
+        build(tri._dq_kernel, {"KD": pool(64), "VD": pool(64), **f32, **i32, **scalars},
+              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=64, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma))
+        build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
+              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma))
+        build(sparse._page_dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
+              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, TILE_BLOCKS=4, ROWS_TMA=tma))
+        print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
