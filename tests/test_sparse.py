@@ -240,6 +240,8 @@ KERNEL_CASES = {
     "page-larger-than-block": (1, 1, 2, 16, 20, 70, 24, 2, True),
     "dense-budget-odd-dim": (1, 2, 2, 8, 13, 17, 4, 64, True),
     "empty-past": (1, 1, 2, 16, 9, 0, 4, 2, True),
+    # whole pages of 32 (the chunk starts on a page boundary): page blocks read through descriptors
+    "whole-pages-gqa7": (1, 1, 7, 16, 40, 96, 32, 2, True),
 }
 
 

@@ -46,6 +46,7 @@ from .chunk_attention import (
     _last_dim_contiguous,
     _load_tile,
     _padded,
+    _pool_descriptors,
     _precision,
     query_descriptors,
     _store_tile,
@@ -73,24 +74,31 @@ def _query_block(pid, T, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl
 
 
 @triton.jit
-def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, sp_page, sp_off, start, offs_n, offs_d,
+def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, kd, vd, hk, sp_page, sp_off, start, offs_n, offs_d,
                 PAGE_SIZE: tl.constexpr, PAGE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr):
+                D_PAD: tl.constexpr, PAGED_TMA: tl.constexpr):
     """K, V and the row mask of key block ``it`` of a tile's page list: block it % PAGE_BLOCKS of page
-    ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling page's chunk part) are masked."""
+    ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling page's chunk part) are masked.
+    PAGED_TMA (whole pages only, blocks that divide them): bulk copies through the pool descriptors kd, vd
+    of KV head hk, and every row is valid; else gathered rows from kp, vp (pointing at head hk)."""
     page = tl.load(sel + (it // PAGE_BLOCKS) * ssel_k)
-    slot = tl.load(slots + page * ss_p).to(tl.int64)
+    slot = tl.load(slots + page * ss_p)
     n0 = (it % PAGE_BLOCKS) * BLOCK_N
-    valid = (n0 + offs_n < PAGE_SIZE) & (page * PAGE_SIZE + n0 + offs_n < start)
-    rows = slot * sp_page + (n0 + offs_n) * sp_off
-    k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-    v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+    if PAGED_TMA:
+        k = kd.load([slot * PAGE_SIZE + n0, hk, 0]).reshape(BLOCK_N, D_PAD)
+        v = vd.load([slot * PAGE_SIZE + n0, hk, 0]).reshape(BLOCK_N, D_PAD)
+        valid = offs_n >= 0
+    else:
+        valid = (n0 + offs_n < PAGE_SIZE) & (page * PAGE_SIZE + n0 + offs_n < start)
+        rows = slot.to(tl.int64) * sp_page + (n0 + offs_n) * sp_off
+        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
     return k, v, valid
 
 
 @triton.jit
 def _sparse_fwd_kernel(
-    Q, K, V, KP, VP, SLOTS, SEL, OUT, LSE,
+    Q, K, V, KP, VP, KD, VD, SLOTS, SEL, OUT, LSE,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -101,7 +109,7 @@ def _sparse_fwd_kernel(
     T, start, n_sel, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE_BLOCKS: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh = tl.program_id(1)
@@ -125,9 +133,12 @@ def _sparse_fwd_kernel(
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
     for it in range(0, n_sel * PAGE_BLOCKS):
-        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, sp_page, sp_off, start, offs_n,
-                                  offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
+                                  start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
+        if PAGED_TMA:
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+        else:
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
     # The chunk, causally, as the dense kernel.
     acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
@@ -141,7 +152,7 @@ def _sparse_fwd_kernel(
 
 @triton.jit
 def _sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, SLOTS, SEL, DQ,
+    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, SEL, DQ,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -153,7 +164,7 @@ def _sparse_dq_kernel(
     T, start, n_sel, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE_BLOCKS: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh = tl.program_id(1)
@@ -176,9 +187,12 @@ def _sparse_dq_kernel(
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
     for it in range(0, n_sel * PAGE_BLOCKS):
-        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, sp_page, sp_off, start, offs_n,
-                                  offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
+                                  start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
+        if PAGED_TMA:
+            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+        else:
+            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
     dq = _dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                    m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
@@ -306,6 +320,12 @@ def _selection_args(selection: torch.Tensor, n_kv: int):
     return sel, strides
 
 
+def _whole_page_descriptors(store: LayerStore, start: int, block_n: int) -> tuple | None:
+    """The pool descriptors of the dense kernels when every selected page is whole (the chunk starts on a
+    page boundary, as it does whenever the chunk size is a multiple of the page size); else None."""
+    return _pool_descriptors(store, 0, block_n) if start % store.page_size == 0 else None
+
+
 def _sub_blocks(page_size: int, block_m: int) -> int:
     return triton.cdiv(page_size, block_m)
 
@@ -323,9 +343,10 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     ps = store.page_size
     sub = _sub_blocks(ps, tiles.block_m)
     grid = (triton.cdiv(t, ps) * sub, b * hq)
+    descs = _whole_page_descriptors(store, start, tiles.block_n)
     with _device_ctx(q):
         _sparse_fwd_kernel[grid](
-            q, k, v, store.k, store.v, slots, sel, out, lse,
+            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -336,7 +357,8 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
             t, start, sel.shape[-1], scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
-            PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
     return out, lse
 
@@ -391,8 +413,9 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
 
         qt = tiles.dq
         sub = _sub_blocks(ps, qt.block_m)
+        descs = _whole_page_descriptors(store, start, qt.block_n)
         _sparse_dq_kernel[(triton.cdiv(t, ps) * sub, b * hq)](
-            q, k, v, dout, lse, delta, store.k, store.v, slots, sel, dq,
+            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, dq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -404,7 +427,8 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             t, start, sel.shape[-1], qk_scale, scale,
             H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
-            PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), num_warps=qt.num_warps, num_stages=qt.num_stages,
+            PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), PAGED_TMA=descs is not None, num_warps=qt.num_warps,
+            num_stages=qt.num_stages,
         )
     return dq, dk, dv
 
