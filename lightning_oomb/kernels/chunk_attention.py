@@ -18,9 +18,10 @@ Kernels:
     fixed order (still deterministic);
   - dQ, query-stationary like the forward, recomputing P and dS.
   Splitting dQ from dK/dV costs two extra matmuls per (query tile, key tile) pair (7 instead of 5) and
-  buys determinism without fp32 atomics on a (T, D) buffer per query head. Measured on an H200
-  (lightning_oomb.bench.kernels): ~390-415 TFLOP/s forward, ~300 backward (FlashAttention's 5-matmul
-  count), at or above SDPA's flash backend forward and ~0.94x its backward at 32K-512K tokens of past.
+  buys determinism without fp32 atomics on a (T, D) buffer per query head; dQ added with atomics inside
+  the dK/dV loop measured no faster on an H200 (docs/benchmarks.md). Measured there
+  (lightning_oomb.bench.kernels): ~460-480 TFLOP/s forward, ~306-314 backward (FlashAttention's 5-matmul
+  count) at 32K-128K tokens of past: 1.4x SDPA's flash backend forward and ~0.96x its backward.
 
 On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
 when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer
@@ -131,10 +132,11 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constex
 @triton.jit
 def _query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 ROWS_TMA: tl.constexpr):
-    """Rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor, rows at or past
-    t0 + T (the bound T counted from t0) reading as 0 (ROWS_TMA: rows only past the tensor's end; the
-    caller's masks make the others count for nothing). ROWS_TMA: one bulk copy through the descriptor
-    ``src``; else ``src`` points at row t0 of head h of sequence b."""
+    """Query rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor.
+
+    ROWS_TMA: one bulk copy through the descriptor ``src``; rows past the tensor's end read as 0, rows past
+    the bound T (counted from t0) are read as they are and the caller's masks give them no weight. Else
+    ``src`` points at row t0 of head h of sequence b and rows from the bound T on read as 0."""
     if ROWS_TMA:
         x = src.load([b.to(tl.int32), h, t0 + m0, 0]).reshape(BLOCK_M, D_PAD)
     else:
@@ -542,7 +544,7 @@ def _pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | 
                  for x in pools)
 
 
-def query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
+def _query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
     """Descriptors of (B, H_q, T, D) tensors with (1, 1, block_m, D_pad) boxes (bulk copies of query
     tiles); None unless every one of them can take one."""
     if not all(_copy_engine(x) for x in xs):
@@ -665,7 +667,7 @@ def launch_dkdv(
     n_chunk_tiles = triton.cdiv(t, kt.block_n) * split if chunk else 0
     if n_past_tiles + n_chunk_tiles == 0:
         return None
-    rows = query_descriptors(kt.block_m, q, dout)
+    rows = _query_descriptors(kt.block_m, q, dout)
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),

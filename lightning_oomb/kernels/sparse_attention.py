@@ -12,6 +12,8 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
   only over the page's past rows), then over the chunk's keys causally, with the dense kernel's online
   softmax step.
 - dQ: the same loops with the dense kernel's dQ step.
+- On Hopper, when the chunk starts on a page boundary (every selected page whole), the page loops of both
+  read each key block with one bulk copy through the dense kernels' pool descriptors.
 - dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
   (every query sees the whole causal chunk, exactly as in dense attention).
 - dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
@@ -48,7 +50,7 @@ from .chunk_attention import (
     _padded,
     _pool_descriptors,
     _precision,
-    query_descriptors,
+    _query_descriptors,
     _store_tile,
     KernelTiles,
     Tiles,
@@ -393,7 +395,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
         if n_past > 0 and sel.shape[-1] > 0:
             pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
             pt = tiles.dkdv
-            rows = query_descriptors(pt.block_m, q, dout)
+            rows = _query_descriptors(pt.block_m, q, dout)
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
                 *((q, dout) if rows is None else rows),
                 lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
