@@ -1,12 +1,15 @@
 """Sparse attention kernels against the dense kernels on the same attended work (CUDA).
 
-    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096] [--sweep]
+    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096]
+        [--grad-dtype float32|bfloat16] [--sweep]
 
 Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128), bf16, one chunk of --chunk queries. The sparse
 kernels run over a past of --past tokens with --budget pages of 128 per query tile (1 sink, 4 local, the
 rest random and distinct per tile and KV head, so that tiles share only the sink and local pages); the dense
 kernels over a past of budget * 128 tokens, where every query attends to the same number of keys. The ratio
 is the cost of the page lists and of the page-stationary dK/dV pass against the dense key-stationary one.
+The sparse backward is also timed with the KV-gradient pages in pinned host memory (what one layer of
+``PagePool(host_grad_layers=...)`` costs a chunk: the selected pages cross the bus inside the kernel).
 With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
 the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
 """
@@ -30,12 +33,13 @@ def _timed(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def _problem(past: int, t: int, n_kv: int = 4, group: int = 7, d: int = 128, ps: int = 128):
+def _problem(past: int, t: int, n_kv: int = 4, group: int = 7, d: int = 128, ps: int = 128,
+             grad_dtype: torch.dtype = torch.float32, host_grads: bool = False):
     from ..core.pages import PagePool, StoreSpec
 
-    spec = StoreSpec(n_layers=1, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16)
+    spec = StoreSpec(n_layers=1, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16, grad_dtype=grad_dtype)
     pages = -(-(past + t) // ps)
-    pool = PagePool(spec, pages, ps, "cuda")
+    pool = PagePool(spec, pages, ps, "cuda", host_grad_layers=int(host_grads))
     table = pool.allocate(1, past + t)
     for x in (pool.k, pool.v):
         x.normal_()
@@ -98,18 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=131072)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the KV-gradient pages")
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
     args = parser.parse_args(argv)
+    grad_dtype = getattr(torch, args.grad_dtype)
     from ..kernels import chunk_attention as dense
     from ..kernels import sparse_attention as sparse
 
     torch.manual_seed(0)
-    store, q, k, v, do = _problem(args.past, args.chunk)
+    store, q, k, v, do = _problem(args.past, args.chunk, grad_dtype=grad_dtype)
     sel = _selection(args.past, args.chunk, args.budget)
     scale = 128**-0.5
     out, lse = sparse.attention_forward(q, k, v, store, args.past, scale, sel)
     s_fwd = _timed(lambda: sparse.attention_forward(q, k, v, store, args.past, scale, sel))
     s_bwd = _timed(lambda: sparse.attention_backward(do, q, k, v, out, lse, store, args.past, scale, sel))
+    host_store = _problem(args.past, args.chunk, grad_dtype=grad_dtype, host_grads=True)[0]
+    host_store.k.copy_(store.k)
+    host_store.v.copy_(store.v)
+    h_bwd = _timed(lambda: sparse.attention_backward(do, q, k, v, out, lse, host_store, args.past, scale, sel))
+    del host_store
     dense_past = args.budget * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)
@@ -124,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense  forward {d_fwd:.2f} ms ({tflops(d_fwd, 4 * 128 * pairs):.0f} TFLOP/s), "
           f"backward {d_bwd:.2f} ms ({tflops(d_bwd, 10 * 128 * pairs):.0f} TFLOP/s)")
     print(f"sparse / dense: forward {s_fwd / d_fwd:.2f}, backward {s_bwd / d_bwd:.2f}")
+    print(f"sparse backward with {args.grad_dtype} KV-gradient pages in pinned host memory: {h_bwd:.2f} ms "
+          f"({h_bwd - s_bwd:+.2f} ms against pages on the GPU)")
     if args.sweep:
         sweep(store, q, k, v, do, sel, args.past, scale, pairs)
     return 0
