@@ -1,5 +1,6 @@
 """Compile every attention kernel for sm_90 (Hopper) without a GPU: Triton's front end, its GPU passes and
-ptxas, each kernel once with bulk copies through tensor descriptors and once with pointer loads.
+ptxas, each attention kernel once with bulk copies through tensor descriptors and once with pointer loads (the
+page dK/dV kernel writing a staging area in the first build, the gradient pages in the second).
 
 Catches what the interpreter cannot: it runs kernels as Python, so type rules of the compiler (say, 32-bit
 descriptor offsets) only show on a real build. Run by tests/test_kernels_compile.py in a process without
@@ -17,6 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from lightning_oomb.kernels import chunk_attention as tri  # noqa: E402
+from lightning_oomb.kernels import host_pages  # noqa: E402
 from lightning_oomb.kernels import sparse_attention as sparse  # noqa: E402
 
 D = 128
@@ -41,7 +43,7 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8) -> No
 
 def main() -> None:
     f32 = {n: "*fp32" for n in ("LSE", "DELTA", "DKP", "DVP", "OUT_F32")}
-    i32 = {n: "*i32" for n in ("SLOTS", "SEL", "PAGES", "TILES", "TCOUNT")}
+    i32 = {n: "*i32" for n in ("SLOTS", "SEL", "PAGES", "TILES", "TCOUNT", "COUNTS")}
     scalars = {"qk_scale": "fp32", "scale": "fp32", "T": "i32"}
     for tma in (True, False):
         pool = (lambda n: f"tensordesc<bf16[{n},1,{D}]>") if tma else (lambda n: "*bf16")
@@ -57,8 +59,13 @@ def main() -> None:
         build(sparse._sparse_dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
               dict(SHAPE, **HEADS, SUB=1, BLOCK_M=128, BLOCK_N=128, PAGE_BLOCKS=1, PAGED_TMA=tma))
         build(sparse._page_dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, TILE_BLOCKS=4, ROWS_TMA=tma))
+              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, TILE_BLOCKS=4, ROWS_TMA=tma, STAGED=tma))
         print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
+
+
+    build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},
+          dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, D_PAD=D, BLOCK_R=32), num_warps=4)
+    print("compiled for sm_90 (host pages)", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ kernels run over a past of --past tokens with --budget pages of 128 per query ti
 rest random and distinct per tile and KV head, so that tiles share only the sink and local pages); the dense
 kernels over a past of budget * 128 tokens, where every query attends to the same number of keys. The ratio
 is the cost of the page lists and of the page-stationary dK/dV pass against the dense key-stationary one.
-The sparse backward is also timed with the KV-gradient pages in pinned host memory (what one layer of
-``PagePool(host_grad_layers=...)`` costs a chunk: the selected pages cross the bus inside the kernel).
+The sparse backward is also timed with the KV-gradient pages in pinned host memory (``PagePool(host_grad_layers=
+...)``: the selected pages' share is staged on the GPU and added into the host pages on a side stream),
+back to back (the side stream's throughput bounds it) and as one layer of a step among others: the
+backward followed by the matmuls of a Qwen2.5-7B layer's linear backward, over --layers layers whose
+gradient pages all live on the GPU or all on the host. The difference is what a host layer costs a chunk.
 With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
 the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
 """
@@ -33,20 +36,40 @@ def _timed(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def _problem(past: int, t: int, n_kv: int = 4, group: int = 7, d: int = 128, ps: int = 128,
-             grad_dtype: torch.dtype = torch.float32, host_grads: bool = False):
+def _stores(past: int, t: int, n_kv: int = 4, d: int = 128, ps: int = 128,
+            grad_dtype: torch.dtype = torch.float32, layers: int = 1, host_grads: bool = False):
+    """One LayerStore per layer over a past of ``past`` tokens (random K/V), gradient pages on the GPU or host."""
     from ..core.pages import PagePool, StoreSpec
 
-    spec = StoreSpec(n_layers=1, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16, grad_dtype=grad_dtype)
+    spec = StoreSpec(n_layers=layers, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16, grad_dtype=grad_dtype)
     pages = -(-(past + t) // ps)
-    pool = PagePool(spec, pages, ps, "cuda", host_grad_layers=int(host_grads))
+    pool = PagePool(spec, pages, ps, "cuda", host_grad_layers=layers if host_grads else 0)
     table = pool.allocate(1, past + t)
     for x in (pool.k, pool.v):
         x.normal_()
-    store = pool.layer(0, table)
+    return [pool.layer(i, table) for i in range(layers)]
+
+
+def _problem(past: int, t: int, n_kv: int = 4, group: int = 7, d: int = 128, ps: int = 128,
+             grad_dtype: torch.dtype = torch.float32):
+    store = _stores(past, t, n_kv, d, ps, grad_dtype)[0]
     rand = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, do = rand(1, n_kv * group, t, d), rand(1, n_kv, t, d), rand(1, n_kv, t, d), rand(1, n_kv * group, t, d)
     return store, q, k, v, do
+
+
+def _layer_linear_backward(t: int, hidden: int = 3584, ffn: int = 18944):
+    """The matmuls of one Qwen2.5-7B layer's linear backward for a chunk of ``t`` tokens (4 x params x t FLOPs),
+    as seven (t x hidden) @ (hidden x ffn) products."""
+    a = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, ffn, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(t, ffn, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(7):
+            torch.mm(a, w, out=out)
+
+    return run
 
 
 def _selection(past: int, t: int, budget: int, n_kv: int = 4, ps: int = 128) -> torch.Tensor:
@@ -104,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the KV-gradient pages")
+    parser.add_argument("--layers", type=int, default=4, help="layers of gradient pages in the host comparison")
+    parser.add_argument("--add-programs", type=lambda s: [int(x) for x in s.split(",")], default=[16],
+                        help="persistent programs adding the staged gradients into host pages (comma list)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
     args = parser.parse_args(argv)
     grad_dtype = getattr(torch, args.grad_dtype)
     from ..kernels import chunk_attention as dense
+    from ..kernels import host_pages
     from ..kernels import sparse_attention as sparse
 
     torch.manual_seed(0)
@@ -117,11 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     out, lse = sparse.attention_forward(q, k, v, store, args.past, scale, sel)
     s_fwd = _timed(lambda: sparse.attention_forward(q, k, v, store, args.past, scale, sel))
     s_bwd = _timed(lambda: sparse.attention_backward(do, q, k, v, out, lse, store, args.past, scale, sel))
-    host_store = _problem(args.past, args.chunk, grad_dtype=grad_dtype, host_grads=True)[0]
-    host_store.k.copy_(store.k)
-    host_store.v.copy_(store.v)
-    h_bwd = _timed(lambda: sparse.attention_backward(do, q, k, v, out, lse, host_store, args.past, scale, sel))
-    del host_store
+    linear = _layer_linear_backward(args.chunk)
+    lin = _timed(linear)
+    layer_ms = {}
+    for host in (False, *args.add_programs):
+        host_pages.ADD_PROGRAMS = host or host_pages.ADD_PROGRAMS
+        stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers, host_grads=bool(host))
+
+        def backward_only(stores=stores):
+            for s in stores:
+                sparse.attention_backward(do, q, k, v, out, lse, s, args.past, scale, sel)
+
+        def layers(stores=stores):
+            for s in stores:
+                sparse.attention_backward(do, q, k, v, out, lse, s, args.past, scale, sel)
+                linear()
+
+        layer_ms[host] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
+        del stores
     dense_past = args.budget * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)
@@ -136,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense  forward {d_fwd:.2f} ms ({tflops(d_fwd, 4 * 128 * pairs):.0f} TFLOP/s), "
           f"backward {d_bwd:.2f} ms ({tflops(d_bwd, 10 * 128 * pairs):.0f} TFLOP/s)")
     print(f"sparse / dense: forward {s_fwd / d_fwd:.2f}, backward {s_bwd / d_bwd:.2f}")
-    print(f"sparse backward with {args.grad_dtype} KV-gradient pages in pinned host memory: {h_bwd:.2f} ms "
-          f"({h_bwd - s_bwd:+.2f} ms against pages on the GPU)")
+    g_bwd, g_layer = layer_ms[False]
+    print(f"{args.grad_dtype} KV-gradient pages of {args.layers} layers on the GPU: sparse backwards back to back "
+          f"{g_bwd:.2f} ms per layer; one layer = sparse backward + its linear backward ({lin:.2f} ms of matmuls) "
+          f"{g_layer:.2f} ms")
+    for programs in args.add_programs:
+        h_bwd, h_layer = layer_ms[programs]
+        print(f"... in pinned host memory, {programs} adding programs: back to back {h_bwd:.2f} ms per layer; "
+              f"one layer {h_layer:.2f} ms ({h_layer - g_layer:+.2f} ms per host layer and chunk)")
     if args.sweep:
         sweep(store, q, k, v, do, sel, args.past, scale, pairs)
     return 0

@@ -69,6 +69,7 @@ class LayerStore:
     page_size: int
     layer: int = 0
     streamer: "Streamer | None" = None
+    grad_staging: "HostGradStaging | None" = None
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
@@ -100,6 +101,85 @@ class LayerStore:
         fdv.index_add_(0, rows, dv.transpose(1, 2).reshape(-1, *fdv.shape[1:]).to(fdv.dtype))
 
 
+def spread_layers(n_layers: int, n: int) -> list[int]:
+    """``n`` of layers 0..n_layers-1, evenly spaced (ascending)."""
+    return [(2 * i + 1) * n_layers // (2 * n) for i in range(n)]
+
+
+class HostGradStaging:
+    """Where the sparse backward of a host gradient layer leaves a chunk's share of its page gradients.
+
+    The page dK/dV kernel writes the share of every distinct selected (page, KV head) into one of
+    ``N_BUFFERS`` float32 GPU buffers; ``add_into`` then adds the buffer into the host pages on a side
+    stream, so the bus traffic overlaps the layers computed meanwhile. Ordering is by CUDA events only:
+    a buffer is rewritten after the side stream has read it, and a layer's next backward waits for the
+    additions into its pages. On a CPU device the additions run where they are issued.
+    """
+
+    N_BUFFERS = 2  # one being added into the host while the next layer's kernel fills the other
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.N_BUFFERS
+        self._read: list[torch.cuda.Event | None] = [None] * self.N_BUFFERS
+        self._next = 0
+        self._layer_added: dict[int, torch.cuda.Event] = {}
+
+    @staticmethod
+    def nbytes_for(batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int) -> int:
+        """GPU bytes of the buffers for up to ``n_pages`` distinct selected pages per (sequence, KV head)."""
+        return HostGradStaging.N_BUFFERS * 2 * batch * n_kv_heads * n_pages * page_size * head_dim * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * b[0].numel() * 4 for b in self._buffers if b is not None)
+
+    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int):
+        """The next (dk, dv) buffers, each (batch, n_kv_heads, >= n_pages, page_size, head_dim) float32, once
+        the side stream has finished reading them."""
+        i = self._next
+        held = self._buffers[i]
+        if self._read[i] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._read[i])
+        if held is None or held[0].shape[2] < n_pages or held[0].shape[:2] != (batch, n_kv_heads):
+            # Sized by the first request: stage 2 starts at the last chunk, whose past is the longest.
+            shape = (batch, n_kv_heads, n_pages, page_size, head_dim)
+            self._buffers[i] = held = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
+        return held
+
+    def add_into(self, store: "LayerStore", slots: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor,
+                 start: int) -> None:
+        """Add the buffers last handed out into ``store``'s host gradient pages (see ``add_staged_pages``)."""
+        from ..kernels.host_pages import add_staged_pages
+
+        i = self._next
+        self._next = (i + 1) % self.N_BUFFERS
+        src_k, src_v = self._buffers[i]
+        if not self.cuda:
+            add_staged_pages(store.dk, store.dv, src_k, src_v, slots, pages, counts, start)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            add_staged_pages(store.dk, store.dv, src_k, src_v, slots, pages, counts, start)
+        for t in (slots, pages, counts):
+            t.record_stream(self.stream)  # made on the compute stream, read here
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self._read[i] = self._layer_added[store.layer] = done
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Make the compute stream wait for the additions into ``layer``'s host pages issued so far."""
+        if self.cuda and layer in self._layer_added:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_added[layer])
+
+    def wait_all(self) -> None:
+        """Make the compute stream wait for every addition issued so far."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 class PagePool:
     """Pages of K, V (and dK, dV when ``with_grads``) for all layers, allocated once.
 
@@ -111,11 +191,12 @@ class PagePool:
     ``segment_tokens`` tokens, the sequences of a batch together (lightning_oomb.core.offload). On a CPU ``device`` "host" runs the same
     streaming code with synchronous copies: that is how it is tested.
 
-    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of the last that many
-    layers live in pinned host memory (``host_dk``, ``host_dv``), K and V stay on the GPU. The sparse
-    kernels read and add into them in place through their host-mapped address, so only the pages a chunk
-    selected cross the bus, inside the one kernel launch that uses them; the pages of the other layers
-    are ``dk``, ``dv`` on the GPU.
+    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of that many layers, spread
+    evenly over the depth (``host_layers``), live in pinned host memory (``host_dk``, ``host_dv``), K and V stay
+    on the GPU. Spread, because each host layer's bus traffic overlaps the layers computed after it. Only the pages a
+    chunk selected cross the bus: the sparse backward leaves their share in a GPU staging area
+    (``grad_staging``) that a side stream adds into the host pages through their host-mapped address; the
+    pages of the other layers are ``dk``, ``dv`` on the GPU.
     """
 
     def __init__(
@@ -147,7 +228,9 @@ class PagePool:
             )
         self.placement = placement
         self.host_grad_layers = host_grad_layers
+        self.host_layers = spread_layers(spec.n_layers, host_grad_layers)
         self.host_dk = self.host_dv = None
+        self.grad_staging = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
         if placement == "gpu":
             self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
@@ -162,6 +245,7 @@ class PagePool:
                 # Zeroed page by page as batches take them (allocate), not here.
                 self.host_dk = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
                 self.host_dv = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
+                self.grad_staging = HostGradStaging(self.device)
             self.streamer = None
         else:
             from .offload import Streamer, pinned_empty
@@ -226,7 +310,9 @@ class PagePool:
     @property
     def gpu_nbytes(self) -> int:
         """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
-        return self.streamer.nbytes if self.on_host else self.nbytes - self.host_nbytes
+        if self.on_host:
+            return self.streamer.nbytes
+        return self.nbytes - self.host_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
 
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
@@ -250,6 +336,7 @@ class PagePool:
             if self.host_dk is not None and self.device.type == "cuda":
                 from ..kernels.host_pages import zero_pages
 
+                self.grad_staging.wait_all()  # the last step's additions into these pages are done
                 zero_pages(self.host_dk, slots)
                 zero_pages(self.host_dv, slots)
             elif self.host_dk is not None:
@@ -269,18 +356,20 @@ class PagePool:
         if self.on_host:
             self.streamer.synchronize()  # no copy may still be writing these pages
         elif self.host_dk is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no kernel may still be adding into the host pages
+            torch.cuda.synchronize(self.device)  # no kernel or side stream may still be adding into the host pages
         rows = table.rows(start, end).reshape(-1)
         for grads in (self.dk, self.dv, self.host_dk, self.host_dv):
             if grads is not None:
                 grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows.to(grads.device)] = 0
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        dk = dv = None
+        dk = dv = staging = None
         if self.dk is not None:
-            on_gpu = self.dk.shape[0]
-            if layer < on_gpu:
-                dk, dv = self.dk[layer], self.dv[layer]
+            if layer in self.host_layers:
+                i = self.host_layers.index(layer)
+                dk, dv = self.host_dk[i], self.host_dv[i]
+                staging = self.grad_staging
             else:
-                dk, dv = self.host_dk[layer - on_gpu], self.host_dv[layer - on_gpu]
-        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer)
+                i = layer - sum(h < layer for h in self.host_layers)
+                dk, dv = self.dk[i], self.dv[i]
+        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer, staging)

@@ -27,6 +27,7 @@ import torch
 
 from .attention import uses_triton
 from .loss import piece_rows
+from .pages import HostGradStaging
 from .sparse import SparseConfig
 
 GIB = 1 << 30
@@ -465,7 +466,7 @@ class PlanConfig:
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
     ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
     True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
-    of that many layers in pinned host memory, read and added into in place by the sparse kernels; K/V
+    of that many layers in pinned host memory, added into from the GPU after each sparse backward; K/V
     stay on the GPU. kept_chunks: attention outputs of the last that many chunks kept on the GPU from
     stage 1 for stage 2 (which then skips their attention forward). fused_ops: the fused Triton
     RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
@@ -509,7 +510,7 @@ class PlanConfig:
             raise ValueError(f"kept_chunks must be >= 0, got {self.kept_chunks}")
         if self.host_grad_layers and (not self.sparse or self.offload):
             raise ValueError(
-                "host_grad_layers (gradient pages updated in place in host memory) is for sparse attention, "
+                "host_grad_layers (gradient pages in host memory) is for sparse attention, "
                 "without offload (which streams every page of a dense step)"
             )
         if self.sparse and self.offload:
@@ -776,8 +777,15 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         if n_host:
             n_gpu = shape.n_layers - n_host
             gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu
-            host[f"pinned {grad_name}, {n_host} layers (sparse kernels add in place)"] = (
+            host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
                 grad_bytes // shape.n_layers * n_host
+            )
+            # The last chunk's distinct selected pages per (sequence, KV head), as sparse.invert_selection bounds them.
+            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
+            staged = min(past_pages, n_tiles * c.sparse.budget_pages) if isinstance(c.sparse, SparseConfig) else past_pages
+            gpu["host gradient layers: float32 staging of a chunk's selected pages (2 buffers)"] = (
+                HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
             )
         else:
             gpu[grad_name] = grad_bytes
@@ -880,8 +888,8 @@ def plan(
     summaries and selections.
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
     ``segment_tokens`` tokens per sequence (dense attention).
-    host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, updated in place
-    by the sparse kernels; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
+    host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, added into from the GPU
+    after each sparse backward; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
     for dense attention).
     kept_chunks: attention outputs of the last that many chunks kept from stage 1 for stage 2.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
@@ -1115,8 +1123,8 @@ PLACEMENTS = ("auto", "gpu", "host")
 class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
     through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
-    sparse attention, the KV-gradient pages of the last ``host_grad_layers`` layers may live in pinned host
-    memory, updated in place by the sparse kernels. With every page on the GPU, stage 1 keeps the attention
+    sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over the depth) may live in
+    pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the attention
     outputs of the last ``kept_chunks`` chunks for stage 2, which then skips their attention forward."""
 
     where: str

@@ -1,10 +1,13 @@
 """Access from the GPU to pages that live in pinned host memory.
 
 The KV-gradient pages of a pool's host layers (``PagePool(host_grad_layers=N)``) are mapped into the GPU's
-address space: the sparse kernels add into the pages a chunk selected in place. Two more accesses need
-the GPU, not the CPU, so that nothing waits for the host inside a step: zeroing the pages a batch takes
-(a torch op would zero them on the CPU, synchronously), and reading a chunk's own stored gradient rows
-(a torch gather would need the row indices on the host).
+address space. The sparse backward leaves a chunk's share of the selected pages' gradients in a GPU
+staging area; ``add_staged_pages`` adds it into the host pages from a few persistent programs on a side
+stream, so the bus traffic overlaps the layers computed meanwhile instead of stalling the attention kernel
+(lightning_oomb.core.pages.HostGradStaging). Two more accesses need the GPU, not the CPU, so that nothing
+waits for the host inside a step: zeroing the pages a batch takes (a torch op would zero them on the CPU,
+synchronously), and reading a chunk's own stored gradient rows (a torch gather would need the row indices
+on the host).
 """
 
 from __future__ import annotations
@@ -23,6 +26,32 @@ def _zero_pages_kernel(X, SLOTS, layer_stride, page_stride, PAGE_ELEMS: tl.const
     offs = tl.arange(0, BLOCK)
     for i in range(0, PAGE_ELEMS, BLOCK):
         tl.store(page + i + offs, tl.zeros([BLOCK], X.dtype.element_ty), mask=i + offs < PAGE_ELEMS)
+
+
+@triton.jit
+def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page, sd_off, sd_h, ss_b, ss_p,
+                       n_items, n_pages, staged_pages, start, H_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Persistent: item i = (sequence, KV head, i-th distinct page) of the chunk's selection.
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D_PAD)
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        bh = item // n_pages
+        idx = item % n_pages
+        count = tl.load(COUNTS + item)
+        page = tl.load(PAGES + item)
+        slot = tl.load(SLOTS + (bh // H_KV).to(tl.int64) * ss_b + page * ss_p).to(tl.int64)
+        rows = tl.where(count > 0, tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE), 0)
+        src = (bh.to(tl.int64) * staged_pages + idx) * PAGE_SIZE * HEAD_DIM
+        for r0 in range(0, rows, BLOCK_R):
+            mask = ((r0 + offs_r) < rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            s_ptrs = src + (r0 + offs_r)[:, None] * HEAD_DIM + offs_d[None, :]
+            d_ptrs = slot * sd_page + (r0 + offs_r)[:, None] * sd_off + (bh % H_KV) * sd_h + offs_d[None, :]
+            # stored + share, in float32, rounded once: what the in-place kernel computes (share + stored).
+            dk = tl.load(DST_K + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_K + s_ptrs, mask=mask)
+            dv = tl.load(DST_V + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_V + s_ptrs, mask=mask)
+            tl.store(DST_K + d_ptrs, dk.to(DST_K.dtype.element_ty), mask=mask)
+            tl.store(DST_V + d_ptrs, dv.to(DST_V.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -67,3 +96,34 @@ def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
             block = triton.next_power_of_2(min(row_elems, 1024))
             _read_rows_kernel[(flat.numel(),)](src, flat, out, ROW_ELEMS=row_elems, BLOCK=block)
     return out
+
+
+ADD_PROGRAMS = 64  # persistent programs of add_staged_pages (bench.sparse_kernels --add-programs)
+
+
+def add_staged_pages(
+    dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, slots: torch.Tensor,
+    pages: torch.Tensor, counts: torch.Tensor, start: int, programs: int | None = None,
+) -> None:
+    """dst[slot of page, :rows] += src[b, h, i, :rows] for every distinct selected page i of (sequence b, KV head h).
+
+    dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D), pinned host memory mapped for
+    the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size,
+    D) float32 staging; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with NP <= NP'
+    (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the chunk
+    (rows of a past page end there); programs: persistent programs (None: ``ADD_PROGRAMS``).
+    """
+    b, h, n_pages = pages.shape
+    d = dst_k.shape[-1]
+    if dst_k.stride() != dst_v.stride() or dst_k.stride(-1) != 1 or src_k.shape[-1] != d:
+        raise ValueError("add_staged_pages needs dst_k and dst_v in one layout with contiguous rows of D")
+    if b * h * n_pages == 0:
+        return
+    pages, counts = pages.contiguous(), counts.contiguous()
+    with _device_ctx(pages):
+        _add_staged_kernel[(min(programs or ADD_PROGRAMS, b * h * n_pages),)](
+            dst_k, dst_v, src_k, src_v, slots, pages, counts, dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+            slots.stride(0), slots.stride(1), b * h * n_pages, n_pages, src_k.shape[2], start,
+            H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_R=32,
+            num_warps=4,
+        )

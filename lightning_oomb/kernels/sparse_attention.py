@@ -211,6 +211,7 @@ def _sparse_dq_kernel(
 @triton.jit
 def _page_dkdv_kernel(
     Q, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
+    staged_pages,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
     sp_page, sp_off, sp_h,
@@ -221,7 +222,7 @@ def _page_dkdv_kernel(
     T, start, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr, STAGED: tl.constexpr,
 ):
     idx = tl.program_id(0)
     bh = tl.program_id(1)
@@ -235,14 +236,16 @@ def _page_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     tiles = TILES + b * st_b + hk * st_h + idx * st_i
+    # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
+    # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
+    g_slot = (b * H_KV + hk) * staged_pages + idx if STAGED else slot
     for n0 in range(0, rows_in_page, BLOCK_N):
         valid = n0 + offs_n < rows_in_page
         kv_rows = slot * sp_page + (n0 + offs_n) * sp_off + hk * sp_h
         k = _load_tile(KP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = _load_tile(VP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        g_rows = slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h
-        dk = _load_tile(DKP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-        dv = _load_tile(DVP + g_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         # (choosing tile, query head of the group, query block of the tile) in ONE loop, so that the
         # pipeliner overlaps the next block's loads with this block's math. A tile shorter than the page
         # (the chunk's last) leaves whole blocks masked: they add exactly 0.
@@ -259,7 +262,12 @@ def _page_dkdv_kernel(
             dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, t0, m0, offs_n,
                                 tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
                                 BLOCK_M, False, PRECISION, ROWS_TMA)
-        g_ptrs = g_rows[:, None] + offs_d[None, :]
+        g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
+        if not STAGED:
+            # The stored gradient is added to the chunk's whole share, as the staged path adds them: a page's
+            # gradient has the same bits whether its layer's pages live on the GPU or on the host.
+            dk += _load_tile(DKP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+            dv += _load_tile(DVP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
         _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
         _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
 
@@ -386,6 +394,9 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     delta = (out.float() * dout.float()).sum(-1).contiguous()
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
+    staging = store.grad_staging
+    if staging is not None:
+        staging.wait_for_layer(store.layer)  # later chunks' shares of this layer are in its host pages
     with _device_ctx(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
@@ -396,22 +407,31 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
             pt = tiles.dkdv
             rows = _query_descriptors(pt.block_m, q, dout)
+            if staging is None:
+                dkp, dvp, staged_pages = store.dk, store.dv, 0
+                g_strides = (store.dk.stride(0), store.dk.stride(1), store.dk.stride(2))
+            else:
+                dkp, dvp = staging.buffers(b, hkv, pages.shape[-1], ps, d)
+                staged_pages = dkp.shape[2]
+                g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
                 *((q, dout) if rows is None else rows),
-                lse, delta, store.k, store.v, store.dk, store.dv, slots, pages, tile_lists, counts,
+                lse, delta, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 store.k.stride(0), store.k.stride(1), store.k.stride(2),
-                store.dk.stride(0), store.dk.stride(1), store.dk.stride(2),
+                *g_strides,
                 slots.stride(0), slots.stride(1),
                 pages.stride(0), pages.stride(1), pages.stride(2),
                 *tile_lists.stride(),
                 t, start, qk_scale, scale,
                 H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
                 BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
-                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, num_warps=pt.num_warps,
-                num_stages=pt.num_stages,
+                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
+                num_warps=pt.num_warps, num_stages=pt.num_stages,
             )
+            if staging is not None:
+                staging.add_into(store, slots, pages, counts, start)
 
         qt = tiles.dq
         sub = _sub_blocks(ps, qt.block_m)
