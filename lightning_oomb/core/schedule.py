@@ -208,7 +208,14 @@ class ChunkedSequence:
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._chunk = 0
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
-        valid = int((self.targets != IGNORE_INDEX).sum())
+        seq_len = input_ids.shape[1]
+        self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
+        # Valid labels per chunk, read once: a chunk whose labels are all valid needs no boolean mask in its
+        # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
+        labelled = self.targets != IGNORE_INDEX
+        per_chunk = torch.stack([labelled[:, s:e].sum() for s, e in self.chunks]).tolist()
+        self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
+        valid = sum(per_chunk)
         if num_items_in_batch is not None:
             valid = int(num_items_in_batch)
         if valid == 0:
@@ -223,13 +230,11 @@ class ChunkedSequence:
         )
         self.decoder = self.lm.get_decoder()
         self.head = self.lm.get_output_embeddings()
-        seq_len = input_ids.shape[1]
-        self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable)
         reference_on_gpu = self.device.type == "cuda" and config.attention == "reference"
         if self.placement.host_grad_layers and (config.sparse is None or reference_on_gpu):
-            # Only the sparse kernels read and add into host-mapped gradient pages in place.
+            # Only the sparse kernels stage their page gradients for host-mapped pages.
             raise ValueError(
                 f"gradient pages in host memory ({self.placement.host_grad_layers} layers) need sparse attention "
                 f"with attention='triton' or 'auto' on CUDA, got attention={config.attention!r}, "
@@ -283,8 +288,12 @@ class ChunkedSequence:
 
     def _chunk_loss(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         targets = self.targets[:, start:end]
-        keep = targets != IGNORE_INDEX
-        return linear_cross_entropy(hidden[keep], self.head.weight, self.head.bias, targets[keep], self.n_valid)
+        if self._fully_labelled[self._chunk]:
+            hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        else:
+            keep = targets != IGNORE_INDEX
+            hidden, targets = hidden[keep], targets[keep]
+        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets, self.n_valid)
 
     # -- the two stages -------------------------------------------------------------------------------
     def fill(
