@@ -1,9 +1,13 @@
 """Where does a train_step's time go? GPU time by kernel, grouped, for one step after a warm-up.
 
     python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096] [--budget-pages 64]
+        [--grad-dtype bfloat16] [--offload host] [--keep-attention 0]
 
 With --budget-pages, the step runs page-level sparse attention (SparseConfig(budget_pages=...)); its kernels
-fall into the same groups (forward, dK/dV, dQ).
+fall into the same groups (forward, dK/dV, dQ). With --offload host a sparse step keeps every layer's
+gradient pages in host memory (their additions run on a side stream, beside the compute: GPU busy then
+counts both streams); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
+step must.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ GROUPS = (
     ("attention dK/dV (Triton)", ("_dkdv_kernel",)),
     ("attention dQ (Triton)", ("_dq_kernel",)),
     ("matmul (cuBLAS)", ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")),
+    ("host gradient pages (side stream)", ("_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel")),
 )
 
 
@@ -44,17 +49,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", type=int, default=0, help="also list this many torch ops (with input shapes) by GPU time")
     parser.add_argument("--budget-pages", type=int, default=0, help="sparse attention with this budget (0: dense)")
+    parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto")
+    parser.add_argument("--keep-attention", type=int, default=None,
+                        help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
     args = parser.parse_args(argv)
     sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
     context = parse_tokens(args.context)
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, ModelShape.resolve(args.model).vocab, (1, context), device="cuda")
-    train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
+    options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
+                   offload=args.offload, keep_attention=args.keep_attention)
+    train_step(model, ids, **options)
     model.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.ops > 0) as prof:
         t = time.perf_counter()
-        train_step(model, ids, chunk_size=args.chunk, sparse=sparse)
+        train_step(model, ids, **options)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
