@@ -92,6 +92,19 @@ def _split_step(model, ids, host_layers: int, config: ChunkConfig, garbage: bool
     return loss, grads_of(model), pools["pool"]
 
 
+def test_host_layers_spread_over_the_depth_give_the_gpu_gradient_bitwise():
+    """Layers 1 and 3 of 4 on the host (staged additions, Triton kernels in the interpreter), 0 and 2 not."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (1, 26))
+    config = ChunkConfig(chunk_size=8, page_size=3, attention="triton", sparse=SPARSE)
+    want_loss, want, _ = _split_step(model, ids, 0, config)
+    loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
+    assert pool.host_layers == [1, 3] and pool.dk.shape[0] == 2
+    assert torch.equal(loss, want_loss)
+    for name, g in got.items():
+        assert torch.equal(g, want[name]), name
+
+
 @pytest.mark.parametrize("cross_chunk", [True, False], ids=["exact", "ablation"])
 def test_one_layer_on_the_host_matches_all_on_the_gpu(cross_chunk):
     model = tiny_model("llama")

@@ -111,9 +111,10 @@ class HostGradStaging:
 
     The page dK/dV kernel writes the share of every distinct selected (page, KV head) into one of
     ``N_BUFFERS`` float32 GPU buffers; ``add_into`` then adds the buffer into the host pages on a side
-    stream, so the bus traffic overlaps the layers computed meanwhile. Ordering is by CUDA events only:
-    a buffer is rewritten after the side stream has read it, and a layer's next backward waits for the
-    additions into its pages. On a CPU device the additions run where they are issued.
+    stream, so the bus traffic overlaps the layers computed meanwhile. Inside a step, ordering is by CUDA
+    events only: a buffer is rewritten after the side stream has read it, and a layer's next backward waits
+    for the additions into its pages; the pool waits for the side stream on the host when a step gives its
+    pages back (``PagePool.free``). On a CPU device the additions run where they are issued.
     """
 
     N_BUFFERS = 2  # one being added into the host while the next layer's kernel fills the other
@@ -143,7 +144,9 @@ class HostGradStaging:
         held = self._buffers[i]
         if self._read[i] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._read[i])
-        if held is None or held[0].shape[2] < n_pages or held[0].shape[:2] != (batch, n_kv_heads):
+        if held is None or held[0].shape[2] < n_pages or held[0].shape[:2] + held[0].shape[3:] != (
+            batch, n_kv_heads, page_size, head_dim
+        ):
             # Sized by the first request: stage 2 starts at the last chunk, whose past is the longest.
             shape = (batch, n_kv_heads, n_pages, page_size, head_dim)
             self._buffers[i] = held = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
@@ -174,10 +177,10 @@ class HostGradStaging:
         if self.cuda and layer in self._layer_added:
             torch.cuda.current_stream(self.device).wait_event(self._layer_added[layer])
 
-    def wait_all(self) -> None:
-        """Make the compute stream wait for every addition issued so far."""
+    def synchronize(self) -> None:
+        """Wait on the host until every addition issued so far is done."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.stream.synchronize()
 
 
 class PagePool:
@@ -336,7 +339,6 @@ class PagePool:
             if self.host_dk is not None and self.device.type == "cuda":
                 from ..kernels.host_pages import zero_pages
 
-                self.grad_staging.wait_all()  # the last step's additions into these pages are done
                 zero_pages(self.host_dk, slots)
                 zero_pages(self.host_dv, slots)
             elif self.host_dk is not None:
@@ -348,6 +350,8 @@ class PagePool:
         """Give a table's pages back to the pool."""
         if self.on_host:
             self.streamer.end(table)
+        if self.grad_staging is not None:
+            self.grad_staging.synchronize()  # no addition may outlive the step: the pool may be dropped next
         # Sorted, so that a sequence's pages form long runs of consecutive slots (one copy per run).
         self._free = sorted(self._free + table.slots.view(-1).tolist())
 
