@@ -19,10 +19,12 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
 - dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
   device (torch ops, no host sync) into, per (sequence, KV head), the list of distinct selected pages and,
   per page, the list of query tiles that chose it. One program per (selected page, KV head) loads the
-  page's K, V and the gradient already stored for it, loops over the tiles that chose it and the group's
-  query heads accumulating dK, dV in fp32 registers, and writes the page once. Concurrent tiles that pick
+  page's K, V, loops over the tiles that chose it and the group's query heads accumulating dK, dV in fp32
+  registers, adds the gradient already stored for the page and writes it once. Concurrent tiles that pick
   the same page are therefore summed inside one program, in a fixed order: no atomics, each gradient row
-  written by one program, results bit-reproducible. The alternative, fp32 atomic adds from the
+  written by one program, results bit-reproducible. For a layer whose gradient pages live in host memory
+  the program writes its fp32 share to a GPU staging area instead, and a side stream adds that into the
+  host pages (``lightning_oomb.kernels.host_pages.add_staged_pages``: the same sum, the same bits). The alternative, fp32 atomic adds from the
   query-stationary programs, would make every step's gradient order-dependent and, with sink and local
   pages chosen by every tile, serialise all tiles of a chunk on the same rows; the page-stationary pass
   costs two extra matmuls per (tile, page) pair (P and dP are recomputed, as in the dense kernel's split of
@@ -40,6 +42,7 @@ from .chunk_attention import (
     _check,
     _dq_chunk,
     _fwd_chunk,
+    launch_delta,
     launch_dkdv,
     _device_ctx,
     _dkdv_step,
@@ -391,7 +394,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     sel, ssel = _selection_args(selection, hkv)
     precision = _precision(q.dtype)
     qk_scale = scale * 1.4426950408889634
-    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    delta = launch_delta(out, dout)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
     staging = store.grad_staging
