@@ -1,4 +1,5 @@
-"""The attention and host-page kernels build for Hopper (sm_90) on a machine without a GPU (see compile_kernels_sm90.py)."""
+"""The attention and host-page kernels build for Hopper (sm_90) on a machine without a GPU
+(see compile_kernels_sm90.py)."""
 
 from __future__ import annotations
 

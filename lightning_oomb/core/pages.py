@@ -149,7 +149,8 @@ class HostGradStaging:
         ):
             # Sized by the first request: stage 2 starts at the last chunk, whose past is the longest.
             shape = (batch, n_kv_heads, n_pages, page_size, head_dim)
-            self._buffers[i] = held = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
+            held = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
+            self._buffers[i] = held
         return held
 
     def add_into(self, store: "LayerStore", slots: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor,

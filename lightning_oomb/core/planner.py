@@ -783,7 +783,9 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
             # The last chunk's distinct selected pages per (sequence, KV head), as sparse.invert_selection bounds them.
             past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
             n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
-            staged = min(past_pages, n_tiles * c.sparse.budget_pages) if isinstance(c.sparse, SparseConfig) else past_pages
+            staged = past_pages
+            if isinstance(c.sparse, SparseConfig):
+                staged = min(past_pages, n_tiles * c.sparse.budget_pages)
             gpu["host gradient layers: float32 staging of a chunk's selected pages (2 buffers)"] = (
                 HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
             )

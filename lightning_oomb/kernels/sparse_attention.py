@@ -24,11 +24,12 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
   the same page are therefore summed inside one program, in a fixed order: no atomics, each gradient row
   written by one program, results bit-reproducible. For a layer whose gradient pages live in host memory
   the program writes its fp32 share to a GPU staging area instead, and a side stream adds that into the
-  host pages (``lightning_oomb.kernels.host_pages.add_staged_pages``: the same sum, the same bits). The alternative, fp32 atomic adds from the
-  query-stationary programs, would make every step's gradient order-dependent and, with sink and local
-  pages chosen by every tile, serialise all tiles of a chunk on the same rows; the page-stationary pass
-  costs two extra matmuls per (tile, page) pair (P and dP are recomputed, as in the dense kernel's split of
-  dQ from dK/dV). Programs of pages nobody chose exit without touching memory.
+  host pages (``lightning_oomb.kernels.host_pages.add_staged_pages``: the same sum, the same bits). The
+  alternative, fp32 atomic adds from the query-stationary programs, would make every step's gradient
+  order-dependent and, with sink and local pages chosen by every tile, serialise all tiles of a chunk on
+  the same rows; the page-stationary pass costs two extra matmuls per (tile, page) pair (P and dP are
+  recomputed, as in the dense kernel's split of dQ from dK/dV). Programs of pages nobody chose exit
+  without touching memory.
 """
 
 from __future__ import annotations
