@@ -90,6 +90,19 @@ def test_model_unchanged_after_call():
     assert model.training
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_chunks_build_no_attention_mask(family, monkeypatch):
+    """transformers makes no mask for the chunks: its packed-sequence check would make the host wait for the
+    GPU at every chunk of both stages (a Python ``if`` on a device tensor)."""
+    import transformers.masking_utils as masking
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers looked for packed sequences in a chunk's position ids")
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", refuse)
+    lightning_oomb.train_step(tiny_model(family), torch.randint(0, VOCAB, (1, 20)), chunk_size=8, page_size=4)
+
+
 def test_lora_adapters():
     peft = pytest.importorskip("peft")
     model = tiny_model("qwen2")

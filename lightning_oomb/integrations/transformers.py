@@ -1,7 +1,12 @@
-"""Wiring into transformers: an AttentionInterface entry, a mask function returning None, the fused
-Triton ops (RMSNorm, RoPE, SwiGLU) swapped in for a step, and the checks that refuse models this engine
-would not compute exactly. No model class is modified: instances get a ``forward`` attribute and the
-modeling module its ``apply_rotary_pos_emb`` for the duration of a step, restored after it."""
+"""Wiring into transformers: an AttentionInterface entry, the fused Triton ops (RMSNorm, RoPE, SwiGLU)
+swapped in for a step, and the checks that refuse models this engine would not compute exactly. No model
+class is modified: instances get a ``forward`` attribute and the modeling module its
+``apply_rotary_pos_emb`` for the duration of a step, restored after it.
+
+The attention entry has no mask function on purpose: for an implementation absent from transformers'
+AttentionMaskInterface, ``create_causal_mask`` returns None at once. With one registered it would first
+look for packed sequences in the position ids, ``(mask[:, -1] == 0).all()`` in a Python ``if``: a wait of
+the host for the GPU at every chunk of both stages."""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 ATTN_NAME = "lightning_oomb"
@@ -53,12 +57,7 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 AttentionInterface.register(ATTN_NAME, _oomb_attention)
-AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
