@@ -195,12 +195,12 @@ class PagePool:
     ``segment_tokens`` tokens, the sequences of a batch together (lightning_oomb.core.offload). On a CPU ``device`` "host" runs the same
     streaming code with synchronous copies: that is how it is tested.
 
-    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of that many layers, spread
-    evenly over the depth (``host_layers``), live in pinned host memory (``host_dk``, ``host_dv``), K and V stay
-    on the GPU. Spread, because each host layer's bus traffic overlaps the layers computed after it. Only the pages a
-    chunk selected cross the bus: the sparse backward leaves their share in a GPU staging area
-    (``grad_staging``) that a side stream adds into the host pages through their host-mapped address; the
-    pages of the other layers are ``dk``, ``dv`` on the GPU.
+    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of that many layers,
+    spread evenly over the depth (``host_layers``: each one's bus traffic overlaps the layers after it), live
+    in pinned host memory (``host_dk``, ``host_dv``); K and V stay on the GPU. Only the pages a chunk selected
+    cross the bus: the sparse backward leaves their share in a GPU staging area (``grad_staging``) that a
+    side stream adds into the host pages through their host-mapped address; the pages of the other layers
+    are ``dk``, ``dv`` on the GPU.
     """
 
     def __init__(

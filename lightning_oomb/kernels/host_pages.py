@@ -47,7 +47,7 @@ def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page
             mask = ((r0 + offs_r) < rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
             s_ptrs = src + (r0 + offs_r)[:, None] * HEAD_DIM + offs_d[None, :]
             d_ptrs = slot * sd_page + (r0 + offs_r)[:, None] * sd_off + (bh % H_KV) * sd_h + offs_d[None, :]
-            # stored + share, in float32, rounded once: what the in-place kernel computes (share + stored).
+            # stored + share in float32, rounded once: the page kernel's sum for GPU-resident pages.
             dk = tl.load(DST_K + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_K + s_ptrs, mask=mask)
             dv = tl.load(DST_V + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_V + s_ptrs, mask=mask)
             tl.store(DST_K + d_ptrs, dk.to(DST_K.dtype.element_ty), mask=mask)
@@ -105,7 +105,7 @@ def add_staged_pages(
     dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, slots: torch.Tensor,
     pages: torch.Tensor, counts: torch.Tensor, start: int, programs: int | None = None,
 ) -> None:
-    """dst[slot of page, :rows] += src[b, h, i, :rows] for every distinct selected page i of (sequence b, KV head h).
+    """dst[slot of page, :rows, h] += src[b, h, i, :rows] for each distinct selected page i of (sequence b, KV head h).
 
     dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D), pinned host memory mapped for
     the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size,
