@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the KV-gradient pages")
     parser.add_argument("--layers", type=int, default=4, help="layers of gradient pages in the host comparison")
-    parser.add_argument("--add-programs", type=lambda s: [int(x) for x in s.split(",")], default=[16],
-                        help="persistent programs adding the staged gradients into host pages (comma list)")
+    parser.add_argument("--add-programs", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="persistent programs adding the staged gradients into host pages (comma list; "
+                             "default: kernels.host_pages.ADD_PROGRAMS)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
     args = parser.parse_args(argv)
     grad_dtype = getattr(torch, args.grad_dtype)
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     linear = _layer_linear_backward(args.chunk)
     lin = _timed(linear)
     layer_ms = {}
-    for host in (False, *args.add_programs):
-        host_pages.ADD_PROGRAMS = host or host_pages.ADD_PROGRAMS
+    default_programs = host_pages.ADD_PROGRAMS
+    add_programs = args.add_programs or [default_programs]
+    for host in (False, *add_programs):
+        host_pages.ADD_PROGRAMS = host or default_programs
         stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers, host_grads=bool(host))
 
         def backward_only(stores=stores):
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
         layer_ms[host] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
         del stores
+    host_pages.ADD_PROGRAMS = default_programs
     dense_past = args.budget * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.grad_dtype} KV-gradient pages of {args.layers} layers on the GPU: sparse backwards back to back "
           f"{g_bwd:.2f} ms per layer; one layer = sparse backward + its linear backward ({lin:.2f} ms of matmuls) "
           f"{g_layer:.2f} ms")
-    for programs in args.add_programs:
+    for programs in add_programs:
         h_bwd, h_layer = layer_ms[programs]
         print(f"... in pinned host memory, {programs} adding programs: back to back {h_bwd:.2f} ms per layer; "
               f"one layer {h_layer:.2f} ms ({h_layer - g_layer:+.2f} ms per host layer and chunk)")

@@ -780,13 +780,15 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
             host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
                 grad_bytes // shape.n_layers * n_host
             )
-            # The last chunk's distinct selected pages per (sequence, KV head), as sparse.invert_selection bounds them.
+            # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
+            # kernels.sparse_attention.invert_selection.
             past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
             n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
             staged = past_pages
             if isinstance(c.sparse, SparseConfig):
                 staged = min(past_pages, n_tiles * c.sparse.budget_pages)
-            gpu["host gradient layers: float32 staging of a chunk's selected pages (2 buffers)"] = (
+            buffers = HostGradStaging.N_BUFFERS
+            gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
                 HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
             )
         else:

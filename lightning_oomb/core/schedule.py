@@ -212,8 +212,10 @@ class ChunkedSequence:
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
         # Valid labels per chunk, read once: a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
-        labelled = self.targets != IGNORE_INDEX
-        per_chunk = torch.stack([labelled[:, s:e].sum() for s, e in self.chunks]).tolist()
+        labelled = (self.targets != IGNORE_INDEX).int()
+        pad = len(self.chunks) * config.chunk_size - seq_len
+        per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
+        per_chunk = per_chunk.sum((0, 2)).tolist()
         self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
         valid = sum(per_chunk)
         if num_items_in_batch is not None:
