@@ -85,3 +85,31 @@ def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
                       logger=False, enable_checkpointing=False, callbacks=[PagedKVCallback(max_seq_len=48 << 20)])
     with pytest.raises(PlanError, match="nothing was allocated"):
         trainer.fit(Module(), DataLoader([torch.zeros(64, dtype=torch.long)], batch_size=1))
+
+
+@pytest.mark.parametrize("sparse", [None, lightning_oomb.SparseConfig(budget_pages=2, sink_pages=1, local_pages=1)],
+                         ids=["dense", "sparse"])
+def test_host_waits_do_not_grow_with_the_number_of_chunks(sparse):
+    """A step may wait for the GPU a fixed number of times (labels per chunk, pages given back), never once per
+    chunk: each such wait leaves the GPU idle while Python launches the next kernels."""
+    import warnings
+
+    config = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
+
+    def waits(n_chunks: int) -> list[str]:
+        ids = torch.randint(0, config.vocab_size, (1, 256 * n_chunks), device="cuda")
+        lightning_oomb.train_step(model, ids, chunk_size=256, page_size=64, sparse=sparse)  # compiles, warms
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                lightning_oomb.train_step(model, ids, chunk_size=256, page_size=64, sparse=sparse)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+
+    four, eight = waits(4), waits(8)
+    assert len(four) == len(eight), f"host waits with 4 chunks: {four}; with 8: {eight}"
