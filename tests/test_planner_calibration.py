@@ -37,3 +37,28 @@ def test_predicted_peak_within_10_percent(name, fused, row):
     ).peak_gpu_bytes - CUDA_CONTEXT_BYTES  # the measurement is torch's allocated peak, without the context
     measured = int(row["peak_gpu_bytes"])
     assert abs(predicted - measured) / measured <= 0.10, (predicted / 2**30, measured / 2**30)
+
+
+def sparse_rows():
+    with open(BENCH / "h200-qwen2.5-7b-sparse-1m-staged.csv") as f:
+        return [pytest.param(r, id=f"sparse:{r['context']}") for r in csv.DictReader(f)
+                if r["status"] == "ok" and int(r["host_grad_layers"])]
+
+
+@pytest.mark.parametrize("row", sparse_rows())
+def test_predicted_sparse_peaks_with_host_gradient_layers(row):
+    """The 1M-token sparse step (16 layers' bf16 gradient pages pinned on the host, float32 staging on the GPU)."""
+    import torch
+
+    from lightning_oomb.core.sparse import SparseConfig
+
+    predicted = plan(
+        "qwen2.5-7b", int(row["context"]), chunk_size=int(row["chunk_size"]), batch=int(row["batch"]),
+        optimizer="none", precision="bf16-true", checkpoint_layers=False, gpu_memory=141e9, host_memory=128e9,
+        grad_dtype=getattr(torch, row["grad_dtype"]), sparse=SparseConfig(budget_pages=64),
+        host_grad_layers=int(row["host_grad_layers"]), fused_ops=True,
+    )
+    measured_gpu, measured_host = int(row["peak_gpu_bytes"]), int(row["peak_host_bytes"])
+    gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
+    assert abs(gpu - measured_gpu) / measured_gpu <= 0.03, (gpu / 2**30, measured_gpu / 2**30)
+    assert abs(predicted.peak_host_bytes - measured_host) / measured_host <= 0.10
