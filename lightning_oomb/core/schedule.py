@@ -210,19 +210,6 @@ class ChunkedSequence:
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
-        # Valid labels per chunk, read once: a chunk whose labels are all valid needs no boolean mask in its
-        # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
-        labelled = (self.targets != IGNORE_INDEX).int()
-        pad = len(self.chunks) * config.chunk_size - seq_len
-        per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
-        per_chunk = per_chunk.sum((0, 2)).tolist()
-        self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
-        valid = sum(per_chunk)
-        if num_items_in_batch is not None:
-            valid = int(num_items_in_batch)
-        if valid == 0:
-            raise ValueError("every label is -100: there is no token to compute a loss on")
-        self.n_valid = valid
         cfg = self.lm.config
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
@@ -234,6 +221,20 @@ class ChunkedSequence:
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable)
+        # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
+        # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
+        # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
+        labelled = self.targets != IGNORE_INDEX
+        pad = len(self.chunks) * config.chunk_size - seq_len
+        per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
+        per_chunk = per_chunk.sum((0, 2)).tolist()
+        self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
+        valid = sum(per_chunk)
+        if num_items_in_batch is not None:
+            valid = int(num_items_in_batch)
+        if valid == 0:
+            raise ValueError("every label is -100: there is no token to compute a loss on")
+        self.n_valid = valid
         reference_on_gpu = self.device.type == "cuda" and config.attention == "reference"
         if self.placement.host_grad_layers and (config.sparse is None or reference_on_gpu):
             # Only the sparse kernels stage their page gradients for host-mapped pages.

@@ -139,8 +139,9 @@ def tile_queries(q: torch.Tensor, page_size: int) -> torch.Tensor:
     b, hq, t, d = q.shape
     n = -(-t // page_size)
     padded = torch.nn.functional.pad(q.float(), (0, 0, 0, n * page_size - t)).view(b, hq, n, page_size, d)
-    counts = torch.full((n,), float(page_size), device=q.device)
-    counts[-1] = t - (n - 1) * page_size
+    # Rows per tile, the last one partial; built on the device (writing a Python number into a CUDA tensor
+    # would make the host wait, once per layer and chunk).
+    counts = (t - page_size * torch.arange(n, device=q.device)).clamp(max=page_size).float()
     return padded.sum(3) / counts[:, None]
 
 
