@@ -47,19 +47,19 @@ def main() -> None:
     scalars = {"qk_scale": "fp32", "scale": "fp32", "T": "i32"}
     for tma in (True, False):
         pool = (lambda n: f"tensordesc<bf16[{n},1,{D}]>") if tma else (lambda n: "*bf16")
-        rows = f"tensordesc<bf16[1,1,32,{D}]>" if tma else "*bf16"
+        rows = f"tensordesc<bf16[1,1,64,{D}]>" if tma else "*bf16"
         build(tri._fwd_kernel, {"KD": pool(128), "VD": pool(128), "LSE": "*fp32", **i32, **scalars},
               dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=tma))
-        build(tri._dq_kernel, {"KD": pool(64), "VD": pool(64), **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=64, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma))
+        build(tri._dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
+              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma))
         build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma))
+              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma))
         build(sparse._sparse_fwd_kernel, {"KD": pool(64), "VD": pool(64), "LSE": "*fp32", **i32, **scalars},
               dict(SHAPE, **HEADS, SUB=2, BLOCK_M=64, BLOCK_N=64, PAGE_BLOCKS=2, PAGED_TMA=tma), num_warps=4)
         build(sparse._sparse_dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
               dict(SHAPE, **HEADS, SUB=1, BLOCK_M=128, BLOCK_N=128, PAGE_BLOCKS=1, PAGED_TMA=tma))
         build(sparse._page_dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=32, BLOCK_N=128, TILE_BLOCKS=4, ROWS_TMA=tma, STAGED=tma))
+              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, TILE_BLOCKS=2, ROWS_TMA=tma, STAGED=tma))
         print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
 
 

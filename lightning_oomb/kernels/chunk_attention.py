@@ -492,9 +492,10 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
 
     Interpreter: 16 x 16, so that small tests cross many tiles and pages. Hopper, 16-bit inputs: the
     forward and dQ keep a 128-row query tile in 8 warps and stream key tiles; dK/dV hold two fp32
-    (BLOCK_N, D) accumulators, so at BLOCK_N=128 only a 32-row query tile keeps its loop free of register
-    spills (checked in the sm_90 SASS). fp32 inputs use exact fp32 products (no tensor cores): small tiles;
-    that path is for correctness, not speed.
+    (BLOCK_N, D) accumulators and stream 64-row query tiles. At head dim 128 that spills a few registers,
+    yet it beat 32-row tiles (spill free) by 9-12% on an H200: deeper reductions for P^T dO and dS^T Q.
+    fp32 inputs use exact fp32 products (no tensor cores): small tiles; that path is for correctness, not
+    speed.
     """
     if _interpreting():
         t = Tiles(16, 16)
@@ -502,7 +503,7 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
     if dtype == torch.float32:
         return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
     if _padded(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.kernels --sweep)
-        return KernelTiles(Tiles(128, 128, 8, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 2))
+        return KernelTiles(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 128, 8, 2))
     return KernelTiles(Tiles(128, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3))
 
 
