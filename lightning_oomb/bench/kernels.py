@@ -209,6 +209,19 @@ def sweep(t: int) -> tri.KernelTiles:
     return chosen
 
 
+def print_resources(*kernels) -> None:
+    """Registers and local memory of every compiled variant of the given Triton kernels, as the driver
+    reports them once the GPU loaded each: spills in a loop cost local-memory traffic every iteration."""
+    for fn in kernels:
+        for caches in getattr(fn, "device_caches", {}).values():
+            for compiled in caches[0].values():  # the kernel cache comes first in every Triton 3.x release
+                meta = compiled.metadata
+                # Set when the GPU loaded the kernel; a candidate that failed to load has none.
+                regs, local = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
+                print(f"  {compiled.name}: {meta.num_warps} warps, {meta.num_stages} stages, {regs} registers, "
+                      f"{local} B of local memory (spills) per thread, {meta.shared} B shared", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pasts", default="0,32768,131072,524288", help="comma-separated past lengths")
@@ -255,6 +268,8 @@ def main() -> None:
               flush=True)
         rows.append(row)
 
+    print("compiled kernels (the sweep's candidates too):")
+    print_resources(tri._fwd_kernel, tri._dq_kernel, tri._dkdv_kernel)
     print()
     print("| past | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s | fwd ratio | bwd ratio |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
