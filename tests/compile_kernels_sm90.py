@@ -10,6 +10,9 @@ TRITON_INTERPRET, since kernels defined under the interpreter cannot be compiled
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
 
@@ -26,9 +29,10 @@ HEADS = dict(H_Q=28, GROUP=7)
 SHAPE = dict(HEAD_DIM=D, D_PAD=D, PRECISION="tf32", PAGE_SIZE=128)
 
 
-def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8) -> None:
+def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_stages: int = 3) -> None:
     """Compile fn for sm_90: arguments named in ``types`` get that type, constexprs their value, other
-    pointers (other upper-case names) bf16 and scalars i32."""
+    pointers (other upper-case names) bf16 and scalars i32. Prints its registers and stack (spills) as
+    cuobjdump reads them from the cubin, where Triton ships cuobjdump."""
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -38,7 +42,16 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8) -> No
         else:
             sig[name] = "*bf16" if name.isupper() else "i32"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(kernel.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
+        print(f"  {fn.__name__} ({num_warps} warps, {num_stages} stages): {regs}", flush=True)
 
 
 def main() -> None:
@@ -51,7 +64,8 @@ def main() -> None:
         build(tri._fwd_kernel, {"KD": pool(128), "VD": pool(128), "LSE": "*fp32", **i32, **scalars},
               dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=tma))
         build(tri._dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma))
+              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma),
+              num_stages=2)
         build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
               dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma))
         build(sparse._sparse_fwd_kernel, {"KD": pool(64), "VD": pool(64), "LSE": "*fp32", **i32, **scalars},
