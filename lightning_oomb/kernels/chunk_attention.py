@@ -492,9 +492,9 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
 
     Interpreter: 16 x 16, so that small tests cross many tiles and pages. Hopper, 16-bit inputs: the
     forward and dQ keep a 128-row query tile in 8 warps and stream key tiles; dK/dV hold two fp32
-    (BLOCK_N, D) accumulators and stream 64-row query tiles. At head dim 128 that spills a few registers,
-    yet the kernel ran 8-12% faster than with 32-row tiles (spill free) on an H200: P^T dO and dS^T Q
-    reduce over 64 rows instead of 32.
+    (BLOCK_N, D) accumulators and stream 64-row query tiles: 8-12% faster on an H200 than 32-row tiles
+    (P^T dO and dS^T Q reduce over 64 rows instead of 32), though at head dim 128 both sit at the register
+    limit and spill (tests/compile_kernels_sm90.py prints registers and stack).
     fp32 inputs use exact fp32 products (no tensor cores): small tiles; that path is for correctness, not
     speed.
     """
