@@ -1,5 +1,6 @@
 """Wiring into transformers: an AttentionInterface entry, the fused Triton ops (RMSNorm, RoPE, SwiGLU)
-swapped in for a step, and the checks that refuse models this engine would not compute exactly. No model
+and the decoder's linear layers that add their weight gradients in place (core.linear) swapped in for a
+step, and the checks that refuse models this engine would not compute exactly. No model
 class is modified: instances get a ``forward`` attribute and the modeling module its
 ``apply_rotary_pos_emb`` for the duration of a step, restored after it.
 
@@ -164,12 +165,33 @@ def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
             mod.apply_rotary_pos_emb = original
 
 
+def _accumulating_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from ..core.linear import accumulating_linear
+
+    return accumulating_linear(x, module.weight, module.bias)
+
+
+@contextlib.contextmanager
+def _accumulating_linears(lm: PreTrainedModel) -> Iterator[None]:
+    """The decoder's nn.Linear layers (not subclasses such as quantized or LoRA layers, nor layers with
+    someone else's instance forward) add their weight gradients into ``.grad`` in place for the block."""
+    swapped = [m for m in lm.get_decoder().modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    for m in swapped:
+        m.forward = partial(_accumulating_forward, m)
+    try:
+        yield
+    finally:
+        for m in swapped:
+            del m.forward
+
+
 @contextlib.contextmanager
 def bind(
     model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False, fused_ops: bool = False
 ) -> Iterator[None]:
-    """Route the model's attention to ``attender`` (and checkpoint each decoder layer if asked, and swap in
-    the fused Triton ops if asked); restore after."""
+    """Route the model's attention to ``attender``, let the decoder's linear layers add their weight
+    gradients in place (and checkpoint each decoder layer if asked, and swap in the fused Triton ops if
+    asked); restore after."""
     global _active
     lm = causal_lm(model)
     if _active is not None:
@@ -188,7 +210,7 @@ def bind(
             m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
     _active = attender
     try:
-        with _fused_ops(lm) if fused_ops else contextlib.nullcontext():
+        with _accumulating_linears(lm), _fused_ops(lm) if fused_ops else contextlib.nullcontext():
             yield
     finally:
         _active = None
