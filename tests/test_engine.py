@@ -180,7 +180,8 @@ def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layer
 
     model = tiny_model("qwen2")
     ids = torch.randint(0, VOCAB, (2 if backend == "reference" else 1, 37))  # 5 chunks of 8
-    kwargs = dict(chunk_size=8, page_size=4, attention=backend, checkpoint_layers=checkpoint_layers, sparse=sparse)
+    kwargs = dict(chunk_size=8, page_size=4, attention=backend, checkpoint_layers=checkpoint_layers, sparse=sparse,
+                  keep_graphs=0)
     calls = []
     forward = attention._forward
     monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
@@ -201,6 +202,39 @@ def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layer
             assert torch.equal(results[keep][1][name], grad), name
     if sparse is None:
         check_against_full(model, ids, keep_attention=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "backend,sparse", [("reference", None), ("reference", SPARSE_2)] + ([("triton", None)] if "triton" in BACKENDS else [])
+)
+def test_kept_graphs_give_the_same_gradient(backend, sparse, monkeypatch):
+    """Stage 1 keeps the autograd graphs of the last chunks (the last one by default) and stage 2 starts with
+    their backward: bitwise the same loss and gradient, no stage-2 forward of those chunks; kept attention
+    outputs serve the chunks before them."""
+    from lightning_oomb.core import attention
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2 if backend == "reference" else 1, 37))  # 5 chunks of 8
+    kwargs = dict(chunk_size=8, page_size=4, attention=backend, sparse=sparse)
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
+    results = {}
+    for graphs, keep in ((0, 0), (None, 0), (2, 2), (5, 0)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = lightning_oomb.train_step(model, ids, keep_graphs=graphs, keep_attention=keep, **kwargs)
+        results[graphs] = (loss, grads_of(model), len(calls))
+    layers = model.config.num_hidden_layers
+    recomputed = {0: 5, None: 4, 2: 1, 5: 0}  # None on a CPU device: the last chunk's graph only
+    for graphs, (_, _, n_calls) in results.items():
+        assert n_calls == (5 + recomputed[graphs]) * layers, graphs
+    for graphs in (None, 2, 5):
+        assert torch.equal(results[graphs][0], results[0][0])
+        for name, grad in results[0][1].items():
+            assert torch.equal(results[graphs][1][name], grad), name
+    if sparse is None:
+        check_against_full(model, ids, keep_graphs=2, **kwargs)
 
 
 def test_triton_steps_swap_in_the_fused_ops_and_restore_the_model(monkeypatch):
@@ -226,9 +260,10 @@ def test_triton_steps_swap_in_the_fused_ops_and_restore_the_model(monkeypatch):
     ids = torch.randint(0, VOCAB, (1, 12))
     lightning_oomb.train_step(model, ids, chunk_size=12, page_size=4, attention="reference")
     assert calls == {"rms_norm": 0, "silu_mul": 0, "apply_rope": 0}
-    check_against_full(model, ids, chunk_size=12, page_size=4, attention="triton")
+    check_against_full(model, ids, chunk_size=12, page_size=4, attention="triton", keep_graphs=0)
     layers = model.config.num_hidden_layers
-    # One chunk, two forwards (stage 1 and 2): per layer 2 norms + q_norm + k_norm, and the final norm.
+    # One chunk, two forwards (stage 1 and 2; no kept graph): per layer 2 norms + q_norm + k_norm, and the
+    # final norm.
     assert calls == {"rms_norm": 2 * (4 * layers + 1), "silu_mul": 2 * layers, "apply_rope": 2 * layers}
     assert modeling.apply_rotary_pos_emb is rope_before
     assert not [m for m in model.modules() if "forward" in m.__dict__]

@@ -289,11 +289,41 @@ def test_kept_attention_outputs_in_the_plan_and_the_placement():
     cpu = torch.device("cpu")
     assert place_step(model, 1, 32, ChunkConfig(chunk_size=8), cpu).kept_chunks == 0
     assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=3), cpu).kept_chunks == 3
-    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9), cpu).kept_chunks == 4
-    with pytest.raises(PlanError, match="keep_attention=2 keeps attention outputs on the GPU"):
+    # At most the chunks before those whose graphs stage 1 keeps (the last one's by default).
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9), cpu).kept_chunks == 3
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9, keep_graphs=0), cpu).kept_chunks == 4
+    with pytest.raises(PlanError, match="keep_attention=2 keeps stage 1's results on the GPU"):
         place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=2, offload="host"), cpu)
     with pytest.raises(ValueError, match="keep_attention must be None or an integer >= 0"):
         ChunkConfig(keep_attention=-1)
+
+
+def test_kept_graphs_in_the_plan_and_the_placement():
+    """keep_graphs: the last chunk's graph is free; each other one costs a chunk's activations plus what the
+    loss computes ahead, and replaces that chunk's kept attention outputs. place_step keeps the last chunk's
+    by default, none with layer checkpointing or host pages."""
+    from lightning_oomb.core.planner import graph_chunk_bytes, place_step
+
+    base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, **H200)
+    one = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=1, **H200)
+    three = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=3, **H200)
+    per_output = 28 * 4096 * (3584 * 2 + 4 * 28)
+    per_graph = graph_chunk_bytes(three.shape, three.config)
+    activations = next(v for k, v in three.gpu_lines.items() if k.startswith("activations"))
+    assert per_graph == activations + 4096 * 3584 * 2 + 152064 * 3584 * 4
+    assert one.peak_gpu_bytes == base.peak_gpu_bytes - per_output
+    assert three.peak_gpu_bytes == base.peak_gpu_bytes - 3 * per_output + 2 * per_graph
+    assert "3 of 8 chunks, one counted above" in " ".join(three.gpu_lines)
+    model = tiny_model("qwen2")
+    cpu = torch.device("cpu")
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8), cpu).graph_chunks == 1
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_graphs=9), cpu).graph_chunks == 4
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, checkpoint_layers=True), cpu).graph_chunks == 0
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, offload="host"), cpu).graph_chunks == 0
+    with pytest.raises(PlanError, match="keep_graphs=2 keeps stage 1's results on the GPU"):
+        place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_graphs=2, offload="host"), cpu)
+    with pytest.raises(ValueError, match="keep_graphs keeps whole chunks' activations"):
+        ChunkConfig(keep_graphs=2, checkpoint_layers=True)
 
 
 def test_placed_plan_says_how_many_attention_outputs_a_step_keeps():

@@ -53,13 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto")
     parser.add_argument("--keep-attention", type=int, default=None,
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
+    parser.add_argument("--keep-graphs", type=int, default=None,
+                        help="chunks whose autograd graphs stage 1 keeps (default: the last, plus as many as fit)")
     args = parser.parse_args(argv)
     sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
     context = parse_tokens(args.context)
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, ModelShape.resolve(args.model).vocab, (1, context), device="cuda")
     options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
-                   offload=args.offload, keep_attention=args.keep_attention)
+                   offload=args.offload, keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
     train_step(model, ids, **options)
     model.zero_grad(set_to_none=False)
     torch.cuda.synchronize()

@@ -63,7 +63,7 @@ CSV_COLUMNS = (
     "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
-    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
+    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks", "graph_chunks",
 )
 
 
@@ -122,6 +122,7 @@ class PointResult:
     host_grad_layers: int | None = None
     # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
     kept_chunks: int | None = None
+    graph_chunks: int | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -151,6 +152,7 @@ class PointResult:
             "d2h_s": "" if self.d2h_s is None else _num(self.d2h_s),
             "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
             "kept_chunks": _blank_if_none(self.kept_chunks),
+            "graph_chunks": _blank_if_none(self.graph_chunks),
         }
 
 
@@ -366,14 +368,14 @@ def measure(
     result.floor_s = floor.floor_s
 
     def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0) -> None:
-        kept_chunks = result.kept_chunks or 0
         predicted = plan(
             shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
             lora_rank=config.lora_rank, optimizer="none",
             precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
             checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
             matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload, segment_tokens=segment_tokens,
-            grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=kept_chunks,
+            grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
+            graph_chunks=result.graph_chunks or 0,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -395,7 +397,8 @@ def measure(
             model.zero_grad(set_to_none=True)
             step_config = ChunkConfig(**_step_options(config, sparse, "host" if mode.offload else "auto"))
             reusable = pool_bytes(pool) if pool is not None else (0, 0)
-            result.kept_chunks = place_step(model, config.batch, context, step_config, device, *reusable).kept_chunks
+            placement = place_step(model, config.batch, context, step_config, device, *reusable)
+            result.kept_chunks, result.graph_chunks = placement.kept_chunks, placement.graph_chunks
             planned()
         if mode.offload and pool is not None and pool.on_host:  # plan with the segment the step chose
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
@@ -454,8 +457,8 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
     head = f"[{index}/{total}] {r.mode:<9} L={r.context:>9,}"
     if r.host_grad_layers:
         head += f"  (KV-gradient pages of {r.host_grad_layers} layers on the host)"
-    if r.kept_chunks:
-        head += f"  (attention outputs of {r.kept_chunks} chunks kept)"
+    if r.kept_chunks or r.graph_chunks:
+        head += f"  (graphs of {r.graph_chunks or 0}, attention outputs of {r.kept_chunks or 0} chunks kept)"
     if r.status != "ok":
         return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""

@@ -52,6 +52,9 @@ PLACEMENT_HEADROOM_SHARE = 0.03
 # Share of the GPU memory a step leaves free that it may fill with attention outputs kept from stage 1
 # (the rest stays for what the user's code allocates between forward and backward).
 KEPT_ATTENTION_SHARE = 0.5
+# Share of what is left free after those that it may fill with autograd graphs of whole chunks kept from
+# stage 1 (beyond the last chunk's, which costs nothing: stage 2 would hold it next).
+KEPT_GRAPHS_SHARE = 0.75
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -467,8 +470,10 @@ class PlanConfig:
     ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
     True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
     of that many layers in pinned host memory, added into from the GPU after each sparse backward; K/V
-    stay on the GPU. kept_chunks: attention outputs of the last that many chunks kept on the GPU from
-    stage 1 for stage 2 (which then skips their attention forward). fused_ops: the fused Triton
+    stay on the GPU. kept_chunks: attention outputs of that many chunks kept on the GPU from stage 1 for
+    stage 2 (which then skips their attention forward). graph_chunks: autograd graphs of the last that many
+    chunks kept from stage 1 (stage 2 then skips their forward; the graph of the last costs nothing extra,
+    and those chunks need no kept attention outputs). fused_ops: the fused Triton
     RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
     """
 
@@ -487,6 +492,7 @@ class PlanConfig:
     sparse: "bool | SparseConfig | None" = False
     host_grad_layers: int = 0
     kept_chunks: int = 0
+    graph_chunks: int = 0
     fused_ops: bool = True
 
     def __post_init__(self):
@@ -506,8 +512,8 @@ class PlanConfig:
             raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
         if self.host_grad_layers < 0:
             raise ValueError(f"host_grad_layers must be >= 0, got {self.host_grad_layers}")
-        if self.kept_chunks < 0:
-            raise ValueError(f"kept_chunks must be >= 0, got {self.kept_chunks}")
+        if self.kept_chunks < 0 or self.graph_chunks < 0:
+            raise ValueError(f"kept_chunks and graph_chunks must be >= 0, got {self.kept_chunks}, {self.graph_chunks}")
         if self.host_grad_layers and (not self.sparse or self.offload):
             raise ValueError(
                 "host_grad_layers (gradient pages in host memory) is for sparse attention, "
@@ -801,10 +807,15 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
         selections = 4 * shape.n_layers * heads * pages * min(c.sparse.budget_pages, pages)
         gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
-    if c.kept_chunks:
-        kept = min(c.kept_chunks, c.n_chunks)
+    graphs = min(c.graph_chunks, c.n_chunks)
+    kept = min(c.kept_chunks, c.n_chunks - graphs)
+    if kept:
         gpu[f"attention outputs kept from stage 1 ({kept} of {c.n_chunks} chunks)"] = kept * kept_chunk_bytes(
             shape, c.chunk_tokens, kv_dtype
+        )
+    if graphs > 1:
+        gpu[f"autograd graphs kept from stage 1 ({graphs} of {c.n_chunks} chunks, one counted above)"] = (
+            (graphs - 1) * graph_chunk_bytes(shape, c)
         )
     gpu["CUDA context and workspaces (assumed)"] = CUDA_CONTEXT_BYTES
     return gpu, host
@@ -813,6 +824,15 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
     return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
+
+
+def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
+    """Bytes one chunk's autograd graph holds from its forward to its backward: its activations and what
+    the loss computed ahead (dL/dh, and the output layer's float32 dL/dW when it is trained)."""
+    p = PROFILES[c.precision]
+    t = c.chunk_tokens
+    head = shape.vocab * shape.hidden * 4 if c.lora_rank == 0 else 0
+    return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear + head
 
 
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int) -> int:
@@ -880,6 +900,7 @@ def plan(
     segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
     host_grad_layers: int | None = 0,
     kept_chunks: int = 0,
+    graph_chunks: int = 0,
     fused_ops: bool = True,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
@@ -895,7 +916,8 @@ def plan(
     host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, added into from the GPU
     after each sparse backward; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
     for dense attention).
-    kept_chunks: attention outputs of the last that many chunks kept from stage 1 for stage 2.
+    kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
+    graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     """
@@ -922,6 +944,7 @@ def plan(
         segment_tokens=segment_tokens,
         host_grad_layers=host_grad_layers or 0,
         kept_chunks=kept_chunks,
+        graph_chunks=graph_chunks,
         fused_ops=fused_ops,
     )
 
@@ -1128,14 +1151,16 @@ class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
     through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
     sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over the depth) may live in
-    pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the attention
-    outputs of the last ``kept_chunks`` chunks for stage 2, which then skips their attention forward."""
+    pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
+    autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
+    chunks before them for stage 2, which then skips their forward or their attention forward."""
 
     where: str
     segment_tokens: int
     batch: int = 1
     host_grad_layers: int = 0
     kept_chunks: int = 0
+    graph_chunks: int = 0
 
 
 def available_host_memory() -> int:
@@ -1165,34 +1190,44 @@ def place_step(
     pinned pages with the host's available memory plus ``reusable_host_bytes``. Raises PlanError with the
     plan and what would make it fit. On a CPU device nothing is checked.
 
-    With every page on the GPU it also decides how many chunks' attention outputs stage 1 keeps for stage 2
-    (``config.keep_attention``: that many, refused if they do not fit; None: as many as fit in
-    KEPT_ATTENTION_SHARE of the memory the step leaves free, none on a CPU device).
+    With every page on the GPU it also decides how many chunks' autograd graphs and attention outputs
+    stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
+    they do not fit; None: the last chunk's graph, attention outputs in KEPT_ATTENTION_SHARE of the memory
+    the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left).
     """
     if config.offload not in PLACEMENTS:
         raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
     page = config.page_size
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)
-    keep = config.keep_attention
+    keep, keep_graphs = config.keep_attention, config.keep_graphs
+    # The last chunk's graph is free (stage 2 would hold it next); layer checkpointing keeps none.
+    min_graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
 
-    def not_kept(where: str) -> int:
-        if keep:
-            raise PlanError(
-                f"keep_attention={keep} keeps attention outputs on the GPU next to every page, but this step's "
-                f"pages go to host memory ({where}); set keep_attention=None (or 0)"
-            )
-        return 0
+    def not_kept(where: str) -> tuple[int, int]:
+        for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
+            if value:
+                raise PlanError(
+                    f"{name}={value} keeps stage 1's results on the GPU next to every page, but this step's "
+                    f"pages go to host memory ({where}); set {name}=None (or 0)"
+                )
+        return 0, 0
 
     if device.type != "cuda":
         segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
         if config.offload == "host":
             not_kept("offload='host'")
-        kept = min(keep or 0, n_chunks)  # None: nothing on a CPU device, whose memory is the host's
+            graphs = 0
+        else:
+            graphs = min_graphs
+        # keep_attention=None: nothing on a CPU device, whose memory is the host's
+        kept = min(keep or 0, n_chunks - graphs)
         if sparse:
             n_layers = ModelShape.resolve(model).n_layers
-            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0, kept)
-        return Placement("host" if config.offload == "host" else "gpu", segment, batch, kept_chunks=kept)
+            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0, kept, graphs)
+        if config.offload == "host":
+            return Placement("host", segment, batch)
+        return Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     peft_config = getattr(model, "peft_config", None)
@@ -1217,20 +1252,25 @@ def place_step(
         needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
         return step, needed
 
-    def kept_chunks(step: Plan, needed: int) -> int:
-        """Chunks whose attention outputs stage 1 keeps for stage 2 in a step with every page on the GPU."""
-        per_chunk = kept_chunk_bytes(step.shape, step.config.chunk_tokens, _kv_dtype(precision))
-        if keep is None:
-            return keepable_chunks(free - needed, per_chunk, n_chunks)
-        wanted = min(keep, n_chunks)
-        if needed + wanted * per_chunk > free:
+    def kept_on_gpu(step: Plan, needed: int) -> tuple[int, int]:
+        """(attention outputs, autograd graphs) of chunks stage 1 keeps for stage 2 when every page is on the
+        GPU: those asked for (refused if they do not fit), else as many as the KEPT_*_SHARE constants allow."""
+        per_output = kept_chunk_bytes(step.shape, step.config.chunk_tokens, _kv_dtype(precision))
+        per_graph = graph_chunk_bytes(step.shape, step.config)
+        reserved = needed + max(0, min_graphs - 1) * per_graph
+        kept = keepable_chunks(free - reserved, per_output, n_chunks) if keep is None else min(keep, n_chunks)
+        if reserved + kept * per_output > free:
             raise PlanError(
-                f"keep_attention={keep} needs {wanted * per_chunk / GIB:.2f} GiB for the attention outputs of "
-                f"{wanted} chunks on top of the step's {needed / GIB:.2f} GiB, but {free / GIB:.2f} GiB are free "
-                f"beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated for it. keep_attention="
-                "None keeps as many as fit"
+                f"keep_attention={keep} and keep_graphs={keep_graphs} need {(reserved - needed) / GIB:.2f} GiB for "
+                f"kept graphs and {kept * per_output / GIB:.2f} GiB for the attention outputs of {kept} chunks on "
+                f"top of the step's {needed / GIB:.2f} GiB, but {free / GIB:.2f} GiB are free beyond a "
+                f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated for it. None keeps as many as fit"
             )
-        return wanted
+        graphs = min_graphs
+        if keep_graphs is None and graphs:
+            spare = max(0, free - reserved - kept * per_output)
+            graphs = min(n_chunks, graphs + int(KEPT_GRAPHS_SHARE * spare) // per_graph)
+        return min(kept, n_chunks - graphs), graphs
 
     if sparse:
         n_layers = ModelShape.resolve(model).n_layers
@@ -1239,8 +1279,8 @@ def place_step(
             step, needed = step_plan(False, page, n)
             pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
             if needed <= free and pinned <= host_free:
-                kept = kept_chunks(step, needed) if n == 0 else not_kept(f"{n} layers' KV-gradient pages")
-                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, kept)
+                kept = kept_on_gpu(step, needed) if n == 0 else not_kept(f"{n} layers' KV-gradient pages")
+                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept)
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
         raise PlanError(
@@ -1255,8 +1295,9 @@ def place_step(
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)
         if needed <= free:
-            kept = kept_chunks(on_gpu, needed)
-            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept)
+            kept, graphs = kept_on_gpu(on_gpu, needed)
+            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
+                             graph_chunks=graphs)
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "

@@ -49,9 +49,16 @@ class ChunkConfig:
     segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
         memory the step leaves free (on a CPU device: one chunk).
     keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks
-        for stage 2, which then skips their attention forward: the same numbers, one attention pass less
-        per kept chunk, at the memory of one query tensor per layer and chunk. None: as many as fit in half
-        the GPU memory the step leaves free, none when pages live in host memory or on a CPU device.
+        before those whose graphs it keeps (``keep_graphs``) for stage 2, which then skips their attention
+        forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
+        per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
+        pages live in host memory or on a CPU device.
+    keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
+        starts with their backward and recomputes only the chunks before them: the same numbers, one forward
+        less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
+        other one a chunk's activations. None: the last chunk's, plus as many as fit in
+        planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
+        pages live in host memory or layers are checkpointed.
     """
 
     chunk_size: int = 4096
@@ -64,6 +71,7 @@ class ChunkConfig:
     offload: str = "auto"
     segment_tokens: int | None = None
     keep_attention: int | None = None
+    keep_graphs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
@@ -83,10 +91,15 @@ class ChunkConfig:
             isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1
         ):
             raise ValueError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
-        if self.keep_attention is not None and (
-            isinstance(self.keep_attention, bool) or not isinstance(self.keep_attention, int) or self.keep_attention < 0
-        ):
-            raise ValueError(f"keep_attention must be None or an integer >= 0, got {self.keep_attention!r}")
+        for name in ("keep_attention", "keep_graphs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        if self.keep_graphs and self.checkpoint_layers:
+            raise ValueError(
+                "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "
+                "avoid; set keep_graphs=None (or 0)"
+            )
 
 
 # Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
@@ -206,6 +219,9 @@ class ChunkedSequence:
         # Attention (out, lse) of the last placement.kept_chunks chunks from stage 1, by (chunk, layer), until
         # the chunk's stage-2 backward.
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Losses of the last placement.graph_chunks chunks, run with autograd in stage 1, by chunk index,
+        # until stage 2 backpropagates them.
+        self.graphs: dict[int, torch.Tensor] = {}
         self._chunk = 0
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
@@ -256,25 +272,34 @@ class ChunkedSequence:
         store = self.pool.layer(layer_idx, self.table)
         key = (self._chunk, layer_idx)
         fill = self._stage == "fill"
-        if fill:
-            if k.dtype != self.pool.spec.dtype:
-                raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
-            store.write(k, v, self._start)
         sparse = self.config.sparse
         selection = None
-        if sparse is not None and fill:
-            summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
-            # Select from the past's summaries, then add this chunk's keys for the chunks after it.
-            selection = select_pages(q, store, summaries, sparse, self._start)
-            update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
-            if self._with_grads:
-                self.selections[key] = selection
-        elif sparse is not None:
-            selection = self.selections[key]
-        if fill and self._with_grads and self._chunk >= len(self.chunks) - self.placement.kept_chunks:
+        with torch.no_grad():  # a chunk whose graph stage 1 keeps runs with autograd: the store is no part of it
+            if fill:
+                if k.dtype != self.pool.spec.dtype:
+                    raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
+                store.write(k, v, self._start)
+            if sparse is not None and fill:
+                summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
+                # Select from the past's summaries, then add this chunk's keys for the chunks after it.
+                selection = select_pages(q, store, summaries, sparse, self._start)
+                update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
+                if self._with_grads:
+                    self.selections[key] = selection
+            elif sparse is not None:
+                selection = self.selections[key]
+        if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
             return self.kept[key][0]
         return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key))
+
+    def _keeps_graph(self, index: int) -> bool:
+        return self._with_grads and index >= len(self.chunks) - self.placement.graph_chunks
+
+    def _keeps_attention(self, index: int) -> bool:
+        # The kept outputs serve the chunks just before those whose graphs stage 1 keeps (which hold theirs).
+        first_graph = len(self.chunks) - self.placement.graph_chunks
+        return first_graph - self.placement.kept_chunks <= index < first_graph
 
     def _take_pages(self, dtype: torch.dtype) -> None:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
@@ -313,11 +338,16 @@ class ChunkedSequence:
         with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
             for index, (start, end) in enumerate(self.chunks):
                 self._chunk = index
-                hidden = self._chunk_hidden(start, end)
+                with torch.set_grad_enabled(self._keeps_graph(index)):
+                    hidden = self._chunk_hidden(start, end)
+                    if self._keeps_graph(index) or with_loss:
+                        loss = self._chunk_loss(hidden, start, end)
+                if self._keeps_graph(index):
+                    self.graphs[index] = loss
                 if with_loss:
-                    total += self._chunk_loss(hidden, start, end)
+                    total += loss.detach()
                 if keep_last and end > first_kept:
-                    kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
+                    kept.append(self.head(hidden[:, max(0, first_kept - start) :].detach()))
                 if self.observer is not None:
                     self.observer(1, index, start, end)
         return total, (torch.cat(kept, dim=1) if kept else None)
@@ -336,7 +366,9 @@ class ChunkedSequence:
                     self._chunk = index
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
-                    loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
+                    loss = self.graphs.pop(index, None)
+                    if loss is None:
+                        loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
                     if not loss.requires_grad:
                         raise RuntimeError("no parameter of the model requires grad")
                     torch.autograd.backward(loss, grad)
@@ -357,6 +389,7 @@ class ChunkedSequence:
             self.table = None
         self.selections.clear()
         self.kept.clear()
+        self.graphs.clear()
         self._stage = "done"
 
 
@@ -374,6 +407,7 @@ def train_step(
     offload: str = "auto",
     segment_tokens: int | None = None,
     keep_attention: int | None = None,
+    keep_graphs: int | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -386,11 +420,12 @@ def train_step(
     offload: "auto" (pages on the GPU when the step fits there, else in pinned host memory), "gpu" or "host";
     segment_tokens: tokens per streamed segment with offload (None: chosen from free GPU memory).
     keep_attention: chunks whose attention outputs stage 1 keeps for stage 2 (None: as many as fit in half
-    the GPU memory left free; see ``ChunkConfig``).
+    the GPU memory left free; see ``ChunkConfig``). keep_graphs: chunks whose autograd graphs stage 1 keeps
+    for stage 2 (None: the last chunk's, plus as many as fit; see ``ChunkConfig``).
     """
     config = ChunkConfig(
         chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
-        offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention,
+        offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
     )
     seq = ChunkedSequence(model, input_ids, labels, config)
     try:

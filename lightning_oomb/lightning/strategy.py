@@ -54,6 +54,8 @@ class OOMBStrategy(SingleDeviceStrategy):
             the GPU memory the step leaves free).
         keep_attention: chunks whose attention outputs stage 1 keeps so that stage 2 skips their attention
             forward (same numbers, faster); None: as many as fit in half the GPU memory the step leaves free.
+        keep_graphs: chunks whose autograd graphs stage 1 keeps so that stage 2 skips their forward (same
+            numbers, faster); None: the last chunk's (free), plus as many as fit in the memory left.
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -71,6 +73,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         offload: str = "auto",
         segment_tokens: int | None = None,
         keep_attention: int | None = None,
+        keep_graphs: int | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -81,7 +84,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
             chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse,
-            offload, segment_tokens, keep_attention,
+            offload, segment_tokens, keep_attention, keep_graphs,
         )
         self._pending: Serving | None = None
 
