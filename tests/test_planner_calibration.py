@@ -9,11 +9,13 @@ from lightning_oomb.core.planner import CUDA_CONTEXT_BYTES, plan
 
 BENCH = Path(__file__).parents[1] / "docs" / "bench"
 # (file, measured with the fused Triton RMSNorm/RoPE/SwiGLU): the first run used transformers' own ops and
-# kept no attention outputs; the later ones record the chunks they kept.
+# kept no attention outputs; the later ones record the chunks they kept (outputs, then also graphs).
 MEASURED = (
     ("h200-qwen2.5-7b-dense.csv", False),
     ("h200-qwen2.5-7b-dense-kept-fused.csv", True),
     ("h200-qwen2.5-7b-dense-32k.csv", True),
+    ("h200-qwen2.5-7b-dense-788c4a1.csv", True),
+    ("h200-qwen2.5-7b-dense-ad19b5c.csv", True),
 )
 
 
@@ -30,11 +32,17 @@ def oomb_rows():
 
 @pytest.mark.parametrize("name,fused,row", oomb_rows())
 def test_predicted_peak_within_10_percent(name, fused, row):
-    predicted = plan(
+    graphs = int(row.get("graph_chunks") or 0)
+    step = plan(
         "qwen2.5-7b", int(row["context"]), chunk_size=int(row["chunk_size"]), batch=int(row["batch"]),
         optimizer="none", precision="bf16-true", checkpoint_layers=False, gpu_memory=141e9, host_memory=128e9,
-        kept_chunks=int(row.get("kept_chunks") or 0), fused_ops=fused,
-    ).peak_gpu_bytes - CUDA_CONTEXT_BYTES  # the measurement is torch's allocated peak, without the context
+        kept_chunks=int(row.get("kept_chunks") or 0), graph_chunks=graphs, fused_ops=fused,
+    )
+    predicted = step.peak_gpu_bytes - CUDA_CONTEXT_BYTES  # the measurement is torch's allocated peak, without the context
+    if graphs > 1:
+        # The bench's steps start without parameter gradients; with more than one kept graph their peak comes
+        # at the end of stage 1, before the gradients exist (the plan counts them: see docs/planner.md).
+        predicted -= next(v for k, v in step.gpu_lines.items() if k.startswith("gradients"))
     measured = int(row["peak_gpu_bytes"])
     assert abs(predicted - measured) / measured <= 0.10, (predicted / 2**30, measured / 2**30)
 

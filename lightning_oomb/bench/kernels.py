@@ -216,8 +216,10 @@ def print_resources(*kernels) -> None:
         for caches in getattr(fn, "device_caches", {}).values():
             for compiled in caches[0].values():  # the kernel cache comes first in every Triton 3.x release
                 meta = compiled.metadata
-                # Set when the GPU loaded the kernel; a candidate that failed to load has none.
-                regs, local = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
+                # Set when the GPU loaded the kernel; a candidate that failed to load has none. Triton's
+                # n_spills is the driver's local memory size in bytes divided by 4.
+                regs, spills = getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", None)
+                local = "?" if spills is None else 4 * spills
                 print(f"  {compiled.name}: {meta.num_warps} warps, {meta.num_stages} stages, {regs} registers, "
                       f"{local} B of local memory (spills) per thread, {meta.shared} B shared", flush=True)
 
