@@ -243,6 +243,8 @@ KERNEL_CASES = {
     "empty-past": (1, 1, 2, 16, 9, 0, 4, 2, True),
     # whole pages of 32 (the chunk starts on a page boundary): page blocks read through descriptors
     "whole-pages-gqa7": (1, 1, 7, 16, 40, 96, 32, 2, True),
+    # every query tile a whole page of whole blocks: the page dK/dV loop's unmasked (EVEN) row terms
+    "whole-query-tiles": (1, 2, 2, 16, 64, 96, 32, 2, True),
 }
 
 

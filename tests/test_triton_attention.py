@@ -93,6 +93,7 @@ CASES = {
     "one-query-short-past": (1, 2, 1, 16, 1, 3, 5),
     "d64-gqa7": (2, 1, 7, 64, 33, 50, 16),
     "page-size-1": (1, 2, 2, 16, 20, 37, 1),
+    "whole-query-tiles": (1, 2, 2, 16, 32, 40, 8),  # T a multiple of every query tile: unmasked row terms
 }
 
 

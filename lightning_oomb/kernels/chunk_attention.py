@@ -148,19 +148,25 @@ def _query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.con
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
+    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
-    query head h; q_src, do_src as in ``_query_rows``; lse_ptr, delta_ptr point at row t0 of head h."""
+    query head h; q_src, do_src as in ``_query_rows``; lse2_ptr, delta_ptr point at row t0 of head h of
+    the row terms of ``_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
+    rescales them. EVEN: every row of every step is below its bound (no masked loads)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < T
     q = _query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
     do = _query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
-    # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
-    lse2 = tl.load(lse_ptr + offs_m, mask=m_valid, other=float("inf")) * LOG2E
-    delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0) * scale
+    if EVEN:
+        lse2 = tl.load(lse2_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    else:
+        # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
+        m_valid = offs_m < T
+        lse2 = tl.load(lse2_ptr + offs_m, mask=m_valid, other=float("inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
     p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
@@ -308,7 +314,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
+    Q, K, V, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -320,8 +326,9 @@ def _dkdv_kernel(
     T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
+    CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
+    # LSE2, SDELTA: the row terms of ``_row_terms``. EVEN: T is a multiple of BLOCK_M.
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
     # With CHUNK_SPLIT > 1 each chunk tile is shared by CHUNK_SPLIT programs, each over GROUP / CHUNK_SPLIT
@@ -379,14 +386,14 @@ def _dkdv_kernel(
         h = hk * GROUP + g
         q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h
         do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h
-        lse_ptr = LSE + (b * H_Q + h) * T
-        delta_ptr = DELTA + (b * H_Q + h) * T
+        lse2_ptr = LSE2 + (b * H_Q + h) * T
+        delta_ptr = SDELTA + (b * H_Q + h) * T
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
-                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA, EVEN)
         for m0 in range(m_free, T, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
-                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA)
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
@@ -630,6 +637,13 @@ def _check_grads(store: LayerStore) -> None:
         raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
 
 
+def _row_terms(lse: torch.Tensor, delta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-query terms of the dK/dV loops, (B, H_q, T) float32 each: lse in log2 units and delta times
+    the softmax scale. Scaled here once rather than in every step of every key tile that reads them (a
+    measurable share of those loops' instructions)."""
+    return lse * 1.4426950408889634, delta * scale
+
+
 def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dO * O): (B, H_q, T) float32."""
     b, hq, t, d = out.shape
@@ -670,10 +684,11 @@ def launch_dkdv(
     if n_past_tiles + n_chunk_tiles == 0:
         return None
     rows = _query_descriptors(kt.block_m, q, dout)
+    lse2, sdelta = _row_terms(lse, delta, scale)
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
-            lse, delta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
+            lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -685,7 +700,7 @@ def launch_dkdv(
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
             BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
-            ROWS_TMA=rows is not None, num_warps=kt.num_warps, num_stages=kt.num_stages,
+            ROWS_TMA=rows is not None, EVEN=t % kt.block_m == 0, num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
     if not chunk:
         return None

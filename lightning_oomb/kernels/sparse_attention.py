@@ -55,6 +55,7 @@ from .chunk_attention import (
     _pool_descriptors,
     _precision,
     _query_descriptors,
+    _row_terms,
     _store_tile,
     KernelTiles,
     Tiles,
@@ -214,7 +215,7 @@ def _sparse_dq_kernel(
 
 @triton.jit
 def _page_dkdv_kernel(
-    Q, DO, LSE, DELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
+    Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
     staged_pages,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
@@ -227,6 +228,7 @@ def _page_dkdv_kernel(
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr, STAGED: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     idx = tl.program_id(0)
     bh = tl.program_id(1)
@@ -240,6 +242,8 @@ def _page_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     tiles = TILES + b * st_b + hk * st_h + idx * st_i
+    # LSE2, SDELTA: the row terms of chunk_attention._row_terms. EVEN: every query tile is a whole page of
+    # whole BLOCK_M blocks.
     # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
     # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
     g_slot = (b * H_KV + hk) * staged_pages + idx if STAGED else slot
@@ -260,12 +264,12 @@ def _page_dkdv_kernel(
             # Rows counted from the tile's first query: _dkdv_step's "T" bound is then the tile's end.
             q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h + t0 * sq_t
             do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h + t0 * sdo_t
-            lse_ptr = LSE + (b * H_Q + h) * T + t0
-            delta_ptr = DELTA + (b * H_Q + h) * T + t0
+            lse2_ptr = LSE2 + (b * H_Q + h) * T + t0
+            delta_ptr = SDELTA + (b * H_Q + h) * T + t0
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse_ptr, delta_ptr, b, h, t0, m0, offs_n,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n,
                                 tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
-                                BLOCK_M, False, PRECISION, ROWS_TMA)
+                                BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
         if not STAGED:
             # The stored gradient is added to the chunk's whole share, as the staged path adds them: a page's
@@ -420,7 +424,8 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
                 *((q, dout) if rows is None else rows),
-                lse, delta, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages,
+                *_row_terms(lse, delta, scale), store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts,
+                staged_pages,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 store.k.stride(0), store.k.stride(1), store.k.stride(2),
@@ -432,6 +437,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
                 BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
                 TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
+                EVEN=t % ps == 0 and ps % pt.block_m == 0,
                 num_warps=pt.num_warps, num_stages=pt.num_stages,
             )
             if staging is not None:
