@@ -1,11 +1,12 @@
 """The two-stage chunk-recurrent schedule (DESIGN.md section 1).
 
-Stage 1 (fill, no autograd): chunks 0..C-1 run forward; every attention layer writes the chunk's
-post-RoPE K, V into the paged store and attends over everything stored so far.
-Stage 2 (backward): chunks C-1..0 re-run forward with autograd; attention reads the past from the store
-as constants; the chunk's loss is backpropagated, which adds the past's dK, dV into the store and hands
-the chunk's own K, V their complete gradient (later chunks ran first). Summed over chunks, the parameter
-gradients are those of full-sequence training.
+Stage 1 (fill, no autograd but for the last chunks, whose graphs it keeps: ``keep_graphs``): chunks
+0..C-1 run forward; every attention layer writes the chunk's post-RoPE K, V into the paged store and attends
+over everything stored so far.
+Stage 2 (backward): chunks C-1..0 re-run forward with autograd (those with a kept graph need not);
+attention reads the past from the store as constants; the chunk's loss is backpropagated, which adds the
+past's dK, dV into the store and hands the chunk's own K, V their complete gradient (later chunks ran
+first). Summed over chunks, the parameter gradients are those of full-sequence training.
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ class ChunkedSequence:
         self.fused_ops = uses_triton(config.attention, self.device)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
-        # Attention (out, lse) of the last placement.kept_chunks chunks from stage 1, by (chunk, layer), until
-        # the chunk's stage-2 backward.
+        # Attention (out, lse) from stage 1 of the placement.kept_chunks chunks before those whose graphs it
+        # keeps, by (chunk, layer), until the chunk's stage-2 backward.
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Losses of the last placement.graph_chunks chunks, run with autograd in stage 1, by chunk index,
         # until stage 2 backpropagates them.
@@ -347,7 +348,7 @@ class ChunkedSequence:
                 if with_loss:
                     total += loss.detach()
                 if keep_last and end > first_kept:
-                    kept.append(self.head(hidden[:, max(0, first_kept - start) :].detach()))
+                    kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
                 if self.observer is not None:
                     self.observer(1, index, start, end)
         return total, (torch.cat(kept, dim=1) if kept else None)
