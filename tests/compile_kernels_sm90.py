@@ -11,13 +11,21 @@ arguments divisible by 16, the unit strides of the page table, selection and pag
 registers and stack it prints are the driver's on the H200 for the same Triton release (checked with
 Triton 3.6: 0 / 264 / 176 bytes of stack for forward / dQ / dK/dV, as ``lightning_oomb.bench.kernels``
 printed there); an unspecialised build spills several times more.
+
+``python tests/compile_kernels_sm90.py --loops`` also counts, in the SASS of every loop that issues tensor-core
+instructions (HGMMA), the instructions per iteration and the local-memory loads and stores among them: on
+the H200 the attention loops are bound by instruction issue next to the tensor cores (docs/benchmarks.md),
+so these counts rank variants of a kernel before any GPU time is spent on them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
@@ -36,6 +44,29 @@ SHAPE = dict(HEAD_DIM=D, D_PAD=D, PRECISION="tf32", PAGE_SIZE=128)
 # Strides that are 1 in a step's launches (contiguous page table, selections, page and tile lists): Triton's
 # JIT makes an integer argument equal to 1 a constant.
 UNIT_STRIDES = ("ss_p", "ssel_k", "spg_i", "st_j")
+LOOPS = "--loops" in sys.argv[1:]
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(CUOBJDUMP), flag, f.name], capture_output=True, text=True).stdout
+
+
+def tensor_core_loops(sass: str) -> list[Counter]:
+    """Opcode counts of each loop body (a backward branch's range) that issues HGMMA, innermost first."""
+    ins = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {addr: i for i, (addr, _) in enumerate(ins)}
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if target and int(target[1], 16) < addr and int(target[1], 16) in at:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins[at[int(target[1], 16)]: i + 1]]
+            if any(op.startswith("HGMMA") for op in body):
+                loops.append(Counter(body))
+    return sorted(loops, key=lambda c: sum(c.values()))
 
 
 def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_stages: int = 3) -> None:
@@ -57,14 +88,15 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
                     attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": num_stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(kernel.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    if CUOBJDUMP.exists():
+        usage = _cuobjdump(kernel.asm["cubin"], "-res-usage")
         regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
         print(f"  {fn.__name__} ({num_warps} warps, {num_stages} stages): {regs}", flush=True)
+        if LOOPS:
+            for ops in tensor_core_loops(_cuobjdump(kernel.asm["cubin"], "-sass")):
+                count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))  # noqa: E731
+                print(f"    loop: {sum(ops.values())} instructions, HGMMA {count('HGMMA')}, MUFU {count('MUFU')}, "
+                      f"local loads {count('LDL')}, local stores {count('STL')}", flush=True)
 
 
 def main() -> None:
