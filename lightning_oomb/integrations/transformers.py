@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from functools import partial
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -136,31 +136,40 @@ def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1):
 
 
 @contextlib.contextmanager
+def _instance_forwards(forwards: list[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Give each module the instance ``forward`` paired with it for the block (its class is untouched)."""
+    for m, forward in forwards:
+        m.forward = forward
+    try:
+        yield
+    finally:
+        for m, _ in forwards:
+            del m.forward
+
+
+@contextlib.contextmanager
 def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
     """Swap transformers' RMSNorm, SwiGLU MLP and RoPE for the fused Triton ops (lightning_oomb.kernels) in
     ``lm`` for the block: the same functions, each in one pass over memory and rounded once."""
-    swapped = []
+    forwards = []
     for m in lm.modules():
         name = type(m).__name__
         if "forward" in m.__dict__:  # someone else's instance forward (accelerate's hooks): left as it is
             continue
         if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
-            swapped.append(m)
-            m.forward = partial(_fused_rms_norm, m)
+            forwards.append((m, partial(_fused_rms_norm, m)))
         elif name.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
             if lm.config.hidden_act == "silu":
-                swapped.append(m)
-                m.forward = partial(_fused_mlp, m)
+                forwards.append((m, partial(_fused_mlp, m)))
     modeling = {sys.modules[type(m).__module__] for m in lm.modules() if hasattr(m, "layer_idx")}
     modeling = [mod for mod in modeling if hasattr(mod, "apply_rotary_pos_emb")]
     originals = [mod.apply_rotary_pos_emb for mod in modeling]
     for mod, original in zip(modeling, originals):
         mod.apply_rotary_pos_emb = partial(_fused_rope, original)
     try:
-        yield
+        with _instance_forwards(forwards):
+            yield
     finally:
-        for m in swapped:
-            del m.forward
         for mod, original in zip(modeling, originals):
             mod.apply_rotary_pos_emb = original
 
@@ -175,14 +184,9 @@ def _accumulating_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _accumulating_linears(lm: PreTrainedModel) -> Iterator[None]:
     """The decoder's nn.Linear layers (not subclasses such as quantized or LoRA layers, nor layers with
     someone else's instance forward) add their weight gradients into ``.grad`` in place for the block."""
-    swapped = [m for m in lm.get_decoder().modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
-    for m in swapped:
-        m.forward = partial(_accumulating_forward, m)
-    try:
+    linears = [m for m in lm.get_decoder().modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    with _instance_forwards([(m, partial(_accumulating_forward, m)) for m in linears]):
         yield
-    finally:
-        for m in swapped:
-            del m.forward
 
 
 @contextlib.contextmanager
