@@ -659,12 +659,13 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 
 
 def launch_dkdv(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse2: torch.Tensor,
+    sdelta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
     tiles: KernelTiles, chunk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
-    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T))."""
+    ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
+    lse2, sdelta: the chunk's row terms (``_row_terms``)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -684,7 +685,6 @@ def launch_dkdv(
     if n_past_tiles + n_chunk_tiles == 0:
         return None
     rows = _query_descriptors(kt.block_m, q, dout)
-    lse2, sdelta = _row_terms(lse, delta, scale)
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
@@ -763,7 +763,8 @@ def _backward(
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
-    dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, start, start, scale, tiles, chunk=True)
+    dk, dv = launch_dkdv(dout, q, k, v, *_row_terms(lse, delta, scale), store, 0, start, start, scale, tiles,
+                         chunk=True)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
     return dq, dk, dv
@@ -823,6 +824,7 @@ def backward_part(
     _check_grads(store)
     q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(q.shape[-1], q.dtype)
-    grads = launch_dkdv(dout, q, k, v, lse, delta, store, past_lo, past_hi, chunk_start, scale, tiles, chunk)
+    grads = launch_dkdv(dout, q, k, v, *_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
+                        tiles, chunk)
     _launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
     return grads

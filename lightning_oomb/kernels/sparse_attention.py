@@ -400,6 +400,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     precision = _precision(q.dtype)
     qk_scale = scale * 1.4426950408889634
     delta = launch_delta(out, dout)
+    row_terms = _row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
     staging = store.grad_staging
@@ -408,7 +409,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     with _device_ctx(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
-        dk, dv = launch_dkdv(dout, q, k, v, lse, delta, store, 0, 0, start, scale, chunk_tiles, chunk=True)
+        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
         if n_past > 0 and sel.shape[-1] > 0:
@@ -424,8 +425,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
             _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
                 *((q, dout) if rows is None else rows),
-                *_row_terms(lse, delta, scale), store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts,
-                staged_pages,
+                *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 store.k.stride(0), store.k.stride(1), store.k.stride(2),
