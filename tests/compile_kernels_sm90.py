@@ -94,9 +94,10 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
         print(f"  {fn.__name__} ({num_warps} warps, {num_stages} stages): {regs}", flush=True)
         if LOOPS:
             for ops in tensor_core_loops(_cuobjdump(kernel.asm["cubin"], "-sass")):
-                count = lambda prefix: sum(n for op, n in ops.items() if op.startswith(prefix))  # noqa: E731
-                print(f"    loop: {sum(ops.values())} instructions, HGMMA {count('HGMMA')}, MUFU {count('MUFU')}, "
-                      f"local loads {count('LDL')}, local stores {count('STL')}", flush=True)
+                hgmma, mufu, ldl, stl = (sum(n for op, n in ops.items() if op.startswith(prefix))
+                                         for prefix in ("HGMMA", "MUFU", "LDL", "STL"))
+                print(f"    loop: {sum(ops.values())} instructions, HGMMA {hgmma}, MUFU {mufu}, "
+                      f"local loads {ldl}, local stores {stl}", flush=True)
 
 
 def main() -> None:
