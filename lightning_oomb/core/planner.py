@@ -835,10 +835,42 @@ def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
     return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear + head
 
 
-def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int) -> int:
-    """Chunks whose attention outputs (``chunk_bytes`` each) a step keeps by default when ``spare_bytes`` of
-    GPU memory are left beyond it: those that fit in KEPT_ATTENTION_SHARE of them, at most all."""
-    return min(n_chunks, int(KEPT_ATTENTION_SHARE * max(0.0, spare_bytes)) // chunk_bytes)
+def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
+    """Chunks of ``chunk_bytes`` each (attention outputs, or with KEPT_GRAPHS_SHARE autograd graphs) a step keeps
+    by default when ``spare_bytes`` of GPU memory are left beyond it: those that fit in ``share`` of them, at
+    most ``n_chunks``."""
+    return min(n_chunks, int(share * max(0.0, spare_bytes)) // chunk_bytes)
+
+
+def kept_for_stage_2(
+    step: Plan, spare_bytes: float, keep_attention: int | None = None, keep_graphs: int | None = None
+) -> tuple[int, int]:
+    """(attention outputs, autograd graphs) of chunks stage 1 keeps for stage 2 in ``step`` with every page on
+    the GPU, when ``spare_bytes`` are free beyond its plan (which keeps neither): those asked for (PlanError
+    when they do not fit), else the last chunk's graph (it costs nothing), attention outputs in
+    KEPT_ATTENTION_SHARE of the spare memory and more graphs in KEPT_GRAPHS_SHARE of what is left. No graphs
+    with layer checkpointing; the chunks with graphs need no kept outputs."""
+    c = step.config
+    n = c.n_chunks
+    per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
+    per_graph = graph_chunk_bytes(step.shape, c)
+    graphs = 0 if c.checkpoint_layers else min(n, 1 if keep_graphs is None else keep_graphs)
+    graph_bytes = max(0, graphs - 1) * per_graph
+    if keep_attention is None:
+        kept = keepable_chunks(spare_bytes - graph_bytes, per_output, n)
+    else:
+        kept = min(keep_attention, n)
+    left = spare_bytes - graph_bytes - kept * per_output
+    if left < 0:
+        raise PlanError(
+            f"keep_attention={keep_attention} and keep_graphs={keep_graphs} need {graph_bytes / GIB:.2f} GiB for "
+            f"kept graphs and {kept * per_output / GIB:.2f} GiB for the attention outputs of {kept} chunks, but "
+            f"{spare_bytes / GIB:.2f} GiB are free beyond the step and a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; "
+            "nothing was allocated for it. None keeps as many as fit"
+        )
+    if keep_graphs is None and graphs:
+        graphs += keepable_chunks(left, per_graph, n - graphs, KEPT_GRAPHS_SHARE)
+    return min(kept, n - graphs), graphs
 
 
 def _estimate(
@@ -987,7 +1019,7 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         if result.config.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
                                 f"{result.config.host_grad_layers} layers in pinned host memory")
-        _note_kept_attention(result)
+        _note_kept_for_stage_2(result)
         return result
     result = plan(model, context, offload=offload == "host", **kwargs)
     if offload == "auto" and not result.fits:
@@ -995,23 +1027,23 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         if on_host.fits:
             on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
             return on_host
-    _note_kept_attention(result)
+    _note_kept_for_stage_2(result)
     return result
 
 
-def _note_kept_attention(result: Plan) -> None:
-    """Say how many chunks' attention outputs a step would keep (keep_attention=None) in what this plan
-    leaves free, as place_step decides it."""
+def _note_kept_for_stage_2(result: Plan) -> None:
+    """Say how many chunks' autograd graphs and attention outputs a step would keep (keep_graphs=None,
+    keep_attention=None) in what this plan leaves free, as place_step decides it."""
     c = result.config
     if c.offload or c.host_grad_layers or not result.fits:
         return
     spare = result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE) - result.peak_gpu_bytes
-    per_chunk = kept_chunk_bytes(result.shape, c.chunk_tokens, _kv_dtype(c.precision))
-    kept = keepable_chunks(spare, per_chunk, c.n_chunks)
-    if kept:
+    kept, graphs = kept_for_stage_2(result, spare)
+    if kept or graphs:
         result.notes.append(
-            f"a step keeps stage 1's attention outputs of {kept} of {c.n_chunks} chunks in the memory to spare "
-            f"({kept * per_chunk / GIB:.2f} GiB; keep_attention=None), so stage 2 skips their attention forward"
+            f"a step keeps stage 1's autograd graphs of the last {graphs} and the attention outputs of {kept} more "
+            f"of {c.n_chunks} chunks in the memory to spare (keep_graphs=None, keep_attention=None), so stage 2 "
+            "skips their forward or their attention forward"
         )
 
 
@@ -1201,8 +1233,6 @@ def place_step(
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)
     keep, keep_graphs = config.keep_attention, config.keep_graphs
-    # The last chunk's graph is free (stage 2 would hold it next); layer checkpointing keeps none.
-    min_graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
 
     def not_kept(where: str) -> tuple[int, int]:
         for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
@@ -1218,8 +1248,8 @@ def place_step(
         if config.offload == "host":
             not_kept("offload='host'")
             graphs = 0
-        else:
-            graphs = min_graphs
+        else:  # the last chunk's graph (free: stage 2 would hold it next), none with layer checkpointing
+            graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
         # keep_attention=None: nothing on a CPU device, whose memory is the host's
         kept = min(keep or 0, n_chunks - graphs)
         if sparse:
@@ -1252,26 +1282,6 @@ def place_step(
         needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
         return step, needed
 
-    def kept_on_gpu(step: Plan, needed: int) -> tuple[int, int]:
-        """(attention outputs, autograd graphs) of chunks stage 1 keeps for stage 2 when every page is on the
-        GPU: those asked for (refused if they do not fit), else as many as the KEPT_*_SHARE constants allow."""
-        per_output = kept_chunk_bytes(step.shape, step.config.chunk_tokens, _kv_dtype(precision))
-        per_graph = graph_chunk_bytes(step.shape, step.config)
-        reserved = needed + max(0, min_graphs - 1) * per_graph
-        kept = keepable_chunks(free - reserved, per_output, n_chunks) if keep is None else min(keep, n_chunks)
-        if reserved + kept * per_output > free:
-            raise PlanError(
-                f"keep_attention={keep} and keep_graphs={keep_graphs} need {(reserved - needed) / GIB:.2f} GiB for "
-                f"kept graphs and {kept * per_output / GIB:.2f} GiB for the attention outputs of {kept} chunks on "
-                f"top of the step's {needed / GIB:.2f} GiB, but {free / GIB:.2f} GiB are free beyond a "
-                f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated for it. None keeps as many as fit"
-            )
-        graphs = min_graphs
-        if keep_graphs is None and graphs:
-            spare = max(0, free - reserved - kept * per_output)
-            graphs = min(n_chunks, graphs + int(KEPT_GRAPHS_SHARE * spare) // per_graph)
-        return min(kept, n_chunks - graphs), graphs
-
     if sparse:
         n_layers = ModelShape.resolve(model).n_layers
         counts = {"gpu": [0], "auto": range(n_layers + 1), "host": [n_layers]}[config.offload]
@@ -1279,7 +1289,8 @@ def place_step(
             step, needed = step_plan(False, page, n)
             pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
             if needed <= free and pinned <= host_free:
-                kept = kept_on_gpu(step, needed) if n == 0 else not_kept(f"{n} layers' KV-gradient pages")
+                kept = (kept_for_stage_2(step, free - needed, keep, keep_graphs) if n == 0
+                        else not_kept(f"{n} layers' KV-gradient pages"))
                 return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept)
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
@@ -1295,7 +1306,7 @@ def place_step(
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)
         if needed <= free:
-            kept, graphs = kept_on_gpu(on_gpu, needed)
+            kept, graphs = kept_for_stage_2(on_gpu, free - needed, keep, keep_graphs)
             return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
                              graph_chunks=graphs)
         if config.offload == "gpu":
