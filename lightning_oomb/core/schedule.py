@@ -339,11 +339,12 @@ class ChunkedSequence:
         with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
             for index, (start, end) in enumerate(self.chunks):
                 self._chunk = index
-                with torch.set_grad_enabled(self._keeps_graph(index)):
+                keeps_graph = self._keeps_graph(index)
+                with torch.set_grad_enabled(keeps_graph):
                     hidden = self._chunk_hidden(start, end)
-                    if self._keeps_graph(index) or with_loss:
+                    if keeps_graph or with_loss:
                         loss = self._chunk_loss(hidden, start, end)
-                if self._keeps_graph(index):
+                if keeps_graph:
                     self.graphs[index] = loss
                 if with_loss:
                     total += loss.detach()
