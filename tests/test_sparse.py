@@ -259,6 +259,19 @@ def test_kernels_match_reference(case, dtype):
     assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
 
 
+def test_page_gradient_programs_start_with_the_most_chosen_pages():
+    """invert_selection lists each head's distinct pages by how many query tiles chose them (ties by page
+    number): the page dK/dV kernel launches them in that order, so the pages every tile attends (sink and
+    local) are not its last, longest programs. Unchosen entries come last with count 0."""
+    # 3 query tiles, 6 past pages; head 0: every tile picks pages 5 and 0; head 1: page 2 by two tiles.
+    selection = torch.tensor([[[[0, 3, 5], [0, 1, 5], [0, 4, 5]],
+                               [[1, 2, 4], [2, 3, 4], [0, 1, 5]]]], dtype=torch.int32)
+    pages, tiles, counts = tri.invert_selection(selection, 2, 6)
+    assert pages[0, 0].tolist() == [0, 5, 1, 3, 4, 2] and counts[0, 0].tolist() == [3, 3, 1, 1, 1, 0]
+    assert pages[0, 1].tolist() == [1, 2, 4, 0, 3, 5] and counts[0, 1].tolist() == [2, 2, 2, 1, 1, 1]
+    assert tiles[0, 0, 1, :3].tolist() == [0, 1, 2] and tiles[0, 1, 1, :2].tolist() == [0, 1]
+
+
 def test_kernel_autograd_wiring():
     p = make_problem(1, 1, 2, 16, 12, 10, 4, torch.float32)
     sel = random_selection(1, 1, 12, 10, 4, 2)

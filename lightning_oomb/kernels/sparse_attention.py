@@ -216,7 +216,7 @@ def _sparse_dq_kernel(
 @triton.jit
 def _page_dkdv_kernel(
     Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
-    staged_pages,
+    staged_pages, n_bh,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
     sp_page, sp_off, sp_h,
@@ -230,8 +230,10 @@ def _page_dkdv_kernel(
     PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr, STAGED: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    idx = tl.program_id(0)
-    bh = tl.program_id(1)
+    # One program per (page list entry, sequence x KV head), entries outermost: every head's longest
+    # programs (its first entries) start in the first wave.
+    idx = tl.program_id(0) // n_bh
+    bh = tl.program_id(0) % n_bh
     b = (bh // H_KV).to(tl.int64)
     hk = bh % H_KV
     count = tl.load(TCOUNT + b * spg_b + hk * spg_h + idx * spg_i)
@@ -281,8 +283,10 @@ def _page_dkdv_kernel(
 
 
 def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
-    """Per (sequence, KV head): the distinct selected pages (ascending, first), and per page the query tiles
-    that chose it (ascending, first) with their count. Torch ops only: no host synchronisation.
+    """Per (sequence, KV head): the distinct selected pages, those more query tiles chose first (ties in
+    ascending page order), and per page the query tiles that chose it (ascending, first) with their count.
+    Torch ops only: no host synchronisation. The order is the page dK/dV kernel's launch order: the sink and
+    local pages, which every tile chooses, are its longest programs and must not start last.
 
     Returns pages (B, H_kv, NP), tiles (B, H_kv, NP, n_tiles), counts (B, H_kv, NP), all int32, with
     NP = min(n_past, n_tiles * K); entries past a (sequence, head)'s distinct pages have count 0.
@@ -292,9 +296,8 @@ def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
     chosen = torch.zeros(b, n_kv, n_tiles, n_past, dtype=torch.bool, device=selection.device)
     chosen.scatter_(-1, sel, True)
     chosen = chosen.transpose(2, 3)  # (B, H, P, n_tiles)
-    used = chosen.any(-1)
     n_pages = min(n_past, n_tiles * k)
-    pages = torch.argsort((~used).to(torch.int8), dim=-1, stable=True)[..., :n_pages]
+    pages = torch.argsort(-chosen.sum(-1), dim=-1, stable=True)[..., :n_pages]
     per_page = chosen.gather(2, pages[..., None].expand(b, n_kv, n_pages, n_tiles))
     tiles = torch.argsort((~per_page).to(torch.int8), dim=-1, stable=True)
     return pages.int(), tiles.int(), per_page.sum(-1).int()
@@ -423,9 +426,9 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 dkp, dvp = staging.buffers(b, hkv, pages.shape[-1], ps, d)
                 staged_pages = dkp.shape[2]
                 g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
-            _page_dkdv_kernel[(pages.shape[-1], b * hkv)](
+            _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
                 *((q, dout) if rows is None else rows),
-                *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages,
+                *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages, b * hkv,
                 q.stride(0), q.stride(1), q.stride(2),
                 dout.stride(0), dout.stride(1), dout.stride(2),
                 store.k.stride(0), store.k.stride(1), store.k.stride(2),
