@@ -263,7 +263,7 @@ def test_page_gradient_programs_start_with_the_most_chosen_pages():
     """invert_selection lists each head's distinct pages by how many query tiles chose them (ties by page
     number): the page dK/dV kernel launches them in that order, so the pages every tile attends (sink and
     local) are not its last, longest programs. Unchosen entries come last with count 0."""
-    # 3 query tiles, 6 past pages; head 0: every tile picks pages 5 and 0; head 1: page 2 by two tiles.
+    # 3 query tiles, 6 past pages. Head 0: every tile picks pages 0 and 5. Head 1: pages 1, 2, 4 by two tiles each.
     selection = torch.tensor([[[[0, 3, 5], [0, 1, 5], [0, 4, 5]],
                                [[1, 2, 4], [2, 3, 4], [0, 1, 5]]]], dtype=torch.int32)
     pages, tiles, counts = tri.invert_selection(selection, 2, 6)
