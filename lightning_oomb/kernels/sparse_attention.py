@@ -297,10 +297,11 @@ def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
     chosen.scatter_(-1, sel, True)
     chosen = chosen.transpose(2, 3)  # (B, H, P, n_tiles)
     n_pages = min(n_past, n_tiles * k)
-    pages = torch.argsort(-chosen.sum(-1), dim=-1, stable=True)[..., :n_pages]
+    counts = chosen.sum(-1)
+    pages = torch.argsort(-counts, dim=-1, stable=True)[..., :n_pages]
     per_page = chosen.gather(2, pages[..., None].expand(b, n_kv, n_pages, n_tiles))
     tiles = torch.argsort((~per_page).to(torch.int8), dim=-1, stable=True)
-    return pages.int(), tiles.int(), per_page.sum(-1).int()
+    return pages.int(), tiles.int(), counts.gather(-1, pages).int()
 
 
 # --------------------------------------------------------------------------------------------------------
