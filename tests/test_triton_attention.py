@@ -186,16 +186,34 @@ def _fp32_copy(p: Problem) -> Problem:
     return Problem(pool, store, f(p.q), f(p.k), f(p.v), f(p.dout), p.start, p.scale)
 
 
+GPU_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size: on an H200 the first four run the past's whole
+    # tiles in the warp-specialised forward (past_attention_sm90), the last two do not (pages of 64, a past
+    # shorter than one tile)
+    "d128-partial-past-tile": (1, 2, 7, 128, 512, 1000, 128),
+    "d128-pages-of-256-batch-2": (2, 1, 7, 128, 300, 2048, 256),
+    "d64-gqa-2": (1, 2, 2, 64, 200, 640, 128),
+    "d128-long-past": (1, 1, 4, 128, 256, 16384, 128),
+    "d128-pages-of-64": (1, 2, 7, 128, 256, 1000, 64),
+    "d128-short-past": (1, 2, 7, 128, 256, 100, 128),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_gpu_against_fp32_reference():
-    """bf16 at D=128, T=512, start=1000, pages of 128, GQA 7.
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_gpu_against_fp32_reference(case, dtype):
+    """bf16 and fp16, GQA, the past in random page slots.
 
-    The oracle is the fp32 reference on the same bf16 values. The kernel's error must stay within twice
-    the error a bf16 computation cannot avoid (the bf16 reference's own error, or rounding the fp32 result
-    to bf16, whichever is larger) plus 1e-3.
+    The oracle is the fp32 reference on the same 16-bit values. The kernel's error must stay within twice
+    the error a 16-bit computation cannot avoid (the 16-bit reference's own error, or rounding the fp32
+    result to 16 bits, whichever is larger) plus 1e-3.
     """
-    p = make_problem(1, 2, 7, 128, 512, 1000, 128, torch.bfloat16, device="cuda")
+    p = make_problem(*GPU_CASES[case], dtype, device="cuda")
+    if torch.cuda.get_device_capability() == (9, 0):
+        warp_specialized = list(GPU_CASES)[:4]
+        assert bool(tri._warp_specialized_past(p.q, p.store, p.start)) == (case in warp_specialized)
     p32 = _fp32_copy(p)
     saved = p.pool.dk.clone(), p.pool.dv.clone()
     t = p.q.shape[2]
@@ -213,7 +231,7 @@ def test_bf16_gpu_against_fp32_reference():
     names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
     for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
         err = rel_err(a, want)
-        floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))
-        print(f"{name}: kernel {err:.2e}, bf16 floor {floor:.2e}")
+        floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
+        print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
         assert torch.isfinite(a).all(), name
-        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs bf16 floor {floor:.2e}"
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs 16-bit floor {floor:.2e}"

@@ -750,8 +750,28 @@ def _forward(
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    past_end = _warp_specialized_past(q, store, start)
+    if past_end:
+        # The chunk's own keys and the past's last partial tile first, then the whole past tiles in the
+        # warp-specialised kernel, which carries that state on and writes the output.
+        from . import past_attention_sm90
+
+        state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
+        _launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
+        past_attention_sm90.forward_past(q, store, past_end, scale, state, out)
+        return out, lse
     _launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
     return out, lse
+
+
+def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int) -> int:
+    """Where the past's whole tiles end when the Hopper warp-specialised forward runs them; 0 when not."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return 0
+    from . import past_attention_sm90
+
+    past_end = start - start % past_attention_sm90.BLOCK_N
+    return past_end if past_attention_sm90.supported(q, store, past_end) else 0
 
 
 def _backward(
