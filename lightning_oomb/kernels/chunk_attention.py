@@ -23,6 +23,10 @@ Kernels:
   (lightning_oomb.bench.kernels): ~460-480 TFLOP/s forward, ~306-314 backward (FlashAttention's 5-matmul
   count) at 32K-128K tokens of past: 1.4x SDPA's flash backend forward and ~0.96x its backward.
 
+On an H200 (sm_90) the whole past tiles of the forward and of dQ run in the warp-specialised Gluon kernels
+of :mod:`.past_attention_sm90`: the kernels here then cover only the chunk's own keys and the past's last
+partial tile, and the Gluon kernels continue from their results.
+
 On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
 when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer
 loads. The interpreter runs both (tests/test_triton_attention.py); tests/test_kernels_compile.py builds both
@@ -786,6 +790,15 @@ def _backward(
     dk, dv = launch_dkdv(dout, q, k, v, *_row_terms(lse, delta, scale), store, 0, start, start, scale, tiles,
                          chunk=True)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    past_end = _warp_specialized_past(q, store, start)
+    if past_end:  # as in _forward: the chunk and the partial tile here, the whole past tiles warp-specialised
+        from . import past_attention_sm90
+
+        partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial,
+                   accumulate=False)
+        past_attention_sm90.dq_past(dout, q, lse, delta, store, past_end, scale, partial, dq)
+        return dq, dk, dv
     _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
     return dq, dk, dv
 

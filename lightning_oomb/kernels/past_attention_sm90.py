@@ -1,23 +1,24 @@
-"""Hopper forward over the stored past, warp-specialised by hand (Gluon).
+"""Hopper forward and dQ over the stored past, warp-specialised by hand (Gluon).
 
-The Triton forward (:mod:`.chunk_attention`) runs a 128-row query tile in two warp groups that meet at
-block-wide barriers around every bulk copy, so one group's softmax never overlaps the other's matmuls and
-the tensor cores idle through both. Here each (query tile, query head) program splits into three
+The Triton kernels (:mod:`.chunk_attention`) run a 128-row query tile in two warp groups that meet at
+block-wide barriers around every bulk copy, so one group's exponentials never overlap the other's matmuls
+and the tensor cores idle through both. Here each (query tile, query head) program splits into three
 partitions that only meet at mbarriers:
 
 - a load warp: looks up each past tile's page and copies its K and V rows into a ring of shared-memory
   stages (bulk copies, one mbarrier per stage and operand);
-- two softmax warp groups, 64 query rows each: S = Q K^T and O += P V on the tensor cores (wgmma), the
-  online softmax in fp32 between them; each frees a stage when its P V has read it, and the load warp
-  refills the stage once both have.
+- two warp groups of 64 query rows each, computing on the tensor cores (wgmma) with fp32 softmax terms in
+  registers; each frees a stage when its last matmul has read it, and the load warp refills the stage
+  once both have. The two groups drift apart, so one's exponentials run while the other's matmuls do.
 
-The two warp groups drift apart, so one's exponentials run while the other's matmuls do.
+Forward: continue the online-softmax state of the chunk's own keys (out (B, H_q, T, D) fp32 normalised to
+1 at lse, lse (B, H_q, T) fp32, natural log) over the stored keys [0, past_end) and write the final out and
+lse. dQ: P = exp(S - lse), dS = P * (dO V^T - delta), dQ += dS K over the same keys, added to the dQ of the
+chunk's own keys. Both are query-stationary like their Triton counterparts; dK/dV stay in Triton.
 
-Contract: continue the online-softmax state of the chunk's own keys (``state`` = out (B, H_q, T, D) fp32
-normalised to 1 at lse, lse (B, H_q, T) fp32, natural log) over the stored keys [0, past_end), whole
-tiles of ``BLOCK_N`` rows that never cross a page, and write the final out (q's dtype) and lse. Head dim
-64 or 128, bf16 or fp16, sm_90. :func:`supported` says when it applies; :mod:`.chunk_attention` runs
-everything else.
+Whole tiles of ``BLOCK_N`` rows that never cross a page, head dim 64 or 128, bf16 or fp16, sm_90:
+:func:`supported` says when a launch qualifies, and :mod:`.chunk_attention` runs everything else (the
+chunk's own keys and the past's last partial tile always).
 """
 
 from __future__ import annotations
@@ -175,6 +176,120 @@ def _past_forward_kernel(
     ], [4, 1], [240, 24])
 
 
+@gluon.jit
+def _dq_partition(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+                  q_row, do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale,
+                  HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """dQ of rows [m0 + 64 * HALF, +64) of one query head over every past tile: P = exp(S - lse),
+    dS = P * (dO V^T - delta), dQ += dS K; written to DQ_OUT (in its dtype) times ``scale`` plus the partial
+    dQ (fp32) of the other keys in DQ (DQ_OUT has DQ's strides)."""
+    ROWS: gl.constexpr = 64
+    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16])
+    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, HEAD_DIM, 16])
+    ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, o_mma)
+    s_row_layout: gl.constexpr = gl.SliceLayout(1, s_mma)
+
+    rows = m0 + HALF * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    cols = gl.arange(0, HEAD_DIM, layout=col_layout)
+    row_ok = rows < T
+    mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+    q = gl.load(Q + q_row + rows[:, None].to(gl.int64) * sq_t + cols[None, :], mask=mask, other=0.0)
+    q_smem.store(q)
+    do = gl.load(DO + do_row + rows[:, None].to(gl.int64) * sdo_t + cols[None, :], mask=mask, other=0.0)
+    do_smem.store(do)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    s_rows = m0 + HALF * ROWS + gl.arange(0, ROWS, layout=s_row_layout)
+    s_ok = s_rows < T
+    # Rows past T: lse = +inf makes P = 0.
+    lse2 = gl.load(LSE + lse_row + s_rows, mask=s_ok, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(DELTA + lse_row + s_rows, mask=s_ok, other=0.0)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_mma)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_mma)
+
+    for j in range(n_tiles):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        k_buf = k_bufs.index(stage)
+        v_buf = v_bufs.index(stage)
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do_smem, v_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # dO V^T runs on the tensor cores while P is computed.
+        s, _, _ = warpgroup_mma_wait(1, deps=(s, q_smem, k_buf))
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        dp, _, _ = warpgroup_mma_wait(0, deps=(dp, do_smem, v_buf))
+        ds = gl.convert_layout((p * (dp - delta[:, None])).to(Q.dtype.element_ty), ds_operand)
+        dq = warpgroup_mma(ds, k_buf, dq, is_async=True)
+        dq, _ = warpgroup_mma_wait(0, deps=(dq, k_buf))
+        mbarrier.arrive(kv_free.index(stage), count=1)
+
+    dq_offs = dq_row + rows[:, None].to(gl.int64) * sdq_t + cols[None, :]
+    dq = dq * scale + gl.load(DQ + dq_offs, mask=mask, other=0.0)
+    gl.store(DQ_OUT + dq_offs, dq.to(DQ_OUT.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _dq_partition_upper(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+                        q_row, do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _dq_partition(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+                  q_row, do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale,
+                  1, HEAD_DIM, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _past_dq_kernel(
+    Q, DO, LSE, DELTA, DQ, DQ_OUT, SLOTS, k_desc, v_desc,
+    sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sl_b, sl_h, ssl_b,
+    T, n_tiles, qk_scale, scale,
+    H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    m0 = gl.program_id(0) * 128
+    bh = gl.program_id(1)
+    b = (bh // H_Q).to(gl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+
+    dtype: gl.constexpr = k_desc.dtype
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    q_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
+    q_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
+    do_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
+    do_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+
+    q_row = b * sq_b + h * sq_h
+    do_row = b * sdo_b + h * sdo_h
+    dq_row = b * sdq_b + h * sdq_h
+    lse_row = b * sl_b + h * sl_h
+    gl.warp_specialize([
+        (_dq_partition, (Q, DO, LSE, DELTA, DQ, DQ_OUT, q_lower, do_lower, k_bufs, v_bufs, k_ready, v_ready, kv_free, q_row,
+                         do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale, 0, HEAD_DIM,
+                         BLOCK_N, STAGES)),
+        (_dq_partition_upper, (Q, DO, LSE, DELTA, DQ, DQ_OUT, q_upper, do_upper, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+                               q_row, do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale,
+                               HEAD_DIM, BLOCK_N, STAGES)),
+        (_load_partition, (k_desc, v_desc, SLOTS, b * ssl_b, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free,
+                           PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
+    ], [4, 1], [240, 24])
+
+
 def supported(q: torch.Tensor, store: LayerStore, past_end: int) -> bool:
     """Whether :func:`forward_past` can run a launch on an sm_90 GPU (the caller checks the device): bf16 or
     fp16, head dim 64 or 128, pages of whole key tiles in a pool whose (page, offset) rows are contiguous,
@@ -185,31 +300,60 @@ def supported(q: torch.Tensor, store: LayerStore, past_end: int) -> bool:
             and all(x.is_contiguous() for x in (store.k, store.v)) and store.table.slots.stride(1) == 1)
 
 
+def _pool_descriptors(q: torch.Tensor, store: LayerStore) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The K and V pools as (pages x page rows, KV heads x head dim): one 2-D box per (tile, KV head)."""
+    n, ps, hkv, d = store.k.shape
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16)
+    return tuple(TensorDescriptor(x, [n * ps, hkv * d], [hkv * d, 1], [BLOCK_N, d], layout) for x in (store.k, store.v))
+
+
+def _slots(store: LayerStore) -> torch.Tensor:
+    slots = store.table.slots
+    return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+
+
 def forward_past(q: torch.Tensor, store: LayerStore, past_end: int, scale: float,
                  state: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """Continue ``state`` (out (B, H_q, T, D) fp32, lse (B, H_q, T) fp32) over the stored keys [0, past_end)
     and write the final output into ``out`` (B, H_q, T, D), q's dtype; lse is updated in place.
     Returns out."""
     b, hq, t, d = q.shape
-    n, ps, hkv, _ = store.k.shape
     state_out, lse = state
-    slots = store.table.slots
-    if slots.dtype != torch.int32:
-        slots = slots.to(torch.int32)
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16)
-    # The pool as (pages x page rows, KV heads x head dim): one 2-D box per (tile, KV head).
-    k_desc, v_desc = (TensorDescriptor(x, [n * ps, hkv * d], [hkv * d, 1], [BLOCK_N, d], layout)
-                      for x in (store.k, store.v))
-    grid = (triton.cdiv(t, BLOCK_M), b * hq)
+    slots = _slots(store)
+    k_desc, v_desc = _pool_descriptors(q, store)
     with torch.cuda.device(q.device):
-        _past_forward_kernel[grid](
+        _past_forward_kernel[(triton.cdiv(t, BLOCK_M), b * hq)](
             q, out, state_out, lse, slots, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             state_out.stride(0), state_out.stride(1), state_out.stride(2),
             lse.stride(0), lse.stride(1), slots.stride(0),
             t, past_end // BLOCK_N, scale * LOG2E,
-            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, BLOCK_N=BLOCK_N, STAGES=STAGES,
-            num_warps=4, maxnreg=168,
+            H_Q=hq, GROUP=hq // store.k.shape[2], PAGE_SIZE=store.page_size, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+            STAGES=STAGES, num_warps=4, maxnreg=168,
         )
     return out
+
+
+def dq_past(dout: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, store: LayerStore,
+            past_end: int, scale: float, partial: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
+    """dQ through the stored keys [0, past_end) plus ``partial`` (B, H_q, T, D) fp32, the dQ of the other
+    keys, written into ``dq`` (like ``partial``, q's dtype). lse, delta: the chunk's (B, H_q, T) fp32 row
+    terms (natural-log lse, rowsum(dO * O)). Returns dq."""
+    b, hq, t, d = q.shape
+    if partial.stride() != dq.stride() or lse.stride() != delta.stride():
+        raise ValueError("dq_past needs partial and dq, lse and delta, with one layout each")
+    slots = _slots(store)
+    k_desc, v_desc = _pool_descriptors(q, store)
+    with torch.cuda.device(q.device):
+        _past_dq_kernel[(triton.cdiv(t, BLOCK_M), b * hq)](
+            q, dout, lse, delta, partial, dq, slots, k_desc, v_desc,
+            q.stride(0), q.stride(1), q.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            lse.stride(0), lse.stride(1), slots.stride(0),
+            t, past_end // BLOCK_N, scale * LOG2E, scale,
+            H_Q=hq, GROUP=hq // store.k.shape[2], PAGE_SIZE=store.page_size, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+            STAGES=STAGES, num_warps=4, maxnreg=168,
+        )
+    return dq
