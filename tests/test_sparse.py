@@ -392,17 +392,21 @@ def test_bench_sparse_mode(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_kv_head", [True, False], ids=["per-head", "shared"])
-def test_bf16_gpu_against_fp32_reference(per_kv_head):
-    """bf16 at D=128, T=512, start=3000 (24 past pages of 128, the last partial), budget 6, GQA 7.
+@pytest.mark.parametrize("start", [3000, 3072], ids=["partial-page", "whole-pages"])
+def test_bf16_gpu_against_fp32_reference(per_kv_head, start):
+    """bf16 at D=128, T=512, 24 past pages of 128 (start 3000: the last partial; 3072: all whole, which on
+    an H200 runs forward and dQ in the warp-specialised kernels), budget 6, GQA 7.
 
     Oracle: the fp32 reference on the same bf16 values. The kernel's error must stay within twice the error
     a bf16 computation cannot avoid (the bf16 reference's own, or rounding the fp32 result) plus 1e-3.
     """
     from test_triton_attention import _fp32_copy
 
-    p = make_problem(1, 2, 7, 128, 512, 3000, 128, torch.bfloat16, device="cuda")
+    p = make_problem(1, 2, 7, 128, 512, start, 128, torch.bfloat16, device="cuda")
     p32 = _fp32_copy(p)
-    sel = random_selection(1, 2 if per_kv_head else 1, 512, 3000, 128, 6, seed=3).cuda()
+    sel = random_selection(1, 2 if per_kv_head else 1, 512, start, 128, 6, seed=3).cuda()
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert tri._warp_specialized_pages(p.q, p.store, start, sel) == (start % 128 == 0)
     kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward)]
     ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward)]
     ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward)

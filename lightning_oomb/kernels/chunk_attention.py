@@ -762,15 +762,20 @@ def _forward(
 
         state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
         _launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
-        past_attention_sm90.forward_past(q, store, past_end, scale, state, out)
+        past_attention_sm90.forward_past(q, store, scale, state, out, past_end=past_end)
         return out, lse
     _launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
     return out, lse
 
 
+def _sm90(t: torch.Tensor) -> bool:
+    """Whether t lives on an sm_90 GPU (H100, H200), where the warp-specialised Gluon kernels run."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) == (9, 0)
+
+
 def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int) -> int:
-    """Where the past's whole tiles end when the Hopper warp-specialised forward runs them; 0 when not."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    """Where the past's whole tiles end when the warp-specialised kernels run them; 0 when they do not."""
+    if not _sm90(q):
         return 0
     from . import past_attention_sm90
 
@@ -797,7 +802,7 @@ def _backward(
         partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         _launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial,
                    accumulate=False)
-        past_attention_sm90.dq_past(dout, q, lse, delta, store, past_end, scale, partial, dq)
+        past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=past_end)
         return dq, dk, dv
     _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
     return dq, dk, dv

@@ -41,18 +41,30 @@ LN2 = 0.6931471805599453
 
 
 @gluon.jit
-def _load_partition(k_desc, v_desc, SLOTS, slot_row, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free,
-                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """Copy the past's key tiles [j * BLOCK_N, (j + 1) * BLOCK_N) of KV head hk into the stage ring."""
-    col = hk * HEAD_DIM
-    next_slot = gl.load(SLOTS + slot_row)
-    for j in range(n_tiles):
+def _tile_row(SLOTS, slot_row, SEL, sel_row, ssel_k, j, valid, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+              SPARSE: gl.constexpr):
+    """Pool row of the first key of past tile j: the stored keys [j * BLOCK_N, (j + 1) * BLOCK_N), or with
+    SPARSE the j-th page of the query tile's selection (a tile is a page then)."""
+    if SPARSE:
+        page = gl.load(SEL + sel_row + j * ssel_k, mask=valid, other=0)
+        return gl.load(SLOTS + slot_row + page, mask=valid, other=0) * PAGE_SIZE
+    else:
         lo = j * BLOCK_N
-        slot = next_slot
-        # The page of the next tile, fetched while this one's copies are in flight.
-        next_slot = gl.load(SLOTS + slot_row + ((lo + BLOCK_N) // PAGE_SIZE), mask=j + 1 < n_tiles, other=0)
-        row = slot * PAGE_SIZE + lo % PAGE_SIZE
+        return gl.load(SLOTS + slot_row + lo // PAGE_SIZE, mask=valid, other=0) * PAGE_SIZE + lo % PAGE_SIZE
+
+
+@gluon.jit
+def _load_partition(k_desc, v_desc, SLOTS, slot_row, SEL, sel_row, ssel_k, hk, n_tiles, k_bufs, v_bufs, k_ready,
+                    v_ready, kv_free, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, SPARSE: gl.constexpr):
+    """Copy the past's key tiles of KV head hk into the stage ring, one after another."""
+    col = hk * HEAD_DIM
+    next_row = _tile_row(SLOTS, slot_row, SEL, sel_row, ssel_k, 0, True, PAGE_SIZE, BLOCK_N, SPARSE)
+    for j in range(n_tiles):
+        row = next_row
+        # The next tile's page, looked up while this one's copies are in flight.
+        next_row = _tile_row(SLOTS, slot_row, SEL, sel_row, ssel_k, j + 1, j + 1 < n_tiles, PAGE_SIZE, BLOCK_N,
+                             SPARSE)
         stage = j % STAGES
         # A stage starts free: its first wait (phase 1) passes at once.
         mbarrier.wait(kv_free.index(stage), ((j // STAGES) & 1) ^ 1)
@@ -134,11 +146,11 @@ def _softmax_partition_upper(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready
 
 @gluon.jit
 def _past_forward_kernel(
-    Q, OUT, STATE, LSE, SLOTS, k_desc, v_desc,
-    sq_b, sq_h, sq_t, so_b, so_h, so_t, ss_b, ss_h, ss_t, sl_b, sl_h, ssl_b,
+    Q, OUT, STATE, LSE, SLOTS, SEL, k_desc, v_desc,
+    sq_b, sq_h, sq_t, so_b, so_h, so_t, ss_b, ss_h, ss_t, sl_b, sl_h, ssl_b, ssel_b, ssel_h, ssel_i, ssel_k,
     T, n_tiles, qk_scale,
     H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
 ):
     m0 = gl.program_id(0) * 128
     bh = gl.program_id(1)
@@ -171,8 +183,9 @@ def _past_forward_kernel(
         (_softmax_partition_upper, (Q, OUT, STATE, LSE, q_upper, k_bufs, v_bufs, k_ready, v_ready, kv_free, q_row,
                                     o_row, s_row, lse_row, sq_t, so_t, ss_t, T, m0, n_tiles, qk_scale, HEAD_DIM,
                                     BLOCK_N, STAGES)),
-        (_load_partition, (k_desc, v_desc, SLOTS, b * ssl_b, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free,
-                           PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
+        (_load_partition, (k_desc, v_desc, SLOTS, b * ssl_b, SEL, b * ssel_b + hk * ssel_h + gl.program_id(0) * ssel_i,
+                           ssel_k, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free, PAGE_SIZE, BLOCK_N,
+                           HEAD_DIM, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
 
@@ -246,11 +259,11 @@ def _dq_partition_upper(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, 
 
 @gluon.jit
 def _past_dq_kernel(
-    Q, DO, LSE, DELTA, DQ, DQ_OUT, SLOTS, k_desc, v_desc,
-    sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sl_b, sl_h, ssl_b,
+    Q, DO, LSE, DELTA, DQ, DQ_OUT, SLOTS, SEL, k_desc, v_desc,
+    sq_b, sq_h, sq_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t, sl_b, sl_h, ssl_b, ssel_b, ssel_h, ssel_i, ssel_k,
     T, n_tiles, qk_scale, scale,
     H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
 ):
     m0 = gl.program_id(0) * 128
     bh = gl.program_id(1)
@@ -285,19 +298,30 @@ def _past_dq_kernel(
         (_dq_partition_upper, (Q, DO, LSE, DELTA, DQ, DQ_OUT, q_upper, do_upper, k_bufs, v_bufs, k_ready, v_ready, kv_free,
                                q_row, do_row, dq_row, lse_row, sq_t, sdo_t, sdq_t, T, m0, n_tiles, qk_scale, scale,
                                HEAD_DIM, BLOCK_N, STAGES)),
-        (_load_partition, (k_desc, v_desc, SLOTS, b * ssl_b, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free,
-                           PAGE_SIZE, BLOCK_N, HEAD_DIM, STAGES)),
+        (_load_partition, (k_desc, v_desc, SLOTS, b * ssl_b, SEL, b * ssel_b + hk * ssel_h + gl.program_id(0) * ssel_i,
+                           ssel_k, hk, n_tiles, k_bufs, v_bufs, k_ready, v_ready, kv_free, PAGE_SIZE, BLOCK_N,
+                           HEAD_DIM, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
 
+def _pool_ok(q: torch.Tensor, store: LayerStore) -> bool:
+    return (q.dtype in (torch.bfloat16, torch.float16) and store.k.shape[-1] in (64, 128)
+            and store.page_size % BLOCK_N == 0 and all(x.is_contiguous() for x in (store.k, store.v))
+            and store.table.slots.stride(1) == 1)
+
+
 def supported(q: torch.Tensor, store: LayerStore, past_end: int) -> bool:
-    """Whether :func:`forward_past` can run a launch on an sm_90 GPU (the caller checks the device): bf16 or
-    fp16, head dim 64 or 128, pages of whole key tiles in a pool whose (page, offset) rows are contiguous,
-    and at least one whole past tile."""
-    d = store.k.shape[-1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and d in (64, 128) and store.page_size % BLOCK_N == 0
-            and past_end >= BLOCK_N and past_end % BLOCK_N == 0
-            and all(x.is_contiguous() for x in (store.k, store.v)) and store.table.slots.stride(1) == 1)
+    """Whether the kernels here can run the stored keys [0, past_end) on an sm_90 GPU (the caller checks
+    the device): bf16 or fp16, head dim 64 or 128, pages of whole key tiles in a pool whose (page, offset)
+    rows are contiguous, and at least one whole past tile."""
+    return _pool_ok(q, store) and past_end >= BLOCK_N and past_end % BLOCK_N == 0
+
+
+def supported_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor) -> bool:
+    """Whether the kernels here can run the selected pages of a sparse chunk at ``start`` (as
+    :func:`supported`): pages of one key tile and one query tile each, the chunk starting on a page."""
+    return (_pool_ok(q, store) and store.page_size == BLOCK_N == BLOCK_M and start % BLOCK_N == 0
+            and selection.shape[-1] >= 1)
 
 
 def _pool_descriptors(q: torch.Tensor, store: LayerStore) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -307,53 +331,64 @@ def _pool_descriptors(q: torch.Tensor, store: LayerStore) -> tuple[TensorDescrip
     return tuple(TensorDescriptor(x, [n * ps, hkv * d], [hkv * d, 1], [BLOCK_N, d], layout) for x in (store.k, store.v))
 
 
-def _slots(store: LayerStore) -> torch.Tensor:
+def _past_args(store: LayerStore, past_end: int, selection: torch.Tensor | None) -> tuple:
+    """The kernels' description of the past: (slots, page lists, their 4 strides, tiles per query tile,
+    SPARSE). Dense: the tiles [0, past_end); sparse: the selection (B, 1 or H_kv, query tiles, pages)."""
     slots = store.table.slots
-    return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+    slots = slots if slots.dtype == torch.int32 else slots.to(torch.int32)
+    if selection is None:
+        return slots, slots, (0, 0, 0, 0), past_end // BLOCK_N, False
+    sel = selection if selection.dtype == torch.int32 else selection.to(torch.int32)
+    strides = list(sel.stride())
+    if sel.shape[1] == 1:
+        strides[1] = 0  # one list shared by all KV heads
+    return slots, sel, tuple(strides), sel.shape[-1], True
 
 
-def forward_past(q: torch.Tensor, store: LayerStore, past_end: int, scale: float,
-                 state: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Continue ``state`` (out (B, H_q, T, D) fp32, lse (B, H_q, T) fp32) over the stored keys [0, past_end)
-    and write the final output into ``out`` (B, H_q, T, D), q's dtype; lse is updated in place.
-    Returns out."""
+def forward_past(q: torch.Tensor, store: LayerStore, scale: float, state: tuple[torch.Tensor, torch.Tensor],
+                 out: torch.Tensor, past_end: int = 0, selection: torch.Tensor | None = None) -> torch.Tensor:
+    """Continue ``state`` (out (B, H_q, T, D) fp32, lse (B, H_q, T) fp32) over the stored keys [0, past_end),
+    or with ``selection`` over each query tile's selected pages, and write the final output into ``out``
+    (B, H_q, T, D), q's dtype; lse is updated in place. Returns out."""
     b, hq, t, d = q.shape
     state_out, lse = state
-    slots = _slots(store)
+    slots, sel, ssel, n_tiles, sparse = _past_args(store, past_end, selection)
     k_desc, v_desc = _pool_descriptors(q, store)
     with torch.cuda.device(q.device):
         _past_forward_kernel[(triton.cdiv(t, BLOCK_M), b * hq)](
-            q, out, state_out, lse, slots, k_desc, v_desc,
+            q, out, state_out, lse, slots, sel, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             state_out.stride(0), state_out.stride(1), state_out.stride(2),
-            lse.stride(0), lse.stride(1), slots.stride(0),
-            t, past_end // BLOCK_N, scale * LOG2E,
+            lse.stride(0), lse.stride(1), slots.stride(0), *ssel,
+            t, n_tiles, scale * LOG2E,
             H_Q=hq, GROUP=hq // store.k.shape[2], PAGE_SIZE=store.page_size, HEAD_DIM=d, BLOCK_N=BLOCK_N,
-            STAGES=STAGES, num_warps=4, maxnreg=168,
+            STAGES=STAGES, SPARSE=sparse, num_warps=4, maxnreg=168,
         )
     return out
 
 
 def dq_past(dout: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, store: LayerStore,
-            past_end: int, scale: float, partial: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
-    """dQ through the stored keys [0, past_end) plus ``partial`` (B, H_q, T, D) fp32, the dQ of the other
-    keys, written into ``dq`` (like ``partial``, q's dtype). lse, delta: the chunk's (B, H_q, T) fp32 row
-    terms (natural-log lse, rowsum(dO * O)). Returns dq."""
+            scale: float, partial: torch.Tensor, dq: torch.Tensor, past_end: int = 0,
+            selection: torch.Tensor | None = None) -> torch.Tensor:
+    """dQ through the stored keys [0, past_end) (or, with ``selection``, each query tile's selected pages)
+    plus ``partial`` (B, H_q, T, D) fp32, the dQ of the other keys, written into ``dq`` (like ``partial``,
+    q's dtype). lse, delta: the chunk's (B, H_q, T) fp32 row terms (natural-log lse, rowsum(dO * O)).
+    Returns dq."""
     b, hq, t, d = q.shape
     if partial.stride() != dq.stride() or lse.stride() != delta.stride():
         raise ValueError("dq_past needs partial and dq, lse and delta, with one layout each")
-    slots = _slots(store)
+    slots, sel, ssel, n_tiles, sparse = _past_args(store, past_end, selection)
     k_desc, v_desc = _pool_descriptors(q, store)
     with torch.cuda.device(q.device):
         _past_dq_kernel[(triton.cdiv(t, BLOCK_M), b * hq)](
-            q, dout, lse, delta, partial, dq, slots, k_desc, v_desc,
+            q, dout, lse, delta, partial, dq, slots, sel, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            lse.stride(0), lse.stride(1), slots.stride(0),
-            t, past_end // BLOCK_N, scale * LOG2E, scale,
+            lse.stride(0), lse.stride(1), slots.stride(0), *ssel,
+            t, n_tiles, scale * LOG2E, scale,
             H_Q=hq, GROUP=hq // store.k.shape[2], PAGE_SIZE=store.page_size, HEAD_DIM=d, BLOCK_N=BLOCK_N,
-            STAGES=STAGES, num_warps=4, maxnreg=168,
+            STAGES=STAGES, SPARSE=sparse, num_warps=4, maxnreg=168,
         )
     return dq

@@ -14,6 +14,9 @@ Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_at
 - dQ: the same loops with the dense kernel's dQ step.
 - On Hopper, when the chunk starts on a page boundary (every selected page whole), the page loops of both
   read each key block with one bulk copy through the dense kernels' pool descriptors.
+- On an H200 (sm_90), pages of 128 and a chunk that starts on a page, the selected pages of both run in
+  the warp-specialised Gluon kernels of :mod:`.past_attention_sm90` instead, after the dense kernels have
+  covered the chunk's own keys.
 - dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
   (every query sees the whole causal chunk, exactly as in dense attention).
 - dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
@@ -50,12 +53,15 @@ from .chunk_attention import (
     _dq_step,
     _fwd_step,
     _last_dim_contiguous,
+    _launch_dq,
+    _launch_forward,
     _load_tile,
     _padded,
     _pool_descriptors,
     _precision,
     _query_descriptors,
     _row_terms,
+    _sm90,
     _store_tile,
     KernelTiles,
     Tiles,
@@ -348,6 +354,15 @@ def _whole_page_descriptors(store: LayerStore, start: int, block_n: int) -> tupl
     return _pool_descriptors(store, 0, block_n) if start % store.page_size == 0 else None
 
 
+def _warp_specialized_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor) -> bool:
+    """Whether the warp-specialised kernels run the selected pages (forward and dQ)."""
+    if not _sm90(q):
+        return False
+    from . import past_attention_sm90
+
+    return past_attention_sm90.supported_pages(q, store, start, selection)
+
+
 def _sub_blocks(page_size: int, block_m: int) -> int:
     return triton.cdiv(page_size, block_m)
 
@@ -363,6 +378,16 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     ps = store.page_size
+    if _warp_specialized_pages(q, store, start, sel):
+        # The chunk's own keys in the dense kernel, then the selected pages in the warp-specialised one,
+        # which carries that state on and writes the output.
+        from . import past_attention_sm90
+
+        state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
+        _launch_forward(q, k, v, store, start, start, scale, dense_tiles(d, q.dtype).fwd, True, *state,
+                        carry=False)
+        past_attention_sm90.forward_past(q, store, scale, state, out, selection=sel)
+        return out, lse
     sub = _sub_blocks(ps, tiles.block_m)
     grid = (triton.cdiv(t, ps) * sub, b * hq)
     descs = _whole_page_descriptors(store, start, tiles.block_n)
@@ -447,6 +472,14 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             if staging is not None:
                 staging.add_into(store, slots, pages, counts, start)
 
+        if _warp_specialized_pages(q, store, start, sel):  # as in _forward
+            from . import past_attention_sm90
+
+            partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            _launch_dq(dout, q, k, v, lse, delta, store, start, start, scale, chunk_tiles.dq, True, partial,
+                       accumulate=False)
+            past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, selection=sel)
+            return dq, dk, dv
         qt = tiles.dq
         sub = _sub_blocks(ps, qt.block_m)
         descs = _whole_page_descriptors(store, start, qt.block_n)
