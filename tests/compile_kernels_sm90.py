@@ -1,6 +1,7 @@
 """Compile every attention kernel for sm_90 (Hopper) without a GPU: Triton's front end, its GPU passes and
 ptxas, each attention kernel once with bulk copies through tensor descriptors and once with pointer loads (the
-page dK/dV kernel writing a staging area in the first build, the gradient pages in the second).
+page dK/dV kernel writing a staging area in the first build, the gradient pages in the second), and the
+warp-specialised Gluon kernels once for a dense past and once for selected pages.
 
 Catches what the interpreter cannot: it runs kernels as Python, so type rules of the compiler (say, 32-bit
 descriptor offsets) only show on a real build. Run by tests/test_kernels_compile.py in a process without
@@ -33,9 +34,11 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 
 from lightning_oomb.kernels import chunk_attention as tri  # noqa: E402
 from lightning_oomb.kernels import host_pages  # noqa: E402
+from lightning_oomb.kernels import past_attention_sm90 as warp_specialized  # noqa: E402
 from lightning_oomb.kernels import sparse_attention as sparse  # noqa: E402
 
 D = 128
@@ -69,10 +72,11 @@ def tensor_core_loops(sass: str) -> list[Counter]:
     return sorted(loops, key=lambda c: sum(c.values()))
 
 
-def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_stages: int = 3) -> None:
-    """Compile fn for sm_90: arguments named in ``types`` get that type, constexprs their value, other
-    pointers (other upper-case names) bf16 and scalars i32. Prints its registers and stack (spills) as
-    cuobjdump reads them from the cubin, where Triton ships cuobjdump."""
+def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_stages: int = 3,
+          maxnreg: int | None = None) -> None:
+    """Compile fn (Triton or Gluon) for sm_90: arguments named in ``types`` get that type, constexprs their
+    value, other pointers (other upper-case names) bf16 and scalars i32. Prints its registers and stack
+    (spills) as cuobjdump reads them from the cubin, where Triton ships cuobjdump."""
     sig, attrs = {}, {}
     constexprs = {**{n: 1 for n in UNIT_STRIDES if n in fn.arg_names}, **constexprs}
     for i, name in enumerate(fn.arg_names):
@@ -84,10 +88,14 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
             sig[name] = "*bf16" if name.isupper() else "i32"
         if sig[name] == "i32" or sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    source = ASTSource
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, sig, {(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     if CUOBJDUMP.exists():
         usage = _cuobjdump(kernel.asm["cubin"], "-res-usage")
         regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
@@ -123,6 +131,16 @@ def main() -> None:
                    EVEN=tma))
         print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
 
+
+    layout = gl.NVMMASharedLayout.get_default_for([warp_specialized.BLOCK_N, D], gl.bfloat16)
+    pool = f"tensordesc<bf16[{warp_specialized.BLOCK_N}, {D}],{layout!r}>"
+    for sparse_pages in (False, True):
+        shape = dict(**HEADS, PAGE_SIZE=128, HEAD_DIM=D, BLOCK_N=warp_specialized.BLOCK_N,
+                     STAGES=warp_specialized.STAGES, SPARSE=sparse_pages)
+        types = {"k_desc": pool, "v_desc": pool, "STATE": "*fp32", "DQ": "*fp32", **f32, **i32, **scalars}
+        build(warp_specialized._past_forward_kernel, types, shape, num_warps=4, maxnreg=168)
+        build(warp_specialized._past_dq_kernel, types, shape, num_warps=4, maxnreg=168)
+    print("compiled for sm_90 (warp-specialised)", flush=True)
 
     build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},
           dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, D_PAD=D, BLOCK_R=32), num_warps=4)

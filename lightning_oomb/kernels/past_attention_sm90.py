@@ -33,6 +33,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..core.pages import LayerStore
 
+# Gluon is experimental and renames things: Triton 3.6 (the H200's) has ``thread_barrier`` and
+# ``tma.async_copy_global_to_shared``, later releases ``barrier`` and ``tma.async_load``.
+_partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
 BLOCK_M = 128  # query rows per program: 64 per softmax warp group
 BLOCK_N = 128  # key rows per stage
 STAGES = 2
@@ -69,9 +74,9 @@ def _load_partition(k_desc, v_desc, SLOTS, slot_row, SEL, sel_row, ssel_k, hk, n
         # A stage starts free: its first wait (phase 1) passes at once.
         mbarrier.wait(kv_free.index(stage), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(stage), k_bufs.index(stage))
+        _tma_load(k_desc, [row, col], k_ready.index(stage), k_bufs.index(stage))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(stage), v_bufs.index(stage))
+        _tma_load(v_desc, [row, col], v_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon.jit
@@ -99,7 +104,7 @@ def _softmax_partition(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready, v_re
     q = gl.load(Q + q_row + rows[:, None].to(gl.int64) * sq_t + cols[None, :], mask=mask, other=0.0)
     q_smem.store(q)
     fence_async_shared()
-    gl.thread_barrier()
+    _partition_barrier()
 
     # The chunk's own keys were attended first: continue their softmax at its max (lse) with sum 1.
     acc = gl.load(STATE + s_row + rows[:, None].to(gl.int64) * ss_t + cols[None, :], mask=mask, other=0.0)
@@ -215,7 +220,7 @@ def _dq_partition(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs
     do = gl.load(DO + do_row + rows[:, None].to(gl.int64) * sdo_t + cols[None, :], mask=mask, other=0.0)
     do_smem.store(do)
     fence_async_shared()
-    gl.thread_barrier()
+    _partition_barrier()
 
     s_rows = m0 + HALF * ROWS + gl.arange(0, ROWS, layout=s_row_layout)
     s_ok = s_rows < T
