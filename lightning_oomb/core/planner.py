@@ -39,7 +39,7 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 # Host memory of the process itself (Python, torch, CUDA runtime, transformers) before any pinned pool.
 HOST_PROCESS_BYTES = 2 * GIB
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
-ASSUMED_EFFICIENCY = 0.65  # measured 0.65-0.67 (dense 32K-128K and sparse 128K, H200, 2026-11-30; docs/benchmarks.md)
+ASSUMED_EFFICIENCY = 0.72  # measured 0.72-0.76 dense 32K-128K, 0.71 sparse 128K (H200, Gluon kernels; docs/benchmarks.md)
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
 # Offload: the past streams through the GPU in segments of up to this many tokens per sequence (two in
 # flight, K, V, dK and dV of one layer each); longer segments mean fewer, larger copies and launches.
