@@ -150,6 +150,30 @@ def _softmax_partition_upper(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready
 
 
 @gluon.jit
+def _program(H_Q: gl.constexpr, GROUP: gl.constexpr):
+    """(first query row, sequence, query head, KV head) of this (query tile, sequence x query head) program."""
+    bh = gl.program_id(1)
+    h = bh % H_Q
+    return gl.program_id(0) * 128, (bh // H_Q).to(gl.int64), h, h // GROUP
+
+
+@gluon.jit
+def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+    """The shared-memory stages of the load warp's K and V tiles and their mbarriers: ready (set by the
+    copies' bytes) and free (one arrival per softmax warp group)."""
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+    return k_bufs, v_bufs, k_ready, v_ready, kv_free
+
+
+@gluon.jit
 def _past_forward_kernel(
     Q, OUT, STATE, LSE, SLOTS, SEL, k_desc, v_desc,
     sq_b, sq_h, sq_t, so_b, so_h, so_t, ss_b, ss_h, ss_t, sl_b, sl_h, ssl_b, ssel_b, ssel_h, ssel_i, ssel_k,
@@ -157,25 +181,12 @@ def _past_forward_kernel(
     H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
 ):
-    m0 = gl.program_id(0) * 128
-    bh = gl.program_id(1)
-    b = (bh // H_Q).to(gl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-
+    m0, b, h, hk = _program(H_Q, GROUP)
     dtype: gl.constexpr = k_desc.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     q_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], q_layout)
     q_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], q_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)  # one arrival per softmax warp group
+    k_bufs, v_bufs, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
 
     q_row = b * sq_b + h * sq_h
     o_row = b * so_b + h * so_h
@@ -270,27 +281,14 @@ def _past_dq_kernel(
     H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
 ):
-    m0 = gl.program_id(0) * 128
-    bh = gl.program_id(1)
-    b = (bh // H_Q).to(gl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-
+    m0, b, h, hk = _program(H_Q, GROUP)
     dtype: gl.constexpr = k_desc.dtype
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     q_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
     q_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
     do_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
     do_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], row_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)
+    k_bufs, v_bufs, k_ready, v_ready, kv_free = _kv_ring(k_desc, v_desc, STAGES)
 
     q_row = b * sq_b + h * sq_h
     do_row = b * sdo_b + h * sdo_h
