@@ -79,6 +79,18 @@ def _load_partition(k_desc, v_desc, SLOTS, slot_row, SEL, sel_row, ssel_k, hk, n
         _tma_load(v_desc, [row, col], v_ready.index(stage), v_bufs.index(stage))
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """Accumulator layout of one warp group's 64 x n wgmma (instructions of 16 x n x 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _rows_to_shared(X, base, rows, cols, stride_t, mask, smem):
+    """Rows ``rows`` of a (T, D) matrix at X + base (zero where masked) into smem, where wgmma reads them."""
+    smem.store(gl.load(X + base + rows[:, None].to(gl.int64) * stride_t + cols[None, :], mask=mask, other=0.0))
+
+
 @gluon.jit
 def _softmax_partition(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready, v_ready, kv_free,
                        q_row, o_row, s_row, lse_row, sq_t, so_t, ss_t, T, m0, n_tiles, qk_scale,
@@ -86,10 +98,8 @@ def _softmax_partition(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready, v_re
                        STAGES: gl.constexpr):
     """Rows [m0 + 64 * HALF, m0 + 64 * HALF + 64) of one query head: carry the state over every past tile."""
     ROWS: gl.constexpr = 64
-    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_N, 16])
-    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, HEAD_DIM, 16])
+    s_mma: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_mma: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, o_mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, o_mma)
@@ -100,9 +110,7 @@ def _softmax_partition(Q, OUT, STATE, LSE, q_smem, k_bufs, v_bufs, k_ready, v_re
     row_ok = rows < T
     mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
 
-    # Q goes through shared memory, where wgmma reads it; rows past T read as zero.
-    q = gl.load(Q + q_row + rows[:, None].to(gl.int64) * sq_t + cols[None, :], mask=mask, other=0.0)
-    q_smem.store(q)
+    _rows_to_shared(Q, q_row, rows, cols, sq_t, mask, q_smem)  # rows past T read as zero
     fence_async_shared()
     _partition_barrier()
 
@@ -213,10 +221,8 @@ def _dq_partition(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs
     dS = P * (dO V^T - delta), dQ += dS K; written to DQ_OUT (in its dtype) times ``scale`` plus the partial
     dQ (fp32) of the other keys in DQ (DQ_OUT has DQ's strides)."""
     ROWS: gl.constexpr = 64
-    s_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_N, 16])
-    o_mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, HEAD_DIM, 16])
+    s_mma: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_mma: gl.constexpr = _wgmma_layout(HEAD_DIM)
     ds_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, o_mma)
     col_layout: gl.constexpr = gl.SliceLayout(0, o_mma)
@@ -226,10 +232,8 @@ def _dq_partition(Q, DO, LSE, DELTA, DQ, DQ_OUT, q_smem, do_smem, k_bufs, v_bufs
     cols = gl.arange(0, HEAD_DIM, layout=col_layout)
     row_ok = rows < T
     mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-    q = gl.load(Q + q_row + rows[:, None].to(gl.int64) * sq_t + cols[None, :], mask=mask, other=0.0)
-    q_smem.store(q)
-    do = gl.load(DO + do_row + rows[:, None].to(gl.int64) * sdo_t + cols[None, :], mask=mask, other=0.0)
-    do_smem.store(do)
+    _rows_to_shared(Q, q_row, rows, cols, sq_t, mask, q_smem)
+    _rows_to_shared(DO, do_row, rows, cols, sdo_t, mask, do_smem)
     fence_async_shared()
     _partition_barrier()
 
