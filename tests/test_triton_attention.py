@@ -148,6 +148,27 @@ def test_unaligned_queries_take_pointer_loads():
     assert_close(got, want, TOL[torch.float32])
 
 
+def test_warp_specialized_kernels_take_only_what_they_support():
+    """Which launches the Hopper Gluon kernels (past_attention_sm90) may run: the conditions checked here, the
+    kernels themselves by the GPU tests below. Off any sm_90 GPU the Triton kernels run everything."""
+    from lightning_oomb.kernels import past_attention_sm90 as ws
+
+    p = make_problem(1, 2, 7, 128, 256, 1024, 128, torch.bfloat16, device="cpu")
+    assert ws.supported(p.q, p.store, 1024)
+    assert not ws.supported(p.q, p.store, 1000)  # not whole key tiles
+    assert not ws.supported(p.q, p.store, 0)  # no past
+    assert not ws.supported(p.q.float(), p.store, 1024)  # fp32: the Triton kernels' exact products
+    small_pages = make_problem(1, 2, 7, 128, 256, 1024, 64, torch.bfloat16, device="cpu")
+    assert not ws.supported(small_pages.q, small_pages.store, 1024)  # a page smaller than a key tile
+    d96 = make_problem(1, 1, 2, 96, 64, 256, 128, torch.bfloat16, device="cpu")
+    assert not ws.supported(d96.q, d96.store, 256)  # head dims 64 and 128 only
+    selection = torch.arange(8, dtype=torch.int32).view(1, 1, 1, 8).expand(1, 2, 2, 8)
+    assert ws.supported_pages(p.q, p.store, 1024, selection)
+    assert not ws.supported_pages(p.q, p.store, 1000, selection)  # the chunk must start on a page
+    assert not ws.supported_pages(p.q, p.store, 1024, selection[..., :0])  # nothing selected
+    assert tri._warp_specialized_past(p.q, p.store, 1024) == 0  # a CPU tensor
+
+
 def test_odd_head_dim_runs_padded():
     """Head dims that are not a power of two >= 16 (the tiny test models use 8) run on padded tiles."""
     got, want = run_both(make_problem(1, 2, 2, 8, 11, 13, 3, torch.float32))
