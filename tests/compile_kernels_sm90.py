@@ -140,6 +140,11 @@ def main() -> None:
         types = {"k_desc": pool, "v_desc": pool, "STATE": "*fp32", "DQ": "*fp32", **f32, **i32, **scalars}
         build(warp_specialized._past_forward_kernel, types, shape, num_warps=4, maxnreg=168)
         build(warp_specialized._past_dq_kernel, types, shape, num_warps=4, maxnreg=168)
+    box = [1, 1, warp_specialized.DKDV_QUERY_ROWS, D]
+    rows = f"tensordesc<bf16[{', '.join(map(str, box))}],{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
+    build(warp_specialized._past_dkdv_kernel, {"q_desc": rows, "do_desc": rows, **f32, **i32, **scalars},
+          dict(**HEADS, H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, BLOCK_M=warp_specialized.DKDV_QUERY_ROWS,
+               STAGES=warp_specialized.DKDV_STAGES), num_warps=4, maxnreg=168)
     print("compiled for sm_90 (warp-specialised)", flush=True)
 
     build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},

@@ -792,19 +792,25 @@ def _backward(
     q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
-    dk, dv = launch_dkdv(dout, q, k, v, *_row_terms(lse, delta, scale), store, 0, start, start, scale, tiles,
-                         chunk=True)
+    row_terms = _row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     past_end = _warp_specialized_past(q, store, start)
-    if past_end:  # as in _forward: the chunk and the partial tile here, the whole past tiles warp-specialised
-        from . import past_attention_sm90
-
-        partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial,
-                   accumulate=False)
-        past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=past_end)
+    if not past_end:
+        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True)
+        _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
         return dq, dk, dv
-    _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
+    # As in _forward: the whole past tiles in the warp-specialised kernels, the chunk and the past's partial
+    # tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon kernel continues).
+    from . import past_attention_sm90
+
+    dkdv_from = 0
+    if past_attention_sm90.rows_ok(q, dout):
+        past_attention_sm90.dkdv_past(dout, q, *row_terms, store, past_end, scale)
+        dkdv_from = past_end
+    dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True)
+    partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial, accumulate=False)
+    past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=past_end)
     return dq, dk, dv
 
 

@@ -316,6 +316,132 @@ def _past_dq_kernel(
     ], [4, 1], [240, 24])
 
 
+@gluon.jit
+def _rows_load_partition(q_desc, do_desc, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs, ready, free,
+                         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """Copy the query rows and output gradients of each (query head of the group, query tile) in turn."""
+    for i in range(n_steps):
+        h = hk * GROUP + i // n_q_tiles
+        m0 = (i % n_q_tiles) * BLOCK_M
+        stage = i % STAGES
+        mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], ready.index(stage), q_bufs.index(stage))
+        _tma_load(do_desc, [b, h, m0, 0], ready.index(stage), do_bufs.index(stage))
+
+
+@gluon.jit
+def _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
+                    slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off, sg_h,
+                    qk_scale, scale, HALF: gl.constexpr, H_Q: gl.constexpr, GROUP: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """dV += P^T dO and dK += dS^T Q for the stored keys [key0 + 64 * HALF, +64) of KV head hk over every
+    query tile of every query head of its group, starting from and written back to their gradient pages.
+    LSE2, SDELTA: the row terms of ``chunk_attention._row_terms`` (lse in log2 units, delta times scale)."""
+    KEYS: gl.constexpr = 64
+    s_mma: gl.constexpr = _wgmma_layout(BLOCK_M)
+    o_mma: gl.constexpr = _wgmma_layout(HEAD_DIM)
+    a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_mma, k_width=2)
+    key_layout: gl.constexpr = gl.SliceLayout(1, o_mma)
+    col_layout: gl.constexpr = gl.SliceLayout(0, o_mma)
+    query_layout: gl.constexpr = gl.SliceLayout(0, s_mma)
+    dtype: gl.constexpr = k_smem.dtype
+
+    keys = key0 + HALF * KEYS + gl.arange(0, KEYS, layout=key_layout)
+    cols = gl.arange(0, HEAD_DIM, layout=col_layout)
+    slot = gl.load(SLOTS + slot_row + keys // PAGE_SIZE).to(gl.int64)
+    in_page = keys % PAGE_SIZE
+    kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
+    k_smem.store(gl.load(KP + kv_rows[:, None] + cols[None, :]))
+    v_smem.store(gl.load(VP + kv_rows[:, None] + cols[None, :]))
+    fence_async_shared()
+    _partition_barrier()
+    # Start from the gradient already stored for these keys; no other program touches these rows.
+    g_rows = slot * sg_page + in_page * sg_off + hk * sg_h
+    dk = gl.load(DKP + g_rows[:, None] + cols[None, :]).to(gl.float32)
+    dv = gl.load(DVP + g_rows[:, None] + cols[None, :]).to(gl.float32)
+
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_mma)
+    queries = gl.arange(0, BLOCK_M, layout=query_layout)
+    for i in range(n_steps):
+        h = hk * GROUP + i // n_q_tiles
+        m = (i % n_q_tiles) * BLOCK_M + queries
+        row_terms = (b * H_Q + h).to(gl.int64) * T + m
+        # Queries past T: lse = +inf makes their probabilities 0 (their rows read as zeros).
+        lse2 = gl.load(LSE2 + row_terms, mask=m < T, other=float("inf"))
+        sdelta = gl.load(SDELTA + row_terms, mask=m < T, other=0.0)
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        q_buf = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_buf = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        s_t = warpgroup_mma(k_smem, q_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_smem, do_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_t, _, _ = warpgroup_mma_wait(1, deps=(s_t, k_smem, q_buf))
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_operand), do_buf, dv, is_async=True)
+        dp_t, _, _ = warpgroup_mma_wait(1, deps=(dp_t, v_smem, do_buf))
+        ds_t = p_t * (dp_t * scale - sdelta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_operand), q_buf, dk, is_async=True)
+        dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, q_buf, do_buf))
+        mbarrier.arrive(free.index(stage), count=1)
+
+    gl.store(DKP + g_rows[:, None] + cols[None, :], dk.to(DKP.dtype.element_ty))
+    gl.store(DVP + g_rows[:, None] + cols[None, :], dv.to(DVP.dtype.element_ty))
+
+
+@gluon.jit
+def _dkdv_partition_upper(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
+                          slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off,
+                          sg_h, qk_scale, scale, H_Q: gl.constexpr, GROUP: gl.constexpr,
+                          PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                          STAGES: gl.constexpr):
+    _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
+                    slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off, sg_h,
+                    qk_scale, scale, 1, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)
+
+
+@gluon.jit
+def _past_dkdv_kernel(
+    q_desc, do_desc, KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA,
+    sp_page, sp_off, sp_h, sg_page, sg_off, sg_h, ssl_b,
+    T, n_q_tiles, qk_scale, scale,
+    H_Q: gl.constexpr, H_KV: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):
+    key0 = gl.program_id(0) * 128  # two warp groups of 64 keys
+    bh = gl.program_id(1)
+    b = bh // H_KV
+    hk = bh % H_KV
+    n_steps = GROUP * n_q_tiles
+
+    dtype: gl.constexpr = q_desc.dtype
+    key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    k_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], key_layout)
+    k_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], key_layout)
+    v_lower = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], key_layout)
+    v_upper = gl.allocate_shared_memory(dtype, [64, HEAD_DIM], key_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=2)  # one arrival per warp group
+
+    slot_row = b.to(gl.int64) * ssl_b
+    gl.warp_specialize([
+        (_dkdv_partition, (KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_lower, v_lower, q_bufs, do_bufs, ready, free,
+                           slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off,
+                           sg_h, qk_scale, scale, 0, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)),
+        (_dkdv_partition_upper, (KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_upper, v_upper, q_bufs, do_bufs, ready,
+                                 free, slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page,
+                                 sg_off, sg_h, qk_scale, scale, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)),
+        (_rows_load_partition, (q_desc, do_desc, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs, ready, free, GROUP,
+                                BLOCK_M, STAGES)),
+    ], [4, 1], [240, 24])
+
+
 def _pool_ok(q: torch.Tensor, store: LayerStore) -> bool:
     return (q.dtype in (torch.bfloat16, torch.float16) and store.k.shape[-1] in (64, 128)
             and store.page_size % BLOCK_N == 0 and all(x.is_contiguous() for x in (store.k, store.v))
@@ -404,3 +530,37 @@ def dq_past(dout: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, delta: torch
             STAGES=STAGES, SPARSE=sparse, num_warps=4, maxnreg=168,
         )
     return dq
+
+
+DKDV_QUERY_ROWS = 64  # query rows per step of the dK/dV loop
+DKDV_STAGES = 3
+
+
+def rows_ok(*xs: torch.Tensor) -> bool:
+    """Whether the copy engine can read query-row tiles of these (B, H_q, T, D) tensors (16-byte aligned
+    base and strides, contiguous rows), as :func:`dkdv_past` needs for q and dout."""
+    return all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+               and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in xs)
+
+
+def dkdv_past(dout: torch.Tensor, q: torch.Tensor, lse2: torch.Tensor, sdelta: torch.Tensor, store: LayerStore,
+              past_end: int, scale: float) -> None:
+    """Add dK, dV of the stored keys [0, past_end) into ``store.dk``/``store.dv`` in place: q, dout
+    (B, H_q, T, D); lse2, sdelta the chunk's (B, H_q, T) row terms of ``chunk_attention._row_terms``.
+    Key-stationary: each 128-key tile is read, added to and written by one program (deterministic)."""
+    b, hq, t, d = q.shape
+    hkv = store.k.shape[2]
+    slots, _, _, _, _ = _past_args(store, past_end, None)
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    box = [1, 1, DKDV_QUERY_ROWS, d]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
+    q_desc, do_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (q, dout))
+    with torch.cuda.device(q.device):
+        _past_dkdv_kernel[(past_end // BLOCK_N, b * hkv)](
+            q_desc, do_desc, store.k, store.v, store.dk, store.dv, slots, lse2, sdelta,
+            store.k.stride(0), store.k.stride(1), store.k.stride(2),
+            store.dk.stride(0), store.dk.stride(1), store.dk.stride(2), slots.stride(0),
+            t, triton.cdiv(t, DKDV_QUERY_ROWS), scale * LOG2E, scale,
+            H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=store.page_size, HEAD_DIM=d,
+            BLOCK_M=DKDV_QUERY_ROWS, STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
+        )
