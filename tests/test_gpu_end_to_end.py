@@ -115,3 +115,31 @@ def test_host_waits_do_not_grow_with_the_number_of_chunks(sparse):
     four, eight = Counter(waits(4)), Counter(waits(8))
     grown = {line: (four[line], n) for line, n in eight.items() if n > four[line]}
     assert not grown, f"lines that wait once per chunk (waits with 4 chunks, with 8): {grown}"
+
+
+def test_served_loss_gradients_kept_on_the_host_give_the_same_gradient(monkeypatch):
+    """A served forward keeps each chunk's dL/dh from stage 1 for stage 2: on the GPU, or in pinned host
+    memory where the planner puts them (here forced). Bitwise the same gradient either way."""
+    import dataclasses
+
+    from lightning_oomb.core import schedule
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (1, 2048), device="cuda")
+    chunks = lightning_oomb.ChunkConfig(chunk_size=512, page_size=128, keep_graphs=0)
+    place = schedule.place_step
+    results = {}
+    for on_host in (False, True):
+        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
+            place(*a, **k), loss_grads_on_host=on_host))
+        model.zero_grad(set_to_none=True)
+        with lightning_oomb.serve(model, chunks):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results[on_host] = (loss.detach(), grads(model))
+    assert torch.equal(results[True][0], results[False][0])
+    for name, grad in results[False][1].items():
+        assert torch.equal(results[True][1][name], grad), name

@@ -1,15 +1,18 @@
 """Cross-entropy of the output layer computed in pieces of rows, so full logits never exist.
 
 transformers computes ``cross_entropy(lm_head(h).float(), labels, reduction="sum") / n_valid``: the
-logits in the model (or autocast) dtype, the softmax in float32. We do the same per piece of rows and
-compute the gradients with respect to h and the weight in the same pass (as Liger-Kernel's fused
-linear cross-entropy does), so backward is a multiply by the incoming gradient.
+logits in the model (or autocast) dtype, the softmax in float32. We do the same per piece of rows and,
+when training, compute the gradients with respect to h and the output layer in the same pass (as
+Liger-Kernel's fused linear cross-entropy does). The schedule keeps dL/dh of a chunk until its decoder is
+backpropagated and sums the output layer's gradient over all chunks in float32 (``HeadGradients``), so
+the incoming gradient scale is applied once, at the end, and the layer's weight gradient is rounded once.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 LOGITS_BUDGET_BYTES = 1 << 29  # float32 logits of one piece: 512 MiB
 
@@ -35,48 +38,34 @@ def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> 
         grad_w += (g.t() @ h).float()
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, normalizer: float):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
-        for rows in _pieces(hidden.shape[0], weight.shape[0]):
-            h = hidden[rows]
-            logits = F.linear(h, weight, bias)
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            tgt = targets[rows]
-            total -= logp.gather(1, tgt[:, None]).sum()
-            if need_h or need_w or need_b:
-                g = logp.exp_()
-                g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
-                g = (g / normalizer).to(logits.dtype)
-                if need_h:
-                    grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)
-                if need_w:
-                    _add_weight_grad(grad_w, g, h.to(g.dtype))
-                if need_b:
-                    grad_b += g.float().sum(0)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return total / normalizer
+class HeadGradients:
+    """float32 sums of the output layer's weight and bias gradients over a step's chunks, delivered once.
+
+    Only for the parameters that require grad; ``deliver(scale)`` multiplies the sums by the incoming
+    gradient and hands them to autograd (``AccumulateGrad``: added into ``.grad``, hooks run as usual).
+    """
+
+    def __init__(self, head: nn.Linear):
+        self.head = head
+        self.weight = self._sum_for(head.weight)
+        self.bias = self._sum_for(head.bias)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-        scale = grad_out.float()
-        # In place: backward runs once, and a scaled copy of the (V, d) float32 accumulator would cost GBs.
-        return (
-            None if grad_h is None else grad_h.mul_(scale.to(grad_h.dtype)),
-            None if grad_w is None else grad_w.mul_(scale).to(w_dtype),
-            None if grad_b is None else grad_b.mul_(scale).to(b_dtype),
-            None,
-            None,
-        )
+    def _sum_for(param: torch.Tensor | None) -> torch.Tensor | None:
+        if param is None or not param.requires_grad:
+            return None
+        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+
+    def deliver(self, scale: torch.Tensor) -> None:
+        """Add ``scale`` (float32 scalar tensor) times the sums into the parameters' gradients; frees them."""
+        params, grads = [], []
+        for param, total in ((self.head.weight, self.weight), (self.head.bias, self.bias)):
+            if total is not None:
+                params.append(param)
+                grads.append(total.mul_(scale).to(param.dtype))  # in place: a scaled copy would cost GBs
+        self.weight = self.bias = None
+        if params:
+            torch.autograd.backward(params, grads)
 
 
 def linear_cross_entropy(
@@ -85,18 +74,36 @@ def linear_cross_entropy(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     normalizer: float,
-) -> torch.Tensor:
-    """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) / normalizer, a float32 scalar.
+    head_grads: HeadGradients | None = None,
+    with_grad_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum_i CE(hidden[i] @ weight.T + bias, targets[i]) / normalizer, dLoss/dhidden or None).
 
-    hidden (N, d), weight (V, d), targets (N,) int64 with no ignored entries; differentiable in hidden,
-    weight and bias. Peak extra memory: one piece of logits (``piece_rows`` rows) plus dL/dh (N, d) and,
-    when the weight is trained, a float32 (V, d) accumulator.
+    hidden (N, d), weight (V, d), targets (N,) int64 with no ignored entries. The loss is a float32 scalar;
+    no autograd graph is recorded. With ``head_grads`` the output layer's gradients are added into its
+    float32 sums; with ``with_grad_hidden`` dLoss/dhidden (N, d) in hidden's dtype is returned. Peak extra
+    memory: one piece of logits (``piece_rows`` rows), its float32 log-probabilities and gradient.
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _LinearCrossEntropy.apply(hidden, weight, bias, targets, float(normalizer))
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_w = head_grads.weight if head_grads is not None else None
+    grad_b = head_grads.bias if head_grads is not None else None
+    grad_h = torch.empty_like(hidden) if with_grad_hidden else None
     with torch.no_grad():
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for rows in _pieces(hidden.shape[0], weight.shape[0]):
-            logits = F.linear(hidden[rows], weight, bias).float()
-            total += F.cross_entropy(logits, targets[rows], reduction="sum")
-        return total / normalizer
+            h = hidden[rows]
+            logits = F.linear(h, weight, bias)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            tgt = targets[rows]
+            total -= logp.gather(1, tgt[:, None]).sum()
+            if grad_h is None and grad_w is None and grad_b is None:
+                continue
+            g = logp.exp_()
+            g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
+            g = (g / normalizer).to(logits.dtype)
+            if grad_h is not None:
+                grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)
+            if grad_w is not None:
+                _add_weight_grad(grad_w, g, h.to(g.dtype))
+            if grad_b is not None:
+                grad_b += g.float().sum(0)
+    return total / normalizer, grad_h

@@ -827,12 +827,11 @@ def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -
 
 
 def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
-    """Bytes one chunk's autograd graph holds from its forward to its backward: its activations and what
-    the loss computed ahead (dL/dh, and the output layer's float32 dL/dW when it is trained)."""
+    """Bytes one chunk's autograd graph holds from its forward to its backward: its activations and the
+    loss's dL/dh (the output layer's gradient goes into the step's float32 sum, counted once)."""
     p = PROFILES[c.precision]
     t = c.chunk_tokens
-    head = shape.vocab * shape.hidden * 4 if c.lora_rank == 0 else 0
-    return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear + head
+    return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear
 
 
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
@@ -1185,7 +1184,9 @@ class Placement:
     sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over the depth) may live in
     pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
     autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
-    chunks before them for stage 2, which then skips their forward or their attention forward."""
+    chunks before them for stage 2, which then skips their forward or their attention forward. A step that
+    computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
+    memory where ``loss_grads_on_host``, else on the device."""
 
     where: str
     segment_tokens: int
@@ -1193,6 +1194,7 @@ class Placement:
     host_grad_layers: int = 0
     kept_chunks: int = 0
     graph_chunks: int = 0
+    loss_grads_on_host: bool = False
 
 
 def available_host_memory() -> int:
@@ -1209,7 +1211,7 @@ def available_host_memory() -> int:
 
 def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
-    reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0,
+    reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -1226,6 +1228,10 @@ def place_step(
     stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
     they do not fit; None: the last chunk's graph, attention outputs in KEPT_ATTENTION_SHARE of the memory
     the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left).
+
+    ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
+    the GPU when every page is there and they fit in what the step leaves free (before anything is kept
+    for stage 2), else in pinned host memory.
     """
     if config.offload not in PLACEMENTS:
         raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
@@ -1271,6 +1277,9 @@ def place_step(
     free -= int(PLACEMENT_HEADROOM_SHARE * total)
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    shape = ModelShape.resolve(model)
+    loss_grads = stage_1_loss * n_chunks * batch * min(config.chunk_size, seq_len) * shape.hidden
+    loss_grads *= PROFILES[precision].residual
 
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0) -> tuple[Plan, int]:
         step = plan(
@@ -1283,15 +1292,18 @@ def place_step(
         return step, needed
 
     if sparse:
-        n_layers = ModelShape.resolve(model).n_layers
-        counts = {"gpu": [0], "auto": range(n_layers + 1), "host": [n_layers]}[config.offload]
+        counts = {"gpu": [0], "auto": range(shape.n_layers + 1), "host": [shape.n_layers]}[config.offload]
         for n in counts:
             step, needed = step_plan(False, page, n)
             pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+            on_host = n > 0 or needed + loss_grads > free
+            pinned += loss_grads if on_host else 0
             if needed <= free and pinned <= host_free:
-                kept = (kept_for_stage_2(step, free - needed, keep, keep_graphs) if n == 0
+                spare = free - needed - (0 if on_host else loss_grads)
+                kept = (kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0
                         else not_kept(f"{n} layers' KV-gradient pages"))
-                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept)
+                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
+                                 loss_grads_on_host=on_host)
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
         raise PlanError(
@@ -1305,10 +1317,12 @@ def place_step(
 
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)
-        if needed <= free:
-            kept, graphs = kept_for_stage_2(on_gpu, free - needed, keep, keep_graphs)
+        on_host = needed + loss_grads > free
+        if needed <= free and (not on_host or loss_grads <= host_free):
+            spare = free - needed - (0 if on_host else loss_grads)
+            kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
             return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
-                             graph_chunks=graphs)
+                             graph_chunks=graphs, loss_grads_on_host=on_host)
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
@@ -1328,11 +1342,11 @@ def place_step(
         segment = int(budget // (2 * batch * per_token)) // page * page
         segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
     step, needed = step_plan(True, segment)
-    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned")) + loss_grads
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
             f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {pinned / GIB:.2f} GiB "
             f"of host memory ({host_free / GIB:.2f} GiB available); nothing was allocated for it.\n\n{step}"
         )
-    return Placement("host", segment, batch)
+    return Placement("host", segment, batch, loss_grads_on_host=bool(loss_grads))

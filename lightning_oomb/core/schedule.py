@@ -4,9 +4,11 @@ Stage 1 (fill, no autograd but for the last chunks, whose graphs it keeps: ``kee
 0..C-1 run forward; every attention layer writes the chunk's post-RoPE K, V into the paged store and attends
 over everything stored so far.
 Stage 2 (backward): chunks C-1..0 re-run forward with autograd (those with a kept graph need not);
-attention reads the past from the store as constants; the chunk's loss is backpropagated, which adds the
-past's dK, dV into the store and hands the chunk's own K, V their complete gradient (later chunks ran
-first). Summed over chunks, the parameter gradients are those of full-sequence training.
+attention reads the past from the store as constants; the chunk's loss gradient dL/dh is backpropagated
+through the decoder, which adds the past's dK, dV into the store and hands the chunk's own K, V their
+complete gradient (later chunks ran first). The output layer's gradient is summed over chunks in float32
+and delivered once at the end. Summed over chunks, the parameter gradients are those of full-sequence
+training.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
-from .loss import linear_cross_entropy
+from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, StoreSpec
 from .planner import PLACEMENTS, Placement, place_step
 from .sparse import SparseConfig, select_pages, update_summaries
@@ -193,7 +195,14 @@ def _check_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch
 
 
 class ChunkedSequence:
-    """One batch of sequences through the two stages. Create, ``fill()``, then ``backward()`` once."""
+    """One batch of sequences through the two stages. Create, ``fill()``, then ``backward()`` once.
+
+    stage_1_loss: stage 1 computes every chunk's loss, so that ``fill`` returns it (a served forward must
+    return the loss before its backward). When training it computes each chunk's dL/dh and the output
+    layer's gradient right there and keeps dL/dh for stage 2 (on the GPU, or in pinned host memory where the
+    placement says), which then backpropagates the decoder only: the output layer runs once per chunk
+    either way.
+    """
 
     def __init__(
         self,
@@ -204,7 +213,9 @@ class ChunkedSequence:
         pools: PoolProvider | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         observer: ChunkObserver | None = None,
+        stage_1_loss: bool = False,
     ):
+        self.stage_1_loss = stage_1_loss
         self.targets = _check_tokens(input_ids, labels)
         self.observer = observer
         self.model = model
@@ -220,9 +231,13 @@ class ChunkedSequence:
         # Attention (out, lse) from stage 1 of the placement.kept_chunks chunks before those whose graphs it
         # keeps, by (chunk, layer), until the chunk's stage-2 backward.
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Losses of the last placement.graph_chunks chunks, run with autograd in stage 1, by chunk index,
-        # until stage 2 backpropagates them.
-        self.graphs: dict[int, torch.Tensor] = {}
+        # (last hidden state with its graph, dL/dh, loss) of the last placement.graph_chunks chunks, run with
+        # autograd in stage 1, by chunk index, until stage 2 backpropagates them.
+        self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        # (loss, dL/dh) of the other chunks when stage 1 computes the losses (stage_1_loss), by chunk index.
+        self.loss_grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # float32 sums of the output layer's gradients, from the first chunk's loss to the end of stage 2.
+        self.head_grads: HeadGradients | None = None
         self._chunk = 0
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
@@ -237,7 +252,8 @@ class ChunkedSequence:
         self.decoder = self.lm.get_decoder()
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
-        self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable)
+        self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
+                                    stage_1_loss=stage_1_loss)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -315,25 +331,50 @@ class ChunkedSequence:
         pos = torch.arange(start, end, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
         return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
 
-    def _chunk_loss(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _chunk_loss(
+        self, hidden: torch.Tensor, start: int, end: int, with_grads: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss of the chunk, dL/dh (B, T, d) when ``with_grads`` and the decoder trains); ``with_grads``
+        also adds the output layer's gradient into ``head_grads``."""
         targets = self.targets[:, start:end]
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])
+        keep = None
         if self._fully_labelled[self._chunk]:
-            hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+            rows, targets = flat, targets.reshape(-1)
         else:
-            keep = targets != IGNORE_INDEX
-            hidden, targets = hidden[keep], targets[keep]
-        return linear_cross_entropy(hidden, self.head.weight, self.head.bias, targets, self.n_valid)
+            keep = (targets != IGNORE_INDEX).reshape(-1)
+            rows, targets = flat[keep], targets.reshape(-1)[keep]
+        if with_grads and self.head_grads is None:
+            self.head_grads = HeadGradients(self.head)
+        loss, grad_rows = linear_cross_entropy(
+            rows, self.head.weight, self.head.bias, targets, self.n_valid,
+            self.head_grads if with_grads else None, with_grad_hidden=with_grads and self._decoder_trains,
+        )
+        if grad_rows is None:
+            return loss, None
+        if keep is None:
+            return loss, grad_rows.view_as(hidden)
+        grad = torch.zeros_like(flat)
+        grad[keep] = grad_rows
+        return loss, grad.view_as(hidden)
+
+    def _keep_loss_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None or not self.placement.loss_grads_on_host:
+            return grad
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        return host.copy_(grad, non_blocking=True)  # in stream order: stage 2's copy back waits for it
 
     # -- the two stages -------------------------------------------------------------------------------
-    def fill(
-        self, with_loss: bool = False, with_grads: bool = True, keep_last: int = 0
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Stage 1. Returns (loss, logits): the loss (detached) when ``with_loss`` (that costs the output
-        layer's forward), and the logits (B, keep_last, V) of the last ``keep_last`` positions, else None."""
+    def fill(self, with_grads: bool = True, keep_last: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Stage 1. Returns (loss, logits): the loss (float32 scalar) with ``stage_1_loss``, and the logits
+        (B, keep_last, V) of the last ``keep_last`` positions, else None."""
         if self._stage != "new":
             raise RuntimeError("fill() runs once per ChunkedSequence")
+        if with_grads and not any(p.requires_grad for p in self.model.parameters()):
+            raise RuntimeError("no parameter of the model requires grad")
         self._stage, self._with_grads = "fill", with_grads
-        total = torch.zeros((), dtype=torch.float32, device=self.device) if with_loss else None
+        self._decoder_trains = any(p.requires_grad for p in self.decoder.parameters())
+        total = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage_1_loss else None
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
         with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
@@ -342,12 +383,14 @@ class ChunkedSequence:
                 keeps_graph = self._keeps_graph(index)
                 with torch.set_grad_enabled(keeps_graph):
                     hidden = self._chunk_hidden(start, end)
-                    if keeps_graph or with_loss:
-                        loss = self._chunk_loss(hidden, start, end)
-                if keeps_graph:
-                    self.graphs[index] = loss
-                if with_loss:
-                    total += loss.detach()
+                if keeps_graph or self.stage_1_loss:
+                    loss, grad = self._chunk_loss(hidden, start, end, with_grads)
+                    if keeps_graph:
+                        self.graphs[index] = (hidden, grad, loss)
+                    elif with_grads:
+                        self.loss_grads[index] = (loss, self._keep_loss_grad(grad))
+                    if self.stage_1_loss:
+                        total += loss
                 if keep_last and end > first_kept:
                     kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
                 if self.observer is not None:
@@ -368,18 +411,26 @@ class ChunkedSequence:
                     self._chunk = index
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
-                    loss = self.graphs.pop(index, None)
-                    if loss is None:
-                        loss = self._chunk_loss(self._chunk_hidden(start, end), start, end)
-                    if not loss.requires_grad:
-                        raise RuntimeError("no parameter of the model requires grad")
-                    torch.autograd.backward(loss, grad)
+                    if index in self.graphs:
+                        hidden, dhidden, loss = self.graphs.pop(index)
+                    else:
+                        hidden = self._chunk_hidden(start, end)
+                        if index in self.loss_grads:
+                            loss, dhidden = self.loss_grads.pop(index)
+                            if dhidden is not None:
+                                dhidden = dhidden.to(self.device, non_blocking=True)
+                        else:
+                            loss, dhidden = self._chunk_loss(hidden, start, end, with_grads=True)
+                    if dhidden is not None:
+                        torch.autograd.backward(hidden, dhidden.mul_(grad.to(dhidden.dtype)))
                     for done in (self.selections, self.kept):  # this chunk's forward and backward are done
                         for key in [key for key in done if key[0] == index]:
                             del done[key]
-                    total += loss.detach()
+                    total += loss
                     if self.observer is not None:
                         self.observer(2, index, start, end)
+            if self.head_grads is not None:
+                self.head_grads.deliver(grad)
         finally:
             self.release()
         return total
@@ -392,6 +443,8 @@ class ChunkedSequence:
         self.selections.clear()
         self.kept.clear()
         self.graphs.clear()
+        self.loss_grads.clear()
+        self.head_grads = None
         self._stage = "done"
 
 
@@ -457,8 +510,8 @@ def eval_loss(
     config = ChunkConfig(
         chunk_size, page_size, attention, sparse=sparse, offload=offload, segment_tokens=segment_tokens
     )
-    seq = ChunkedSequence(model, input_ids, labels, config)
+    seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True)
     try:
-        return seq.fill(with_loss=True, with_grads=False)[0]
+        return seq.fill(with_grads=False)[0]
     finally:
         seq.release()

@@ -112,11 +112,12 @@ class Serving:
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         seq = ChunkedSequence(
-            self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer
+            self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
+            stage_1_loss=True,
         )
         self.sequences.append(seq)
         train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
-        loss, logits = seq.fill(with_loss=True, with_grads=train, keep_last=logits_to_keep)
+        loss, logits = seq.fill(with_grads=train, keep_last=logits_to_keep)
         if train:
             anchor = next(p for p in self.model.parameters() if p.requires_grad)
             loss = _StageTwo.apply(anchor, loss, seq)
