@@ -209,7 +209,7 @@ def _fp32_copy(p: Problem) -> Problem:
 
 GPU_CASES = {
     # batch, n_kv, group, head_dim, T, start, page_size: on an H200 the first four run the past's whole
-    # tiles in the warp-specialised forward and dQ (past_attention_sm90), the last two do not (pages of 64,
+    # tiles in the warp-specialised forward, dQ and dK/dV (past_attention_sm90), the last two do not (pages of 64,
     # a past shorter than one tile)
     "d128-partial-past-tile": (1, 2, 7, 128, 512, 1000, 128),
     "d128-pages-of-256-batch-2": (2, 1, 7, 128, 300, 2048, 256),

@@ -23,9 +23,9 @@ Kernels:
   (lightning_oomb.bench.kernels): ~460-480 TFLOP/s forward, ~306-314 backward (FlashAttention's 5-matmul
   count) at 32K-128K tokens of past: 1.4x SDPA's flash backend forward and ~0.96x its backward.
 
-On an H200 (sm_90) the whole past tiles of the forward and of dQ run in the warp-specialised Gluon kernels
-of :mod:`.past_attention_sm90`: the kernels here then cover only the chunk's own keys and the past's last
-partial tile, and the Gluon kernels continue from their results.
+On an H200 (sm_90) the whole past tiles of the forward, dQ and dK/dV run in the warp-specialised Gluon
+kernels of :mod:`.past_attention_sm90`: the kernels here then cover only the chunk's own keys and the past's
+last partial tile, and the Gluon forward and dQ continue from their results.
 
 On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
 when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer

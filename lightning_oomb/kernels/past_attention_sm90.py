@@ -1,4 +1,4 @@
-"""Hopper forward and dQ over the stored past, warp-specialised by hand (Gluon).
+"""Hopper forward, dQ and dK/dV over the stored past, warp-specialised by hand (Gluon).
 
 The Triton kernels (:mod:`.chunk_attention`) run a 128-row query tile in two warp groups that meet at
 block-wide barriers around every bulk copy, so one group's exponentials never overlap the other's matmuls
@@ -14,7 +14,10 @@ partitions that only meet at mbarriers:
 Forward: continue the online-softmax state of the chunk's own keys (out (B, H_q, T, D) fp32 normalised to
 1 at lse, lse (B, H_q, T) fp32, natural log) over the stored keys [0, past_end) and write the final out and
 lse. dQ: P = exp(S - lse), dS = P * (dO V^T - delta), dQ += dS K over the same keys, added to the dQ of the
-chunk's own keys. Both are query-stationary like their Triton counterparts; dK/dV stay in Triton.
+chunk's own keys. Both are query-stationary like their Triton counterparts. dK/dV is key-stationary like
+its Triton counterpart: each program owns 128 stored keys of one KV head (64 per warp group, dK and dV in
+fp32 registers) and the load warp streams the chunk's query rows and dO tiles; it adds into the store's
+gradient pages without atomics.
 
 Whole tiles of ``BLOCK_N`` rows that never cross a page, head dim 64 or 128, bf16 or fp16, sm_90:
 :func:`supported` says when a launch qualifies, and :mod:`.chunk_attention` runs everything else (the
