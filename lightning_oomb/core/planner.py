@@ -1278,8 +1278,11 @@ def place_step(
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     shape = ModelShape.resolve(model)
-    loss_grads = stage_1_loss * n_chunks * batch * min(config.chunk_size, seq_len) * shape.hidden
-    loss_grads *= PROFILES[precision].residual
+    per_chunk = batch * min(config.chunk_size, seq_len) * shape.hidden * PROFILES[precision].residual
+    loss_grads = stage_1_loss * n_chunks * per_chunk
+    # On the host each chunk's dL/dh is a block of torch's pinned allocator, which rounds to a power of two
+    # (and keeps the blocks for the next step).
+    loss_grads_pinned = stage_1_loss * n_chunks * (1 << (per_chunk - 1).bit_length())
 
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0) -> tuple[Plan, int]:
         step = plan(
@@ -1297,7 +1300,7 @@ def place_step(
             step, needed = step_plan(False, page, n)
             pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
             on_host = n > 0 or needed + loss_grads > free
-            pinned += loss_grads if on_host else 0
+            pinned += loss_grads_pinned if on_host else 0
             if needed <= free and pinned <= host_free:
                 spare = free - needed - (0 if on_host else loss_grads)
                 kept = (kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0
@@ -1318,7 +1321,7 @@ def place_step(
     if config.offload in ("auto", "gpu"):
         on_gpu, needed = step_plan(False, page)
         on_host = needed + loss_grads > free
-        if needed <= free and (not on_host or loss_grads <= host_free):
+        if needed <= free and (not on_host or loss_grads_pinned <= host_free):
             spare = free - needed - (0 if on_host else loss_grads)
             kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
             return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
@@ -1342,7 +1345,7 @@ def place_step(
         segment = int(budget // (2 * batch * per_token)) // page * page
         segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
     step, needed = step_plan(True, segment)
-    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned")) + loss_grads
+    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned")) + loss_grads_pinned
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "

@@ -118,7 +118,8 @@ class PagedKVCallback(Callback):
             model = find_causal_lm(pl_module)
             config = trainer.strategy.chunk_config
             with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
-                placement = place_step(model, *shape, config, self._device)
+                # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
+                placement = place_step(model, *shape, config, self._device, stage_1_loss=True)
             spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
             pages = shape[0] * -(-shape[1] // self._page_size)
             self.pool = new_pool(spec, pages, self._page_size, self._device, True, placement)
