@@ -24,20 +24,22 @@ from ..core.planner import ModelShape, parse_tokens
 from ..core.sparse import SparseConfig
 from .run import BenchConfig, build_model
 
-GROUPS = (
-    ("attention forward (Triton)", ("_fwd_kernel",)),
-    ("attention dK/dV (Triton)", ("_dkdv_kernel",)),
-    ("attention dQ (Triton)", ("_dq_kernel",)),
-    ("matmul (cuBLAS)", ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")),
-    ("host gradient pages (side stream)", ("_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel")),
-)
+# Our kernels by exact name (dense, sparse and Hopper Gluon kernels of each direction); cuBLAS by substring.
+KERNEL_GROUPS = {
+    "attention forward": ("_fwd_kernel", "_sparse_fwd_kernel", "_past_forward_kernel"),
+    "attention dK/dV": ("_dkdv_kernel", "_page_dkdv_kernel", "_past_dkdv_kernel"),
+    "attention dQ": ("_dq_kernel", "_sparse_dq_kernel", "_past_dq_kernel"),
+    "host gradient pages (side stream)": ("_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel"),
+}
+MATMUL_KEYS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")
 
 
 def _group(name: str) -> str:
-    lowered = name.lower()
-    for group, keys in GROUPS:
-        if any(k.lower() in lowered for k in keys):
+    for group, kernels in KERNEL_GROUPS.items():
+        if name in kernels:
             return group
+    if any(k in name.lower() for k in MATMUL_KEYS):
+        return "matmul (cuBLAS)"
     return "other"
 
 
