@@ -105,3 +105,15 @@ def test_sparse_fidelity_report(tmp_path):
     for row in rows:  # the past has at most 12 pages: budget 16 attends to all of them
         assert float(row[5]) < 1e-5 and float(row[3]) > 1 - 1e-9
     assert "Held-out retrieval accuracy" in out.read_text()
+
+
+def test_profile_groups_our_kernels_by_exact_name():
+    """The step profile's groups: the dense, sparse and Hopper (Gluon) attention kernels of each direction by
+    name, the fused elementwise kernels (whose names also end in _fwd_kernel) not among them."""
+    from lightning_oomb.bench.profile_step import _group
+
+    assert _group("_past_forward_kernel") == _group("_fwd_kernel") == "attention forward"
+    assert _group("_page_dkdv_kernel") == _group("_past_dkdv_kernel") == "attention dK/dV"
+    assert _group("_past_dq_kernel") == _group("_sparse_dq_kernel") == "attention dQ"
+    assert _group("_silu_mul_fwd_kernel") == _group("_rms_norm_fwd_kernel") == "other"
+    assert _group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul (cuBLAS)"
