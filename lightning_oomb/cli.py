@@ -105,7 +105,7 @@ def _has_val_data(datamodule) -> bool:
 def print_plan(trainer, module, datamodule) -> None:
     """The planner's memory and time of one step, for this run's model, data and strategy. Never raises."""
     try:
-        from .core.planner import PROFILES, plan_placed, this_host_memory
+        from .core.planner import loss_grad_bytes, plan_placed, this_host_memory
 
         strategy = trainer.strategy
         config = getattr(strategy, "chunk_config", None)
@@ -137,7 +137,7 @@ def print_plan(trainer, module, datamodule) -> None:
         )
         print(result)
         c = result.config
-        loss_grads = c.n_chunks * c.chunk_tokens * result.shape.hidden * PROFILES[c.precision].residual
+        loss_grads = loss_grad_bytes(result.shape, c.chunk_tokens, c.n_chunks, c.precision)
         print(f"(a training step under OOMBStrategy also keeps every chunk's dL/dh from stage 1 to stage 2: "
               f"{loss_grads / GIB:.2f} GiB, on the GPU when it fits there, else in pinned host memory)")
         if note:

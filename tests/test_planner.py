@@ -335,3 +335,17 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
                for n in roomy.notes), roomy.notes
     offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)
     assert not any("attention outputs" in n for n in offloaded.notes)
+
+
+def test_served_loss_gradients_in_the_placement():
+    """A served step keeps every chunk's dL/dh for stage 2; pinned, each is a power-of-two block of torch's
+    allocator. On a CPU device they stay where the step runs."""
+    from lightning_oomb.core.planner import ModelShape, loss_grad_bytes, place_step
+
+    shape = ModelShape.from_name("qwen2.5-7b")
+    assert loss_grad_bytes(shape, 4096, 256, "bf16-true") == 256 * 4096 * 3584 * 2  # 7 GiB at 1M
+    assert loss_grad_bytes(shape, 4096, 256, "bf16-true", pinned=True) == 256 * 32 * 2**20
+    assert loss_grad_bytes(shape, 4096, 1, "32-true") == 4096 * 3584 * 4
+    model = tiny_model("qwen2")
+    placement = place_step(model, 1, 32, ChunkConfig(chunk_size=8), torch.device("cpu"), stage_1_loss=True)
+    assert not placement.loss_grads_on_host

@@ -834,6 +834,14 @@ def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
     return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear
 
 
+def loss_grad_bytes(shape: ModelShape, chunk_tokens: int, n_chunks: int, precision: str, pinned: bool = False) -> int:
+    """Bytes of every chunk's dL/dh that a step computing its loss in stage 1 (a served forward) keeps for
+    stage 2; ``pinned``: as blocks of torch's pinned host allocator, which rounds each up to a power of two
+    (and keeps them for the next step)."""
+    per_chunk = chunk_tokens * shape.hidden * PROFILES[precision].residual
+    return n_chunks * ((1 << (per_chunk - 1).bit_length()) if pinned else per_chunk)
+
+
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
     """Chunks of ``chunk_bytes`` each (attention outputs, or with KEPT_GRAPHS_SHARE autograd graphs) a step keeps
     by default when ``spare_bytes`` of GPU memory are left beyond it: those that fit in ``share`` of them, at
@@ -1278,11 +1286,9 @@ def place_step(
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     shape = ModelShape.resolve(model)
-    per_chunk = batch * min(config.chunk_size, seq_len) * shape.hidden * PROFILES[precision].residual
-    loss_grads = stage_1_loss * n_chunks * per_chunk
-    # On the host each chunk's dL/dh is a block of torch's pinned allocator, which rounds to a power of two
-    # (and keeps the blocks for the next step).
-    loss_grads_pinned = stage_1_loss * n_chunks * (1 << (per_chunk - 1).bit_length())
+    chunk_tokens = batch * min(config.chunk_size, seq_len)
+    loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
+    loss_grads_pinned = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision, pinned=True)
 
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0) -> tuple[Plan, int]:
         step = plan(
