@@ -87,6 +87,26 @@ def test_output_layer_runs_once_per_chunk(family, monkeypatch):
     assert_grads_close(grads_of(model), {name: 0.5 * g for name, g in want.items()}, TOL)
 
 
+def test_served_step_training_only_the_output_layer_runs_the_decoder_once(monkeypatch):
+    """With the decoder frozen, a served step's stage 1 already holds the output layer's gradient: stage 2
+    runs no chunk again, and the gradient is the full-sequence one."""
+    from lightning_oomb.core import schedule
+
+    model = tiny_model("qwen2")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name == "lm_head.weight")
+    ids = torch.randint(0, VOCAB, (1, 29))
+    _, want = full_sequence_grads(model, ids)
+    runs = []
+    chunk_hidden = schedule.ChunkedSequence._chunk_hidden
+    monkeypatch.setattr(schedule.ChunkedSequence, "_chunk_hidden", lambda *a: runs.append(1) or chunk_hidden(*a))
+    with lightning_oomb.serve(model, lightning_oomb.ChunkConfig(chunk_size=8, page_size=4, attention="reference")):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert len(runs) == 4  # stage 1 only
+    assert_grads_close(grads_of(model), {"lm_head.weight": want["lm_head.weight"]}, TOL)
+
+
 def test_labels_differ_from_inputs():
     model = tiny_model("qwen3")
     ids = torch.randint(0, VOCAB, (2, 24))

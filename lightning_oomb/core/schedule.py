@@ -413,14 +413,14 @@ class ChunkedSequence:
                         self.pool.zero_grads(self.table, start, end)
                     if index in self.graphs:
                         hidden, dhidden, loss = self.graphs.pop(index)
+                    elif index in self.loss_grads:  # stage 1 computed the loss: the decoder's backward is left
+                        loss, dhidden = self.loss_grads.pop(index)
+                        if dhidden is not None:
+                            hidden = self._chunk_hidden(start, end)
+                            dhidden = dhidden.to(self.device, non_blocking=True)
                     else:
                         hidden = self._chunk_hidden(start, end)
-                        if index in self.loss_grads:
-                            loss, dhidden = self.loss_grads.pop(index)
-                            if dhidden is not None:
-                                dhidden = dhidden.to(self.device, non_blocking=True)
-                        else:
-                            loss, dhidden = self._chunk_loss(hidden, start, end, with_grads=True)
+                        loss, dhidden = self._chunk_loss(hidden, start, end, with_grads=True)
                     if dhidden is not None:
                         torch.autograd.backward(hidden, dhidden.mul_(grad.to(dhidden.dtype)))
                     for done in (self.selections, self.kept):  # this chunk's forward and backward are done
