@@ -64,6 +64,19 @@ def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
     assert md.count("\n| ") == 7  # header + 6 points
 
 
+def test_sparse_offload_mode_moves_every_gradient_layer_to_the_host(tmp_path):
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "256", "--modes", "sparse,sparse-offload",
+            "--repeats", "1", "--warmup", "0", "--chunk", "64", "--page-size", "16", "--budget-pages", "6",
+            "--out", str(out)]
+    assert cli_main(argv) == 0
+    _, rows = read_rows(out / "results.csv")
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["host_grad_layers"] for r in rows] == ["0", str(TINY_QWEN2["num_hidden_layers"])]
+    assert math.isclose(float(rows[0]["loss"]), float(rows[1]["loss"]), rel_tol=1e-6)
+    assert float(rows[1]["planned_host_gib"]) > 0
+
+
 def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     def step(model, input_ids, config):
         if input_ids.shape[1] > 64:

@@ -252,6 +252,13 @@ def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig)
     return train_step(model, input_ids, **_step_options(config, sparse=MODES["sparse"].sparse_config(config)))
 
 
+def _sparse_offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    from .. import train_step
+
+    sparse = MODES["sparse-offload"].sparse_config(config)
+    return train_step(model, input_ids, **_step_options(config, sparse=sparse, offload="host"))
+
+
 def _offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
     from .. import train_step
 
@@ -276,6 +283,11 @@ register_mode(BenchMode(
 register_mode(BenchMode(
     "sparse", "lightning_oomb.train_step with page-level sparse attention (--budget-pages pages per query tile)",
     _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True,
+))
+register_mode(BenchMode(
+    "sparse-offload", "sparse, with every layer's KV-gradient pages in pinned host memory (K/V on the GPU): "
+    "what a host gradient layer costs",
+    _sparse_offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True, offload=True,
 ))
 register_mode(BenchMode(
     "offload", "lightning_oomb.train_step with every K/V and KV-gradient page in pinned host memory, streamed",
@@ -373,7 +385,8 @@ def measure(
             lora_rank=config.lora_rank, optimizer="none",
             precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
             checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
-            matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload, segment_tokens=segment_tokens,
+            matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload and not mode.sparse,
+            segment_tokens=segment_tokens,
             grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
             graph_chunks=result.graph_chunks or 0,
         )
