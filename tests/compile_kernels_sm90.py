@@ -1,7 +1,8 @@
 """Compile every attention kernel for sm_90 (Hopper) without a GPU: Triton's front end, its GPU passes and
 ptxas, each attention kernel once with bulk copies through tensor descriptors and once with pointer loads (the
 page dK/dV kernel writing a staging area in the first build, the gradient pages in the second), and the
-warp-specialised Gluon kernels once for a dense past and once for selected pages.
+warp-specialised Gluon kernels once for a dense past and once for selected pages (dK/dV also into a staging
+area).
 
 Catches what the interpreter cannot: it runs kernels as Python, so type rules of the compiler (say, 32-bit
 descriptor offsets) only show on a real build. Run by tests/test_kernels_compile.py in a process without
@@ -142,9 +143,10 @@ def main() -> None:
         build(warp_specialized._past_dq_kernel, types, shape, num_warps=4, maxnreg=168)
     box = [1, 1, warp_specialized.DKDV_QUERY_ROWS, D]
     rows = f"tensordesc<bf16[{', '.join(map(str, box))}],{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"
-    build(warp_specialized._past_dkdv_kernel, {"q_desc": rows, "do_desc": rows, **f32, **i32, **scalars},
-          dict(**HEADS, H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, BLOCK_M=warp_specialized.DKDV_QUERY_ROWS,
-               STAGES=warp_specialized.DKDV_STAGES), num_warps=4, maxnreg=168)
+    for sparse_pages, staged in ((False, False), (True, False), (True, True)):
+        build(warp_specialized._past_dkdv_kernel, {"q_desc": rows, "do_desc": rows, **f32, **i32, **scalars},
+              dict(**HEADS, H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, BLOCK_M=warp_specialized.DKDV_QUERY_ROWS,
+                   STAGES=warp_specialized.DKDV_STAGES, SPARSE=sparse_pages, STAGED=staged), num_warps=4, maxnreg=168)
     print("compiled for sm_90 (warp-specialised)", flush=True)
 
     build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},

@@ -143,3 +143,29 @@ def test_served_loss_gradients_kept_on_the_host_give_the_same_gradient(monkeypat
     assert torch.equal(results[True][0], results[False][0])
     for name, grad in results[False][1].items():
         assert torch.equal(results[True][1][name], grad), name
+
+
+def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
+    """Sparse bf16 step with pages of 128 and chunks on page borders (on an H200: the warp-specialised page
+    kernels): every layer's gradient pages pinned on the host, where each chunk's share is staged and added
+    from the GPU, gives bitwise the gradient of all pages on the GPU."""
+    from lightning_oomb.core.schedule import cached_pool
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (1, 2048), device="cuda")
+    sparse = lightning_oomb.SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    results = {}
+    for offload in ("gpu", "host"):
+        model.zero_grad(set_to_none=True)
+        # No kept graphs on either side (a host layer's step keeps none): the output layer's float32 gradient
+        # sum then runs in the same order too.
+        loss = lightning_oomb.train_step(model, ids, chunk_size=512, page_size=128, sparse=sparse, offload=offload,
+                                         grad_dtype=torch.bfloat16, keep_graphs=0, keep_attention=0)
+        assert cached_pool(model).host_grad_layers == (2 if offload == "host" else 0)
+        results[offload] = (loss, grads(model))
+    assert torch.equal(results["host"][0], results["gpu"][0])
+    for name, grad in results["gpu"][1].items():
+        assert torch.equal(results["host"][1][name], grad), name

@@ -805,7 +805,7 @@ def _backward(
 
     dkdv_from = 0
     if past_attention_sm90.rows_ok(q, dout):
-        past_attention_sm90.dkdv_past(dout, q, *row_terms, store, past_end, scale)
+        past_attention_sm90.dkdv_past(dout, q, *row_terms, store, scale, past_end=past_end)
         dkdv_from = past_end
     dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True)
     partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -15,9 +15,10 @@ Forward: continue the online-softmax state of the chunk's own keys (out (B, H_q,
 1 at lse, lse (B, H_q, T) fp32, natural log) over the stored keys [0, past_end) and write the final out and
 lse. dQ: P = exp(S - lse), dS = P * (dO V^T - delta), dQ += dS K over the same keys, added to the dQ of the
 chunk's own keys. Both are query-stationary like their Triton counterparts. dK/dV is key-stationary like
-its Triton counterpart: each program owns 128 stored keys of one KV head (64 per warp group, dK and dV in
-fp32 registers) and the load warp streams the chunk's query rows and dO tiles; it adds into the store's
-gradient pages without atomics.
+its Triton counterparts: each program owns 128 stored keys of one KV head (64 per warp group, dK and dV in
+fp32 registers): a past tile, or with sparse attention a selected page and the query tiles that chose it;
+the load warp streams those query rows and dO tiles. The chunk's share is summed first and the stored
+gradient added after (or the share alone goes to a staging area for host-resident pages), without atomics.
 
 Whole tiles of ``BLOCK_N`` rows that never cross a page, head dim 64 or 128, bf16 or fp16, sm_90:
 :func:`supported` says when a launch qualifies, and :mod:`.chunk_attention` runs everything else (the
@@ -320,12 +321,26 @@ def _past_dq_kernel(
 
 
 @gluon.jit
-def _rows_load_partition(q_desc, do_desc, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs, ready, free,
-                         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """Copy the query rows and output gradients of each (query head of the group, query tile) in turn."""
+def _dkdv_step(TILES, tiles_row, st_j, i, hk, n_q_tiles, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               BLOCK_M: gl.constexpr, SPARSE: gl.constexpr):
+    """(query head, first query row) of step i of a dK/dV program: each query head of the group over every
+    query tile of the chunk; with SPARSE over the query tiles (pages) that chose the program's page, listed
+    at TILES + tiles_row (stride st_j), each PAGE_SIZE // BLOCK_M steps per head."""
+    if SPARSE:
+        BLOCKS: gl.constexpr = PAGE_SIZE // BLOCK_M
+        tile = gl.load(TILES + tiles_row + (i // (GROUP * BLOCKS)) * st_j)
+        return hk * GROUP + (i // BLOCKS) % GROUP, tile * PAGE_SIZE + (i % BLOCKS) * BLOCK_M
+    else:
+        return hk * GROUP + i // n_q_tiles, (i % n_q_tiles) * BLOCK_M
+
+
+@gluon.jit
+def _rows_load_partition(q_desc, do_desc, TILES, tiles_row, st_j, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs,
+                         ready, free, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
+                         STAGES: gl.constexpr, SPARSE: gl.constexpr):
+    """Copy the query rows and output gradients of each step in turn."""
     for i in range(n_steps):
-        h = hk * GROUP + i // n_q_tiles
-        m0 = (i % n_q_tiles) * BLOCK_M
+        h, m0 = _dkdv_step(TILES, tiles_row, st_j, i, hk, n_q_tiles, GROUP, PAGE_SIZE, BLOCK_M, SPARSE)
         stage = i % STAGES
         mbarrier.wait(free.index(stage), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -334,13 +349,14 @@ def _rows_load_partition(q_desc, do_desc, b, hk, n_steps, n_q_tiles, q_bufs, do_
 
 
 @gluon.jit
-def _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
-                    slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off, sg_h,
-                    qk_scale, scale, HALF: gl.constexpr, H_Q: gl.constexpr, GROUP: gl.constexpr,
-                    PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    STAGES: gl.constexpr):
-    """dV += P^T dO and dK += dS^T Q for the stored keys [key0 + 64 * HALF, +64) of KV head hk over every
-    query tile of every query head of its group, starting from and written back to their gradient pages.
+def _dkdv_partition(KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_smem, v_smem, q_bufs, do_bufs,
+                    ready, free, kv_row, g_row, b, hk, T, n_steps, n_q_tiles, sp_off, sg_off, qk_scale, scale,
+                    HALF: gl.constexpr, H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
+                    STAGED: gl.constexpr):
+    """dV = P^T dO and dK = dS^T Q of the program's keys 64 * HALF .. +64 (rows from kv_row, stride sp_off)
+    over its steps; the stored gradient (rows from g_row) is added after, or with STAGED the sums go to a
+    staging area alone. A program without steps (a page nobody chose) reads and writes nothing.
     LSE2, SDELTA: the row terms of ``chunk_attention._row_terms`` (lse in log2 units, delta times scale)."""
     KEYS: gl.constexpr = 64
     s_mma: gl.constexpr = _wgmma_layout(BLOCK_M)
@@ -351,25 +367,22 @@ def _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_buf
     query_layout: gl.constexpr = gl.SliceLayout(0, s_mma)
     dtype: gl.constexpr = k_smem.dtype
 
-    keys = key0 + HALF * KEYS + gl.arange(0, KEYS, layout=key_layout)
+    keys = HALF * KEYS + gl.arange(0, KEYS, layout=key_layout)
     cols = gl.arange(0, HEAD_DIM, layout=col_layout)
-    slot = gl.load(SLOTS + slot_row + keys // PAGE_SIZE).to(gl.int64)
-    in_page = keys % PAGE_SIZE
-    kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
-    k_smem.store(gl.load(KP + kv_rows[:, None] + cols[None, :]))
-    v_smem.store(gl.load(VP + kv_rows[:, None] + cols[None, :]))
+    live = (keys[:, None] >= 0) & (cols[None, :] < HEAD_DIM) & (n_steps > 0)
+    kv_rows = kv_row + keys.to(gl.int64) * sp_off
+    k_smem.store(gl.load(KP + kv_rows[:, None] + cols[None, :], mask=live, other=0.0))
+    v_smem.store(gl.load(VP + kv_rows[:, None] + cols[None, :], mask=live, other=0.0))
     fence_async_shared()
     _partition_barrier()
-    # Start from the gradient already stored for these keys; no other program touches these rows.
-    g_rows = slot * sg_page + in_page * sg_off + hk * sg_h
-    dk = gl.load(DKP + g_rows[:, None] + cols[None, :]).to(gl.float32)
-    dv = gl.load(DVP + g_rows[:, None] + cols[None, :]).to(gl.float32)
 
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_mma)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=o_mma)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_mma)
     queries = gl.arange(0, BLOCK_M, layout=query_layout)
     for i in range(n_steps):
-        h = hk * GROUP + i // n_q_tiles
-        m = (i % n_q_tiles) * BLOCK_M + queries
+        h, m0 = _dkdv_step(TILES, tiles_row, st_j, i, hk, n_q_tiles, GROUP, PAGE_SIZE, BLOCK_M, SPARSE)
+        m = m0 + queries
         row_terms = (b * H_Q + h).to(gl.int64) * T + m
         # Queries past T: lse = +inf makes their probabilities 0 (their rows read as zeros).
         lse2 = gl.load(LSE2 + row_terms, mask=m < T, other=float("inf"))
@@ -389,34 +402,65 @@ def _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_buf
         dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv, dk, q_buf, do_buf))
         mbarrier.arrive(free.index(stage), count=1)
 
-    gl.store(DKP + g_rows[:, None] + cols[None, :], dk.to(DKP.dtype.element_ty))
-    gl.store(DVP + g_rows[:, None] + cols[None, :], dv.to(DVP.dtype.element_ty))
+    g_ptrs = g_row + keys.to(gl.int64)[:, None] * sg_off + cols[None, :]
+    if not STAGED:
+        # The stored gradient after the chunk's whole share, as the staged path adds them (the Triton page
+        # kernel does the same): a page's gradient has the same bits wherever its layer's pages live.
+        dk += gl.load(DKP + g_ptrs, mask=live, other=0.0).to(gl.float32)
+        dv += gl.load(DVP + g_ptrs, mask=live, other=0.0).to(gl.float32)
+    gl.store(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), mask=live)
+    gl.store(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), mask=live)
 
 
 @gluon.jit
-def _dkdv_partition_upper(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
-                          slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off,
-                          sg_h, qk_scale, scale, H_Q: gl.constexpr, GROUP: gl.constexpr,
-                          PAGE_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                          STAGES: gl.constexpr):
-    _dkdv_partition(KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_smem, v_smem, q_bufs, do_bufs, ready, free,
-                    slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off, sg_h,
-                    qk_scale, scale, 1, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)
+def _dkdv_partition_upper(KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_smem, v_smem, q_bufs, do_bufs,
+                          ready, free, kv_row, g_row, b, hk, T, n_steps, n_q_tiles, sp_off, sg_off, qk_scale,
+                          scale, H_Q: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                          SPARSE: gl.constexpr, STAGED: gl.constexpr):
+    _dkdv_partition(KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_smem, v_smem, q_bufs, do_bufs,
+                    ready, free, kv_row, g_row, b, hk, T, n_steps, n_q_tiles, sp_off, sg_off, qk_scale, scale,
+                    1, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES, SPARSE, STAGED)
 
 
 @gluon.jit
 def _past_dkdv_kernel(
-    q_desc, do_desc, KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA,
-    sp_page, sp_off, sp_h, sg_page, sg_off, sg_h, ssl_b,
-    T, n_q_tiles, qk_scale, scale,
+    q_desc, do_desc, KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, PAGES, TILES, TCOUNT,
+    sp_page, sp_off, sp_h, sg_page, sg_off, sg_h, ssl_b, spg_b, spg_h, spg_i, st_b, st_h, st_i, st_j,
+    n_bh, staged_pages, T, n_q_tiles, qk_scale, scale,
     H_Q: gl.constexpr, H_KV: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr,
+    STAGED: gl.constexpr,
 ):
-    key0 = gl.program_id(0) * 128  # two warp groups of 64 keys
-    bh = gl.program_id(1)
+    # 128 stored keys of one KV head per program, 64 per warp group. Dense: grid (past tiles, B x H_kv).
+    # SPARSE: one program per (entry of the inverted selection, B x H_kv), entries outermost, so that every
+    # head's most-chosen pages (its longest programs) start in the first wave.
+    if SPARSE:
+        idx = gl.program_id(0) // n_bh
+        bh = gl.program_id(0) % n_bh
+    else:
+        idx = gl.program_id(0)
+        bh = gl.program_id(1)
     b = bh // H_KV
     hk = bh % H_KV
-    n_steps = GROUP * n_q_tiles
+    if SPARSE:
+        entry = b.to(gl.int64) * spg_b + hk * spg_h + idx * spg_i
+        page = gl.load(PAGES + entry)
+        n_steps = gl.load(TCOUNT + entry) * GROUP * (PAGE_SIZE // BLOCK_M)
+        tiles_row = b.to(gl.int64) * st_b + hk * st_h + idx * st_i
+        slot = gl.load(SLOTS + b.to(gl.int64) * ssl_b + page).to(gl.int64)
+        in_page = 0
+    else:
+        key0 = idx * 128
+        n_steps = GROUP * n_q_tiles
+        tiles_row = 0
+        slot = gl.load(SLOTS + b.to(gl.int64) * ssl_b + key0 // PAGE_SIZE).to(gl.int64)
+        in_page = key0 % PAGE_SIZE
+    # STAGED: DKP/DVP are a (B, H_kv, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
+    # this chunk's share alone; kernels.host_pages adds it into the host-resident pages later.
+    g_slot = (b * H_KV + hk).to(gl.int64) * staged_pages + idx if STAGED else slot
+    kv_row = slot * sp_page + in_page * sp_off + hk * sp_h
+    g_row = g_slot * sg_page + in_page * sg_off + hk * sg_h
 
     dtype: gl.constexpr = q_desc.dtype
     key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
@@ -432,16 +476,16 @@ def _past_dkdv_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=2)  # one arrival per warp group
 
-    slot_row = b.to(gl.int64) * ssl_b
     gl.warp_specialize([
-        (_dkdv_partition, (KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_lower, v_lower, q_bufs, do_bufs, ready, free,
-                           slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page, sg_off,
-                           sg_h, qk_scale, scale, 0, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)),
-        (_dkdv_partition_upper, (KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, k_upper, v_upper, q_bufs, do_bufs, ready,
-                                 free, slot_row, key0, b, hk, T, n_steps, n_q_tiles, sp_page, sp_off, sp_h, sg_page,
-                                 sg_off, sg_h, qk_scale, scale, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES)),
-        (_rows_load_partition, (q_desc, do_desc, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs, ready, free, GROUP,
-                                BLOCK_M, STAGES)),
+        (_dkdv_partition, (KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_lower, v_lower, q_bufs, do_bufs,
+                           ready, free, kv_row, g_row, b, hk, T, n_steps, n_q_tiles, sp_off, sg_off, qk_scale,
+                           scale, 0, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES, SPARSE, STAGED)),
+        (_dkdv_partition_upper, (KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_upper, v_upper, q_bufs,
+                                 do_bufs, ready, free, kv_row, g_row, b, hk, T, n_steps, n_q_tiles, sp_off, sg_off,
+                                 qk_scale, scale, H_Q, GROUP, PAGE_SIZE, HEAD_DIM, BLOCK_M, STAGES, SPARSE,
+                                 STAGED)),
+        (_rows_load_partition, (q_desc, do_desc, TILES, tiles_row, st_j, b, hk, n_steps, n_q_tiles, q_bufs, do_bufs,
+                                ready, free, GROUP, PAGE_SIZE, BLOCK_M, STAGES, SPARSE)),
     ], [4, 1], [240, 24])
 
 
@@ -547,23 +591,39 @@ def rows_ok(*xs: torch.Tensor) -> bool:
 
 
 def dkdv_past(dout: torch.Tensor, q: torch.Tensor, lse2: torch.Tensor, sdelta: torch.Tensor, store: LayerStore,
-              past_end: int, scale: float) -> None:
+              scale: float, past_end: int = 0, pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              staging: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Add dK, dV of the stored keys [0, past_end) into ``store.dk``/``store.dv`` in place: q, dout
     (B, H_q, T, D); lse2, sdelta the chunk's (B, H_q, T) row terms of ``chunk_attention._row_terms``.
-    Key-stationary: each 128-key tile is read, added to and written by one program (deterministic)."""
+    Key-stationary: each 128-key tile is read, added to and written by one program (deterministic).
+
+    Sparse: ``pages`` = (pages, tiles, counts) of ``sparse_attention.invert_selection``, one program per
+    entry (a selected page of 128 keys and the query tiles that chose it). With ``staging`` = (dk, dv)
+    float32 (B, H_kv, entries, PAGE_SIZE, D) the chunk's share of each entry's page goes there alone, for
+    ``kernels.host_pages`` to add into host-resident pages."""
     b, hq, t, d = q.shape
     hkv = store.k.shape[2]
-    slots, _, _, _, _ = _past_args(store, past_end, None)
+    slots = store.table.slots if store.table.slots.dtype == torch.int32 else store.table.slots.to(torch.int32)
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     box = [1, 1, DKDV_QUERY_ROWS, d]
     layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
     q_desc, do_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), box, layout) for x in (q, dout))
+    dkp, dvp = staging or (store.dk, store.dv)
+    if staging is None:
+        g_strides, staged_pages = (store.dk.stride(0), store.dk.stride(1), store.dk.stride(2)), 0
+    else:
+        g_strides, staged_pages = (dkp.stride(3) * store.page_size, dkp.stride(3), 0), dkp.shape[2]
+    if pages is None:
+        grid, lists = (past_end // BLOCK_N, b * hkv), (slots, slots, slots, (0,) * 3, (0,) * 4)
+    else:
+        entries, tiles, counts = pages
+        grid, lists = (entries.shape[-1] * b * hkv,), (entries, tiles, counts, entries.stride(), tiles.stride())
     with torch.cuda.device(q.device):
-        _past_dkdv_kernel[(past_end // BLOCK_N, b * hkv)](
-            q_desc, do_desc, store.k, store.v, store.dk, store.dv, slots, lse2, sdelta,
-            store.k.stride(0), store.k.stride(1), store.k.stride(2),
-            store.dk.stride(0), store.dk.stride(1), store.dk.stride(2), slots.stride(0),
-            t, triton.cdiv(t, DKDV_QUERY_ROWS), scale * LOG2E, scale,
+        _past_dkdv_kernel[grid](
+            q_desc, do_desc, store.k, store.v, dkp, dvp, slots, lse2, sdelta, *lists[:3],
+            store.k.stride(0), store.k.stride(1), store.k.stride(2), *g_strides, slots.stride(0),
+            *lists[3], *lists[4], b * hkv, staged_pages, t, triton.cdiv(t, DKDV_QUERY_ROWS), scale * LOG2E, scale,
             H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=store.page_size, HEAD_DIM=d,
-            BLOCK_M=DKDV_QUERY_ROWS, STAGES=DKDV_STAGES, num_warps=4, maxnreg=168,
+            BLOCK_M=DKDV_QUERY_ROWS, STAGES=DKDV_STAGES, SPARSE=pages is not None, STAGED=staging is not None,
+            num_warps=4, maxnreg=168,
         )

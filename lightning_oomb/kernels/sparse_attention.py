@@ -410,6 +410,40 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     return out, lse
 
 
+def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, staging, start: int, scale: float,
+                      pt: Tiles):
+    """The Triton page dK/dV kernel over ``inverted`` = invert_selection(...): into the gradient pages, or
+    with ``staging`` = (dk, dv) float32 (B, H_kv, entries, PAGE_SIZE, D) into that area alone."""
+    pages, tile_lists, counts = inverted
+    b, hq, t, d = q.shape
+    hkv = store.k.shape[2]
+    ps = store.page_size
+    rows = _query_descriptors(pt.block_m, q, dout)
+    if staging is None:
+        (dkp, dvp), staged_pages = (store.dk, store.dv), 0
+        g_strides = (store.dk.stride(0), store.dk.stride(1), store.dk.stride(2))
+    else:
+        (dkp, dvp), staged_pages = staging, staging[0].shape[2]
+        g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
+    _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
+        *((q, dout) if rows is None else rows),
+        *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages, b * hkv,
+        q.stride(0), q.stride(1), q.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
+        store.k.stride(0), store.k.stride(1), store.k.stride(2),
+        *g_strides,
+        slots.stride(0), slots.stride(1),
+        pages.stride(0), pages.stride(1), pages.stride(2),
+        *tile_lists.stride(),
+        t, start, scale * 1.4426950408889634, scale,
+        H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
+        BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=_precision(q.dtype),
+        TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
+        EVEN=t % ps == 0 and ps % pt.block_m == 0,
+        num_warps=pt.num_warps, num_stages=pt.num_stages,
+    )
+
+
 def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
               tiles: KernelTiles, chunk_tiles: KernelTiles):
     _check(q, k, v, store, start)
@@ -441,40 +475,22 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
+        warp_specialized = _warp_specialized_pages(q, store, start, sel)
+        if warp_specialized:
+            from . import past_attention_sm90
         if n_past > 0 and sel.shape[-1] > 0:
             pages, tile_lists, counts = invert_selection(sel, hkv, n_past)
-            pt = tiles.dkdv
-            rows = _query_descriptors(pt.block_m, q, dout)
-            if staging is None:
-                dkp, dvp, staged_pages = store.dk, store.dv, 0
-                g_strides = (store.dk.stride(0), store.dk.stride(1), store.dk.stride(2))
+            grads = None if staging is None else staging.buffers(b, hkv, pages.shape[-1], ps, d)
+            if warp_specialized and past_attention_sm90.rows_ok(q, dout):
+                past_attention_sm90.dkdv_past(dout, q, *row_terms, store, scale, pages=(pages, tile_lists, counts),
+                                              staging=grads)
             else:
-                dkp, dvp = staging.buffers(b, hkv, pages.shape[-1], ps, d)
-                staged_pages = dkp.shape[2]
-                g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
-            _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
-                *((q, dout) if rows is None else rows),
-                *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages, b * hkv,
-                q.stride(0), q.stride(1), q.stride(2),
-                dout.stride(0), dout.stride(1), dout.stride(2),
-                store.k.stride(0), store.k.stride(1), store.k.stride(2),
-                *g_strides,
-                slots.stride(0), slots.stride(1),
-                pages.stride(0), pages.stride(1), pages.stride(2),
-                *tile_lists.stride(),
-                t, start, qk_scale, scale,
-                H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
-                BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=precision,
-                TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
-                EVEN=t % ps == 0 and ps % pt.block_m == 0,
-                num_warps=pt.num_warps, num_stages=pt.num_stages,
-            )
+                _launch_page_dkdv(dout, q, row_terms, store, slots, (pages, tile_lists, counts), grads, start,
+                                  scale, tiles.dkdv)
             if staging is not None:
                 staging.add_into(store, slots, pages, counts, start)
 
-        if _warp_specialized_pages(q, store, start, sel):  # as in _forward
-            from . import past_attention_sm90
-
+        if warp_specialized:  # as in _forward
             partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
             _launch_dq(dout, q, k, v, lse, delta, store, start, start, scale, chunk_tiles.dq, True, partial,
                        accumulate=False)
