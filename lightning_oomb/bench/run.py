@@ -63,7 +63,8 @@ CSV_COLUMNS = (
     "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
-    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks", "graph_chunks",
+    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
+    "graph_chunks", "alloc_retries",
 )
 
 
@@ -123,6 +124,9 @@ class PointResult:
     # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
     kept_chunks: int | None = None
     graph_chunks: int | None = None
+    # CUDA: times the caching allocator, out of memory, freed its cache and retried during the timed steps
+    # (each such retry synchronises the device).
+    alloc_retries: int | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -153,6 +157,7 @@ class PointResult:
             "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
+            "alloc_retries": _blank_if_none(self.alloc_retries),
         }
 
 
@@ -420,6 +425,7 @@ def measure(
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         _reset_host_peak()
         times, loss = [], None
         for _ in range(config.repeats):
@@ -441,6 +447,7 @@ def measure(
         result.peak_host_bytes = _host_peak_bytes()
         if device.type == "cuda":
             result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
+            result.alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     except torch.OutOfMemoryError:
         # Leave the except block first: its traceback holds the frames (and tensors) of the failed step.
         out_of_memory = True
@@ -475,6 +482,8 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
     if r.status != "ok":
         return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""
+    if r.alloc_retries:
+        gpu += f" ({r.alloc_retries} allocator retries)"
     return (
         f"{head}  {r.step_time_s:.4g} s/step  {r.tokens_per_s:,.0f} tok/s{gpu}  "
         f"host {r.peak_host_bytes / GIB:.2f} GiB  {r.floor_fraction:.1%} of floor  loss {r.loss:.3f}  "
