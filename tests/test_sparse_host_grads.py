@@ -51,7 +51,7 @@ def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention):
 
 def test_add_staged_pages_adds_the_chosen_rows_only():
     """The side stream's addition: every distinct chosen (page, KV head), rows up to the chunk start."""
-    from lightning_oomb.kernels.host_pages import add_staged_pages
+    from lightning_oomb.kernels.host_pages import AddLaunch, add_staged_pages
 
     torch.manual_seed(0)
     pages_total, ps, h, d = 6, 4, 2, 16
@@ -68,8 +68,12 @@ def test_add_staged_pages_adds_the_chosen_rows_only():
                 rows = min(ps, 14 - page * ps)
                 want_k[slots[0, page], :rows, hk] += src_k[0, hk, i, :rows]
                 want_v[slots[0, page], :rows, hk] += src_v[0, hk, i, :rows]
-    add_staged_pages(dst_k, dst_v, src_k, src_v, slots, pages, counts, start=14, programs=3)
-    assert torch.equal(dst_k, want_k) and torch.equal(dst_v, want_v)
+    # Fewer programs than entries and pages of several row blocks; the default launch (one block per page).
+    for launch in (AddLaunch(programs=3, block_rows=2, num_warps=1), None):
+        got_k, got_v = dst_k.clone(), dst_v.clone()
+        add_staged_pages(got_k, got_v, src_k, src_v, slots, pages, counts, start=14, launch=launch)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert AddLaunch.parse("16X128x8") == AddLaunch(16, 128, 8)
 
 
 def _split_step(model, ids, host_layers: int, config: ChunkConfig, garbage: bool = False):

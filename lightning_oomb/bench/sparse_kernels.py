@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the KV-gradient pages")
     parser.add_argument("--layers", type=int, default=4, help="layers of gradient pages in the host comparison")
-    parser.add_argument("--add-programs", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                        help="persistent programs adding the staged gradients into host pages (comma list; "
-                             "default: kernels.host_pages.ADD_PROGRAMS)")
+    parser.add_argument("--add-launch", default=None,
+                        help="launches of the kernel adding the staged gradients into host pages, comma list of "
+                             "PROGRAMSxROWSxWARPS (default: kernels.host_pages.ADD_LAUNCH)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
     args = parser.parse_args(argv)
     grad_dtype = getattr(torch, args.grad_dtype)
@@ -147,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     s_bwd = _timed(lambda: sparse.attention_backward(do, q, k, v, out, lse, store, args.past, scale, sel))
     linear = _layer_linear_backward(args.chunk)
     lin = _timed(linear)
+    launches = ([host_pages.AddLaunch.parse(x) for x in args.add_launch.split(",")] if args.add_launch
+                else [host_pages.ADD_LAUNCH])
+    default_launch = host_pages.ADD_LAUNCH
     layer_ms = {}
-    default_programs = host_pages.ADD_PROGRAMS
-    add_programs = args.add_programs or [default_programs]
-    for host in (False, *add_programs):
-        host_pages.ADD_PROGRAMS = host or default_programs
-        stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers, host_grads=bool(host))
+    for host_grads in (False, True):
+        stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers, host_grads=host_grads)
 
         def backward_only(stores=stores):
             for s in stores:
@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                 sparse.attention_backward(do, q, k, v, out, lse, s, args.past, scale, sel)
                 linear()
 
-        layer_ms[host] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
+        for launch in launches if host_grads else [None]:
+            host_pages.ADD_LAUNCH = launch or default_launch
+            layer_ms[launch] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
         del stores
-    host_pages.ADD_PROGRAMS = default_programs
+    host_pages.ADD_LAUNCH = default_launch
     dense_past = args.budget * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)
@@ -180,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dense  forward {d_fwd:.2f} ms ({tflops(d_fwd, 4 * 128 * pairs):.0f} TFLOP/s), "
           f"backward {d_bwd:.2f} ms ({tflops(d_bwd, 10 * 128 * pairs):.0f} TFLOP/s)")
     print(f"sparse / dense: forward {s_fwd / d_fwd:.2f}, backward {s_bwd / d_bwd:.2f}")
-    g_bwd, g_layer = layer_ms[False]
+    g_bwd, g_layer = layer_ms[None]
     print(f"{args.grad_dtype} KV-gradient pages of {args.layers} layers on the GPU: sparse backwards back to back "
           f"{g_bwd:.2f} ms per layer; one layer = sparse backward + its linear backward ({lin:.2f} ms of matmuls) "
           f"{g_layer:.2f} ms")
-    for programs in add_programs:
-        h_bwd, h_layer = layer_ms[programs]
-        print(f"... in pinned host memory, {programs} adding programs: back to back {h_bwd:.2f} ms per layer; "
+    for launch in launches:
+        h_bwd, h_layer = layer_ms[launch]
+        print(f"... in pinned host memory, adding with {launch.programs} programs x {launch.block_rows} rows x "
+              f"{launch.num_warps} warps: back to back {h_bwd:.2f} ms per layer; "
               f"one layer {h_layer:.2f} ms ({h_layer - g_layer:+.2f} ms per host layer and chunk)")
     if args.sweep:
         sweep(store, q, k, v, do, sel, args.past, scale, pairs)

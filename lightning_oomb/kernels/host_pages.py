@@ -12,6 +12,8 @@ on the host).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -98,12 +100,37 @@ def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-ADD_PROGRAMS = 64  # persistent programs of add_staged_pages (bench.sparse_kernels --add-programs)
+@dataclass(frozen=True)
+class AddLaunch:
+    """How ``add_staged_pages`` runs: persistent programs, rows of a page per loop step, warps per program.
+    The programs hold their SMs while they wait on the bus, so fewer programs with more bytes in flight each
+    leave more of the GPU to the layers computed meanwhile (bench.sparse_kernels --add-launch)."""
+
+    programs: int = 64
+    block_rows: int = 32
+    num_warps: int = 4
+
+    def __post_init__(self):
+        pow2 = lambda n: n >= 1 and n & (n - 1) == 0  # noqa: E731
+        if self.programs < 1 or not pow2(self.block_rows) or not pow2(self.num_warps):
+            raise ValueError(f"AddLaunch needs programs >= 1 and powers of two for block_rows and num_warps, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "AddLaunch":
+        """From "PROGRAMSxROWSxWARPS", e.g. "64x32x4"."""
+        try:
+            programs, rows, warps = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"an add launch is PROGRAMSxROWSxWARPS, e.g. 64x32x4; got {text!r}") from None
+        return cls(programs, rows, warps)
+
+
+ADD_LAUNCH = AddLaunch()
 
 
 def add_staged_pages(
     dst_k: torch.Tensor, dst_v: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor, slots: torch.Tensor,
-    pages: torch.Tensor, counts: torch.Tensor, start: int, programs: int | None = None,
+    pages: torch.Tensor, counts: torch.Tensor, start: int, launch: AddLaunch | None = None,
 ) -> None:
     """dst[slot of page, :rows, h] += src[b, h, i, :rows] for each distinct selected page i of (sequence b, KV head h).
 
@@ -111,8 +138,9 @@ def add_staged_pages(
     the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size,
     D) float32 staging; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with NP <= NP'
     (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the chunk
-    (rows of a past page end there); programs: persistent programs (None: ``ADD_PROGRAMS``).
+    (rows of a past page end there); launch: None for ``ADD_LAUNCH``.
     """
+    launch = launch or ADD_LAUNCH
     b, h, n_pages = pages.shape
     d = dst_k.shape[-1]
     if dst_k.stride() != dst_v.stride() or dst_k.stride(-1) != 1 or src_k.shape[-1] != d:
@@ -121,9 +149,9 @@ def add_staged_pages(
         return
     pages, counts = pages.contiguous(), counts.contiguous()
     with _device_ctx(pages):
-        _add_staged_kernel[(min(programs or ADD_PROGRAMS, b * h * n_pages),)](
+        _add_staged_kernel[(min(launch.programs, b * h * n_pages),)](
             dst_k, dst_v, src_k, src_v, slots, pages, counts, dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
             slots.stride(0), slots.stride(1), b * h * n_pages, n_pages, src_k.shape[2], start,
-            H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), BLOCK_R=32,
-            num_warps=4,
+            H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+            BLOCK_R=min(launch.block_rows, triton.next_power_of_2(dst_k.shape[1])), num_warps=launch.num_warps,
         )
