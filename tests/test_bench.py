@@ -9,6 +9,7 @@ import math
 import torch
 
 from lightning_oomb.bench import run as bench
+from lightning_oomb.kernels import host_pages
 from lightning_oomb.cli import main as cli_main
 
 TINY_QWEN2 = {
@@ -68,10 +69,11 @@ def test_sparse_offload_mode_moves_every_gradient_layer_to_the_host(tmp_path):
     out = tmp_path / "out"
     argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "256", "--modes", "sparse,sparse-offload",
             "--repeats", "1", "--warmup", "0", "--chunk", "64", "--page-size", "16", "--budget-pages", "6",
-            "--out", str(out)]
+            "--add-launch", "4x8x2", "--out", str(out)]
     assert cli_main(argv) == 0
     _, rows = read_rows(out / "results.csv")
     assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert host_pages.ADD_LAUNCH == host_pages.AddLaunch()  # the sweep's launch was for its points only
     assert [r["host_grad_layers"] for r in rows] == ["0", str(TINY_QWEN2["num_hidden_layers"])]
     assert math.isclose(float(rows[0]["loss"]), float(rows[1]["loss"]), rel_tol=1e-6)
     assert float(rows[1]["planned_host_gib"]) > 0

@@ -43,6 +43,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..kernels import host_pages
+
 from ..core.planner import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_MATMUL_TFLOPS,
@@ -85,6 +87,9 @@ class BenchConfig:
     checkpoint_layers: bool = False
     grad_dtype: str = "float32"
     budget_pages: int = 64
+    # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
+    # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
+    add_launch: str = ""
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     out: Path = Path("bench-results")
     device: str = "auto"
@@ -515,17 +520,23 @@ def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[Po
         f"{machine_name(device)} in {_elapsed(time.perf_counter() - started)}")
     results: list[PointResult] = []
     total = len(config.modes) * len(config.lengths)
-    for name in config.modes:
-        mode = MODES[name]
-        mode.setup(model, config)
-        try:
-            for context in config.lengths:
-                result = measure(mode, model, context, config, device, shape)
-                results.append(result)
-                log(progress_line(len(results), total, result, time.perf_counter() - started))
-        finally:
-            mode.teardown(model, config)
-            _free_memory(model, device)
+    default_launch = host_pages.ADD_LAUNCH
+    if config.add_launch:
+        host_pages.ADD_LAUNCH = host_pages.AddLaunch.parse(config.add_launch)
+    try:
+        for name in config.modes:
+            mode = MODES[name]
+            mode.setup(model, config)
+            try:
+                for context in config.lengths:
+                    result = measure(mode, model, context, config, device, shape)
+                    results.append(result)
+                    log(progress_line(len(results), total, result, time.perf_counter() - started))
+            finally:
+                mode.teardown(model, config)
+                _free_memory(model, device)
+    finally:
+        host_pages.ADD_LAUNCH = default_launch
     return results
 
 
@@ -680,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="oomb modes: dtype of the KV-gradient pages (default float32)")
     parser.add_argument("--budget-pages", type=int, default=64, help="sparse: past pages per query tile (default 64)")
+    parser.add_argument("--add-launch", default="", metavar="PROGRAMSxROWSxWARPS",
+                        help="sparse with host gradient layers: launch of the kernel adding their staged gradients "
+                             "(default: kernels.host_pages.ADD_LAUNCH)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help="matmul peak in TFLOP/s for the FLOP floor")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cuda:1, cpu")
@@ -694,9 +708,14 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
-        checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages, matmul_tflops=args.matmul_tflops, out=args.out,
-        device=args.device, seed=args.seed,
+        checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
+        add_launch=args.add_launch, matmul_tflops=args.matmul_tflops, out=args.out, device=args.device, seed=args.seed,
     )
+    if config.add_launch:
+        try:
+            host_pages.AddLaunch.parse(config.add_launch)
+        except ValueError as error:
+            parser.error(str(error))
     for name, value in (("--repeats", config.repeats), ("--batch", config.batch)):
         if value < 1:
             parser.error(f"{name} must be >= 1")

@@ -12,7 +12,8 @@ The sparse backward is also timed with the KV-gradient pages in pinned host memo
 ...)``: the selected pages' share is staged on the GPU and added into the host pages on a side stream),
 back to back (the side stream's throughput bounds it) and as one layer of a step among others: the
 backward followed by the matmuls of a Qwen2.5-7B layer's linear backward, over --layers layers whose
-gradient pages all live on the GPU or all on the host. The difference is what a host layer costs a chunk.
+gradient pages all live on the GPU, or --host-layers of them (default all, spread over the layers as in a
+step) on the host. The difference is what a host layer costs a chunk.
 With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
 the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
 """
@@ -37,13 +38,14 @@ def _timed(fn, repeats: int = 10) -> float:
 
 
 def _stores(past: int, t: int, n_kv: int = 4, d: int = 128, ps: int = 128,
-            grad_dtype: torch.dtype = torch.float32, layers: int = 1, host_grads: bool = False):
-    """One LayerStore per layer over a past of ``past`` tokens (random K/V), gradient pages on the GPU or host."""
+            grad_dtype: torch.dtype = torch.float32, layers: int = 1, host_layers: int = 0):
+    """One LayerStore per layer over a past of ``past`` tokens (random K/V), the gradient pages of
+    ``host_layers`` of them (spread as in a step) in pinned host memory, the others on the GPU."""
     from ..core.pages import PagePool, StoreSpec
 
     spec = StoreSpec(n_layers=layers, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16, grad_dtype=grad_dtype)
     pages = -(-(past + t) // ps)
-    pool = PagePool(spec, pages, ps, "cuda", host_grad_layers=layers if host_grads else 0)
+    pool = PagePool(spec, pages, ps, "cuda", host_grad_layers=host_layers)
     table = pool.allocate(1, past + t)
     for x in (pool.k, pool.v):
         x.normal_()
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the KV-gradient pages")
     parser.add_argument("--layers", type=int, default=4, help="layers of gradient pages in the host comparison")
+    parser.add_argument("--host-layers", type=int, default=None,
+                        help="of those, layers whose gradient pages live on the host, spread as in a step "
+                             "(default: all)")
     parser.add_argument("--add-launch", default=None,
                         help="launches of the kernel adding the staged gradients into host pages, comma list of "
                              "PROGRAMSxROWSxWARPS (default: kernels.host_pages.ADD_LAUNCH)")
@@ -151,8 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 else [host_pages.ADD_LAUNCH])
     default_launch = host_pages.ADD_LAUNCH
     layer_ms = {}
+    n_host = args.layers if args.host_layers is None else args.host_layers
+    if not 1 <= n_host <= args.layers:
+        parser.error(f"--host-layers must be in [1, --layers={args.layers}], got {n_host}")
     for host_grads in (False, True):
-        stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers, host_grads=host_grads)
+        stores = _stores(args.past, args.chunk, grad_dtype=grad_dtype, layers=args.layers,
+                         host_layers=n_host if host_grads else 0)
 
         def backward_only(stores=stores):
             for s in stores:
@@ -186,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.grad_dtype} KV-gradient pages of {args.layers} layers on the GPU: sparse backwards back to back "
           f"{g_bwd:.2f} ms per layer; one layer = sparse backward + its linear backward ({lin:.2f} ms of matmuls) "
           f"{g_layer:.2f} ms")
+    per_host = args.layers / n_host  # the differences are per layer of the mix: per host layer, scaled
     for launch in launches:
         h_bwd, h_layer = layer_ms[launch]
-        print(f"... in pinned host memory, adding with {launch.programs} programs x {launch.block_rows} rows x "
-              f"{launch.num_warps} warps: back to back {h_bwd:.2f} ms per layer; "
-              f"one layer {h_layer:.2f} ms ({h_layer - g_layer:+.2f} ms per host layer and chunk)")
+        print(f"... {n_host} of them in pinned host memory, adding with {launch.programs} programs x "
+              f"{launch.block_rows} rows x {launch.num_warps} warps: back to back {h_bwd:.2f} ms per layer; "
+              f"one layer {h_layer:.2f} ms ({(h_layer - g_layer) * per_host:+.2f} ms per host layer and chunk)")
     if args.sweep:
         sweep(store, q, k, v, do, sel, args.past, scale, pairs)
     return 0
