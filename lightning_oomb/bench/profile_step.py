@@ -8,6 +8,12 @@ fall into the same groups (forward, dK/dV, dQ). With --offload host a sparse ste
 gradient pages in host memory (their additions run on a side stream, beside the compute: GPU busy then
 counts both streams); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
 step must.
+
+--last-chunks N profiles only the last N chunks of the step (stage 1's, then stage 2's, which runs them
+first): the chunks with the longest past, at the cost of one unprofiled step, so that a 1M-token step
+fits in one run. The warm-up step then runs at --warmup-context tokens (default 64k), once with every page
+on the GPU and, for a sparse step, once with every gradient page on the host, so that the profiled window
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
 from ..core.planner import ModelShape, parse_tokens
+from ..core.schedule import ChunkConfig, ChunkedSequence
 from ..core.sparse import SparseConfig
 from .run import BenchConfig, build_model
 
@@ -57,28 +64,67 @@ def main(argv: list[str] | None = None) -> None:
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
     parser.add_argument("--keep-graphs", type=int, default=None,
                         help="chunks whose autograd graphs stage 1 keeps (default: the last, plus as many as fit)")
+    parser.add_argument("--last-chunks", type=int, default=0,
+                        help="profile only the step's last this many chunks (0: the whole step)")
+    parser.add_argument("--warmup-context", default="64k", help="with --last-chunks: tokens of the warm-up steps")
     args = parser.parse_args(argv)
     sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
     context = parse_tokens(args.context)
+    n_chunks = -(-context // args.chunk)
+    if not 0 <= args.last_chunks < n_chunks:
+        parser.error(f"--last-chunks must be in [0, {n_chunks - 1}] for {n_chunks} chunks, got {args.last_chunks}")
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
-    ids = torch.randint(0, ModelShape.resolve(args.model).vocab, (1, context), device="cuda")
+    vocab = ModelShape.resolve(args.model).vocab
+    ids = torch.randint(0, vocab, (1, context), device="cuda")
     options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
                    offload=args.offload, keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
-    train_step(model, ids, **options)
-    model.zero_grad(set_to_none=False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.ops > 0) as prof:
-        t = time.perf_counter()
-        train_step(model, ids, **options)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    if args.last_chunks:
+        warmup_ids = ids[:, : parse_tokens(args.warmup_context)]
+        for offload in ("gpu", "host") if sparse else ("gpu",):
+            train_step(model, warmup_ids, **{**options, "offload": offload, "keep_attention": 0, "keep_graphs": 0})
+        model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t
+        prof = profile(activities=activities, record_shapes=args.ops > 0)
+        first = n_chunks - args.last_chunks
+        window = {}
+
+        def observe(stage: int, index: int, start: int, end: int) -> None:
+            # After stage 1's chunk first - 1: the window opens; after stage 2's chunk ``first``: it closes.
+            if (stage, index) == (1, first - 1):
+                torch.cuda.synchronize()
+                prof.start()
+                window["start"] = time.perf_counter()
+            elif (stage, index) == (2, first):
+                torch.cuda.synchronize()
+                window["wall"] = time.perf_counter() - window["start"]
+                prof.stop()
+
+        seq = ChunkedSequence(model, ids, config=ChunkConfig(**options), observer=observe)
+        try:
+            seq.fill()
+            seq.backward()
+        finally:
+            seq.release()
+        wall = window["wall"]
+    else:
+        train_step(model, ids, **options)
+        model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        with profile(activities=activities, record_shapes=args.ops > 0) as prof:
+            t = time.perf_counter()
+            train_step(model, ids, **options)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     gpu_total = sum(e.device_time_total for e in kernels) / 1e6
     groups: dict[str, float] = defaultdict(float)
     for e in kernels:
         groups[_group(e.key)] += e.device_time_total / 1e6
     kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
-    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}: wall {wall:.2f} s, GPU busy {gpu_total:.2f} s")
+    what = f"its last {args.last_chunks} chunks (both stages)" if args.last_chunks else "the step"
+    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}, {what}: wall {wall:.2f} s, "
+          f"GPU busy {gpu_total:.2f} s")
     for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<32} {seconds:8.3f} s  {100 * seconds / wall:5.1f}% of wall")
     print(f"\ntop {args.top} kernels by GPU time:")
