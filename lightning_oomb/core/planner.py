@@ -41,6 +41,12 @@ HOST_PROCESS_BYTES = 2 * GIB
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
 ASSUMED_EFFICIENCY = 0.72  # measured 0.72-0.76 dense 32K-128K, 0.71 sparse 128K (H200, Gluon kernels; docs/benchmarks.md)
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
+# What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
+# additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
+# what hides behind the compute, HOST_ADD_HIDDEN_S. Fitted to whole steps on the H200 with every layer's
+# pages on the host (+3.7 s at 256K, +15.6 s at 512K; docs/benchmarks.md, eighth session).
+HOST_ADD_GBPS = 61.5
+HOST_ADD_HIDDEN_S = 5.4e-3
 # Offload: the past streams through the GPU in segments of up to this many tokens per sequence (two in
 # flight, K, V, dK and dV of one layer each); longer segments mean fewer, larger copies and launches.
 OFFLOAD_SEGMENT_TOKENS = 65536
@@ -394,6 +400,7 @@ class StepTime:
     recompute_flops: float
     matmul_tflops: float
     efficiency: float = ASSUMED_EFFICIENCY
+    host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
 
     @property
     def total_flops(self) -> float:
@@ -406,8 +413,35 @@ class StepTime:
 
     @property
     def predicted_s(self) -> float:
-        """floor / efficiency: an assumption, to be calibrated with ``lightning-oomb bench``."""
-        return self.floor_s / self.efficiency
+        """floor / efficiency plus the host gradient layers' additions: an assumption, to be calibrated with
+        ``lightning-oomb bench``."""
+        return self.floor_s / self.efficiency + self.host_add_s
+
+
+def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
+    """Distinct past pages one KV head's selections of a chunk touch, in expectation, when each of its
+    ``n_tiles`` query tiles picks its top-k pages at random (what random weights give; trained models pick
+    more alike pages, so this bounds them from above)."""
+    if n_past <= sparse.budget_pages:
+        return float(n_past)
+    free = n_past - sparse.sink_pages - sparse.local_pages
+    picked = sparse.budget_pages - sparse.sink_pages - sparse.local_pages
+    return sparse.sink_pages + sparse.local_pages + free * (1 - (1 - picked / free) ** n_tiles)
+
+
+def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Seconds the host gradient layers' additions add to a step of ``c`` (HOST_ADD_GBPS, HOST_ADD_HIDDEN_S)."""
+    if not c.host_grad_layers:
+        return 0.0
+    sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
+    page_bytes = c.page_size * shape.head_dim * torch.empty((), dtype=c.grad_dtype).element_size()
+    seconds = 0.0
+    for start in range(0, c.context, c.chunk_size):
+        pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch
+        bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
+        seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S)
+    return seconds * c.host_grad_layers
 
 
 def step_time(
@@ -654,7 +688,9 @@ class Plan:
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g})",
             f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
-            f"{_duration(t.predicted_s)} (assumed efficiency {t.efficiency:g}, calibrate with lightning-oomb bench)",
+            f"{_duration(t.predicted_s)} (assumed efficiency {t.efficiency:g}"
+            + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
+            + ", calibrate with lightning-oomb bench)",
         ]
         if self.other_activation_bytes is not None:
             other = "on" if not c.checkpoint_layers else "off"
@@ -895,6 +931,7 @@ def _estimate(
         matmul_tflops=config.matmul_tflops,
         page_size=config.page_size,
     )
+    time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
 
