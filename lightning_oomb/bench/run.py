@@ -43,8 +43,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..kernels import host_pages
-
 from ..core.planner import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_MATMUL_TFLOPS,
@@ -59,6 +57,7 @@ from ..core.planner import (
     step_time,
     transformers_config,
 )
+from ..kernels import host_pages
 
 CSV_COLUMNS = (
     "mode", "context", "batch", "chunk_size", "lora_rank", "dtype", "status",
