@@ -18,6 +18,13 @@ def grads(model):
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 
+def two_layer_bf16_qwen2():
+    """A random 2-layer Qwen2 (8 query heads of 64 sharing 2 KV heads) in bf16 on the GPU, training."""
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    return AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
+
+
 def test_bf16_train_step_within_full_sequence_bf16_error():
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -125,10 +132,8 @@ def test_served_loss_gradients_kept_on_the_host_give_the_same_gradient(monkeypat
     from lightning_oomb.core import schedule
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
-    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
-    ids = torch.randint(0, config.vocab_size, (1, 2048), device="cuda")
+    model = two_layer_bf16_qwen2()
+    ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")
     chunks = lightning_oomb.ChunkConfig(chunk_size=512, page_size=128, keep_graphs=0)
     place = schedule.place_step
     results = {}
@@ -152,10 +157,8 @@ def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
     from lightning_oomb.core.schedule import cached_pool
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
-    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
-    ids = torch.randint(0, config.vocab_size, (1, 2048), device="cuda")
+    model = two_layer_bf16_qwen2()
+    ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")
     sparse = lightning_oomb.SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
     results = {}
     for offload in ("gpu", "host"):
