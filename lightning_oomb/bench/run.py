@@ -519,10 +519,8 @@ def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[Po
         f"{machine_name(device)} in {_elapsed(time.perf_counter() - started)}")
     results: list[PointResult] = []
     total = len(config.modes) * len(config.lengths)
-    default_launch = host_pages.ADD_LAUNCH
-    if config.add_launch:
-        host_pages.ADD_LAUNCH = host_pages.AddLaunch.parse(config.add_launch)
-    try:
+    launch = host_pages.AddLaunch.parse(config.add_launch) if config.add_launch else host_pages.ADD_LAUNCH
+    with host_pages.add_launch(launch):
         for name in config.modes:
             mode = MODES[name]
             mode.setup(model, config)
@@ -534,8 +532,6 @@ def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[Po
             finally:
                 mode.teardown(model, config)
                 _free_memory(model, device)
-    finally:
-        host_pages.ADD_LAUNCH = default_launch
     return results
 
 

@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     lin = _timed(linear)
     launches = ([host_pages.AddLaunch.parse(x) for x in args.add_launch.split(",")] if args.add_launch
                 else [host_pages.ADD_LAUNCH])
-    default_launch = host_pages.ADD_LAUNCH
     layer_ms = {}
     n_host = args.layers if args.host_layers is None else args.host_layers
     if not 1 <= n_host <= args.layers:
@@ -173,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                 linear()
 
         for launch in launches if host_grads else [None]:
-            host_pages.ADD_LAUNCH = launch or default_launch
-            layer_ms[launch] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
+            with host_pages.add_launch(launch or host_pages.ADD_LAUNCH):
+                layer_ms[launch] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
         del stores
-    host_pages.ADD_LAUNCH = default_launch
     dense_past = args.budget * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)

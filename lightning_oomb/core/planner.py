@@ -435,7 +435,7 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
-    page_bytes = c.page_size * shape.head_dim * torch.empty((), dtype=c.grad_dtype).element_size()
+    page_bytes = c.page_size * shape.head_dim * _itemsize(c.grad_dtype)
     seconds = 0.0
     for start in range(0, c.context, c.chunk_size):
         pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch

@@ -12,6 +12,8 @@ on the host).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +128,17 @@ class AddLaunch:
 
 
 ADD_LAUNCH = AddLaunch()
+
+
+@contextmanager
+def add_launch(launch: AddLaunch) -> Iterator[None]:
+    """``ADD_LAUNCH`` is ``launch`` inside the block (benchmarks compare launches), as before after it."""
+    global ADD_LAUNCH
+    before, ADD_LAUNCH = ADD_LAUNCH, launch
+    try:
+        yield
+    finally:
+        ADD_LAUNCH = before
 
 
 def add_staged_pages(
