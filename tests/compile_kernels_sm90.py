@@ -111,7 +111,7 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
 
 def main() -> None:
     f32 = {n: "*fp32" for n in ("LSE", "DELTA", "LSE2", "SDELTA", "DKP", "DVP", "OUT_F32")}
-    i32 = {n: "*i32" for n in ("SLOTS", "SEL", "PAGES", "TILES", "TCOUNT", "COUNTS")}
+    i32 = {n: "*i32" for n in ("SLOTS", "GSLOTS", "SEL", "PAGES", "TILES", "TCOUNT", "COUNTS")}
     scalars = {"qk_scale": "fp32", "scale": "fp32", "T": "i32"}
     for tma in (True, False):
         pool = (lambda n: f"tensordesc<bf16[{n},1,{D}]>") if tma else (lambda n: "*bf16")

@@ -75,6 +75,7 @@ def test_sparse_offload_mode_moves_every_gradient_layer_to_the_host(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert host_pages.ADD_LAUNCH == host_pages.AddLaunch()  # the sweep's launch was for its points only
     assert [r["host_grad_layers"] for r in rows] == ["0", str(TINY_QWEN2["num_hidden_layers"])]
+    assert rows[1]["host_grads_moved_at"] == "128;128"  # both layers moved to dead K/V pages before chunk [64, 128)
     assert math.isclose(float(rows[0]["loss"]), float(rows[1]["loss"]), rel_tol=1e-6)
     assert float(rows[1]["planned_host_gib"]) > 0
 

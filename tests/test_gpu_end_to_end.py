@@ -153,7 +153,8 @@ def test_served_loss_gradients_kept_on_the_host_give_the_same_gradient(monkeypat
 def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
     """Sparse bf16 step with pages of 128 and chunks on page borders (on an H200: the warp-specialised page
     kernels): every layer's gradient pages pinned on the host, where each chunk's share is staged and added
-    from the GPU, gives bitwise the gradient of all pages on the GPU."""
+    from the GPU until stage 2 moves them into dead K/V pages, gives bitwise the gradient of all pages on the
+    GPU."""
     from lightning_oomb.core.schedule import cached_pool
 
     torch.manual_seed(0)
@@ -167,7 +168,11 @@ def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
         # sum then runs in the same order too.
         loss = lightning_oomb.train_step(model, ids, chunk_size=512, page_size=128, sparse=sparse, offload=offload,
                                          grad_dtype=torch.bfloat16, keep_graphs=0, keep_attention=0)
-        assert cached_pool(model).host_grad_layers == (2 if offload == "host" else 0)
+        pool = cached_pool(model)
+        assert pool.host_grad_layers == (2 if offload == "host" else 0)
+        # Stage 2 moved both host layers into dead K/V pages before chunk [512, 1024): copies from the host and
+        # additions into GPU slots take part too.
+        assert pool.host_grads_moved == ([(0, 1024), (1, 1024)] if offload == "host" else [])
         results[offload] = (loss, grads(model))
     assert torch.equal(results["host"][0], results["gpu"][0])
     for name, grad in results["gpu"][1].items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 
@@ -205,25 +207,44 @@ def test_step_time_reproduces_the_design_floors():
 
 def test_host_gradient_layers_time_reproduces_the_steps_it_was_fitted_to():
     """Every layer's gradient pages on the host cost whole H200 steps +3.7 s at 256K and +15.6 s at 512K
-    (docs/benchmarks.md); the planner adds that to its prediction, and nothing without host layers."""
+    (docs/benchmarks.md, measured before stage 2 moved host layers to the GPU: here kept graphs of every chunk
+    stop the moves); the planner adds that to its prediction, and nothing without host layers."""
     from lightning_oomb.core.planner import PlanConfig, expected_selected_pages, host_add_seconds
 
     shape = ModelShape.from_name("qwen2.5-7b")
     sparse = SparseConfig()
     for context, seconds in ((256 << 10, 3.74), (512 << 10, 15.61)):
-        c = PlanConfig(context, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=28)
+        c = PlanConfig(context, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=28,
+                       graph_chunks=context // 4096)
         assert host_add_seconds(shape, c) == pytest.approx(seconds, rel=0.02), context
     assert host_add_seconds(shape, PlanConfig(1 << 20, sparse=sparse)) == 0.0
-    one = host_add_seconds(shape, PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=1))
-    sixteen = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16)
-    assert host_add_seconds(shape, sixteen) == pytest.approx(16 * one)
+    unmoved = dict(grad_dtype=torch.bfloat16, sparse=sparse, graph_chunks=256)
+    one = host_add_seconds(shape, PlanConfig(1 << 20, host_grad_layers=1, **unmoved))
+    assert host_add_seconds(shape, PlanConfig(1 << 20, host_grad_layers=16, **unmoved)) == pytest.approx(16 * one)
     # Expected distinct pages: all of a short past; a long past's sink, local window and random picks.
     assert expected_selected_pages(40, sparse, 32) == 40
     assert 5 + 59 < expected_selected_pages(8192, sparse, 32) < 5 + 32 * 59
+    sixteen = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16)
     p = plan("qwen2.5-7b", 1 << 20, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16,
              gpu_memory=1 << 62, host_memory=1 << 62)
     assert p.time.predicted_s == pytest.approx(p.time.floor_s / p.time.efficiency + host_add_seconds(shape, sixteen))
     assert "for the host gradient layers" in str(p)
+
+
+def test_host_layers_move_to_the_gpu_as_stage_2_frees_pages():
+    """1M tokens, 16 host layers of 28: none moves while the past is long, all have moved before stage 2 is
+    halfway, and only the chunks before that pay for them; moves need batch 1 and bf16 gradient pages."""
+    from lightning_oomb.core.planner import PlanConfig, host_add_seconds, host_layers_left
+
+    shape = ModelShape.from_name("qwen2.5-7b")
+    c = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=SparseConfig(), host_grad_layers=16)
+    left = host_layers_left(shape, c)
+    assert left[-1] == 16 and left[0] == 0 and left == sorted(left)
+    assert 128 < left.index(16) < 256 and left.index(1) > 128  # stage 2 runs chunks 255..0: all moved before 128
+    unmoved = host_add_seconds(shape, dataclasses.replace(c, graph_chunks=256))
+    assert 0 < host_add_seconds(shape, c) < unmoved / 2
+    for kept in (dict(grad_dtype=torch.float32), dict(batch=2, context=1 << 19)):
+        assert set(host_layers_left(shape, dataclasses.replace(c, **kept))) == {16}
 
 
 def test_plan_without_gpu_memory_on_a_cpu_machine_asks_for_the_flag():

@@ -1,8 +1,8 @@
 """Sparse attention with KV-gradient pages in host memory (``PagePool(host_grad_layers=N)``).
 
 The sparse kernels add into those pages in place; on a CPU device the "host" tensors are ordinary memory,
-so these tests check the bookkeeping (which layer lives where, zeroing, reuse, planning); the GPU tests at
-the end check the host-mapped access itself.
+so these tests check the bookkeeping (which layer lives where, zeroing, reuse, moves into dead K/V pages in
+stage 2, planning); the GPU tests at the end check the host-mapped access itself.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_oomb
-from lightning_oomb.core.pages import PagePool, StoreSpec
+from lightning_oomb.core.pages import PagePool, StoreSpec, movable_host_layers
 from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, Placement, place_step, plan
 from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import SparseConfig
@@ -41,6 +41,7 @@ def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention):
                                      offload="host")
     pool = cached_pool(model)
     assert pool.placement == "gpu" and pool.host_grad_layers == 2 and pool.dk.shape[0] == 0
+    assert pool.host_grads_moved == []  # a batch of two keeps its host pages
     assert pool.host_nbytes == 2 * pool.host_dk.numel() * pool.host_dk.element_size()
     if attention == "triton":  # the staged additions round exactly as the in-place kernel does
         assert torch.equal(loss, want_loss)
@@ -97,13 +98,15 @@ def _split_step(model, ids, host_layers: int, config: ChunkConfig, garbage: bool
 
 
 def test_host_layers_spread_over_the_depth_give_the_gpu_gradient_bitwise():
-    """Layers 1 and 3 of 4 on the host (staged additions, Triton kernels in the interpreter), 0 and 2 not."""
+    """Layers 1 and 3 of 4 on the host (staged additions, Triton kernels in the interpreter), 0 and 2 not;
+    stage 2 moves them into dead K/V pages one after another, as soon as those hold them."""
     model = tiny_model("llama", num_hidden_layers=4)
-    ids = torch.randint(0, VOCAB, (1, 26))
-    config = ChunkConfig(chunk_size=8, page_size=3, attention="triton", sparse=SPARSE)
+    ids = torch.randint(0, VOCAB, (1, 30))
+    config = ChunkConfig(chunk_size=6, page_size=3, attention="triton", sparse=SPARSE)
     want_loss, want, _ = _split_step(model, ids, 0, config)
     loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
     assert pool.host_layers == [1, 3] and pool.dk.shape[0] == 2
+    assert pool.host_grads_moved == [(1, 24), (3, 18)]  # (layer, live tokens): before chunks [18, 24), [12, 18)
     assert torch.equal(loss, want_loss)
     for name, g in got.items():
         assert torch.equal(g, want[name]), name
@@ -118,8 +121,32 @@ def test_one_layer_on_the_host_matches_all_on_the_gpu(cross_chunk):
     want_loss, want, _ = _split_step(model, ids, 0, config)
     loss, got, pool = _split_step(model, ids, 1, config, garbage=True)
     assert pool.dk.shape[0] == 1 and pool.host_dk.shape[0] == 1
+    assert pool.host_grads_moved == [(1, 24)]  # the ablation zeroes its rows in the K/V pages it moved into
     assert rel_err(loss, want_loss) <= 1e-6
     assert_grads_close(got, want, 1e-6)
+
+
+def test_gradient_pages_in_another_dtype_than_k_stay_on_the_host():
+    """Moves put gradient pages into K/V pages: only where they have K's dtype (here float32 K, bf16 grads)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (1, 48))
+    config = ChunkConfig(chunk_size=6, page_size=3, attention="reference", sparse=SPARSE, grad_dtype=torch.bfloat16)
+    want_loss, want, _ = _split_step(model, ids, 0, config)
+    loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
+    assert pool.host_grads_moved == []
+    assert torch.equal(loss, want_loss)
+    for name, g in got.items():
+        assert torch.equal(g, want[name]), name
+
+
+def test_movable_host_layers_counts_dead_pages_of_every_layer():
+    # 4 layers of 20 pages, 16 live: 4 x 4 dead pages hold one layer's 16 live pages, not two.
+    assert movable_host_layers(4, 20, 16, 0) == 1
+    assert movable_host_layers(4, 20, 16, 16) == 0
+    assert movable_host_layers(4, 20, 12, 16) == 1  # 32 dead slots, 16 taken: the 16 left hold one layer's 12
+    assert movable_host_layers(4, 20, 8, 16) == 4
+    assert movable_host_layers(28, 8192, 4096, 0) == 28
+    assert movable_host_layers(4, 20, 20, 0) == 0 and movable_host_layers(4, 20, 0, 0) == 0
 
 
 def test_pool_refuses_impossible_splits():
@@ -157,8 +184,8 @@ def test_place_step_on_cpu_puts_sparse_gradients_on_the_host_only_when_asked():
 
 
 def test_host_page_kernels_in_the_interpreter():
-    """The two kernels that reach host pages from the GPU, run on CPU tensors in Triton's interpreter."""
-    from lightning_oomb.kernels.host_pages import read_rows, zero_pages
+    """The kernels that reach host pages from the GPU, run on CPU tensors in Triton's interpreter."""
+    from lightning_oomb.kernels.host_pages import copy_pages, read_rows, zero_pages
 
     pages = torch.randn(3, 10, 4, 2, 8)
     want = pages.clone()
@@ -169,6 +196,12 @@ def test_host_page_kernels_in_the_interpreter():
     flat = pages[1].reshape(-1, 2, 8)
     rows = torch.tensor([[5, 0, 39], [12, 12, 1]])
     assert torch.equal(read_rows(flat, rows), flat[rows])
+    dst = torch.randn(30, 4, 2, 8)
+    want = dst.clone()
+    src_slots, dst_slots = torch.tensor([7, 2, 9], dtype=torch.int32), torch.tensor([29, 0, 11], dtype=torch.int32)
+    want[dst_slots.long()] = pages[2, src_slots.long()]
+    copy_pages(pages[2], src_slots, dst, dst_slots)
+    assert torch.equal(dst, want)
 
 
 def test_trainer_with_callback_and_host_gradient_pages(tmp_path):

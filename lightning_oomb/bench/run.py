@@ -65,7 +65,7 @@ CSV_COLUMNS = (
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
-    "graph_chunks", "alloc_retries",
+    "graph_chunks", "alloc_retries", "host_grads_moved_at",
 )
 
 
@@ -131,6 +131,8 @@ class PointResult:
     # CUDA: times the caching allocator, out of memory, freed its cache and retried during the timed steps
     # (each such retry synchronises the device).
     alloc_retries: int | None = None
+    # sparse with host gradient layers: live tokens of stage 2 when each of them moved into dead K/V pages.
+    host_grads_moved_at: tuple[int, ...] = ()
 
     @property
     def floor_fraction(self) -> float:
@@ -162,6 +164,7 @@ class PointResult:
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
             "alloc_retries": _blank_if_none(self.alloc_retries),
+            "host_grads_moved_at": ";".join(str(t) for t in self.host_grads_moved_at),
         }
 
 
@@ -465,6 +468,7 @@ def measure(
     pool = cached_pool(model)
     if mode.sparse and pool is not None:  # the placement the step chose (also when it ran out of memory)
         result.host_grad_layers = pool.host_grad_layers
+        result.host_grads_moved_at = tuple(live for _, live in pool.host_grads_moved)
         planned(host_grad_layers=pool.host_grad_layers)
     del input_ids, pool
     _drop_cached_pool(model)
@@ -480,7 +484,11 @@ def _elapsed(seconds: float) -> str:
 def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str:
     head = f"[{index}/{total}] {r.mode:<9} L={r.context:>9,}"
     if r.host_grad_layers:
-        head += f"  (KV-gradient pages of {r.host_grad_layers} layers on the host)"
+        head += f"  (KV-gradient pages of {r.host_grad_layers} layers on the host"
+        if r.host_grads_moved_at:
+            moved = r.host_grads_moved_at
+            head += f", {len(moved)} moved to the GPU in stage 2 at {moved[0]:,}-{moved[-1]:,} live tokens"
+        head += ")"
     if r.kept_chunks or r.graph_chunks:
         head += f"  (graphs of {r.graph_chunks or 0}, attention outputs of {r.kept_chunks or 0} chunks kept)"
     if r.status != "ok":

@@ -58,7 +58,9 @@ class LayerStore:
 
     k, v, dk, dv: (num_pages, page_size, n_kv_heads, head_dim) tensors (dk, dv None without gradient pages).
     ``streamer`` is set when the tensors live in host memory: attention then streams them through the GPU
-    (lightning_oomb.core.offload) with ``layer`` naming this layer there.
+    (lightning_oomb.core.offload) with ``layer`` naming this layer there. ``grad_table`` is set when the
+    gradient pages have their own slots (a host gradient layer moved into dead K/V pages,
+    ``PagePool.move_host_grads_to_gpu``): dk, dv are then indexed by it, k, v by ``table``.
     """
 
     k: torch.Tensor
@@ -70,6 +72,12 @@ class LayerStore:
     layer: int = 0
     streamer: "Streamer | None" = None
     grad_staging: "HostGradStaging | None" = None
+    grad_table: PageTable | None = None
+
+    @property
+    def grad_slots(self) -> torch.Tensor:
+        """(batch, n_pages) int32: where each page's gradient lives in dk, dv."""
+        return (self.grad_table or self.table).slots
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
@@ -85,7 +93,7 @@ class LayerStore:
 
     def read(self, start: int, end: int, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
-        rows = self.table.rows(start, end)
+        rows = (self.grad_table or self.table).rows(start, end) if grads else self.table.rows(start, end)
         a, b = (self.dk, self.dv) if grads else (self.k, self.v)
         if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=...))
             from ..kernels.host_pages import read_rows
@@ -95,10 +103,19 @@ class LayerStore:
 
     def accumulate_grads(self, dk: torch.Tensor, dv: torch.Tensor, start: int) -> None:
         """Add dK, dV (batch, n_kv_heads, n, head_dim) of tokens [start, start + n) into the gradient pages."""
-        rows = self.table.rows(start, start + dk.shape[2]).reshape(-1)
+        rows = (self.grad_table or self.table).rows(start, start + dk.shape[2]).reshape(-1)
         fdk, fdv = self._flat(self.dk), self._flat(self.dv)
         fdk.index_add_(0, rows, dk.transpose(1, 2).reshape(-1, *fdk.shape[1:]).to(fdk.dtype))
         fdv.index_add_(0, rows, dv.transpose(1, 2).reshape(-1, *fdv.shape[1:]).to(fdv.dtype))
+
+
+def movable_host_layers(n_layers: int, seq_pages: int, live_pages: int, used_slots: int) -> int:
+    """How many more host gradient layers fit into a sequence's dead K/V pages when its first ``live_pages``
+    of ``seq_pages`` pages are live in stage 2: every layer's K and V of the other pages are dead, ``used_slots``
+    of them already hold moved layers, and a moved layer takes ``live_pages`` of them (dK in K's, dV in V's)."""
+    if live_pages == 0:
+        return 0
+    return max(0, (n_layers * (seq_pages - live_pages) - used_slots) // live_pages)
 
 
 def spread_layers(n_layers: int, n: int) -> list[int]:
@@ -153,14 +170,15 @@ class HostGradStaging:
             self._buffers[i] = held
         return held
 
-    def add_into(self, store: "LayerStore", slots: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor,
-                 start: int) -> None:
-        """Add the buffers last handed out into ``store``'s host gradient pages (see ``add_staged_pages``)."""
+    def add_into(self, store: "LayerStore", pages: torch.Tensor, counts: torch.Tensor, start: int) -> None:
+        """Add the buffers last handed out into ``store``'s gradient pages (see ``add_staged_pages``): in host
+        memory, or in GPU slots once the layer moved there."""
         from ..kernels.host_pages import add_staged_pages
 
         i = self._next
         self._next = (i + 1) % self.N_BUFFERS
         src_k, src_v = self._buffers[i]
+        slots = store.grad_slots
         if not self.cuda:
             add_staged_pages(store.dk, store.dv, src_k, src_v, slots, pages, counts, start)
             return
@@ -200,7 +218,9 @@ class PagePool:
     in pinned host memory (``host_dk``, ``host_dv``); K and V stay on the GPU. Only the pages a chunk selected
     cross the bus: the sparse backward leaves their share in a GPU staging area (``grad_staging``) that a
     side stream adds into the host pages through their host-mapped address; the pages of the other layers
-    are ``dk``, ``dv`` on the GPU.
+    are ``dk``, ``dv`` on the GPU. In stage 2 the K/V pages after the chunk being computed are dead, in
+    every layer: ``move_host_grads_to_gpu`` moves host layers' gradient pages into them as they die, so
+    that from then on those layers' additions stay on the GPU.
     """
 
     def __init__(
@@ -266,6 +286,13 @@ class PagePool:
             self.streamer = Streamer(self, segment_tokens)
         self._free = list(range(num_pages))
         self.peak_pages_in_use = 0
+        # Host gradient layers moved into dead K/V pages: layer -> gradient slots (batch, n_pages) int32 into
+        # k, v viewed as (n_layers * num_pages, ...); the dead slots not yet taken; (layer, live tokens) moves.
+        self._moved: dict[int, torch.Tensor] = {}
+        self._dead_slots: list[torch.Tensor] = []
+        self._dead_from = 0
+        self._used_slots = 0
+        self.host_grads_moved: list[tuple[int, int]] = []
         self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
 
     @property
@@ -327,10 +354,14 @@ class PagePool:
                 f"({len(self._free)} free) but a batch of {batch} x {seq_len} tokens needs {batch * n}; "
                 "build the pool for the longest batch you will train on (PagedKVCallback(max_seq_len=..., max_batch_size=...))"
             )
+        if self._moved or self._dead_slots:
+            raise RuntimeError("another batch holds dead pages of this pool with moved gradient pages: free it first")
         taken, self._free = self._free[: batch * n], self._free[batch * n :]
         self.peak_pages_in_use = max(self.peak_pages_in_use, self.pages_in_use)
         slots = torch.tensor(taken, dtype=torch.int32, device=self.k.device).view(batch, n)
         table = PageTable(slots=slots, seq_len=seq_len, page_size=self.page_size)
+        self._dead_from, self._used_slots = n, 0
+        self.host_grads_moved = []
         if self.on_host:
             self.streamer.begin(table)
         elif self.with_grads:
@@ -353,6 +384,8 @@ class PagePool:
             self.streamer.end(table)
         if self.grad_staging is not None:
             self.grad_staging.synchronize()  # no addition may outlive the step: the pool may be dropped next
+        self._moved.clear()
+        self._dead_slots = []
         # Sorted, so that a sequence's pages form long runs of consecutive slots (one copy per run).
         self._free = sorted(self._free + table.slots.view(-1).tolist())
 
@@ -366,15 +399,66 @@ class PagePool:
         for grads in (self.dk, self.dv, self.host_dk, self.host_dv):
             if grads is not None:
                 grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows.to(grads.device)] = 0
+        for grad_slots in self._moved.values():
+            moved = PageTable(grad_slots, table.seq_len, table.page_size).rows(start, end).reshape(-1)
+            for pages in (self.k, self.v):
+                pages.view(-1, *pages.shape[3:])[moved] = 0
+
+    def move_host_grads_to_gpu(self, table: PageTable, live_tokens: int) -> None:
+        """Stage 2, before computing the chunk that ends at ``live_tokens``: move the gradient pages of as many
+        host layers as now fit into the dead K/V pages (those of tokens >= live_tokens, every layer), one layer
+        after another. Only pages [0, live) move: the others' gradients were consumed with their chunks.
+
+        A moved layer keeps the staged path of host layers (its additions run on the side stream), into GPU
+        memory. Moves need batch 1 and gradient pages in the K/V dtype; otherwise nothing moves.
+        """
+        host = [layer for layer in self.host_layers if layer not in self._moved]
+        if not host or table.slots.shape[0] != 1 or self.spec.grad_dtype != self.spec.dtype:
+            return
+        live = -(-live_tokens // self.page_size)
+        if live < self._dead_from:
+            # Slot ids into k, v viewed as (n_layers * num_pages, ...); made on the GPU: no host wait.
+            dead = table.slots[0, live : self._dead_from]
+            layers = torch.arange(self.spec.n_layers, dtype=torch.int32, device=dead.device)
+            self._dead_slots.append((dead[:, None] + layers * self.num_pages).view(-1))
+            self._dead_from = live
+        n = movable_host_layers(self.spec.n_layers, table.slots.shape[1], live, self._used_slots)
+        for layer in host[:n]:
+            self._move(layer, table, live)
+            self.host_grads_moved.append((layer, live_tokens))
+
+    def _move(self, layer: int, table: PageTable, live: int) -> None:
+        from ..kernels.host_pages import copy_pages
+
+        dead = torch.cat(self._dead_slots)
+        self._dead_slots = [dead[live:]]
+        self._used_slots += live
+        grad_slots = torch.full_like(table.slots, -1)  # pages >= live are never touched again
+        grad_slots[0, :live] = dead[:live]
+        i = self.host_layers.index(layer)
+        if self.grad_staging is not None:
+            self.grad_staging.wait_for_layer(layer)  # the side stream's additions into its host pages come first
+        src, dst = table.slots[0, :live], grad_slots[0, :live]
+        for host, pages in ((self.host_dk[i], self.k), (self.host_dv[i], self.v)):
+            if self.device.type == "cuda":  # the GPU reads the host pages: no host wait, no temporary copy
+                copy_pages(host, src, pages.view(-1, *pages.shape[2:]), dst)
+            else:
+                pages.view(-1, *pages.shape[2:])[dst.long()] = host[src.long()]
+        self._moved[layer] = grad_slots
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        dk = dv = staging = None
+        dk = dv = staging = grad_table = None
         if self.dk is not None:
-            if layer in self.host_layers:
+            if layer in self._moved:
+                dk, dv = (pages.view(-1, *pages.shape[2:]) for pages in (self.k, self.v))
+                grad_table = PageTable(self._moved[layer], table.seq_len, table.page_size)
+                staging = self.grad_staging
+            elif layer in self.host_layers:
                 i = self.host_layers.index(layer)
                 dk, dv = self.host_dk[i], self.host_dv[i]
                 staging = self.grad_staging
             else:
                 i = layer - sum(h < layer for h in self.host_layers)
                 dk, dv = self.dk[i], self.dv[i]
-        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer, staging)
+        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer, staging,
+                          grad_table)

@@ -27,7 +27,7 @@ import torch
 
 from .attention import uses_triton
 from .loss import piece_rows
-from .pages import HostGradStaging
+from .pages import HostGradStaging, movable_host_layers
 from .sparse import SparseConfig
 
 GIB = 1 << 30
@@ -429,19 +429,38 @@ def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -
     return sparse.sink_pages + sparse.local_pages + free * (1 - (1 - picked / free) ** n_tiles)
 
 
+def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
+    """Host gradient layers still in host memory at each chunk's stage-2 backward (chunk order): stage 2 moves
+    them into dead K/V pages as those die (``PagePool.move_host_grads_to_gpu``: batch 1, gradient pages in
+    the K/V dtype, after the chunks whose graphs stage 1 kept)."""
+    n = c.n_chunks
+    left = [c.host_grad_layers] * n
+    if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
+        return left
+    seq_pages = -(-c.context // c.page_size)
+    on_host, used = c.host_grad_layers, 0
+    for index in reversed(range(n - c.graph_chunks)):
+        live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
+        moved = min(on_host, movable_host_layers(shape.n_layers, seq_pages, live, used))
+        on_host, used = on_host - moved, used + moved * live
+        left[index] = on_host
+    return left
+
+
 def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
-    """Seconds the host gradient layers' additions add to a step of ``c`` (HOST_ADD_GBPS, HOST_ADD_HIDDEN_S)."""
+    """Seconds the host gradient layers' additions add to a step of ``c`` (HOST_ADD_GBPS, HOST_ADD_HIDDEN_S),
+    for the layers still on the host at each chunk (``host_layers_left``)."""
     if not c.host_grad_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
     page_bytes = c.page_size * shape.head_dim * _itemsize(c.grad_dtype)
     seconds = 0.0
-    for start in range(0, c.context, c.chunk_size):
+    for start, layers in zip(range(0, c.context, c.chunk_size), host_layers_left(shape, c)):
         pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch
         bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
-        seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S)
-    return seconds * c.host_grad_layers
+        seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
+    return seconds
 
 
 def step_time(

@@ -411,6 +411,10 @@ class ChunkedSequence:
                     self._chunk = index
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
+                    if self.pool.host_layers and not self.graphs:
+                        # Pages after this chunk are dead: host gradient layers move into them. Not while a
+                        # graph from stage 1 waits: it holds its layers' stores as they were.
+                        self.pool.move_host_grads_to_gpu(self.table, end)
                     if index in self.graphs:
                         hidden, dhidden, loss = self.graphs.pop(index)
                     elif index in self.loss_grads:  # stage 1 computed the loss: the decoder's backward is left

@@ -203,42 +203,49 @@ def select_pages(
 # == reference attention over a selection ===================================================================
 
 
-def _gather_pages(store: LayerStore, pages: torch.Tensor, start: int, grads: bool = False):
-    """Tokens of the selected pages: pages (B, H_kv, K) logical pages -> (k, v) (B, H_kv, K*ps, D) in
-    float32 (zero where not valid), pool rows (B, H_kv, K*ps), valid (B, H_kv, K*ps)."""
-    ps = store.page_size
+def _page_rows(slots: torch.Tensor, pages: torch.Tensor, start: int, ps: int):
+    """Pool rows (B, H_kv, K*ps) of the tokens of pages (B, H_kv, K) under page table ``slots``, and which of
+    them lie before ``start`` (valid; the others are clamped to a valid row)."""
     tok = (pages.long()[..., None] * ps + torch.arange(ps, device=pages.device)).flatten(-2)
     valid = tok < start
     tok = tok.clamp_max(start - 1)
     b = torch.arange(pages.shape[0], device=pages.device)[:, None, None]
-    rows = store.table.slots[b, tok // ps].long() * ps + tok % ps
+    return slots[b, tok // ps].long() * ps + tok % ps, valid
+
+
+def _gather_pages(store: LayerStore, pages: torch.Tensor, start: int):
+    """K, V of the selected pages: pages (B, H_kv, K) logical pages -> (k, v) (B, H_kv, K*ps, D) in float32
+    (zero where not valid), valid (B, H_kv, K*ps)."""
+    rows, valid = _page_rows(store.table.slots, pages, start, store.page_size)
     heads = torch.arange(pages.shape[1], device=pages.device)[None, :, None]
-    a, c = (store.dk, store.dv) if grads else (store.k, store.v)
+    a, c = store.k, store.v
     ka = a.view(-1, *a.shape[2:])[rows, heads].float()
     va = c.view(-1, *c.shape[2:])[rows, heads].float()
     zero = torch.zeros((), device=ka.device)
-    return torch.where(valid[..., None], ka, zero), torch.where(valid[..., None], va, zero), rows, valid
+    return torch.where(valid[..., None], ka, zero), torch.where(valid[..., None], va, zero), valid
 
 
 def _tile_keys(q, k, v, store, start, selection, i):
-    """Keys of query tile i: its selected past pages then the chunk's keys [0, hi), with the mask."""
+    """Keys of query tile i: its selected past pages then the chunk's keys [0, hi), with the mask, and the
+    rows of the past pages' gradients."""
     ps = store.page_size
     t = q.shape[2]
     h = k.shape[1]
     lo, hi = i * ps, min((i + 1) * ps, t)
     if start > 0:
         pages = selection[:, :, i].expand(q.shape[0], h, selection.shape[-1])
-        kp, vp, rows, valid = _gather_pages(store, pages, start)
+        kp, vp, valid = _gather_pages(store, pages, start)
+        grad_rows, _ = _page_rows(store.grad_slots, pages, start, ps)
     else:
         kp = vp = k.new_zeros(q.shape[0], h, 0, k.shape[-1], dtype=torch.float32)
-        rows = valid = None
+        grad_rows = valid = None
     kc, vc = k[:, :, :hi].float(), v[:, :, :hi].float()
     causal = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
     past_ok = valid[:, :, None, None, :] if valid is not None else kp.new_ones(1, 1, 1, 1, 0, dtype=torch.bool)
     mask = torch.cat(
         [past_ok.expand(q.shape[0], h, 1, hi - lo, -1), causal.expand(q.shape[0], h, 1, hi - lo, hi)], dim=-1
     )
-    return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, rows, valid
+    return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, grad_rows, valid
 
 
 def attention_forward(

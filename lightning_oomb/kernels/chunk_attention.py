@@ -318,7 +318,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, DK, DV,
+    Q, K, V, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GSLOTS, DK, DV,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -372,8 +372,10 @@ def _dkdv_kernel(
 
     # Start from what is already stored for these rows (other chunks' share for past tokens, later
     # chunks' share for the chunk's own): loaded here, while registers are free, rather than after the
-    # loop next to two live accumulators. No other program touches these rows: race free.
-    grad_rows = slot * sg_page + in_page * sg_off + hk * sg_h
+    # loop next to two live accumulators. No other program touches these rows: race free. The gradient
+    # pages have their own table (GSLOTS: SLOTS itself unless a host layer moved into dead K/V pages).
+    gslot = tl.load(GSLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
+    grad_rows = gslot * sg_page + in_page * sg_off + hk * sg_h
     # (Split chunk tiles start from zero: the launcher adds the stored share once.)
     if CHUNK_SPLIT == 1:
         init_rows = n_valid
@@ -674,6 +676,9 @@ def launch_dkdv(
     hkv = k.shape[1]
     group = hq // hkv
     slots = store.table.slots.to(torch.int32)
+    grad_slots = store.grad_slots.to(torch.int32)
+    if grad_slots.stride() != slots.stride():
+        raise ValueError("the gradient page table must have the layout of the K/V page table")
     kt = tiles.dkdv
     n_past_tiles = triton.cdiv(past_hi - past_lo, kt.block_n)
     split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device) if chunk else 1
@@ -692,7 +697,7 @@ def launch_dkdv(
     with _device_ctx(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
-            lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, dk_out, dv_out,
+            lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, grad_slots, dk_out, dv_out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),

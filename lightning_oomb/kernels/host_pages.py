@@ -6,8 +6,8 @@ staging area; ``add_staged_pages`` adds it into the host pages from a few persis
 stream, so the bus traffic overlaps the layers computed meanwhile instead of stalling the attention kernel
 (lightning_oomb.core.pages.HostGradStaging). Two more accesses need the GPU, not the CPU, so that nothing
 waits for the host inside a step: zeroing the pages a batch takes (a torch op would zero them on the CPU,
-synchronously), and reading a chunk's own stored gradient rows (a torch gather would need the row indices
-on the host).
+synchronously), reading a chunk's own stored gradient rows (a torch gather would need the row indices on
+the host), and copying a layer's pages into GPU slots when stage 2 moves it there (``copy_pages``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page
 
 
 @triton.jit
+def _copy_pages_kernel(SRC, SRC_SLOTS, DST, DST_SLOTS, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    src = SRC + tl.load(SRC_SLOTS + i).to(tl.int64) * PAGE_ELEMS
+    dst = DST + tl.load(DST_SLOTS + i).to(tl.int64) * PAGE_ELEMS
+    offs = tl.arange(0, BLOCK)
+    for j in range(0, PAGE_ELEMS, BLOCK):
+        mask = j + offs < PAGE_ELEMS
+        tl.store(dst + j + offs, tl.load(src + j + offs, mask=mask), mask=mask)
+
+
+@triton.jit
 def _read_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     row = tl.load(ROWS + i).to(tl.int64)
@@ -84,6 +95,22 @@ def zero_pages(pages: torch.Tensor, slots: torch.Tensor) -> None:
         _zero_pages_kernel[(flat.numel(), pages.shape[0])](
             pages, flat, pages.stride(0), pages.stride(1), PAGE_ELEMS=page_elems, BLOCK=1024
         )
+
+
+def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """dst[dst_slots[i]] = src[src_slots[i]] on the slots' device: src, dst (n_pages, *page) with contiguous
+    pages of one shape and dtype, either of them pinned host memory mapped for that CUDA device (or, in
+    Triton's interpreter, CPU tensors); src_slots, dst_slots (n,) int."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_pages needs contiguous pages of one shape and dtype on both sides")
+    if src_slots.shape != dst_slots.shape:
+        raise ValueError(f"copy_pages needs one destination per source page, got {src_slots.shape} and {dst_slots.shape}")
+    if src_slots.numel() == 0:
+        return
+    page_elems = src[0].numel()
+    with _device_ctx(src_slots):
+        _copy_pages_kernel[(src_slots.numel(),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(),
+                                                 PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
 
 
 def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

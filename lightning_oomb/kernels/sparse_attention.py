@@ -488,7 +488,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 _launch_page_dkdv(dout, q, row_terms, store, slots, (pages, tile_lists, counts), grads, start,
                                   scale, tiles.dkdv)
             if staging is not None:
-                staging.add_into(store, slots, pages, counts, start)
+                staging.add_into(store, pages, counts, start)
 
         if warp_specialized:  # as in _forward
             partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
