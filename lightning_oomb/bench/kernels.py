@@ -1,6 +1,6 @@
 """Chunk-attention kernels against SDPA's flash backend on a CUDA GPU.
 
-    python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep]
+    python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep | --chunk-sweep]
 
 Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128), bf16, batch 1: a chunk of T=4096
 queries over a paged past of 0, 32K, 128K and 512K tokens (pages of 128 in random pool slots), forward and
@@ -210,6 +210,46 @@ def sweep(t: int) -> tri.KernelTiles:
     return chosen
 
 
+def chunk_sweep(t: int) -> None:
+    """Time each Triton kernel over the chunk's own keys alone (causal, no past) for a few tile shapes: all a
+    step on an sm_90 GPU runs in Triton once the warp-specialised kernels take the past (dense and sparse).
+    TFLOP/s count the kernel's matmuls over the unmasked half: forward 2, dQ 3, dK/dV 4."""
+    pool, store = make_store(0, t)
+    q, k, v, dout = chunk_inputs(t)
+    scale = D**-0.5
+    base = tri.default_tiles(D, DTYPE)
+    out, lse = tri._forward(q, k, v, store, 0, scale, base.fwd)
+    delta = tri.launch_delta(out, dout)
+    row_terms = tri._row_terms(lse, delta, scale)
+    state = torch.empty(q.shape, dtype=torch.float32, device=DEVICE), torch.empty_like(lse)
+    partial = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    per_matmul = kernel_flops(0, t) / 2
+    kernels = {
+        "fwd": (2, [tri.Tiles(128, 128, 8, 3), tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 4, 3),
+                    tri.Tiles(64, 128, 4, 3), tri.Tiles(64, 64, 4, 3)],
+                lambda o: tri._launch_forward(q, k, v, store, 0, 0, scale, o, True, *state, carry=False)),
+        "dq": (3, [tri.Tiles(128, 128, 8, 2), tri.Tiles(128, 128, 8, 3), tri.Tiles(128, 64, 8, 2),
+                   tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 4, 2), tri.Tiles(64, 128, 4, 2),
+                   tri.Tiles(64, 128, 4, 3), tri.Tiles(64, 128, 8, 3), tri.Tiles(64, 64, 4, 3)],
+               lambda o: tri._launch_dq(dout, q, k, v, lse, delta, store, 0, 0, scale, o, True, partial,
+                                        accumulate=False)),
+        "dkdv": (4, [tri.Tiles(64, 128, 8, 3), tri.Tiles(32, 128, 8, 3), tri.Tiles(64, 128, 4, 3),
+                     tri.Tiles(64, 64, 4, 3), tri.Tiles(128, 128, 8, 2)],
+                 lambda o: tri.launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, 0, scale,
+                                           tri.KernelTiles(base.fwd, o, base.dq), chunk=True)),
+    }
+    print(f"chunk's own keys only, T={t} (defaults: {base}):", flush=True)
+    for name, (matmuls, opts, run) in kernels.items():
+        for o in opts:
+            try:
+                run(o)  # compile
+                ms = timed(lambda: run(o), warmup_ms=10, rep_ms=50)
+                print(f"  {name} {o}: {ms:.3f} ms, {matmuls * per_matmul / ms / 1e9:.0f} TFLOP/s", flush=True)
+            except Exception as e:  # out of shared memory etc.
+                print(f"  {name} {o}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    del pool, store
+
+
 def print_resources(*kernels) -> None:
     """Registers and local memory of every compiled variant of the given Triton kernels, as the driver
     reports them once the GPU loaded each: spills in a loop cost local-memory traffic every iteration."""
@@ -231,6 +271,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096, help="queries per chunk (T)")
     ap.add_argument("--out", default=None, help="also write the table as CSV here")
     ap.add_argument("--sweep", action="store_true", help="pick tile shapes by a short sweep first")
+    ap.add_argument("--chunk-sweep", action="store_true",
+                    help="only time each kernel over the chunk's own keys for a few tile shapes, then stop")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
     ap.add_argument("--sdpa-repeat-kv", action="store_true",
                     help="time SDPA on K/V repeated to all query heads (multi-head) instead of enable_gqa")
@@ -242,6 +284,10 @@ def main() -> None:
     pasts = [int(p) for p in args.pasts.split(",")]
     t = args.chunk
     print(f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else DEVICE} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+    if args.chunk_sweep:
+        chunk_sweep(t)
+        print_resources(tri._fwd_kernel, tri._dq_kernel, tri._dkdv_kernel)
+        return
     tiles = sweep(t) if args.sweep else tri.default_tiles(D, DTYPE)
     print(f"tiles: {tiles}", flush=True)
 
