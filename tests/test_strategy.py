@@ -83,7 +83,10 @@ def test_same_weights_as_plain_training(backend):
 
 
 def test_gradient_accumulation_and_clipping():
-    compare(lambda: UserModule(tiny_model("llama")), STEPS_TOL, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=2)
+    # Clipping scales every update by the total gradient norm, so rounding anywhere reaches every entry: here
+    # plain float32 training itself lands 7e-4 from the same training in float64, and the served run 3.6e-5
+    # from plain (transformers 5.24; under STEPS_TOL with the earlier releases CI had). Hence 1e-4.
+    compare(lambda: UserModule(tiny_model("llama")), 1e-4, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=2)
 
 
 def test_adamw_and_validation_loop():
