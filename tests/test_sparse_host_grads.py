@@ -34,7 +34,7 @@ def _step(model, ids, **kwargs):
 @pytest.mark.parametrize("attention", ["reference", "triton"])
 def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention):
     model = tiny_model("qwen2")
-    ids = torch.randint(0, VOCAB, (2, 35))
+    ids = torch.randint(0, VOCAB, (2, 21))  # the last chunk's past (16 tokens, 6 pages) exceeds the budget
     want_loss, want = _step(model, ids, attention=attention, offload="gpu")
     model.zero_grad(set_to_none=True)
     loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, attention=attention,

@@ -197,11 +197,12 @@ def test_memory_series_in_tensorboard(tmp_path):
     assert len(events.Scalars("memory_trace/allocated_gib")) == 8
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_host_pages_same_weights_as_plain_training(backend):
-    """offload="host": the pages live in host memory and stream through in segments; weights unchanged."""
+def test_host_pages_same_weights_as_plain_training():
+    """offload="host": the pages live in host memory and stream through in segments; weights unchanged. (The
+    Triton kernels over streamed pages are checked against full-sequence gradients in test_offload.py; in
+    the interpreter they would cost this test minutes.)"""
     compare(lambda: UserModule(tiny_model("qwen2")), STEPS_TOL,
-            {"attention": backend, "offload": "host", "segment_tokens": 8}, accumulate_grad_batches=2, max_steps=2)
+            {"attention": "reference", "offload": "host", "segment_tokens": 8}, accumulate_grad_batches=2, max_steps=2)
 
 
 def test_offload_traffic_in_tensorboard(tmp_path):
