@@ -6,6 +6,7 @@ import csv
 import json
 import math
 
+import pytest
 import torch
 
 from lightning_oomb.bench import run as bench
@@ -133,3 +134,21 @@ def test_profile_groups_our_kernels_by_exact_name():
     assert _group("_past_dq_kernel") == _group("_sparse_dq_kernel") == "attention dQ"
     assert _group("_silu_mul_fwd_kernel") == _group("_rms_norm_fwd_kernel") == "other"
     assert _group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul (cuBLAS)"
+
+
+def test_profile_chunk_ranges_and_timeline():
+    """--chunks parses to sorted, non-overlapping ranges inside the step; the timeline's chunk times are the
+    differences between consecutive marks, stage 2 listed last chunk first."""
+    from lightning_oomb.bench.profile_step import chunk_seconds, parse_chunk_ranges, timeline_lines
+
+    assert parse_chunk_ranges("6:8, 0:2", 8) == [(0, 2), (6, 8)]
+    assert parse_chunk_ranges("", 8) == []
+    for bad in ("3:3", "0:9", "a:b", "0:4,3:5"):
+        with pytest.raises(ValueError):
+            parse_chunk_ranges(bad, 8)
+    marks = [(1, 0), (1, 1), (2, 1), (2, 0)]
+    seconds = chunk_seconds(marks, [100.0, 300.0, 600.0, 1000.0])
+    assert seconds == {(1, 0): 0.1, (1, 1): 0.2, (2, 1): 0.3, (2, 0): 0.4}
+    lines = timeline_lines(seconds, 2, 1)
+    assert lines[0] == "stage 1: 0.30 s" and lines[3].startswith("stage 2: 0.70 s")
+    assert "chunks    1..1" in lines[4] and "300.0 ms" in lines[4]

@@ -1,4 +1,4 @@
-"""Where does a train_step's time go? GPU time by kernel, grouped, for one step after a warm-up.
+"""Where does a train_step's time go? GPU time by kernel, grouped, and the time of every chunk.
 
     python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096] [--budget-pages 64]
         [--grad-dtype bfloat16] [--offload host] [--keep-attention 0]
@@ -9,11 +9,12 @@ gradient pages in host memory (their additions run on a side stream, beside the 
 counts both streams); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
 step must.
 
---last-chunks N profiles only the last N chunks of the step (stage 1's, then stage 2's, which runs them
-first): the chunks with the longest past, at the cost of one unprofiled step, so that a 1M-token step
-fits in one run. The warm-up step then runs at --warmup-context tokens (default 64k), once with every page
-on the GPU and, for a sparse step, once with every gradient page on the host, so that the profiled window
-compiles nothing.
+--chunks A:B[,C:D...] profiles only those chunk ranges of one step, each stage of each range on its own
+(stage 2 runs a range last chunk first), so that a 1M-token step fits in one run, and prints the step's
+chunk timeline: the seconds of every chunk of both stages from CUDA events between chunks (--timeline-bin
+chunks per line; the profiled ranges include the profiler's own cost and a synchronisation at each end).
+The warm-up steps then run at --warmup-context tokens (default 64k), once with every page on the GPU and,
+for a sparse step, once with every gradient page on the host, so that the profiled ranges compile nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ KERNEL_GROUPS = {
     "attention forward": ("_fwd_kernel", "_sparse_fwd_kernel", "_past_forward_kernel"),
     "attention dK/dV": ("_dkdv_kernel", "_page_dkdv_kernel", "_past_dkdv_kernel"),
     "attention dQ": ("_dq_kernel", "_sparse_dq_kernel", "_past_dq_kernel"),
-    "host gradient pages (side stream)": ("_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel"),
+    "host gradient pages (side stream)": (
+        "_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel", "_copy_pages_kernel",
+    ),
 }
 MATMUL_KEYS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")
 
@@ -48,6 +51,122 @@ def _group(name: str) -> str:
     if any(k in name.lower() for k in MATMUL_KEYS):
         return "matmul (cuBLAS)"
     return "other"
+
+
+def parse_chunk_ranges(text: str, n_chunks: int) -> list[tuple[int, int]]:
+    """"A:B,C:D" -> [(A, B), (C, D)]: chunk ranges [A, B) of a step of ``n_chunks`` chunks, not overlapping."""
+    ranges = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            first, end = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"a chunk range is FIRST:END (chunk indices, END excluded), got {part!r}") from None
+        if not 0 <= first < end <= n_chunks:
+            raise ValueError(f"chunk range {part!r} must satisfy 0 <= FIRST < END <= {n_chunks} (chunks of the step)")
+        ranges.append((first, end))
+    ranges.sort()
+    for (_, end), (first, _) in zip(ranges, ranges[1:]):
+        if first < end:
+            raise ValueError(f"chunk ranges overlap: {text!r}")
+    return ranges
+
+
+def chunk_seconds(marks: list[tuple[int, int]], elapsed_ms: list[float]) -> dict[tuple[int, int], float]:
+    """{(stage, chunk): seconds} from the (stage, chunk) marks in step order and the milliseconds from the
+    step's start to each mark: a chunk's time runs from the mark before it to its own."""
+    seconds, before = {}, 0.0
+    for mark, ms in zip(marks, elapsed_ms):
+        seconds[mark] = (ms - before) / 1e3
+        before = ms
+    return seconds
+
+
+def timeline_lines(seconds: dict[tuple[int, int], float], n_chunks: int, bin_chunks: int) -> list[str]:
+    """Per stage, the total and the mean seconds per chunk of every ``bin_chunks`` chunks (stage 2 listed in
+    its order: last chunk first)."""
+    lines = []
+    for stage in (1, 2):
+        order = range(n_chunks) if stage == 1 else reversed(range(n_chunks))
+        times = [(c, seconds[(stage, c)]) for c in order]
+        lines.append(f"stage {stage}: {sum(t for _, t in times):.2f} s")
+        for i in range(0, len(times), bin_chunks):
+            part = times[i : i + bin_chunks]
+            ms = [1e3 * t for _, t in part]
+            lines.append(f"  chunks {part[0][0]:>4}..{part[-1][0]:<4} {sum(ms) / len(ms):8.1f} ms per chunk "
+                         f"(min {min(ms):.1f}, max {max(ms):.1f})")
+    return lines
+
+
+class ProfiledStep:
+    """The observer of one step: marks every chunk's end with a CUDA event and runs one profiler per stage of
+    each chunk range [first, end): stage 1 from the end of chunk first - 1 to that of end - 1, stage 2 from
+    the end of chunk ``end`` (or of stage 1) to that of ``first``."""
+
+    def __init__(self, ranges: list[tuple[int, int]], n_chunks: int, activities, record_shapes: bool):
+        self.marks: list[tuple[int, int]] = []
+        self.events: list[torch.cuda.Event] = []
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.opens: dict[tuple[int, int], tuple[int, int, int]] = {}  # mark -> (stage, first, end) opening
+        self.closes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        for first, end in ranges:
+            self.opens[(1, first - 1) if first else (0, 0)] = (1, first, end)
+            self.closes[(1, end - 1)] = (1, first, end)
+            self.opens[(2, end) if end < n_chunks else (1, n_chunks - 1)] = (2, first, end)
+            self.closes[(2, first)] = (2, first, end)
+        self.profiles = {key: profile(activities=activities, record_shapes=record_shapes) for key in self.closes.values()}
+        self.walls: dict[tuple[int, int, int], float] = {}
+        self._opened: dict[tuple[int, int, int], float] = {}
+
+    def begin(self) -> None:
+        torch.cuda.synchronize()
+        self.start.record()
+        self._boundary((0, 0))
+
+    def __call__(self, stage: int, index: int, start: int, end: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((stage, index))
+        self.events.append(event)
+        self._boundary((stage, index))
+
+    def _boundary(self, mark: tuple[int, int]) -> None:
+        if mark in self.closes:
+            key = self.closes[mark]
+            torch.cuda.synchronize()
+            self.walls[key] = time.perf_counter() - self._opened.pop(key)
+            self.profiles[key].stop()
+        if mark in self.opens:  # after the close: one range's stage-1 end is the next range's start
+            key = self.opens[mark]
+            torch.cuda.synchronize()
+            self.profiles[key].start()
+            self._opened[key] = time.perf_counter()
+
+    def seconds(self) -> dict[tuple[int, int], float]:
+        torch.cuda.synchronize()
+        return chunk_seconds(self.marks, [self.start.elapsed_time(e) for e in self.events])
+
+
+def report(prof, wall: float, title: str, top: int, ops: int) -> None:
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu_total = sum(e.device_time_total for e in kernels) / 1e6
+    groups: dict[str, float] = defaultdict(float)
+    for e in kernels:
+        groups[_group(e.key)] += e.device_time_total / 1e6
+    print(f"\n{title}: wall {wall:.2f} s, GPU busy {gpu_total:.2f} s")
+    for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<34} {seconds:8.3f} s  {100 * seconds / wall:5.1f}% of wall")
+    print(f"top {top} kernels by GPU time:")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
+    if ops:
+        # The op that launched each kernel: which elementwise work (norm, RoPE, SiLU, copies) costs what.
+        rows = [
+            e for e in prof.key_averages(group_by_input_shape=True)
+            if e.self_device_time_total > 0 and e.device_type.name == "CPU"
+        ]
+        print(f"top {ops} torch ops by GPU time (self), with input shapes:")
+        for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:ops]:
+            print(f"  {e.self_device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:40]:<40} {str(e.input_shapes)[:90]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,50 +183,28 @@ def main(argv: list[str] | None = None) -> None:
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
     parser.add_argument("--keep-graphs", type=int, default=None,
                         help="chunks whose autograd graphs stage 1 keeps (default: the last, plus as many as fit)")
-    parser.add_argument("--last-chunks", type=int, default=0,
-                        help="profile only the step's last this many chunks (0: the whole step)")
-    parser.add_argument("--warmup-context", default="64k", help="with --last-chunks: tokens of the warm-up steps")
+    parser.add_argument("--chunks", default="", metavar="FIRST:END,...",
+                        help="profile only these chunk ranges of the step, and print its chunk timeline "
+                             "(default: profile the whole step)")
+    parser.add_argument("--timeline-bin", type=int, default=16, help="with --chunks: chunks per timeline line")
+    parser.add_argument("--warmup-context", default="64k", help="with --chunks: tokens of the warm-up steps")
     args = parser.parse_args(argv)
     sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
     context = parse_tokens(args.context)
     n_chunks = -(-context // args.chunk)
-    if not 0 <= args.last_chunks < n_chunks:
-        parser.error(f"--last-chunks must be in [0, {n_chunks - 1}] for {n_chunks} chunks, got {args.last_chunks}")
+    try:
+        ranges = parse_chunk_ranges(args.chunks, n_chunks)
+    except ValueError as error:
+        parser.error(str(error))
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     vocab = ModelShape.resolve(args.model).vocab
     ids = torch.randint(0, vocab, (1, context), device="cuda")
     options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
                    offload=args.offload, keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    if args.last_chunks:
-        warmup_ids = ids[:, : parse_tokens(args.warmup_context)]
-        for offload in ("gpu", "host") if sparse else ("gpu",):
-            train_step(model, warmup_ids, **{**options, "offload": offload, "keep_attention": 0, "keep_graphs": 0})
-        model.zero_grad(set_to_none=False)
-        torch.cuda.synchronize()
-        prof = profile(activities=activities, record_shapes=args.ops > 0)
-        first = n_chunks - args.last_chunks
-        window = {}
-
-        def observe(stage: int, index: int, start: int, end: int) -> None:
-            # After stage 1's chunk first - 1: the window opens; after stage 2's chunk ``first``: it closes.
-            if (stage, index) == (1, first - 1):
-                torch.cuda.synchronize()
-                prof.start()
-                window["start"] = time.perf_counter()
-            elif (stage, index) == (2, first):
-                torch.cuda.synchronize()
-                window["wall"] = time.perf_counter() - window["start"]
-                prof.stop()
-
-        seq = ChunkedSequence(model, ids, config=ChunkConfig(**options), observer=observe)
-        try:
-            seq.fill()
-            seq.backward()
-        finally:
-            seq.release()
-        wall = window["wall"]
-    else:
+    kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
+    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}", flush=True)
+    if not ranges:
         train_step(model, ids, **options)
         model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
@@ -116,31 +213,26 @@ def main(argv: list[str] | None = None) -> None:
             train_step(model, ids, **options)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    gpu_total = sum(e.device_time_total for e in kernels) / 1e6
-    groups: dict[str, float] = defaultdict(float)
-    for e in kernels:
-        groups[_group(e.key)] += e.device_time_total / 1e6
-    kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
-    what = f"its last {args.last_chunks} chunks (both stages)" if args.last_chunks else "the step"
-    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}, {what}: wall {wall:.2f} s, "
-          f"GPU busy {gpu_total:.2f} s")
-    for name, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:<32} {seconds:8.3f} s  {100 * seconds / wall:5.1f}% of wall")
-    print(f"\ntop {args.top} kernels by GPU time:")
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[: args.top]:
-        print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
-
-    if args.ops:
-        # The op that launched each kernel: which elementwise work (norm, RoPE, SiLU, copies) costs what.
-        ops = [
-            e for e in prof.key_averages(group_by_input_shape=True)
-            if e.self_device_time_total > 0 and e.device_type.name == "CPU"
-        ]
-        print(f"\ntop {args.ops} torch ops by GPU time (self), with input shapes:")
-        for e in sorted(ops, key=lambda e: -e.self_device_time_total)[: args.ops]:
-            shapes = str(e.input_shapes)[:90]
-            print(f"  {e.self_device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:40]:<40} {shapes}")
+        report(prof, wall, "the step", args.top, args.ops)
+        return
+    warmup_ids = ids[:, : parse_tokens(args.warmup_context)]
+    for offload in ("gpu", "host") if sparse else ("gpu",):
+        train_step(model, warmup_ids, **{**options, "offload": offload, "keep_attention": 0, "keep_graphs": 0})
+    model.zero_grad(set_to_none=False)
+    step = ProfiledStep(ranges, n_chunks, activities, args.ops > 0)
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(**options), observer=step)
+    t = time.perf_counter()
+    try:
+        step.begin()
+        seq.fill()
+        seq.backward()
+    finally:
+        seq.release()
+    seconds = step.seconds()
+    print(f"step: {time.perf_counter() - t:.2f} s wall (profiled chunk ranges included)")
+    print("\n".join(timeline_lines(seconds, n_chunks, args.timeline_bin)), flush=True)
+    for (stage, first, end), prof in step.profiles.items():
+        report(prof, step.walls[(stage, first, end)], f"stage {stage}, chunks {first}..{end - 1}", args.top, args.ops)
 
 
 if __name__ == "__main__":
