@@ -246,10 +246,11 @@ def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layer
         loss = lightning_oomb.train_step(model, ids, keep_attention=keep, **kwargs)
         results[keep] = (loss, grads_of(model), len(calls))
     layers = model.config.num_hidden_layers
-    passes = 3 if checkpoint_layers else 2  # a checkpointed layer runs its stage-2 forward twice
-    assert results[0][2] == 5 * layers * passes
-    assert results[2][2] == 5 * layers + 3 * layers * (passes - 1)
-    assert results[100][2] == 5 * layers
+    recomputes = 2 if checkpoint_layers else 1  # a checkpointed layer runs its stage-2 forward twice
+    # Stage 1 ends each chunk at the last layer's store: that layer's attention runs (and is kept) in stage 2 only.
+    assert results[0][2] == 5 * (layers - 1) + 5 * layers * recomputes
+    assert results[2][2] == 5 * (layers - 1) + (3 * layers + 2) * recomputes
+    assert results[100][2] == 5 * (layers - 1) + 5 * recomputes
     for keep in (2, 100):
         assert torch.equal(results[keep][0], results[0][0])
         for name, grad in results[0][1].items():
@@ -281,9 +282,14 @@ def test_kept_graphs_give_the_same_gradient(backend, sparse, monkeypatch):
         loss = lightning_oomb.train_step(model, ids, keep_graphs=graphs, keep_attention=keep, **kwargs)
         results[graphs] = (loss, grads_of(model), len(calls))
     layers = model.config.num_hidden_layers
-    recomputed = {0: 5, None: 4, 2: 1, 5: 0}  # None on a CPU device: the last chunk's graph only
+    kept = {0: (0, 0), None: (1, 0), 2: (2, 2), 5: (5, 0)}  # (graphs, outputs); None on a CPU device: the last graph
     for graphs, (_, _, n_calls) in results.items():
-        assert n_calls == (5 + recomputed[graphs]) * layers, graphs
+        n_graphs, n_outputs = kept[graphs]
+        # Stage 1 stops at the last layer's store unless it keeps the chunk's graph; stage 2 recomputes the
+        # chunks without a graph, of the chunks with kept outputs only the last layer's attention (not kept).
+        stage_1 = 5 * (layers - 1) + n_graphs
+        stage_2 = (5 - n_graphs - n_outputs) * layers + n_outputs
+        assert n_calls == stage_1 + stage_2, graphs
     for graphs in (None, 2, 5):
         assert torch.equal(results[graphs][0], results[0][0])
         for name, grad in results[0][1].items():

@@ -195,17 +195,24 @@ def test_budget_covering_every_page_is_dense(score):
 def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
     """A small budget gives another loss than dense; stage 2 gets stage 1's selection tensors, per layer
     and chunk, in the forward and in the backward."""
-    calls = []
-    fwd, bwd = sparse.attention_forward, sparse.attention_backward
+    from lightning_oomb.core import schedule
+
+    made, calls = {}, []
+    select, fwd, bwd = schedule.select_pages, sparse.attention_forward, sparse.attention_backward
+
+    def record_select(q, store, summaries, config, start):
+        made[(start, store.layer)] = selection = select(q, store, summaries, config, start)
+        return selection
 
     def record_fwd(q, k, v, store, start, scale, selection):
-        calls.append(("fwd", start, selection))
+        calls.append(("fwd", start, store.layer, selection))
         return fwd(q, k, v, store, start, scale, selection)
 
     def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection):
-        calls.append(("bwd", start, selection))
+        calls.append(("bwd", start, store.layer, selection))
         return bwd(dout, q, k, v, out, lse, store, start, scale, selection)
 
+    monkeypatch.setattr(schedule, "select_pages", record_select)
     monkeypatch.setattr(sparse, "attention_forward", record_fwd)
     monkeypatch.setattr(sparse, "attention_backward", record_bwd)
     model = tiny_model("llama")
@@ -213,23 +220,21 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
     config = SparseConfig(budget_pages=2, sink_pages=1, local_pages=0, score="mean")
     # keep_graphs=0: stage 2 runs every chunk's forward again (a kept graph's chunk has none).
     loss, _ = _grads(model, ids, chunk_size=8, page_size=2, attention="reference", sparse=config, keep_graphs=0)
+    sparse_made, sparse_calls = dict(made), list(calls)
     dense_loss, _ = _grads(model, ids, chunk_size=8, page_size=2, attention="reference")
     assert rel_err(loss, dense_loss) > 1e-4
-    calls = calls[: 3 * 2 * 5]  # the sparse step's: stage 1 (2 layers x 5 chunks), then stage 2's fwd + bwd
-    stage1, stage2 = calls[:10], calls[10:]
-    assert all(c[0] == "fwd" for c in stage1) and [c[1] for c in stage1[::2]] == [0, 8, 16, 24, 32]
-    made = {}
-    for i, c in enumerate(stage1):  # layers run in order within a chunk
-        made[(c[1], i % 2)] = c[2]
-    used = {}
-    for c in stage2:
-        used.setdefault((c[0], c[1]), []).append(c[2])
-    assert sorted(k[1] for k in used if k[0] == "bwd") == [0, 8, 16, 24, 32]
-    for (start, layer), sel in made.items():
-        for kind in ("fwd", "bwd"):
-            assert any(s is sel for s in used[(kind, start)]), (kind, start, layer)
+    # Stage 1 selects for every (chunk, layer), the last layer too (whose attention it skips).
+    assert sorted(sparse_made) == [(start, layer) for start in (0, 8, 16, 24, 32) for layer in (0, 1)]
+    stage_2 = sparse_calls[5:]  # stage 1's forwards: layer 0 of each of the 5 chunks
+    assert [(c[0], c[2]) for c in sparse_calls[:5]] == [("fwd", 0)] * 5
+    for kind in ("fwd", "bwd"):
+        used = {(c[1], c[2]): c[3] for c in stage_2 if c[0] == kind}
+        assert sorted(used) == sorted(sparse_made)
+        for key, selection in sparse_made.items():
+            assert used[key] is selection, (kind, key)
+    for (start, _), selection in sparse_made.items():
         if start >= 2 * 2:
-            assert sel.shape[-1] == 2  # budget-limited past
+            assert selection.shape[-1] == 2  # budget-limited past
 
 
 # == Triton kernels against the reference (interpreter on CPU) =============================================

@@ -2,7 +2,8 @@
 
 Stage 1 (fill, no autograd but for the last chunks, whose graphs it keeps: ``keep_graphs``): chunks
 0..C-1 run forward; every attention layer writes the chunk's post-RoPE K, V into the paged store and attends
-over everything stored so far.
+over everything stored so far. Where the chunk's last hidden state is not used there (no loss, kept graph or
+logits), the forward ends at the last layer's store: the rest only feeds the output layer.
 Stage 2 (backward): chunks C-1..0 re-run forward with autograd (those with a kept graph need not);
 attention reads the past from the store as constants; the chunk's loss gradient dL/dh is backpropagated
 through the decoder, which adds the past's dK, dV into the store and hands the chunk's own K, V their
@@ -28,6 +29,12 @@ from .planner import PLACEMENTS, Placement, place_step
 from .sparse import SparseConfig, select_pages, update_summaries
 
 IGNORE_INDEX = -100
+
+
+class _LastKVStored(Exception):
+    """Raised by the last attention layer in stage 1 once its K, V are stored and its pages selected, when
+    nothing else of the chunk's forward is needed there (no loss, kept graph or logits): the rest of the
+    decoder (that layer's attention, its MLP, the final norm) only feeds the output layer."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +246,8 @@ class ChunkedSequence:
         # float32 sums of the output layer's gradients, from the first chunk's loss to the end of stage 2.
         self.head_grads: HeadGradients | None = None
         self._chunk = 0
+        self._last_layer = self.lm.config.num_hidden_layers - 1
+        self._hidden_needed = True  # stage 1: whether this chunk's last hidden state is used
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
@@ -305,6 +314,8 @@ class ChunkedSequence:
                     self.selections[key] = selection
             elif sparse is not None:
                 selection = self.selections[key]
+        if fill and layer_idx == self._last_layer and not self._hidden_needed:
+            raise _LastKVStored
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
             return self.kept[key][0]
@@ -329,7 +340,10 @@ class ChunkedSequence:
         self._start = start
         ids = self.input_ids[:, start:end]
         pos = torch.arange(start, end, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
-        return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        try:
+            return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        except _LastKVStored:
+            return None
 
     def _chunk_loss(
         self, hidden: torch.Tensor, start: int, end: int, with_grads: bool
@@ -381,6 +395,7 @@ class ChunkedSequence:
             for index, (start, end) in enumerate(self.chunks):
                 self._chunk = index
                 keeps_graph = self._keeps_graph(index)
+                self._hidden_needed = keeps_graph or self.stage_1_loss or (keep_last > 0 and end > first_kept)
                 with torch.set_grad_enabled(keeps_graph):
                     hidden = self._chunk_hidden(start, end)
                 if keeps_graph or self.stage_1_loss:
