@@ -122,11 +122,13 @@ def test_copy_statistics_count_every_byte():
     layers = 2
     starts = range(0, seq_len, chunk)
     past = sum(starts)  # tokens of past over all chunks
-    # Stage 1 sends every token's K, V out and, like the stage-2 forward, brings each chunk's past K, V in;
-    # the backward brings K, V and (after the first, fresh, chunk) dK, dV in, plus the chunk's own stored
-    # dK, dV (again not for the first), and sends dK, dV of the past back.
+    # Stage 1 sends every token's K, V out and, like the stage-2 forward, brings each chunk's past K, V in
+    # (but for the last layer, whose attention stage 1 skips: it only gets the two segments the layer before
+    # sent ahead); the backward brings K, V and (after the first, fresh, chunk) dK, dV in, plus the chunk's own
+    # stored dK, dV (again not for the first), and sends dK, dV of the past back.
     last = starts[-1]
-    h2d = layers * row * (3 * 2 * past + 2 * (past - last) + 2 * (seq_len - chunk))
+    skipped = sum(max(0, s // segment - 2) * segment for s in starts)
+    h2d = layers * row * (3 * 2 * past + 2 * (past - last) + 2 * (seq_len - chunk)) - row * 2 * skipped
     d2h = layers * row * (2 * seq_len + 2 * past)
     assert stats.d2h_bytes == d2h
     assert stats.h2d_bytes == h2d
