@@ -174,6 +174,35 @@ def test_silu_mul_saves_inputs_only():
     assert len(saved) == 2 and {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
 
 
+@pytest.mark.parametrize("grad_exists", [False, True], ids=["new-grad", "grad-in-place"])
+def test_swiglu_linear_is_the_down_projection_of_silu_mul_bitwise(grad_exists):
+    """swiglu_linear gives F.linear(silu_mul(gate, up)) and its gradients bit for bit (the product recomputed
+    in backward by the same kernel; dW added into an existing .grad in place), and keeps gate, up and the
+    weight for backward, not the product."""
+    from lightning_oomb.core.linear import swiglu_linear
+
+    torch.manual_seed(0)
+    gate, up = (torch.randn(2, 5, 48, device=DEVICE) for _ in range(2))
+    weight = torch.randn(16, 48, device=DEVICE)
+    bias = torch.randn(16, device=DEVICE)
+    dy = torch.randn(2, 5, 16, device=DEVICE)
+    results = []
+    for fused in (False, True):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        if grad_exists:
+            w.grad = torch.ones_like(w)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = swiglu_linear(g, u, w, b) if fused else F.linear(silu_mul(g, u), w, b)
+        y.backward(dy)
+        results.append((y, g.grad, u.grad, w.grad, b.grad))
+        if fused:
+            assert {t.data_ptr() for t in saved} == {g.data_ptr(), u.data_ptr(), w.data_ptr()}
+    for name, a, b in zip(("out", "dgate", "dup", "dweight", "dbias"), *results):
+        assert torch.equal(a, b), name
+
+
 # --------------------------------------------------------------------------------------------------------
 # RoPE
 # --------------------------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def test_layer_checkpointing_keeps_layer_inputs_and_one_layer():
     ckpt = activation_bytes(shape, 4096, "bf16-true", checkpoint_layers=True)
     layer_inputs = 28 * 4096 * 3584 * 2
     assert layer_inputs < ckpt < full / 10
-    assert 18e9 < full < 30e9  # "a 7B model at 4096 tokens holds about 20 GB of activations" (README)
+    assert 13e9 < full < 17e9  # "a 7B model at 4096 tokens holds about 15 GB of activations" (README)
 
 
 # -- plans -----------------------------------------------------------------------------------------------
@@ -375,8 +375,9 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
     from lightning_oomb.core.planner import plan_placed
 
     roomy = plan_placed("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
-    # As place_step chose on the H200 at 32K (docs/benchmarks.md): 3 graphs, then 5 chunks' outputs.
-    assert any("autograd graphs of the last 3 and the attention outputs of 5 more of 8 chunks" in n
+    # As place_step chose on the H200 at 32K (docs/benchmarks.md: 3 graphs, then 5 chunks' outputs), and one
+    # graph more since the down projection recomputes its input (core.linear.swiglu_linear).
+    assert any("autograd graphs of the last 4 and the attention outputs of 4 more of 8 chunks" in n
                for n in roomy.notes), roomy.notes
     offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)
     assert not any("attention outputs" in n for n in offloaded.notes)

@@ -20,6 +20,12 @@ MEASURED = (
 )
 
 
+def product_bytes(context: int, chunks: int) -> int:
+    """What the measured steps (all before core.linear.swiglu_linear) kept and the plan no longer counts: the
+    SwiGLU product of every layer, (chunk tokens, intermediate) in bf16, per chunk of activations held."""
+    return chunks * 28 * min(context, 4096) * 18944 * 2
+
+
 def oomb_rows():
     rows = []
     for name, fused in MEASURED:
@@ -44,6 +50,8 @@ def test_predicted_peak_within_10_percent(name, fused, row):
         # The bench's steps start without parameter gradients; with more than one kept graph their peak comes
         # at the end of stage 1, before the gradients exist (the plan counts them: see docs/planner.md).
         predicted -= next(v for k, v in step.gpu_lines.items() if k.startswith("gradients"))
+    if fused:  # a kept graph holds a chunk's activations; without kept graphs stage 2 holds one chunk's
+        predicted += product_bytes(int(row["context"]), max(graphs, 1))
     measured = int(row["peak_gpu_bytes"])
     assert abs(predicted - measured) / measured <= 0.10, (predicted / 2**30, measured / 2**30)
 
@@ -68,6 +76,6 @@ def test_predicted_sparse_peaks_with_host_gradient_layers(row):
         host_grad_layers=int(row["host_grad_layers"]), fused_ops=True,
     )
     measured_gpu, measured_host = int(row["peak_gpu_bytes"]), int(row["peak_host_bytes"])
-    gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
+    gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES + product_bytes(int(row["context"]), 1)
     assert abs(gpu - measured_gpu) / measured_gpu <= 0.03, (gpu / 2**30, measured_gpu / 2**30)
     assert abs(predicted.peak_host_bytes - measured_host) / measured_host <= 0.10

@@ -10,6 +10,11 @@ Where ``.grad`` does not exist yet (the first chunk of a step after ``zero_grad(
 something expects autograd to deliver the gradient (hooks on the weight, a distributed tensor, a
 double-backward graph, a process group whose gradient hooks wait for it), the gradient goes through
 autograd as usual.
+
+``swiglu_linear`` is the MLP's down projection with its input ``silu(gate) * up`` computed inside: it saves
+gate and up (which the SwiGLU's own backward needs anyway), not the product, and recomputes the product for
+dW (the same kernel, the same bits). The product is the MLP's largest activation after gate and up: at a
+4096-token chunk of Qwen2.5-7B, 155 MB per layer, 4.3 GB per chunk.
 """
 
 from __future__ import annotations
@@ -67,3 +72,47 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             and not torch.is_autocast_enabled(x.device.type)):
         return _AccumulatingLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+class _SwigluLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        from ..kernels.swiglu import silu_mul_forward
+
+        gate, up = gate.contiguous(), up.contiguous()
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(silu_mul_forward(gate, up), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..kernels.swiglu import silu_mul_backward, silu_mul_forward
+
+        gate, up, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = db = None
+        if ctx.needs_input_grad[2]:
+            product = silu_mul_forward(gate, up).reshape(-1, gate.shape[-1])
+            if not torch.is_grad_enabled() and _adds_in_place(weight):
+                weight.grad.addmm_(dy2.t(), product)
+            else:
+                dw = dy2.t() @ product
+            del product  # before the input gradients: one (tokens, intermediate) tensor less at the peak
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = dy2.sum(0)
+        dgate, dup = silu_mul_backward(dy @ weight, gate, up)
+        return dgate, dup, dw, db
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)`` with the fused SwiGLU kernel (lightning_oomb.kernels.swiglu):
+    gate, up (..., intermediate), weight (out, intermediate) -> (..., out). For a trained weight, backward
+    recomputes the product instead of keeping it and adds dW as ``accumulating_linear`` does; otherwise (frozen
+    weight, no grad, autocast, mixed dtypes) it is ``F.linear`` of ``silu_mul``, which keeps what it needs."""
+    from ..kernels.swiglu import _check, silu_mul
+
+    _check(gate, up)
+    if (torch.is_grad_enabled() and weight.requires_grad and gate.dtype == weight.dtype
+            and not torch.is_autocast_enabled(gate.device.type)):
+        return _SwigluLinear.apply(gate, up, weight, bias)
+    return F.linear(silu_mul(gate, up), weight, bias)

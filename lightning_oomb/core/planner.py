@@ -315,14 +315,16 @@ def layer_activation_bytes(
 
     fused_ops (the Triton steps, lightning_oomb.kernels): each RMSNorm saves its input (in its own dtype)
     and one fp32 rstd per row instead of the fp32 copy and the normalised input; SwiGLU saves gate and up,
-    not silu(gate) (one I less).
+    not silu(gate) (one I less), and without autocast the trained down projection recomputes its input,
+    the product (core.linear.swiglu_linear: another I less).
     """
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     lora = lora_rank > 0
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
     if fused_ops:
-        per_token = 2 * (p.residual * h + 4) + attention + (2 if lora else 3) * p.linear * i
+        mlp = 2 if lora or not p.autocast_weight_copies else 3  # gate, up (and down_proj's input under autocast)
+        per_token = 2 * (p.residual * h + 4) + attention + mlp * p.linear * i
         if lora:
             per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
         elif p.autocast_weight_copies:

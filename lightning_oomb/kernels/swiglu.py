@@ -60,31 +60,38 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, _BLOCK),)
 
 
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of contiguous gate, up (one shape and dtype), without autograd."""
+    out = torch.empty_like(gate)
+    if out.numel():
+        with _device_ctx(gate):
+            _silu_mul_fwd_kernel[_grid(out.numel())](gate, up, out, out.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+    return out
+
+
+def silu_mul_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of ``silu(gate) * up`` for contiguous gate, up and the output gradient ``dout``."""
+    dout = dout.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    if dout.numel():
+        with _device_ctx(gate):
+            _silu_mul_bwd_kernel[_grid(dout.numel())](
+                dout, gate, up, dgate, dup, dout.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+            )
+    return dgate, dup
+
+
 class SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         # Linear outputs are contiguous already; anything else is read through a contiguous copy.
         gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        if out.numel():
-            with _device_ctx(gate):
-                _silu_mul_fwd_kernel[_grid(out.numel())](
-                    gate, up, out, out.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
-                )
         ctx.save_for_backward(gate, up)
-        return out
+        return silu_mul_forward(gate, up)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        dout = dout.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        if dout.numel():
-            with _device_ctx(gate):
-                _silu_mul_bwd_kernel[_grid(dout.numel())](
-                    dout, gate, up, dgate, dup, dout.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
-                )
-        return dgate, dup
+        return silu_mul_backward(dout, *ctx.saved_tensors)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
