@@ -38,6 +38,23 @@ def _adds_in_place(weight: torch.Tensor) -> bool:
     )
 
 
+def _weight_gradient(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
+    """dW = dy2^T x2 for (tokens, out) dy2 and (tokens, in) x2: added into ``weight.grad`` in place where it
+    can be (then None), else returned for autograd."""
+    # (grad mode is on here only in a backward with create_graph=True, which needs dW's graph)
+    if not torch.is_grad_enabled() and _adds_in_place(weight):
+        weight.grad.addmm_(dy2.t(), x2)
+        return None
+    return dy2.t() @ x2
+
+
+def _trains_weight(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a linear layer on x needs its weight's gradient here, outside autocast, in one dtype: the case
+    the Functions below take over from ``F.linear``."""
+    return (torch.is_grad_enabled() and weight.requires_grad and x.dtype == weight.dtype
+            and not torch.is_autocast_enabled(x.device.type))
+
+
 class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -53,12 +70,7 @@ class _AccumulatingLinear(torch.autograd.Function):
             dx = dy @ weight
         dy2 = dy.reshape(-1, dy.shape[-1])
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
-            # (grad mode is on here only in a backward with create_graph=True, which needs dW's graph)
-            if not torch.is_grad_enabled() and _adds_in_place(weight):
-                weight.grad.addmm_(dy2.t(), x2)
-            else:
-                dw = dy2.t() @ x2
+            dw = _weight_gradient(weight, dy2, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db
@@ -68,8 +80,7 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """``F.linear(x, weight, bias)``: x (..., in), weight (out, in), bias (out,) -> (..., out). In backward,
     dW is added into an existing ``weight.grad`` by the matmul (see the module docstring). Under autocast,
     or with x and weight in different dtypes, it is ``F.linear`` (whose dW autograd casts and accumulates)."""
-    if (torch.is_grad_enabled() and weight.requires_grad and x.dtype == weight.dtype
-            and not torch.is_autocast_enabled(x.device.type)):
+    if _trains_weight(x, weight):
         return _AccumulatingLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -92,12 +103,8 @@ class _SwigluLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = None
         if ctx.needs_input_grad[2]:
-            product = silu_mul_forward(gate, up).reshape(-1, gate.shape[-1])
-            if not torch.is_grad_enabled() and _adds_in_place(weight):
-                weight.grad.addmm_(dy2.t(), product)
-            else:
-                dw = dy2.t() @ product
-            del product  # before the input gradients: one (tokens, intermediate) tensor less at the peak
+            # The product lives only for dW: one (tokens, intermediate) tensor less at the input gradients.
+            dw = _weight_gradient(weight, dy2, silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy2.sum(0)
         dgate, dup = silu_mul_backward(dy @ weight, gate, up)
@@ -112,7 +119,6 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bi
     from ..kernels.swiglu import _check, silu_mul
 
     _check(gate, up)
-    if (torch.is_grad_enabled() and weight.requires_grad and gate.dtype == weight.dtype
-            and not torch.is_autocast_enabled(gate.device.type)):
+    if _trains_weight(gate, weight):
         return _SwigluLinear.apply(gate, up, weight, bias)
     return F.linear(silu_mul(gate, up), weight, bias)
