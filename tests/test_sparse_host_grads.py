@@ -112,6 +112,20 @@ def test_host_layers_spread_over_the_depth_give_the_gpu_gradient_bitwise():
         assert torch.equal(g, want[name]), name
 
 
+def test_moved_layers_give_back_their_dead_gradient_pages():
+    """Both layers on the host, 20 pages: the first moves at 12 live pages into 16 dead K/V slots; at 10 live
+    pages the second needs 10 slots, and the 4 K/V slots left plus 4 new ones hold only 8 without the 2
+    pages of the first layer's gradients that died with the chunk just done. The same gradient."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 60))
+    config = ChunkConfig(chunk_size=6, page_size=3, attention="reference", sparse=SPARSE)
+    want_loss, want, _ = _split_step(model, ids, 0, config)
+    loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
+    assert pool.host_grads_moved == [(0, 36), (1, 30)]  # (layer, live tokens)
+    assert rel_err(loss, want_loss) <= 1e-6
+    assert_grads_close(got, want, 1e-6)
+
+
 @pytest.mark.parametrize("cross_chunk", [True, False], ids=["exact", "ablation"])
 def test_one_layer_on_the_host_matches_all_on_the_gpu(cross_chunk):
     model = tiny_model("llama")
@@ -142,9 +156,9 @@ def test_gradient_pages_in_another_dtype_than_k_stay_on_the_host():
 def test_movable_host_layers_counts_dead_pages_of_every_layer():
     # 4 layers of 20 pages, 16 live: 4 x 4 dead pages hold one layer's 16 live pages, not two.
     assert movable_host_layers(4, 20, 16, 0) == 1
-    assert movable_host_layers(4, 20, 16, 16) == 0
-    assert movable_host_layers(4, 20, 12, 16) == 1  # 32 dead slots, 16 taken: the 16 left hold one layer's 12
-    assert movable_host_layers(4, 20, 8, 16) == 4
+    assert movable_host_layers(4, 20, 16, 1) == 0
+    assert movable_host_layers(4, 20, 12, 1) == 1  # 32 dead slots, the moved layer holds 12: 20 left hold one more
+    assert movable_host_layers(4, 20, 8, 1) == 5  # 48 dead slots, 8 held: 40 left hold five layers' 8
     assert movable_host_layers(28, 8192, 4096, 0) == 28
     assert movable_host_layers(4, 20, 20, 0) == 0 and movable_host_layers(4, 20, 0, 0) == 0
 

@@ -109,13 +109,15 @@ class LayerStore:
         fdv.index_add_(0, rows, dv.transpose(1, 2).reshape(-1, *fdv.shape[1:]).to(fdv.dtype))
 
 
-def movable_host_layers(n_layers: int, seq_pages: int, live_pages: int, used_slots: int) -> int:
-    """How many more host gradient layers fit into a sequence's dead K/V pages when its first ``live_pages``
-    of ``seq_pages`` pages are live in stage 2: every layer's K and V of the other pages are dead, ``used_slots``
-    of them already hold moved layers, and a moved layer takes ``live_pages`` of them (dK in K's, dV in V's)."""
+def movable_host_layers(n_layers: int, seq_pages: int, live_pages: int, moved_layers: int) -> int:
+    """How many more host gradient layers fit into a sequence's dead pages when its first ``live_pages`` of
+    ``seq_pages`` pages are live in stage 2: every layer's K and V of the other pages are dead, each of the
+    ``moved_layers`` already moved there holds its ``live_pages`` pages' gradients in them (its gradient pages
+    past the live ones died with their chunks and count as dead again), and a moved layer takes
+    ``live_pages`` of them (dK in K's, dV in V's)."""
     if live_pages == 0:
         return 0
-    return max(0, (n_layers * (seq_pages - live_pages) - used_slots) // live_pages)
+    return max(0, (n_layers * (seq_pages - live_pages) - moved_layers * live_pages) // live_pages)
 
 
 def spread_layers(n_layers: int, n: int) -> list[int]:
@@ -291,7 +293,6 @@ class PagePool:
         self._moved: dict[int, torch.Tensor] = {}
         self._dead_slots: list[torch.Tensor] = []
         self._dead_from = 0
-        self._used_slots = 0
         self.host_grads_moved: list[tuple[int, int]] = []
         self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
 
@@ -360,7 +361,7 @@ class PagePool:
         self.peak_pages_in_use = max(self.peak_pages_in_use, self.pages_in_use)
         slots = torch.tensor(taken, dtype=torch.int32, device=self.k.device).view(batch, n)
         table = PageTable(slots=slots, seq_len=seq_len, page_size=self.page_size)
-        self._dead_from, self._used_slots = n, 0
+        self._dead_from = n
         self.host_grads_moved = []
         if self.on_host:
             self.streamer.begin(table)
@@ -406,8 +407,9 @@ class PagePool:
 
     def move_host_grads_to_gpu(self, table: PageTable, live_tokens: int) -> None:
         """Stage 2, before computing the chunk that ends at ``live_tokens``: move the gradient pages of as many
-        host layers as now fit into the dead K/V pages (those of tokens >= live_tokens, every layer), one layer
-        after another. Only pages [0, live) move: the others' gradients were consumed with their chunks.
+        host layers as now fit into the dead K/V pages (those of tokens >= live_tokens, every layer, and the
+        moved layers' gradient pages of those tokens), one layer after another. Only pages [0, live) move: the
+        others' gradients were consumed with their chunks.
 
         A moved layer keeps the staged path of host layers (its additions run on the side stream), into GPU
         memory. Moves need batch 1 and gradient pages in the K/V dtype; otherwise nothing moves.
@@ -421,8 +423,10 @@ class PagePool:
             dead = table.slots[0, live : self._dead_from]
             layers = torch.arange(self.spec.n_layers, dtype=torch.int32, device=dead.device)
             self._dead_slots.append((dead[:, None] + layers * self.num_pages).view(-1))
+            # So are the moved layers' gradient pages of those tokens: their chunks have consumed them.
+            self._dead_slots += [grad_slots[0, live : self._dead_from] for grad_slots in self._moved.values()]
             self._dead_from = live
-        n = movable_host_layers(self.spec.n_layers, table.slots.shape[1], live, self._used_slots)
+        n = movable_host_layers(self.spec.n_layers, table.slots.shape[1], live, len(self._moved))
         for layer in host[:n]:
             self._move(layer, table, live)
             self.host_grads_moved.append((layer, live_tokens))
@@ -432,7 +436,6 @@ class PagePool:
 
         dead = torch.cat(self._dead_slots)
         self._dead_slots = [dead[live:]]
-        self._used_slots += live
         grad_slots = torch.full_like(table.slots, -1)  # pages >= live are never touched again
         grad_slots[0, :live] = dead[:live]
         i = self.host_layers.index(layer)

@@ -440,11 +440,10 @@ def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
-    on_host, used = c.host_grad_layers, 0
+    on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
-        moved = min(on_host, movable_host_layers(shape.n_layers, seq_pages, live, used))
-        on_host, used = on_host - moved, used + moved * live
+        on_host -= min(on_host, movable_host_layers(shape.n_layers, seq_pages, live, c.host_grad_layers - on_host))
         left[index] = on_host
     return left
 
