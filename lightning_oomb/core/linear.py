@@ -116,9 +116,9 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bi
     gate, up (..., intermediate), weight (out, intermediate) -> (..., out). For a trained weight, backward
     recomputes the product instead of keeping it and adds dW as ``accumulating_linear`` does; otherwise (frozen
     weight, no grad, autocast, mixed dtypes) it is ``F.linear`` of ``silu_mul``, which keeps what it needs."""
-    from ..kernels.swiglu import _check, silu_mul
+    from ..kernels.swiglu import check_gate_up, silu_mul
 
-    _check(gate, up)
+    check_gate_up(gate, up)
     if _trains_weight(gate, weight):
         return _SwigluLinear.apply(gate, up, weight, bias)
     return F.linear(silu_mul(gate, up), weight, bias)

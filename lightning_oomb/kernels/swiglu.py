@@ -45,7 +45,8 @@ def _silu_mul_bwd_kernel(DOUT, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dout * g * s).to(DU.dtype.element_ty), mask=mask)
 
 
-def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+def check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Refuse gate, up that the SwiGLU kernels cannot take (not floating point, or of other shapes, dtypes, devices)."""
     if not gate.is_floating_point() or not up.is_floating_point():
         raise ValueError(f"silu_mul needs floating-point gate and up, got {gate.dtype} and {up.dtype}")
     if gate.shape != up.shape:
@@ -101,5 +102,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     (others are copied). Returns that shape and dtype, contiguous. Saves gate and up for backward (not
     silu(gate): backward recomputes it).
     """
-    _check(gate, up)
+    check_gate_up(gate, up)
     return SiluMulFunction.apply(gate, up)
