@@ -140,6 +140,20 @@ def test_one_layer_on_the_host_matches_all_on_the_gpu(cross_chunk):
     assert_grads_close(got, want, 1e-6)
 
 
+def test_moves_also_take_the_gpu_layers_dead_gradient_pages():
+    """4 layers, layer 2 on the host, 20 pages, a page per chunk. At 17 live pages the K/V pages of the 3 dead
+    ones (12 slots) cannot hold its 17 live gradient pages; with the 3 GPU layers' dead gradient pages (21
+    slots) they can: it moves at 51 live tokens, not at 48. The same gradient."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (1, 60))
+    config = ChunkConfig(chunk_size=3, page_size=3, attention="reference", sparse=SPARSE)
+    want_loss, want, _ = _split_step(model, ids, 0, config)
+    loss, got, pool = _split_step(model, ids, 1, config, garbage=True)
+    assert pool.page_layers == 7 and pool.host_grads_moved == [(2, 51)]
+    assert rel_err(loss, want_loss) <= 1e-6
+    assert_grads_close(got, want, 1e-6)
+
+
 def test_gradient_pages_in_another_dtype_than_k_stay_on_the_host():
     """Moves put gradient pages into K/V pages: only where they have K's dtype (here float32 K, bf16 grads)."""
     model = tiny_model("llama", num_hidden_layers=4)

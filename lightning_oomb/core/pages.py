@@ -76,8 +76,12 @@ class LayerStore:
 
     @property
     def grad_slots(self) -> torch.Tensor:
-        """(batch, n_pages) int32: where each page's gradient lives in dk, dv."""
-        return (self.grad_table or self.table).slots
+        """(batch, n_pages) int32: where each page's gradient lives in dk, dv (the kernels index it with the
+        strides of ``table.slots``)."""
+        slots = (self.grad_table or self.table).slots
+        if slots.stride() != self.table.slots.stride():
+            raise ValueError("the gradient page table must have the layout of the K/V page table")
+        return slots
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
@@ -109,15 +113,16 @@ class LayerStore:
         fdv.index_add_(0, rows, dv.transpose(1, 2).reshape(-1, *fdv.shape[1:]).to(fdv.dtype))
 
 
-def movable_host_layers(n_layers: int, seq_pages: int, live_pages: int, moved_layers: int) -> int:
+def movable_host_layers(page_layers: int, seq_pages: int, live_pages: int, moved_layers: int) -> int:
     """How many more host gradient layers fit into a sequence's dead pages when its first ``live_pages`` of
-    ``seq_pages`` pages are live in stage 2: every layer's K and V of the other pages are dead, each of the
-    ``moved_layers`` already moved there holds its ``live_pages`` pages' gradients in them (its gradient pages
-    past the live ones died with their chunks and count as dead again), and a moved layer takes
-    ``live_pages`` of them (dK in K's, dV in V's)."""
+    ``seq_pages`` pages are live in stage 2: the other pages of ``page_layers`` layers of pages are dead
+    (every layer's K and V, and the GPU gradient layers' dK and dV when they share K's dtype:
+    ``PagePool.page_layers``), each of the ``moved_layers`` already moved there holds its ``live_pages``
+    pages' gradients in them (its gradient pages past the live ones died with their chunks and count as
+    dead again), and a moved layer takes ``live_pages`` of them (dK in K's or dK's, dV in V's or dV's)."""
     if live_pages == 0:
         return 0
-    return max(0, (n_layers * (seq_pages - live_pages) - moved_layers * live_pages) // live_pages)
+    return max(0, (page_layers * (seq_pages - live_pages) - moved_layers * live_pages) // live_pages)
 
 
 def spread_layers(n_layers: int, n: int) -> list[int]:
@@ -221,8 +226,9 @@ class PagePool:
     cross the bus: the sparse backward leaves their share in a GPU staging area (``grad_staging``) that a
     side stream adds into the host pages through their host-mapped address; the pages of the other layers
     are ``dk``, ``dv`` on the GPU. In stage 2 the K/V pages after the chunk being computed are dead, in
-    every layer: ``move_host_grads_to_gpu`` moves host layers' gradient pages into them as they die, so
-    that from then on those layers' additions stay on the GPU.
+    every layer, and so are the GPU layers' gradient pages there: ``move_host_grads_to_gpu`` moves host
+    layers' gradient pages into them as they die, so that from then on those layers' additions stay on the
+    GPU.
     """
 
     def __init__(
@@ -259,11 +265,21 @@ class PagePool:
         self.grad_staging = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
         if placement == "gpu":
-            self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
-            self.v = torch.empty(shape, dtype=spec.dtype, device=self.device)
-            on_gpu = (spec.n_layers - host_grad_layers, *shape[1:])
-            self.dk = torch.zeros(on_gpu, dtype=spec.grad_dtype, device=self.device) if with_grads else None
-            self.dv = torch.zeros(on_gpu, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            n, on_gpu = spec.n_layers, (spec.n_layers - host_grad_layers if with_grads else 0)
+            if with_grads and spec.grad_dtype == spec.dtype:
+                # The GPU layers' dK, dV pages follow every layer's K, V pages in one tensor each, so that
+                # stage 2 can move host gradient layers into the dead pages of both (move_host_grads_to_gpu).
+                self._k_pages, self._v_pages = (
+                    torch.empty((n + on_gpu, *shape[1:]), dtype=spec.dtype, device=self.device) for _ in range(2)
+                )
+                self.k, self.dk = self._k_pages[:n], self._k_pages[n:].zero_()
+                self.v, self.dv = self._v_pages[:n], self._v_pages[n:].zero_()
+            else:
+                self.k = self._k_pages = torch.empty(shape, dtype=spec.dtype, device=self.device)
+                self.v = self._v_pages = torch.empty(shape, dtype=spec.dtype, device=self.device)
+                grads = (on_gpu, *shape[1:])
+                self.dk = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+                self.dv = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
             if host_grad_layers:
                 from .offload import pinned_empty
 
@@ -279,6 +295,7 @@ class PagePool:
             pin = self.device.type == "cuda"
             self.k = pinned_empty(shape, spec.dtype, pin)
             self.v = pinned_empty(shape, spec.dtype, pin)
+            self._k_pages = self._v_pages = None  # nothing moves: every page is on the host
             # Gradient pages are never zeroed on the host: a step's first backward pass over a layer
             # starts its staged gradients from zero instead (offload.Streamer).
             self.dk = pinned_empty(shape, spec.grad_dtype, pin) if with_grads else None
@@ -288,8 +305,9 @@ class PagePool:
             self.streamer = Streamer(self, segment_tokens)
         self._free = list(range(num_pages))
         self.peak_pages_in_use = 0
-        # Host gradient layers moved into dead K/V pages: layer -> gradient slots (batch, n_pages) int32 into
-        # k, v viewed as (n_layers * num_pages, ...); the dead slots not yet taken; (layer, live tokens) moves.
+        # Host gradient layers moved into dead pages: layer -> gradient slots (batch, n_pages) int32 into the
+        # K (and dK) pages, V (and dV) pages viewed as (page_layers * num_pages, ...); the dead slots not yet
+        # taken; (layer, live tokens) moves.
         self._moved: dict[int, torch.Tensor] = {}
         self._dead_slots: list[torch.Tensor] = []
         self._dead_from = 0
@@ -299,6 +317,12 @@ class PagePool:
     @property
     def on_host(self) -> bool:
         return self.placement == "host"
+
+    @property
+    def page_layers(self) -> int:
+        """Layers of pages whose dead pages stage 2 moves host gradient layers into: every layer's K, V and,
+        when they share K's dtype, the GPU gradient layers' dK, dV."""
+        return 0 if self.on_host else self._k_pages.shape[0]
 
     def summaries(self, score: str) -> tuple[torch.Tensor, ...]:
         """Per-page key summaries for sparse attention, each (n_layers, num_pages, n_kv_heads, head_dim):
@@ -402,7 +426,7 @@ class PagePool:
                 grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows.to(grads.device)] = 0
         for grad_slots in self._moved.values():
             moved = PageTable(grad_slots, table.seq_len, table.page_size).rows(start, end).reshape(-1)
-            for pages in (self.k, self.v):
+            for pages in (self._k_pages, self._v_pages):
                 pages.view(-1, *pages.shape[3:])[moved] = 0
 
     def move_host_grads_to_gpu(self, table: PageTable, live_tokens: int) -> None:
@@ -411,22 +435,23 @@ class PagePool:
         moved layers' gradient pages of those tokens), one layer after another. Only pages [0, live) move: the
         others' gradients were consumed with their chunks.
 
-        A moved layer keeps the staged path of host layers (its additions run on the side stream), into GPU
-        memory. Moves need batch 1 and gradient pages in the K/V dtype; otherwise nothing moves.
+        A moved layer's additions then run like a GPU layer's, in the page dK/dV kernel, through its own
+        gradient page table. Moves need batch 1 and gradient pages in the K/V dtype; otherwise nothing moves.
         """
         host = [layer for layer in self.host_layers if layer not in self._moved]
         if not host or table.slots.shape[0] != 1 or self.spec.grad_dtype != self.spec.dtype:
             return
         live = -(-live_tokens // self.page_size)
         if live < self._dead_from:
-            # Slot ids into k, v viewed as (n_layers * num_pages, ...); made on the GPU: no host wait.
+            # Slot ids into the K and V pages viewed as (page_layers * num_pages, ...); made on the GPU: no
+            # host wait. The GPU layers' gradient pages of those tokens died with their chunks too.
             dead = table.slots[0, live : self._dead_from]
-            layers = torch.arange(self.spec.n_layers, dtype=torch.int32, device=dead.device)
+            layers = torch.arange(self.page_layers, dtype=torch.int32, device=dead.device)
             self._dead_slots.append((dead[:, None] + layers * self.num_pages).view(-1))
             # So are the moved layers' gradient pages of those tokens: their chunks have consumed them.
             self._dead_slots += [grad_slots[0, live : self._dead_from] for grad_slots in self._moved.values()]
             self._dead_from = live
-        n = movable_host_layers(self.spec.n_layers, table.slots.shape[1], live, len(self._moved))
+        n = movable_host_layers(self.page_layers, table.slots.shape[1], live, len(self._moved))
         for layer in host[:n]:
             self._move(layer, table, live)
             self.host_grads_moved.append((layer, live_tokens))
@@ -442,7 +467,7 @@ class PagePool:
         if self.grad_staging is not None:
             self.grad_staging.wait_for_layer(layer)  # the side stream's additions into its host pages come first
         src, dst = table.slots[0, :live], grad_slots[0, :live]
-        for host, pages in ((self.host_dk[i], self.k), (self.host_dv[i], self.v)):
+        for host, pages in ((self.host_dk[i], self._k_pages), (self.host_dv[i], self._v_pages)):
             if self.device.type == "cuda":  # the GPU reads the host pages: no host wait, no temporary copy
                 copy_pages(host, src, pages.view(-1, *pages.shape[2:]), dst)
             else:
@@ -453,9 +478,8 @@ class PagePool:
         dk = dv = staging = grad_table = None
         if self.dk is not None:
             if layer in self._moved:
-                dk, dv = (pages.view(-1, *pages.shape[2:]) for pages in (self.k, self.v))
+                dk, dv = (pages.view(-1, *pages.shape[2:]) for pages in (self._k_pages, self._v_pages))
                 grad_table = PageTable(self._moved[layer], table.seq_len, table.page_size)
-                staging = self.grad_staging
             elif layer in self.host_layers:
                 i = self.host_layers.index(layer)
                 dk, dv = self.host_dk[i], self.host_dv[i]

@@ -433,17 +433,18 @@ def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -
 
 def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     """Host gradient layers still in host memory at each chunk's stage-2 backward (chunk order): stage 2 moves
-    them into dead K/V pages as those die (``PagePool.move_host_grads_to_gpu``: batch 1, gradient pages in
-    the K/V dtype, after the chunks whose graphs stage 1 kept)."""
+    them into dead K/V and GPU gradient pages as those die (``PagePool.move_host_grads_to_gpu``: batch 1,
+    gradient pages in the K/V dtype, after the chunks whose graphs stage 1 kept)."""
     n = c.n_chunks
     left = [c.host_grad_layers] * n
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
+    page_layers = 2 * shape.n_layers - c.host_grad_layers  # PagePool.page_layers
     on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
-        on_host -= min(on_host, movable_host_layers(shape.n_layers, seq_pages, live, c.host_grad_layers - on_host))
+        on_host -= min(on_host, movable_host_layers(page_layers, seq_pages, live, c.host_grad_layers - on_host))
         left[index] = on_host
     return left
 

@@ -679,8 +679,6 @@ def launch_dkdv(
     group = hq // hkv
     slots = store.table.slots.to(torch.int32)
     grad_slots = store.grad_slots.to(torch.int32)
-    if grad_slots.stride() != slots.stride():
-        raise ValueError("the gradient page table must have the layout of the K/V page table")
     kt = tiles.dkdv
     n_past_tiles = triton.cdiv(past_hi - past_lo, kt.block_n)
     split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device) if chunk else 1

@@ -425,7 +425,7 @@ def _dkdv_partition_upper(KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j
 
 @gluon.jit
 def _past_dkdv_kernel(
-    q_desc, do_desc, KP, VP, DKP, DVP, SLOTS, LSE2, SDELTA, PAGES, TILES, TCOUNT,
+    q_desc, do_desc, KP, VP, DKP, DVP, SLOTS, GRAD_SLOTS, LSE2, SDELTA, PAGES, TILES, TCOUNT,
     sp_page, sp_off, sp_h, sg_page, sg_off, sg_h, ssl_b, spg_b, spg_h, spg_i, st_b, st_h, st_i, st_j,
     n_bh, staged_pages, T, n_q_tiles, qk_scale, scale,
     H_Q: gl.constexpr, H_KV: gl.constexpr, GROUP: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -448,17 +448,22 @@ def _past_dkdv_kernel(
         page = gl.load(PAGES + entry)
         n_steps = gl.load(TCOUNT + entry) * GROUP * (PAGE_SIZE // BLOCK_M)
         tiles_row = b.to(gl.int64) * st_b + hk * st_h + idx * st_i
-        slot = gl.load(SLOTS + b.to(gl.int64) * ssl_b + page).to(gl.int64)
+        slot_at = b.to(gl.int64) * ssl_b + page
         in_page = 0
     else:
         key0 = idx * 128
         n_steps = GROUP * n_q_tiles
         tiles_row = 0
-        slot = gl.load(SLOTS + b.to(gl.int64) * ssl_b + key0 // PAGE_SIZE).to(gl.int64)
+        slot_at = b.to(gl.int64) * ssl_b + key0 // PAGE_SIZE
         in_page = key0 % PAGE_SIZE
+    slot = gl.load(SLOTS + slot_at).to(gl.int64)
     # STAGED: DKP/DVP are a (B, H_kv, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
-    # this chunk's share alone; kernels.host_pages adds it into the host-resident pages later.
-    g_slot = (b * H_KV + hk).to(gl.int64) * staged_pages + idx if STAGED else slot
+    # this chunk's share alone; kernels.host_pages adds it into the host-resident pages later. Otherwise the
+    # page's gradient lives in its GRAD_SLOTS slot (a layer moved into dead pages has its own).
+    if STAGED:
+        g_slot = (b * H_KV + hk).to(gl.int64) * staged_pages + idx
+    else:
+        g_slot = gl.load(GRAD_SLOTS + slot_at).to(gl.int64)
     kv_row = slot * sp_page + in_page * sp_off + hk * sp_h
     g_row = g_slot * sg_page + in_page * sg_off + hk * sg_h
 
@@ -603,7 +608,8 @@ def dkdv_past(dout: torch.Tensor, q: torch.Tensor, lse2: torch.Tensor, sdelta: t
     ``kernels.host_pages`` to add into host-resident pages."""
     b, hq, t, d = q.shape
     hkv = store.k.shape[2]
-    slots = store.table.slots if store.table.slots.dtype == torch.int32 else store.table.slots.to(torch.int32)
+    slots = store.table.slots.to(torch.int32)
+    grad_slots = store.grad_slots.to(torch.int32)
     gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     box = [1, 1, DKDV_QUERY_ROWS, d]
     layout = gl.NVMMASharedLayout.get_default_for(box, gl_dtype)
@@ -620,7 +626,7 @@ def dkdv_past(dout: torch.Tensor, q: torch.Tensor, lse2: torch.Tensor, sdelta: t
         grid, lists = (entries.shape[-1] * b * hkv,), (entries, tiles, counts, entries.stride(), tiles.stride())
     with torch.cuda.device(q.device):
         _past_dkdv_kernel[grid](
-            q_desc, do_desc, store.k, store.v, dkp, dvp, slots, lse2, sdelta, *lists[:3],
+            q_desc, do_desc, store.k, store.v, dkp, dvp, slots, grad_slots, lse2, sdelta, *lists[:3],
             store.k.stride(0), store.k.stride(1), store.k.stride(2), *g_strides, slots.stride(0),
             *lists[3], *lists[4], b * hkv, staged_pages, t, triton.cdiv(t, DKDV_QUERY_ROWS), scale * LOG2E, scale,
             H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=store.page_size, HEAD_DIM=d,

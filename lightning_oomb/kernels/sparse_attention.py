@@ -221,7 +221,7 @@ def _sparse_dq_kernel(
 
 @triton.jit
 def _page_dkdv_kernel(
-    Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, PAGES, TILES, TCOUNT,
+    Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GRAD_SLOTS, PAGES, TILES, TCOUNT,
     staged_pages, n_bh,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
@@ -254,7 +254,11 @@ def _page_dkdv_kernel(
     # whole BLOCK_M blocks.
     # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
     # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
-    g_slot = (b * H_KV + hk) * staged_pages + idx if STAGED else slot
+    # Otherwise the page's gradient lives in its GRAD_SLOTS slot (a layer moved into dead pages has its own).
+    if STAGED:
+        g_slot = (b * H_KV + hk) * staged_pages + idx
+    else:
+        g_slot = tl.load(GRAD_SLOTS + b * ss_b + page * ss_p).to(tl.int64)
     for n0 in range(0, rows_in_page, BLOCK_N):
         valid = n0 + offs_n < rows_in_page
         kv_rows = slot * sp_page + (n0 + offs_n) * sp_off + hk * sp_h
@@ -412,13 +416,15 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
 
 def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, staging, start: int, scale: float,
                       pt: Tiles):
-    """The Triton page dK/dV kernel over ``inverted`` = invert_selection(...): into the gradient pages, or
-    with ``staging`` = (dk, dv) float32 (B, H_kv, entries, PAGE_SIZE, D) into that area alone."""
+    """The Triton page dK/dV kernel over ``inverted`` = invert_selection(...): into the gradient pages (at
+    ``store.grad_slots``), or with ``staging`` = (dk, dv) float32 (B, H_kv, entries, PAGE_SIZE, D) into that
+    area alone."""
     pages, tile_lists, counts = inverted
     b, hq, t, d = q.shape
     hkv = store.k.shape[2]
     ps = store.page_size
     rows = _query_descriptors(pt.block_m, q, dout)
+    grad_slots = store.grad_slots.to(torch.int32)
     if staging is None:
         (dkp, dvp), staged_pages = (store.dk, store.dv), 0
         g_strides = (store.dk.stride(0), store.dk.stride(1), store.dk.stride(2))
@@ -427,7 +433,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
         g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
     _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
         *((q, dout) if rows is None else rows),
-        *row_terms, store.k, store.v, dkp, dvp, slots, pages, tile_lists, counts, staged_pages, b * hkv,
+        *row_terms, store.k, store.v, dkp, dvp, slots, grad_slots, pages, tile_lists, counts, staged_pages, b * hkv,
         q.stride(0), q.stride(1), q.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         store.k.stride(0), store.k.stride(1), store.k.stride(2),
