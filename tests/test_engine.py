@@ -260,6 +260,53 @@ def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layer
 
 
 @pytest.mark.parametrize(
+    "backend,checkpoint_layers,sparse",
+    [("reference", False, None), ("reference", True, SPARSE_2)] + ([("triton", False, SPARSE_2)] if "triton" in BACKENDS else []),
+)
+def test_attention_outputs_kept_on_the_host_give_the_same_gradient(backend, checkpoint_layers, sparse, monkeypatch):
+    """Stage 1 copies the attention outputs of the first chunks to (pinned) host memory and stage 2 brings
+    them back instead of recomputing: bitwise the same gradient, the buffer kept with the pool for the next
+    step, beside outputs kept on the GPU."""
+    import dataclasses
+
+    from lightning_oomb.core import attention, schedule
+    from lightning_oomb.core.schedule import cached_pool
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 37))  # 5 chunks of 8, the last one short
+    kwargs = dict(chunk_size=8, page_size=4, attention=backend, checkpoint_layers=checkpoint_layers, sparse=sparse,
+                  keep_graphs=0, keep_attention=1)
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
+    place = schedule.place_step
+    results = []
+    for on_host in (0, 2, 2):
+        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
+            place(*a, **k), host_kept_chunks=on_host))
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = lightning_oomb.train_step(model, ids, **kwargs)
+        pool = cached_pool(model)
+        results.append((loss, grads_of(model), len(calls), pool._host_kept))
+    layers = model.config.num_hidden_layers
+    recomputes = 2 if checkpoint_layers else 1
+    # Stage 1 skips the last layer's attention (its output feeds nothing there), so stage 2 computes that one;
+    # chunk 3's outputs are kept on the GPU.
+    stage_1 = 5 * (layers - 1)
+    assert results[0][2] == stage_1 + (4 * layers + 1) * recomputes
+    assert results[1][2] == results[2][2] == stage_1 + (2 * layers + 3) * recomputes
+    kept = results[2][3]
+    assert kept is results[1][3]  # the second step reused the first one's pinned buffer
+    assert kept.out.shape[:2] == (2, layers) and kept.saved == {(c, i) for c in (0, 1) for i in range(layers - 1)}
+    assert pool.host_nbytes == kept.nbytes
+    for loss, grads, _, _ in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        for name, grad in results[0][1].items():
+            assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize(
     "backend,sparse", [("reference", None), ("reference", SPARSE_2)] + ([("triton", None)] if "triton" in BACKENDS else [])
 )
 def test_kept_graphs_give_the_same_gradient(backend, sparse, monkeypatch):

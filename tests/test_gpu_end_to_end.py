@@ -177,3 +177,31 @@ def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
     assert torch.equal(results["host"][0], results["gpu"][0])
     for name, grad in results["gpu"][1].items():
         assert torch.equal(results["host"][1][name], grad), name
+
+
+def test_attention_outputs_kept_on_the_host_give_the_same_bits(monkeypatch):
+    """Sparse bf16 step, chunks on page borders: the first 3 of 4 chunks' attention outputs go to pinned host
+    memory on a side stream in stage 1 and come back one layer ahead in stage 2: the loss and gradient of
+    recomputing them, bitwise, and the buffer is pinned once for both steps."""
+    import dataclasses
+
+    from lightning_oomb.core import schedule
+    from lightning_oomb.core.schedule import cached_pool
+
+    torch.manual_seed(0)
+    model = two_layer_bf16_qwen2()
+    ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")
+    sparse = lightning_oomb.SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    place = schedule.place_step
+    results = []
+    for on_host in (0, 3, 3):
+        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
+            place(*a, **k), kept_chunks=0, graph_chunks=0, host_kept_chunks=on_host))
+        model.zero_grad(set_to_none=True)
+        loss = lightning_oomb.train_step(model, ids, chunk_size=512, page_size=128, sparse=sparse)
+        results.append((loss, grads(model), cached_pool(model)._host_kept))
+    assert results[1][2] is results[2][2] and results[1][2].out.is_pinned()
+    for loss, got, _ in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        for name, grad in results[0][1].items():
+            assert torch.equal(got[name], grad), name

@@ -319,6 +319,27 @@ def test_cli_plan_auto_offloads_what_does_not_fit(capsys):
     assert code == 0 and "offloaded" not in capsys.readouterr().out
 
 
+def test_attention_outputs_kept_on_the_host_in_the_plan():
+    """host_kept_chunks: a pinned host line of the GPU-kept outputs' size per chunk, no GPU memory; by default
+    the whole chunks stage 2 would recompute that fit in HOST_KEPT_SHARE of the host memory left, none when
+    keep_attention is given."""
+    from lightning_oomb.core.planner import HOST_KEPT_SHARE, host_kept_for_stage_2, kept_chunk_bytes
+
+    base = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64}, **H200)
+    kept = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64},
+                host_kept_chunks=90, **H200)
+    line = next(k for k in kept.host_lines if k.startswith("pinned attention outputs kept"))
+    per_chunk = kept_chunk_bytes(kept.shape, 4096, torch.bfloat16)
+    assert "90 of 256 chunks" in line and kept.host_lines[line] == 90 * per_chunk == 90 * 28 * 4096 * (3584 * 2 + 4 * 28)
+    assert kept.peak_gpu_bytes == base.peak_gpu_bytes
+    assert host_kept_for_stage_2(base, 10 * per_chunk / HOST_KEPT_SHARE, 0, 0) == 10
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0) == 256
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 6, 1) == 249  # the chunks kept on the GPU need none
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0, keep_attention=0) == 0
+    short = plan("qwen2.5-7b", parse_tokens("1M") - 100, optimizer="none", sparse={"budget_pages": 64}, **H200)
+    assert host_kept_for_stage_2(short, 1000 * per_chunk, 0, 0) == 255  # whole chunks only
+
+
 def test_kept_attention_outputs_in_the_plan_and_the_placement():
     """keep_attention: a plan line of n_layers x tokens x (q_width bf16 + fp32 lse) per chunk; place_step
     keeps what is asked on a CPU device (nothing by default), and refuses it when pages go to the host."""

@@ -65,7 +65,7 @@ CSV_COLUMNS = (
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
-    "graph_chunks", "alloc_retries", "host_grads_moved_at",
+    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at",
 )
 
 
@@ -128,6 +128,8 @@ class PointResult:
     # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
     kept_chunks: int | None = None
     graph_chunks: int | None = None
+    # oomb modes: first chunks whose attention outputs stage 1 kept in pinned host memory.
+    host_kept_chunks: int | None = None
     # CUDA: times the caching allocator, out of memory, freed its cache and retried during the timed steps
     # (each such retry synchronises the device).
     alloc_retries: int | None = None
@@ -163,6 +165,7 @@ class PointResult:
             "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
+            "host_kept_chunks": _blank_if_none(self.host_kept_chunks),
             "alloc_retries": _blank_if_none(self.alloc_retries),
             "host_grads_moved_at": ";".join(str(t) for t in self.host_grads_moved_at),
         }
@@ -400,7 +403,7 @@ def measure(
             matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload and not mode.sparse,
             segment_tokens=segment_tokens,
             grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
-            graph_chunks=result.graph_chunks or 0,
+            graph_chunks=result.graph_chunks or 0, host_kept_chunks=result.host_kept_chunks or 0,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -424,6 +427,7 @@ def measure(
             reusable = pool_bytes(pool) if pool is not None else (0, 0)
             placement = place_step(model, config.batch, context, step_config, device, *reusable)
             result.kept_chunks, result.graph_chunks = placement.kept_chunks, placement.graph_chunks
+            result.host_kept_chunks = placement.host_kept_chunks
             planned()
         if mode.offload and pool is not None and pool.on_host:  # plan with the segment the step chose
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
@@ -491,6 +495,8 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
         head += ")"
     if r.kept_chunks or r.graph_chunks:
         head += f"  (graphs of {r.graph_chunks or 0}, attention outputs of {r.kept_chunks or 0} chunks kept)"
+    if r.host_kept_chunks:
+        head += f"  (attention outputs of the first {r.host_kept_chunks} chunks kept on the host)"
     if r.status != "ok":
         return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""

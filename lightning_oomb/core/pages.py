@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from .kept_attention import HostKeptAttention
     from .offload import Streamer
 
 
@@ -313,6 +314,7 @@ class PagePool:
         self._dead_from = 0
         self.host_grads_moved: list[tuple[int, int]] = []
         self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._host_kept: "HostKeptAttention | None" = None
 
     @property
     def on_host(self) -> bool:
@@ -341,6 +343,18 @@ class PagePool:
             self._summaries[score] = made
         return self._summaries[score]
 
+    def host_kept_attention(self, n_chunks: int, out: torch.Tensor, lse: torch.Tensor) -> "HostKeptAttention":
+        """Pinned host buffers for stage 1's attention outputs of ``n_chunks`` chunks, every layer, each like
+        ``out`` (B, H_q, T, D) and ``lse`` (B, H_q, T); made on first use (only steps that keep outputs on the
+        host use them), kept with the pool for the next steps, emptied for this one."""
+        from .kept_attention import HostKeptAttention
+
+        if self._host_kept is None or not self._host_kept.holds(n_chunks, out, lse):
+            self._host_kept = None  # give the old buffers back before pinning new ones
+            self._host_kept = HostKeptAttention(n_chunks, self.spec.n_layers, out, lse)
+        self._host_kept.begin()
+        return self._host_kept
+
     @property
     def with_grads(self) -> bool:
         return self.dk is not None
@@ -358,10 +372,12 @@ class PagePool:
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes of pages in host memory: all of them with placement "host", else the host gradient layers'."""
+        """Bytes in host memory: all pages with placement "host", else the host gradient layers', and the
+        attention outputs stage 1 keeps there (``host_kept_attention``)."""
+        kept = self._host_kept.nbytes if self._host_kept is not None else 0
         if self.on_host:
-            return self.nbytes
-        return sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
+            return self.nbytes + kept
+        return kept + sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
 
     @property
     def gpu_nbytes(self) -> int:

@@ -61,6 +61,10 @@ KEPT_ATTENTION_SHARE = 0.5
 # Share of what is left free after those that it may fill with autograd graphs of whole chunks kept from
 # stage 1 (beyond the last chunk's, which costs nothing: stage 2 would hold it next).
 KEPT_GRAPHS_SHARE = 0.75
+# Share of the host memory a step leaves available (MemAvailable less its pinned pages) that it may pin for
+# attention outputs kept from stage 1 when the GPU leaves chunks to recompute (the rest for the process
+# and the rest of the machine).
+HOST_KEPT_SHARE = 0.75
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -528,7 +532,8 @@ class PlanConfig:
     stay on the GPU. kept_chunks: attention outputs of that many chunks kept on the GPU from stage 1 for
     stage 2 (which then skips their attention forward). graph_chunks: autograd graphs of the last that many
     chunks kept from stage 1 (stage 2 then skips their forward; the graph of the last costs nothing extra,
-    and those chunks need no kept attention outputs). fused_ops: the fused Triton
+    and those chunks need no kept attention outputs). host_kept_chunks: attention outputs of the first that
+    many chunks kept from stage 1 in pinned host memory. fused_ops: the fused Triton
     RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
     """
 
@@ -548,6 +553,7 @@ class PlanConfig:
     host_grad_layers: int = 0
     kept_chunks: int = 0
     graph_chunks: int = 0
+    host_kept_chunks: int = 0
     fused_ops: bool = True
 
     def __post_init__(self):
@@ -567,8 +573,9 @@ class PlanConfig:
             raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
         if self.host_grad_layers < 0:
             raise ValueError(f"host_grad_layers must be >= 0, got {self.host_grad_layers}")
-        if self.kept_chunks < 0 or self.graph_chunks < 0:
-            raise ValueError(f"kept_chunks and graph_chunks must be >= 0, got {self.kept_chunks}, {self.graph_chunks}")
+        if min(self.kept_chunks, self.graph_chunks, self.host_kept_chunks) < 0:
+            raise ValueError(f"kept_chunks, graph_chunks and host_kept_chunks must be >= 0, got {self.kept_chunks}, "
+                             f"{self.graph_chunks}, {self.host_kept_chunks}")
         if self.host_grad_layers and (not self.sparse or self.offload):
             raise ValueError(
                 "host_grad_layers (gradient pages in host memory) is for sparse attention, "
@@ -870,6 +877,11 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         gpu[f"attention outputs kept from stage 1 ({kept} of {c.n_chunks} chunks)"] = kept * kept_chunk_bytes(
             shape, c.chunk_tokens, kv_dtype
         )
+    host_kept = min(c.host_kept_chunks, c.n_chunks - graphs - kept)
+    if host_kept:
+        host[f"pinned attention outputs kept from stage 1 ({host_kept} of {c.n_chunks} chunks)"] = (
+            host_kept * kept_chunk_bytes(shape, c.chunk_tokens, kv_dtype)
+        )
     if graphs > 1:
         gpu[f"autograd graphs kept from stage 1 ({graphs} of {c.n_chunks} chunks, one counted above)"] = (
             (graphs - 1) * graph_chunk_bytes(shape, c)
@@ -937,6 +949,20 @@ def kept_for_stage_2(
     return min(kept, n - graphs), graphs
 
 
+def host_kept_for_stage_2(step: Plan, host_spare_bytes: float, kept: int, graphs: int,
+                          keep_attention: int | None = None) -> int:
+    """First chunks whose attention outputs stage 1 keeps in pinned host memory for ``step`` when it keeps
+    ``kept`` chunks' outputs and ``graphs`` graphs on the GPU and leaves ``host_spare_bytes`` of host memory
+    available: as many whole chunks as fit in HOST_KEPT_SHARE of it and stage 2 would recompute
+    (keep_attention=None), else none."""
+    c = step.config
+    if keep_attention is not None:
+        return 0
+    whole = c.context // c.chunk_size  # a shorter last chunk has other shapes
+    per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
+    return keepable_chunks(host_spare_bytes, per_output, min(whole, c.n_chunks - kept - graphs), HOST_KEPT_SHARE)
+
+
 def _estimate(
     shape: ModelShape, config: PlanConfig, gpu_memory: int, host_memory: int, machine: str
 ) -> Plan:
@@ -998,6 +1024,7 @@ def plan(
     host_grad_layers: int | None = 0,
     kept_chunks: int = 0,
     graph_chunks: int = 0,
+    host_kept_chunks: int = 0,
     fused_ops: bool = True,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
@@ -1015,6 +1042,7 @@ def plan(
     for dense attention).
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
+    host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     """
@@ -1042,6 +1070,7 @@ def plan(
         host_grad_layers=host_grad_layers or 0,
         kept_chunks=kept_chunks,
         graph_chunks=graph_chunks,
+        host_kept_chunks=host_kept_chunks,
         fused_ops=fused_ops,
     )
 
@@ -1252,7 +1281,8 @@ class Placement:
     autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
     computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
-    memory where ``loss_grads_on_host``, else on the device."""
+    memory where ``loss_grads_on_host``, else on the device. With the pages on the GPU, stage 1 may also keep
+    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory."""
 
     where: str
     segment_tokens: int
@@ -1261,6 +1291,7 @@ class Placement:
     kept_chunks: int = 0
     graph_chunks: int = 0
     loss_grads_on_host: bool = False
+    host_kept_chunks: int = 0
 
 
 def available_host_memory() -> int:
@@ -1369,8 +1400,9 @@ def place_step(
                 spare = free - needed - (0 if on_host else loss_grads)
                 kept = (kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0
                         else not_kept(f"{n} layers' KV-gradient pages"))
+                host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
                 return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
-                                 loss_grads_on_host=on_host)
+                                 loss_grads_on_host=on_host, host_kept_chunks=host_kept)
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
         raise PlanError(
@@ -1388,8 +1420,10 @@ def place_step(
         if needed <= free and (not on_host or loss_grads_pinned <= host_free):
             spare = free - needed - (0 if on_host else loss_grads)
             kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
+            host_spare = host_free - (loss_grads_pinned if on_host else 0)
             return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
-                             graph_chunks=graphs, loss_grads_on_host=on_host)
+                             graph_chunks=graphs, loss_grads_on_host=on_host,
+                             host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep))
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "

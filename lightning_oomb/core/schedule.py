@@ -9,7 +9,8 @@ attention reads the past from the store as constants; the chunk's loss gradient 
 through the decoder, which adds the past's dK, dV into the store and hands the chunk's own K, V their
 complete gradient (later chunks ran first). The output layer's gradient is summed over chunks in float32
 and delivered once at the end. Summed over chunks, the parameter gradients are those of full-sequence
-training.
+training. Stage 1 may keep attention outputs for stage 2, which then skips those attention forwards: of the
+chunks just before the kept graphs on the GPU, of the first chunks in pinned host memory.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
+from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, StoreSpec
 from .planner import PLACEMENTS, Placement, place_step
@@ -62,7 +64,9 @@ class ChunkConfig:
         before those whose graphs it keeps (``keep_graphs``) for stage 2, which then skips their attention
         forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
         per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
-        pages live in host memory or on a CPU device.
+        pages live in host memory or on a CPU device; then, when that leaves chunks to recompute, the
+        outputs of the first chunks in pinned host memory, as many as fit in planner.HOST_KEPT_SHARE of the
+        host memory the step leaves available (lightning_oomb.core.kept_attention).
     keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
         starts with their backward and recomputes only the chunks before them: the same numbers, one forward
         less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
@@ -238,6 +242,8 @@ class ChunkedSequence:
         # Attention (out, lse) from stage 1 of the placement.kept_chunks chunks before those whose graphs it
         # keeps, by (chunk, layer), until the chunk's stage-2 backward.
         self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Those of the first placement.host_kept_chunks chunks, in pinned host memory (made at the first save).
+        self.host_kept: HostKeptAttention | None = None
         # (last hidden state with its graph, dL/dh, loss) of the last placement.graph_chunks chunks, run with
         # autograd in stage 1, by chunk index, until stage 2 backpropagates them.
         self.graphs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
@@ -319,6 +325,14 @@ class ChunkedSequence:
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
             return self.kept[key][0]
+        if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
+            out, lse = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
+            if self.host_kept is None:
+                self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
+            self.host_kept.save(self._chunk, layer_idx, out, lse)
+            return out
+        if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
+            self.kept[key] = self.host_kept.fetch(*key)
         return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key))
 
     def _keeps_graph(self, index: int) -> bool:

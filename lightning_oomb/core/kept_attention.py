@@ -1,0 +1,89 @@
+"""Attention outputs of a step's first chunks, kept by stage 1 in pinned host memory for stage 2.
+
+Stage 2 re-runs each chunk's forward, attention included, unless stage 1 kept that chunk's attention outputs.
+Where the GPU has no room for them (a 1M-token step) the host may: stage 1 copies each layer's (out, lse) of
+the first ``n_chunks`` chunks out on a side stream as it computes them, and stage 2, which reaches those
+chunks last, copies each back one layer ahead of its use (the next layer's, or after a chunk's last kept
+layer the previous chunk's first). Both directions run on the one side stream, so a step's copies back
+always follow its copies out; the compute stream waits only for the layer it is about to use.
+
+On a CPU device the copies run where they are issued, which is how this is tested.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .offload import pinned_empty
+
+Key = tuple[int, int]  # (chunk index, layer)
+
+
+class HostKeptAttention:
+    """Pinned (out, lse) of ``n_chunks`` chunks x ``n_layers`` layers, each shaped like ``out`` (B, H_q, T, D)
+    and ``lse`` (B, H_q, T) float32 of one attention call; reused by the steps of a run (``PagePool``)."""
+
+    def __init__(self, n_chunks: int, n_layers: int, out: torch.Tensor, lse: torch.Tensor):
+        self.device = out.device
+        cuda = self.device.type == "cuda"
+        self.out = pinned_empty((n_chunks, n_layers, *out.shape), out.dtype, cuda)
+        self.lse = pinned_empty((n_chunks, n_layers, *lse.shape), lse.dtype, cuda)
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.saved: set[Key] = set()
+        self._ahead: dict[Key, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+
+    def holds(self, n_chunks: int, out: torch.Tensor, lse: torch.Tensor) -> bool:
+        """Whether this buffer serves a step keeping ``n_chunks`` chunks of outputs like ``out``, ``lse``."""
+        return (self.out.shape[0] >= n_chunks and self.out.shape[2:] == out.shape and self.out.dtype == out.dtype
+                and self.lse.shape[2:] == lse.shape and self.device == out.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.out, self.lse))
+
+    def begin(self) -> None:
+        """A new step: nothing saved, nothing on its way back."""
+        self.saved.clear()
+        self._ahead.clear()
+
+    def save(self, chunk: int, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Stage 1: copy one attention call's ``out``, ``lse`` to the host, behind the work that made them."""
+        self.saved.add((chunk, layer))
+        if self.stream is None:
+            self.out[chunk, layer].copy_(out)
+            self.lse[chunk, layer].copy_(lse)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.out[chunk, layer].copy_(out, non_blocking=True)
+            self.lse[chunk, layer].copy_(lse, non_blocking=True)
+        for t in (out, lse):
+            t.record_stream(self.stream)  # not reused by the compute stream before the copy has read it
+
+    def fetch(self, chunk: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 2: (out, lse) of a saved call on the device, ready for the compute stream; starts bringing
+        in the next saved call stage 2 will ask for."""
+        out, lse, done = self._ahead.pop((chunk, layer), None) or self._bring(chunk, layer)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        following = (chunk, layer + 1) if (chunk, layer + 1) in self.saved else (chunk - 1, 0)
+        if following in self.saved and following not in self._ahead:
+            self._ahead[following] = self._bring(*following)
+        return out, lse
+
+    def _bring(self, chunk: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        # Allocated on the compute stream, which uses and frees them: the side stream first waits for the
+        # work already queued there, which may still use that memory's previous tensors.
+        out = torch.empty(self.out.shape[2:], dtype=self.out.dtype, device=self.device)
+        lse = torch.empty(self.lse.shape[2:], dtype=self.lse.dtype, device=self.device)
+        if self.stream is None:
+            out.copy_(self.out[chunk, layer])
+            lse.copy_(self.lse[chunk, layer])
+            return out, lse, None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            out.copy_(self.out[chunk, layer], non_blocking=True)
+            lse.copy_(self.lse[chunk, layer], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return out, lse, done
