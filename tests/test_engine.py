@@ -288,7 +288,7 @@ def test_attention_outputs_kept_on_the_host_give_the_same_gradient(backend, chec
         calls.clear()
         loss = lightning_oomb.train_step(model, ids, **kwargs)
         pool = cached_pool(model)
-        results.append((loss, grads_of(model), len(calls), pool._host_kept))
+        results.append((loss, grads_of(model), len(calls), pool._host_kept, pool.gpu_nbytes))
     layers = model.config.num_hidden_layers
     recomputes = 2 if checkpoint_layers else 1
     # Stage 1 skips the last layer's attention (its output feeds nothing there), so stage 2 computes that one;
@@ -299,8 +299,8 @@ def test_attention_outputs_kept_on_the_host_give_the_same_gradient(backend, chec
     kept = results[2][3]
     assert kept is results[1][3]  # the second step reused the first one's pinned buffer
     assert kept.out.shape[:2] == (2, layers) and kept.saved == {(c, i) for c in (0, 1) for i in range(layers - 1)}
-    assert pool.host_nbytes == kept.nbytes
-    for loss, grads, _, _ in results[1:]:
+    assert pool.host_nbytes == kept.nbytes and results[0][4] == results[1][4] == pool.gpu_nbytes > 0
+    for loss, grads, *_ in results[1:]:
         assert torch.equal(loss, results[0][0])
         for name, grad in results[0][1].items():
             assert torch.equal(grads[name], grad), name

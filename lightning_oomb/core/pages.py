@@ -375,16 +375,18 @@ class PagePool:
         """Bytes in host memory: all pages with placement "host", else the host gradient layers', and the
         attention outputs stage 1 keeps there (``host_kept_attention``)."""
         kept = self._host_kept.nbytes if self._host_kept is not None else 0
-        if self.on_host:
-            return self.nbytes + kept
-        return kept + sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
+        return (self.nbytes if self.on_host else self._host_grad_nbytes) + kept
+
+    @property
+    def _host_grad_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
 
     @property
     def gpu_nbytes(self) -> int:
         """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
         if self.on_host:
             return self.streamer.nbytes
-        return self.nbytes - self.host_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
+        return self.nbytes - self._host_grad_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
 
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
