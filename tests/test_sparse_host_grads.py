@@ -211,16 +211,21 @@ def test_place_step_on_cpu_puts_sparse_gradients_on_the_host_only_when_asked():
         assert (placement.where, placement.host_grad_layers) == ("gpu", layers)
 
 
+def test_zero_pages_zeroes_the_taken_slots_of_every_host_layer():
+    from lightning_oomb.core.pages import HostGradStaging
+
+    pages = torch.ones(3, 10, 4, 2, 8)
+    HostGradStaging(torch.device("cpu")).zero_pages((pages, pages[:, :, :2]), [0, 2, 5], [7, 2, 3, 9, 4, 5])
+    zeroed = torch.zeros(10, dtype=torch.bool)
+    zeroed[[2, 3, 4, 5, 7, 9]] = True
+    assert (pages[:, zeroed] == 0).all() and (pages[:, ~zeroed] == 1).all()
+
+
 def test_host_page_kernels_in_the_interpreter():
     """The kernels that reach host pages from the GPU, run on CPU tensors in Triton's interpreter."""
-    from lightning_oomb.kernels.host_pages import copy_pages, read_rows, zero_pages
+    from lightning_oomb.kernels.host_pages import copy_pages, read_rows
 
     pages = torch.randn(3, 10, 4, 2, 8)
-    want = pages.clone()
-    slots = torch.tensor([[7, 2], [3, 9]])
-    zero_pages(pages, slots)
-    want[:, [2, 3, 7, 9]] = 0
-    assert torch.equal(pages, want)
     flat = pages[1].reshape(-1, 2, 8)
     rows = torch.tensor([[5, 0, 39], [12, 12, 1]])
     assert torch.equal(read_rows(flat, rows), flat[rows])
@@ -326,17 +331,19 @@ def test_plan_cli_sparse(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_zero_pages_writes_pinned_host_memory_from_the_gpu():
+def test_zero_pages_zeroes_pinned_host_pages_from_the_side_stream():
     from lightning_oomb.core.offload import pinned_empty
-    from lightning_oomb.kernels.host_pages import zero_pages
+    from lightning_oomb.core.pages import HostGradStaging
 
+    staging = HostGradStaging(torch.device("cuda"))
+    staging.ZERO_PAGES = 2  # runs longer than one copy
     pages = pinned_empty((3, 10, 4, 2, 8), torch.bfloat16, pin=True)
     pages.fill_(1.0)
-    slots = torch.tensor([[7, 2], [3, 9]], device="cuda")
-    zero_pages(pages, slots)
-    torch.cuda.synchronize()
+    staging.zero_pages((pages,), [0, 2, 5], [7, 2, 3, 9, 4, 5])
+    staging.wait_for_layer(2)
+    torch.cuda.current_stream().synchronize()
     zeroed = torch.zeros(10, dtype=torch.bool)
-    zeroed[[2, 3, 7, 9]] = True
+    zeroed[[2, 3, 4, 5, 7, 9]] = True
     assert (pages[:, zeroed] == 0).all() and (pages[:, ~zeroed] == 1).all()
 
 

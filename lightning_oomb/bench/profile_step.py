@@ -38,7 +38,7 @@ KERNEL_GROUPS = {
     "attention dK/dV": ("_dkdv_kernel", "_page_dkdv_kernel", "_past_dkdv_kernel"),
     "attention dQ": ("_dq_kernel", "_sparse_dq_kernel", "_past_dq_kernel"),
     "host gradient pages (side stream)": (
-        "_add_staged_kernel", "_zero_pages_kernel", "_read_rows_kernel", "_copy_pages_kernel",
+        "_add_staged_kernel", "_read_rows_kernel", "_copy_pages_kernel",
     ),
 }
 MATMUL_KEYS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "gemv")

@@ -143,6 +143,7 @@ class HostGradStaging:
     """
 
     N_BUFFERS = 2  # one being added into the host while the next layer's kernel fills the other
+    ZERO_PAGES = 256  # pages per copy from a GPU buffer of zeros into host pages (zero_pages)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -198,6 +199,37 @@ class HostGradStaging:
         done = torch.cuda.Event()
         done.record(self.stream)
         self._read[i] = self._layer_added[store.layer] = done
+
+    def zero_pages(self, host: tuple[torch.Tensor, ...], layers: list[int], slots: list[int]) -> None:
+        """Zero ``slots`` of the host gradient pages ``host`` (each (len(layers), num_pages, ...)) for a new step.
+
+        On CUDA the copy engine does it from the side stream while stage 1 computes (no program holds an SM
+        while it waits on the bus), and each of ``layers`` counts it as its additions so far: its first
+        addition, read or move waits for it (``wait_for_layer``)."""
+        runs: list[list[int]] = []  # [first, end) of consecutive slots: one copy per run (or piece of one)
+        for slot in sorted(slots):
+            if runs and runs[-1][1] == slot:
+                runs[-1][1] += 1
+            else:
+                runs.append([slot, slot + 1])
+        if not self.cuda:
+            for pages in host:
+                for a, b in runs:
+                    pages[:, a:b] = 0
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's reads of these pages
+        with torch.cuda.stream(self.stream):
+            zeros = torch.zeros((self.ZERO_PAGES, *host[0].shape[2:]), dtype=host[0].dtype, device=self.device)
+            for pages in host:
+                for layer_pages in pages:
+                    for a, b in runs:
+                        for lo in range(a, b, self.ZERO_PAGES):
+                            hi = min(b, lo + self.ZERO_PAGES)
+                            layer_pages[lo:hi].copy_(zeros[: hi - lo], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        for layer in layers:
+            self._layer_added[layer] = done
 
     def wait_for_layer(self, layer: int) -> None:
         """Make the compute stream wait for the additions into ``layer``'s host pages issued so far."""
@@ -411,14 +443,8 @@ class PagePool:
             idx = slots.view(-1).long()
             self.dk[:, idx] = 0
             self.dv[:, idx] = 0
-            if self.host_dk is not None and self.device.type == "cuda":
-                from ..kernels.host_pages import zero_pages
-
-                zero_pages(self.host_dk, slots)
-                zero_pages(self.host_dv, slots)
-            elif self.host_dk is not None:
-                self.host_dk[:, idx] = 0
-                self.host_dv[:, idx] = 0
+            if self.host_dk is not None:
+                self.grad_staging.zero_pages((self.host_dk, self.host_dv), self.host_layers, taken)
         return table
 
     def free(self, table: PageTable) -> None:

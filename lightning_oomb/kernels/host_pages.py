@@ -5,9 +5,9 @@ address space. The sparse backward leaves a chunk's share of the selected pages'
 staging area; ``add_staged_pages`` adds it into the host pages from a few persistent programs on a side
 stream, so the bus traffic overlaps the layers computed meanwhile instead of stalling the attention kernel
 (lightning_oomb.core.pages.HostGradStaging). Two more accesses need the GPU, not the CPU, so that nothing
-waits for the host inside a step: zeroing the pages a batch takes (a torch op would zero them on the CPU,
-synchronously), reading a chunk's own stored gradient rows (a torch gather would need the row indices on
-the host), and copying a layer's pages into GPU slots when stage 2 moves it there (``copy_pages``).
+waits for the host inside a step: reading a chunk's own stored gradient rows (a torch gather would need the
+row indices on the host), and copying a layer's pages into GPU slots when stage 2 moves it there
+(``copy_pages``). (The copy engine zeroes the pages a batch takes: ``HostGradStaging.zero_pages``.)
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ import triton
 import triton.language as tl
 
 from .chunk_attention import _device_ctx
-
-
-@triton.jit
-def _zero_pages_kernel(X, SLOTS, layer_stride, page_stride, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
-    slot = tl.load(SLOTS + tl.program_id(0)).to(tl.int64)
-    page = X + tl.program_id(1).to(tl.int64) * layer_stride + slot * page_stride
-    offs = tl.arange(0, BLOCK)
-    for i in range(0, PAGE_ELEMS, BLOCK):
-        tl.store(page + i + offs, tl.zeros([BLOCK], X.dtype.element_ty), mask=i + offs < PAGE_ELEMS)
 
 
 @triton.jit
@@ -77,24 +68,6 @@ def _read_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constex
     for j in range(0, ROW_ELEMS, BLOCK):
         mask = j + offs < ROW_ELEMS
         tl.store(DST + i * ROW_ELEMS + j + offs, tl.load(SRC + row * ROW_ELEMS + j + offs, mask=mask), mask=mask)
-
-
-def zero_pages(pages: torch.Tensor, slots: torch.Tensor) -> None:
-    """Zero ``pages[:, slots]`` of a (n_layers, num_pages, ...) tensor whose pages are contiguous.
-
-    pages: pinned host memory mapped for the CUDA device ``slots`` (int, any shape) is on (or, in Triton's
-    interpreter, any CPU tensor).
-    """
-    if pages.numel() == 0 or slots.numel() == 0:
-        return
-    page_elems = pages[0, 0].numel()
-    if pages.stride(1) != page_elems or not pages[0, 0].is_contiguous():
-        raise ValueError("zero_pages needs pages stored contiguously, one after another")
-    flat = slots.reshape(-1).to(torch.int32)
-    with _device_ctx(slots):
-        _zero_pages_kernel[(flat.numel(), pages.shape[0])](
-            pages, flat, pages.stride(0), pages.stride(1), PAGE_ELEMS=page_elems, BLOCK=1024
-        )
 
 
 def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
