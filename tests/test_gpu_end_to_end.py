@@ -164,8 +164,8 @@ def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
     results = {}
     for offload in ("gpu", "host"):
         model.zero_grad(set_to_none=True)
-        # No kept graphs on either side (a host layer's step keeps none): the output layer's float32 gradient
-        # sum then runs in the same order too.
+        # No kept graphs on either side (all-GPU pages would keep more than the last): the output layer's
+        # float32 gradient sum then runs in the same order too.
         loss = lightning_oomb.train_step(model, ids, chunk_size=512, page_size=128, sparse=sparse, offload=offload,
                                          grad_dtype=torch.bfloat16, keep_graphs=0, keep_attention=0)
         pool = cached_pool(model)

@@ -64,7 +64,7 @@ KEPT_GRAPHS_SHARE = 0.75
 # Share of the host memory a step leaves available (MemAvailable less its pinned pages) that it may pin for
 # attention outputs kept from stage 1 when the GPU leaves chunks to recompute (the rest for the process
 # and the rest of the machine).
-HOST_KEPT_SHARE = 0.75
+HOST_KEPT_SHARE = 0.85
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -1346,6 +1346,18 @@ def place_step(
                 )
         return 0, 0
 
+    def last_graph_only(host_grad_layers: int) -> tuple[int, int]:
+        # With host gradient layers the GPU has no room for stage 1's results but the last chunk's graph,
+        # which costs nothing (stage 2 would hold it next) and is done before stage 2 moves any layer.
+        graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
+        if keep or graphs > 1:
+            raise PlanError(
+                f"keep_attention={keep} and keep_graphs={keep_graphs} keep stage 1's results on the GPU, which has "
+                f"no room for them next to this step's pages ({host_grad_layers} layers' KV-gradient pages go to "
+                "host memory); set keep_attention=None and keep_graphs=None (or at most 1)"
+            )
+        return 0, graphs
+
     if device.type != "cuda":
         segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
         if config.offload == "host":
@@ -1398,8 +1410,7 @@ def place_step(
             pinned += loss_grads_pinned if on_host else 0
             if needed <= free and pinned <= host_free:
                 spare = free - needed - (0 if on_host else loss_grads)
-                kept = (kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0
-                        else not_kept(f"{n} layers' KV-gradient pages"))
+                kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
                 host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
                 return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
                                  loss_grads_on_host=on_host, host_kept_chunks=host_kept)
