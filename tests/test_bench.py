@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -93,12 +94,14 @@ def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
                                    modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
         results = bench.run(config, log=lambda line: None)
         bench.write_outputs(results, config, "test", "cpu")
+        # A sweep whose only point failed still writes its files (no memory to draw on a log scale).
+        bench.write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
     finally:
         del bench.MODES["oom-above-64"]
     assert [r.status for r in results] == ["ok", "OOM", "ok"]
     _, rows = read_rows(tmp_path / "o" / "results.csv")
     assert rows[1]["status"] == "OOM" and rows[1]["step_time_s"] == ""
-    assert (tmp_path / "o" / "results.png").exists()
+    assert (tmp_path / "o" / "results.png").exists() and (tmp_path / "p" / "results.png").exists()
 
 
 def test_sparse_fidelity_report(tmp_path):

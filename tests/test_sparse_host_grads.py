@@ -177,6 +177,21 @@ def test_movable_host_layers_counts_dead_pages_of_every_layer():
     assert movable_host_layers(4, 20, 20, 0) == 0 and movable_host_layers(4, 20, 0, 0) == 0
 
 
+def test_cached_pool_with_more_host_layers_serves_a_step_placed_with_fewer():
+    """Free GPU memory drifts between steps (the CUDA runtime's first-step growth): a pool holding more host
+    gradient layers than a step is placed with is reused, not replaced; one with fewer, or all-GPU, is not."""
+    from lightning_oomb.core.schedule import cached_pool_provider
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    provide = cached_pool_provider(model, 3, torch.device("cpu"))
+    spec = StoreSpec(n_layers=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    first = provide(spec, 10, True, Placement("gpu", 8, 1, 2))
+    assert provide(spec, 10, True, Placement("gpu", 8, 1, 1)) is first
+    assert provide(spec, 10, True, Placement("gpu", 8, 1, 2)) is first
+    assert provide(spec, 10, True, Placement("gpu", 8, 1, 3)) is not first
+    assert provide(spec, 10, True, Placement("gpu", 8, 1, 0)).host_grad_layers == 0
+
+
 def test_pool_refuses_impossible_splits():
     spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="host_grad_layers"):

@@ -434,6 +434,7 @@ def measure(
             planned(result.segment_tokens)
             pool.streamer.take_stats()  # the timed steps' traffic only
 
+        pool = None  # a step that replaces the pool must be able to free it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
@@ -446,11 +447,7 @@ def measure(
             loss = mode.step(model, input_ids, config)
             _sync(device)
             times.append(time.perf_counter() - start)
-            pool = cached_pool(model)
-            if pool is not None and pool.on_host:
-                stats = pool.streamer.take_stats()
-                result.h2d_bytes, result.d2h_bytes = stats.h2d_bytes, stats.d2h_bytes
-                result.h2d_s, result.d2h_s = stats.h2d_s, stats.d2h_s
+            _take_stream_stats(model, result)
         result.step_times_s = tuple(times)
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s
@@ -478,6 +475,17 @@ def measure(
     _drop_cached_pool(model)
     _free_memory(model, device)
     return result
+
+
+def _take_stream_stats(model: nn.Module, result: PointResult) -> None:
+    """The last step's traffic of a host-placed pool, if any (holding no reference to the pool after)."""
+    from ..core.schedule import cached_pool
+
+    pool = cached_pool(model)
+    if pool is not None and pool.on_host:
+        stats = pool.streamer.take_stats()
+        result.h2d_bytes, result.d2h_bytes = stats.h2d_bytes, stats.d2h_bytes
+        result.h2d_s, result.d2h_s = stats.h2d_s, stats.d2h_s
 
 
 def _elapsed(seconds: float) -> str:
@@ -640,10 +648,12 @@ def plot(results: list[PointResult], config: BenchConfig, machine: str, path: Pa
     ax_time.set_ylabel("step time (s)")
     ax_mem.set_ylabel("peak GPU memory allocated (GiB)" if on_gpu else "peak host RSS (GiB)")
     tokens = FuncFormatter(lambda x, _: _tokens_label(x))
+    measured = any(r.status == "ok" for r in results)
     for ax in (ax_time, ax_mem):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(tokens)
-        ax.set_yscale("log")
+        if ax is ax_time or measured:  # a sweep whose every point failed has no memory to draw
+            ax.set_yscale("log")
         ax.set_xlabel("context length (tokens)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -38,6 +38,10 @@ GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GIB
 # Host memory of the process itself (Python, torch, CUDA runtime, transformers) before any pinned pool.
 HOST_PROCESS_BYTES = 2 * GIB
+# GPU memory outside torch's allocator that a process's first step adds (cuBLAS workspaces of its streams,
+# kernel modules): 0.24 GiB in a 1M-token sparse step on an H200. place_step sets it aside for a step with
+# no pool to reuse, so that the next step, which sees it gone, places no more host gradient layers.
+FIRST_STEP_RUNTIME_BYTES = GIB // 2
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
 ASSUMED_EFFICIENCY = 0.72  # measured 0.72-0.76 dense 32K-128K, 0.71 sparse 128K (H200, Gluon kernels; docs/benchmarks.md)
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
@@ -1383,7 +1387,7 @@ def place_step(
         precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
-    free -= int(PLACEMENT_HEADROOM_SHARE * total)
+    free -= int(PLACEMENT_HEADROOM_SHARE * total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
     host_free = available_host_memory() + reusable_host_bytes
     missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
     shape = ModelShape.resolve(model)

@@ -139,7 +139,7 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             and pool.num_pages >= pages
             and (pool.with_grads or not with_grads)
             and pool.placement == placement.where
-            and (not with_grads or pool.host_grad_layers == placement.host_grad_layers)
+            and (not with_grads or _holds_host_grad_layers(pool.host_grad_layers, placement.host_grad_layers))
             and (not pool.on_host or pool.streamer.half_pages * page_size >= placement.batch * placement.segment_tokens)
         )
         if not fits:
@@ -155,6 +155,12 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
 
     provide.held_bytes = held_bytes
     return provide
+
+
+def _holds_host_grad_layers(held: int, placed: int) -> bool:
+    # A pool with more host gradient layers than placed needs less GPU memory: reusing it saves pinning its
+    # host pages again (tens of seconds at 1M) when free GPU memory drifts across a layer's boundary.
+    return held == placed or 0 < placed < held
 
 
 def new_pool(
