@@ -180,8 +180,8 @@ class HostGradStaging:
         return held
 
     def add_into(self, store: "LayerStore", pages: torch.Tensor, counts: torch.Tensor, start: int) -> None:
-        """Add the buffers last handed out into ``store``'s gradient pages (see ``add_staged_pages``): in host
-        memory, or in GPU slots once the layer moved there."""
+        """Add the buffers last handed out into ``store``'s gradient pages in host memory (see
+        ``add_staged_pages``)."""
         from ..kernels.host_pages import add_staged_pages
 
         i = self._next
