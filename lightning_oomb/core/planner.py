@@ -922,6 +922,12 @@ def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: 
     return min(n_chunks, int(share * max(0.0, spare_bytes)) // chunk_bytes)
 
 
+def asked_graphs(n_chunks: int, checkpoint_layers: bool, keep_graphs: int | None) -> int:
+    """Autograd graphs stage 1 keeps before any share of spare memory: none with layer checkpointing, else
+    ``keep_graphs`` or (None) the last chunk's, which costs nothing (stage 2 would hold it next)."""
+    return 0 if checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
+
+
 def kept_for_stage_2(
     step: Plan, spare_bytes: float, keep_attention: int | None = None, keep_graphs: int | None = None
 ) -> tuple[int, int]:
@@ -934,7 +940,7 @@ def kept_for_stage_2(
     n = c.n_chunks
     per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
     per_graph = graph_chunk_bytes(step.shape, c)
-    graphs = 0 if c.checkpoint_layers else min(n, 1 if keep_graphs is None else keep_graphs)
+    graphs = asked_graphs(n, c.checkpoint_layers, keep_graphs)
     graph_bytes = max(0, graphs - 1) * per_graph
     if keep_attention is None:
         kept = keepable_chunks(spare_bytes - graph_bytes, per_output, n)
@@ -1353,7 +1359,7 @@ def place_step(
     def last_graph_only(host_grad_layers: int) -> tuple[int, int]:
         # With host gradient layers the GPU has no room for stage 1's results but the last chunk's graph,
         # which costs nothing (stage 2 would hold it next) and is done before stage 2 moves any layer.
-        graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
+        graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs)
         if keep or graphs > 1:
             raise PlanError(
                 f"keep_attention={keep} and keep_graphs={keep_graphs} keep stage 1's results on the GPU, which has "
@@ -1368,7 +1374,7 @@ def place_step(
             not_kept("offload='host'")
             graphs = 0
         else:  # the last chunk's graph (free: stage 2 would hold it next), none with layer checkpointing
-            graphs = 0 if config.checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
+            graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs)
         # keep_attention=None: nothing on a CPU device, whose memory is the host's
         kept = min(keep or 0, n_chunks - graphs)
         if sparse:
