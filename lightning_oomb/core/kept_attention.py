@@ -49,16 +49,10 @@ class HostKeptAttention:
     def save(self, chunk: int, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Stage 1: copy one attention call's ``out``, ``lse`` to the host, behind the work that made them."""
         self.saved.add((chunk, layer))
-        if self.stream is None:
-            self.out[chunk, layer].copy_(out)
-            self.lse[chunk, layer].copy_(lse)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.out[chunk, layer].copy_(out, non_blocking=True)
-            self.lse[chunk, layer].copy_(lse, non_blocking=True)
-        for t in (out, lse):
-            t.record_stream(self.stream)  # not reused by the compute stream before the copy has read it
+        self._copy(((self.out[chunk, layer], out), (self.lse[chunk, layer], lse)))
+        if self.stream is not None:
+            for t in (out, lse):
+                t.record_stream(self.stream)  # not reused by the compute stream before the copy has read it
 
     def fetch(self, chunk: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 2: (out, lse) of a saved call on the device, ready for the compute stream; starts bringing
@@ -72,18 +66,22 @@ class HostKeptAttention:
         return out, lse
 
     def _bring(self, chunk: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
-        # Allocated on the compute stream, which uses and frees them: the side stream first waits for the
-        # work already queued there, which may still use that memory's previous tensors.
+        # Allocated on the compute stream, which uses and frees them.
         out = torch.empty(self.out.shape[2:], dtype=self.out.dtype, device=self.device)
         lse = torch.empty(self.lse.shape[2:], dtype=self.lse.dtype, device=self.device)
+        return out, lse, self._copy(((out, self.out[chunk, layer]), (lse, self.lse[chunk, layer])))
+
+    def _copy(self, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> torch.cuda.Event | None:
+        """dst.copy_(src) for each (dst, src) on the side stream, after the work already queued on the compute
+        stream (which made the sources, or may still use the destinations' memory); the copies' event."""
         if self.stream is None:
-            out.copy_(self.out[chunk, layer])
-            lse.copy_(self.lse[chunk, layer])
-            return out, lse, None
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            out.copy_(self.out[chunk, layer], non_blocking=True)
-            lse.copy_(self.lse[chunk, layer], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(self.stream)
-        return out, lse, done
+        return done
