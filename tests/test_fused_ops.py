@@ -270,6 +270,67 @@ def test_rope_reads_views_in_place():
 
 
 # --------------------------------------------------------------------------------------------------------
+# Cross-entropy (the loss of a piece of logits and, in their place, its gradient)
+# --------------------------------------------------------------------------------------------------------
+
+
+def ce_reference(logits: torch.Tensor, targets: torch.Tensor, normalizer: float):
+    """core.loss's unfused formula: per-row loss (float32) and (softmax - onehot) / normalizer in logits' dtype."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    g = logp.exp()
+    g[torch.arange(len(targets), device=g.device), targets] -= 1.0
+    return -logp.gather(1, targets[:, None])[:, 0], (g / normalizer).to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("rows, vocab", [(3, 100), (5, 8192 + 700)])  # one block (masked); two blocks
+def test_cross_entropy_rows(rows, vocab, dtype):
+    from lightning_oomb.kernels.cross_entropy import cross_entropy_rows
+
+    torch.manual_seed(0)
+    logits = (torch.randn(rows, vocab, device=DEVICE) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device=DEVICE)
+    targets[0] = vocab - 1  # the last column, in the masked tail
+    want_loss, want_grad = ce_reference(logits, targets, 7.0)
+    got = logits.clone()
+    loss = cross_entropy_rows(got, targets, 7.0, grad=True)
+    assert torch.equal(cross_entropy_rows(logits.clone(), targets, 7.0, grad=False), loss)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want_grad, rtol=1e-5, atol=1e-7)
+    else:  # both round the same float32 gradient once: at most one unit in the last place apart
+        ulp = torch.finfo(dtype).eps * want_grad.abs().float().clamp_min(torch.finfo(dtype).tiny)
+        assert ((got.float() - want_grad.float()).abs() <= ulp).all()
+
+
+def test_fused_linear_cross_entropy_matches_the_unfused_one():
+    """core.loss with the kernel: the same loss, output-layer gradients and dL/dh as with torch's ops."""
+    from torch import nn
+
+    from lightning_oomb.core.loss import HeadGradients, linear_cross_entropy
+
+    torch.manual_seed(0)
+    head = nn.Linear(16, 300, bias=True, device=DEVICE)
+    hidden, targets = torch.randn(37, 16, device=DEVICE), torch.randint(0, 300, (37,), device=DEVICE)
+    results = []
+    for fused in (False, True):
+        grads = HeadGradients(head)
+        loss, grad_h = linear_cross_entropy(hidden, head.weight, head.bias, targets, 40.0, grads, True, fused=fused)
+        results.append((loss, grad_h, grads.weight, grads.bias))
+    for got, want, name in zip(results[1], results[0], ["loss", "dh", "dweight", "dbias"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_cross_entropy_rows_refuses_other_layouts():
+    from lightning_oomb.kernels.cross_entropy import cross_entropy_rows
+
+    logits = torch.randn(4, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="unit column stride"):
+        cross_entropy_rows(logits.t(), torch.zeros(10, dtype=torch.long, device=DEVICE), 1.0, grad=True)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------------------
 

@@ -76,30 +76,39 @@ def linear_cross_entropy(
     normalizer: float,
     head_grads: HeadGradients | None = None,
     with_grad_hidden: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sum_i CE(hidden[i] @ weight.T + bias, targets[i]) / normalizer, dLoss/dhidden or None).
 
     hidden (N, d), weight (V, d), targets (N,) int64 with no ignored entries. The loss is a float32 scalar;
     no autograd graph is recorded. With ``head_grads`` the output layer's gradients are added into its
     float32 sums; with ``with_grad_hidden`` dLoss/dhidden (N, d) in hidden's dtype is returned. Peak extra
-    memory: one piece of logits (``piece_rows`` rows), its float32 log-probabilities and gradient.
+    memory: one piece of logits (``piece_rows`` rows), its float32 log-probabilities and gradient; with
+    ``fused`` (the Triton kernel of ``kernels.cross_entropy``, same float32 arithmetic) only the logits,
+    which the kernel overwrites with their gradient.
     """
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_w = head_grads.weight if head_grads is not None else None
     grad_b = head_grads.bias if head_grads is not None else None
     grad_h = torch.empty_like(hidden) if with_grad_hidden else None
+    wants_grad = grad_h is not None or grad_w is not None or grad_b is not None
     with torch.no_grad():
         for rows in _pieces(hidden.shape[0], weight.shape[0]):
             h = hidden[rows]
             logits = F.linear(h, weight, bias)
-            logp = torch.log_softmax(logits.float(), dim=-1)
             tgt = targets[rows]
-            total -= logp.gather(1, tgt[:, None]).sum()
-            if grad_h is None and grad_w is None and grad_b is None:
-                continue
-            g = logp.exp_()
-            g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
-            g = (g / normalizer).to(logits.dtype)
+            if fused:
+                from ..kernels.cross_entropy import cross_entropy_rows
+
+                total += cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad).sum()
+                g = logits  # overwritten with dLoss/dlogits
+            else:
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                total -= logp.gather(1, tgt[:, None]).sum()
+                if wants_grad:
+                    g = logp.exp_()
+                    g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
+                    g = (g / normalizer).to(logits.dtype)
             if grad_h is not None:
                 grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)
             if grad_w is not None:

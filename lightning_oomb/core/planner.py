@@ -814,8 +814,9 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
     rows = min(piece_rows(shape.vocab), t)
-    # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast.
-    piece = rows * shape.vocab * (8 + 2 * p.linear)
+    # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast; the
+    # fused kernel (kernels.cross_entropy) writes the gradient over the logits.
+    piece = rows * shape.vocab * (p.linear if c.fused_ops else 8 + 2 * p.linear)
     head_w = shape.vocab * shape.hidden
     if head_trained:
         gpu["loss: dL/dW accumulator (fp32, vocab x hidden)"] = head_w * 4

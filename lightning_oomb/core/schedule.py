@@ -383,6 +383,7 @@ class ChunkedSequence:
         loss, grad_rows = linear_cross_entropy(
             rows, self.head.weight, self.head.bias, targets, self.n_valid,
             self.head_grads if with_grads else None, with_grad_hidden=with_grads and self._decoder_trains,
+            fused=self.fused_ops,
         )
         if grad_rows is None:
             return loss, None

@@ -1,2 +1,2 @@
 """Triton kernels: chunk attention over the paged KV store (dense and sparse, forward and backward) and the
-fused RMSNorm, RoPE and SwiGLU ops."""
+fused RMSNorm, RoPE, SwiGLU and cross-entropy ops."""
