@@ -155,3 +155,14 @@ def test_profile_chunk_ranges_and_timeline():
     lines = timeline_lines(seconds, 2, 1)
     assert lines[0] == "stage 1: 0.30 s" and lines[3].startswith("stage 2: 0.70 s")
     assert "chunks    1..1" in lines[4] and "300.0 ms" in lines[4]
+
+
+def test_progress_line_names_what_stage_1_kept_and_where():
+    r = bench.PointResult("sparse", 1 << 20, 1, 4096, 0, "bfloat16", step_time_s=148.4, tokens_per_s=7065.0,
+                          loss=12.65, peak_host_bytes=1 << 30, graph_chunks=1, kept_chunks=0, host_kept_chunks=104)
+    line = bench.progress_line(2, 2, r, 369.0)
+    kept = "graphs of the last 1, attention outputs of the first 104 on the host"
+    assert f"(kept from stage 1, in chunks: {kept})" in line
+    assert "on the GPU" not in line
+    nothing_kept = dataclasses.replace(r, graph_chunks=0, host_kept_chunks=0)
+    assert "kept from stage 1" not in bench.progress_line(1, 2, nothing_kept, 1.0)

@@ -501,10 +501,11 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
             moved = r.host_grads_moved_at
             head += f", {len(moved)} moved to the GPU in stage 2 at {moved[0]:,}-{moved[-1]:,} live tokens"
         head += ")"
-    if r.kept_chunks or r.graph_chunks:
-        head += f"  (graphs of {r.graph_chunks or 0}, attention outputs of {r.kept_chunks or 0} chunks kept)"
-    if r.host_kept_chunks:
-        head += f"  (attention outputs of the first {r.host_kept_chunks} chunks kept on the host)"
+    kept = [f"graphs of the last {r.graph_chunks}" if r.graph_chunks else "",
+            f"attention outputs of {r.kept_chunks} on the GPU" if r.kept_chunks else "",
+            f"attention outputs of the first {r.host_kept_chunks} on the host" if r.host_kept_chunks else ""]
+    if any(kept):
+        head += f"  (kept from stage 1, in chunks: {', '.join(k for k in kept if k)})"
     if r.status != "ok":
         return f"{head}  {r.status}  (elapsed {_elapsed(elapsed)})"
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""
