@@ -77,6 +77,8 @@ def test_not_a_causal_lm():
         (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long), {}, "labels must have the shape"),
         (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), {}, "labels must be integer"),
         (torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), -100), {}, "every label is -100"),
+        (torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), VOCAB), {}, f"token id {VOCAB}, outside"),
+        (torch.zeros(1, 8, dtype=torch.long), torch.full((1, 8), -5), {}, "token id -5, outside"),
         (torch.zeros(1, 8, dtype=torch.long), None, {"chunk_size": 0}, "chunk_size must be an integer >= 1"),
         (torch.zeros(1, 8, dtype=torch.long), None, {"page_size": -1}, "page_size must be an integer >= 1"),
         (torch.zeros(1, 8, dtype=torch.long), None, {"attention": "flash"}, "attention must be"),

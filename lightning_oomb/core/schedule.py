@@ -279,6 +279,14 @@ class ChunkedSequence:
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
         labelled = self.targets != IGNORE_INDEX
+        vocab = self.head.weight.shape[0]
+        out_of_range = labelled & ((self.targets < 0) | (self.targets >= vocab))
+        if out_of_range.any():  # the loss kernel would read outside its row of logits
+            bad = self.targets[out_of_range][0].item()
+            raise ValueError(
+                f"labels hold token id {bad}, outside the output layer's vocabulary [0, {vocab}); labels are "
+                "token ids of the model's tokenizer, or -100 for positions without a loss"
+            )
         pad = len(self.chunks) * config.chunk_size - seq_len
         per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
         per_chunk = per_chunk.sum((0, 2)).tolist()
