@@ -16,11 +16,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .core.served import serve
 from .lightning import CausalLMModule
+from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
 from .lightning.module import SetupError
 from .lightning.strategy import OOMBStrategy, find_causal_lm
 
-GIB = 2**30
 
 
 class OOMBCLI(LightningCLI):
@@ -28,7 +28,7 @@ class OOMBCLI(LightningCLI):
     SparseCausalLMModule; without one, CausalLMModule) and any DataModule.
 
     Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
-    another CheckpointIO plugin), the planner's summary of a step is printed before the first one, and
+    another CheckpointIO plugin), the plan of a step as placed is printed before the first one, and
     afterwards the model (or LoRA adapter) is exported in Hugging Face format with its tokenizer and the
     held-out result is reported.
     """
@@ -40,7 +40,8 @@ class OOMBCLI(LightningCLI):
                  "(default: <log_dir>/hf_export, next to the checkpoints folder)",
         )
         parser.add_argument("--export", type=bool, default=True, help="fit: export the trained model at the end")
-        parser.add_argument("--plan", type=bool, default=True, help="fit: print the planner's summary of a step first")
+        parser.add_argument("--plan", type=bool, default=True,
+                            help="fit: print the plan of a step as placed (memory against the GPU and host budget)")
         parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
 
     def before_instantiate_classes(self) -> None:
@@ -59,8 +60,13 @@ class OOMBCLI(LightningCLI):
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
-        if self._get(self.config, "plan", True) and self.trainer.is_global_zero:
-            print_plan(self.trainer, self.model, self.datamodule)
+        if isinstance(strategy, OOMBStrategy):
+            # The plan of the step as placed is printed by the callback that places it, at fit start.
+            callback = next((cb for cb in self.trainer.callbacks if isinstance(cb, PagedKVCallback)), None)
+            if callback is None:
+                callback = PagedKVCallback()
+                self.trainer.callbacks.append(callback)
+            callback.print_plan = self._get(self.config, "plan", True)
 
     def after_fit(self) -> None:
         trainer, module = self.trainer, self.model
@@ -100,51 +106,6 @@ def _has_val_data(datamodule) -> bool:
     if hasattr(datamodule, "val_set"):
         return datamodule.val_set is not None
     return True
-
-
-def print_plan(trainer, module, datamodule) -> None:
-    """The planner's memory and time of one step, for this run's model, data and strategy. Never raises."""
-    try:
-        from .core.planner import loss_grad_bytes, plan_placed, this_host_memory
-
-        strategy = trainer.strategy
-        config = getattr(strategy, "chunk_config", None)
-        seq_len = getattr(datamodule, "seq_len", None)
-        if config is None or seq_len is None:
-            return
-        precision = str(trainer.precision)
-        gpu_memory = None
-        note = ""
-        if strategy.root_device.type != "cuda":
-            gpu_memory = this_host_memory()
-            note = (f"(no CUDA device: planned with GPU memory = this machine's RAM, {gpu_memory / GIB:.1f} GiB, "
-                    "where the CPU run keeps everything)")
-        # The module's sparse_config (SparseAttentionMixin) wins over the strategy's, as at set-up.
-        sparse = getattr(module, "sparse_config", None) or config.sparse
-        result = plan_placed(
-            find_causal_lm(module).config,
-            seq_len,
-            offload=config.offload,
-            sparse=sparse,
-            chunk_size=config.chunk_size,
-            batch=getattr(datamodule, "batch_size", 1) or 1,
-            page_size=config.page_size,
-            lora_rank=int(module.hparams.get("lora_rank", 0)) if hasattr(module, "hparams") else 0,
-            precision=precision if precision in ("32-true", "bf16-true", "bf16-mixed") else "32-true",
-            checkpoint_layers=config.checkpoint_layers,
-            grad_dtype=config.grad_dtype,
-            gpu_memory=gpu_memory,
-        )
-        print(result)
-        c = result.config
-        loss_grads = loss_grad_bytes(result.shape, c.chunk_tokens, c.n_chunks, c.precision)
-        print(f"(a training step under OOMBStrategy also keeps every chunk's dL/dh from stage 1 to stage 2: "
-              f"{loss_grads / GIB:.2f} GiB, on the GPU when it fits there, else in pinned host memory)")
-        if note:
-            print(note)
-        print()
-    except Exception as e:  # the printout is advice; it never stops a run
-        print(f"(planner summary unavailable: {type(e).__name__}: {e})")
 
 
 def default_export_dir(trainer) -> Path:

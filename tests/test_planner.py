@@ -321,9 +321,9 @@ def test_cli_plan_auto_offloads_what_does_not_fit(capsys):
 
 def test_attention_outputs_kept_on_the_host_in_the_plan():
     """host_kept_chunks: a pinned host line of the GPU-kept outputs' size per chunk, no GPU memory; by default
-    the whole chunks stage 2 would recompute that fit in HOST_KEPT_SHARE of the host memory left, none when
+    the whole chunks stage 2 would recompute that fit in what the host memory budget leaves, none when
     keep_attention is given."""
-    from lightning_oomb.core.planner import HOST_KEPT_SHARE, host_kept_for_stage_2, kept_chunk_bytes
+    from lightning_oomb.core.planner import host_kept_for_stage_2, kept_chunk_bytes
 
     base = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64}, **H200)
     kept = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64},
@@ -332,7 +332,7 @@ def test_attention_outputs_kept_on_the_host_in_the_plan():
     per_chunk = kept_chunk_bytes(kept.shape, 4096, torch.bfloat16)
     assert "90 of 256 chunks" in line and kept.host_lines[line] == 90 * per_chunk == 90 * 28 * 4096 * (3584 * 2 + 4 * 28)
     assert kept.peak_gpu_bytes == base.peak_gpu_bytes
-    assert host_kept_for_stage_2(base, 10 * per_chunk / HOST_KEPT_SHARE, 0, 0) == 10
+    assert host_kept_for_stage_2(base, 10.5 * per_chunk, 0, 0) == 10
     assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0) == 256
     assert host_kept_for_stage_2(base, 1000 * per_chunk, 6, 1) == 249  # the chunks kept on the GPU need none
     assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0, keep_attention=0) == 0
@@ -405,13 +405,12 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
 
 
 def test_served_loss_gradients_in_the_placement():
-    """A served step keeps every chunk's dL/dh for stage 2; pinned, each is a power-of-two block of torch's
-    allocator. On a CPU device they stay where the step runs."""
+    """A served step keeps every chunk's dL/dh for stage 2 (pinned: one block of the pool, its exact size). On a
+    CPU device they stay where the step runs."""
     from lightning_oomb.core.planner import ModelShape, loss_grad_bytes, place_step
 
     shape = ModelShape.from_name("qwen2.5-7b")
     assert loss_grad_bytes(shape, 4096, 256, "bf16-true") == 256 * 4096 * 3584 * 2  # 7 GiB at 1M
-    assert loss_grad_bytes(shape, 4096, 256, "bf16-true", pinned=True) == 256 * 32 * 2**20
     assert loss_grad_bytes(shape, 4096, 1, "32-true") == 4096 * 3584 * 4
     model = tiny_model("qwen2")
     placement = place_step(model, 1, 32, ChunkConfig(chunk_size=8), torch.device("cpu"), stage_1_loss=True)

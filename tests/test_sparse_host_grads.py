@@ -347,7 +347,7 @@ def test_plan_cli_sparse(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_zero_pages_zeroes_pinned_host_pages_from_the_side_stream():
-    from lightning_oomb.core.offload import pinned_empty
+    from lightning_oomb.core.host_memory import pinned_empty
     from lightning_oomb.core.pages import HostGradStaging
 
     staging = HostGradStaging(torch.device("cuda"))

@@ -187,7 +187,7 @@ def test_memory_series_in_tensorboard(tmp_path):
     events = EventAccumulator(logger.log_dir)
     events.Reload()
     tags = events.Tags()["scalars"]
-    for tag in ("memory/pool_gib", "memory/pages_in_use", "memory/pages_total", "memory/host_peak_rss_gib", "train_loss"):
+    for tag in ("memory/pool_gib", "memory/pages_in_use", "memory/pages_total", "memory/host_peak_gib", "train_loss"):
         assert tag in tags, (tag, tags)
     pages = [e.value for e in events.Scalars("memory/pages_in_use")]
     assert len(pages) == 3 and all(p == 2 * 7 for p in pages)  # 2 sequences x ceil(27 / 4) pages

@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import torch
 
-from .offload import pinned_empty
+from .host_memory import HostLedger, pinned_empty
 
 Key = tuple[int, int]  # (chunk index, layer)
 
 
 class HostKeptAttention:
     """Pinned (out, lse) of ``n_chunks`` chunks x ``n_layers`` layers, each shaped like ``out`` (B, H_q, T, D)
-    and ``lse`` (B, H_q, T) float32 of one attention call; reused by the steps of a run (``PagePool``)."""
+    and ``lse`` (B, H_q, T) float32 of one attention call; reused by the steps of a run (``PagePool``), counted
+    in its ``ledger``."""
 
-    def __init__(self, n_chunks: int, n_layers: int, out: torch.Tensor, lse: torch.Tensor):
+    def __init__(self, n_chunks: int, n_layers: int, out: torch.Tensor, lse: torch.Tensor,
+                 ledger: HostLedger | None = None):
         self.device = out.device
         cuda = self.device.type == "cuda"
-        self.out = pinned_empty((n_chunks, n_layers, *out.shape), out.dtype, cuda)
-        self.lse = pinned_empty((n_chunks, n_layers, *lse.shape), lse.dtype, cuda)
+        what = "attention outputs kept from stage 1"
+        self.out = pinned_empty((n_chunks, n_layers, *out.shape), out.dtype, cuda, ledger, what)
+        self.lse = pinned_empty((n_chunks, n_layers, *lse.shape), lse.dtype, cuda, ledger, what)
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.saved: set[Key] = set()
         self._ahead: dict[Key, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}

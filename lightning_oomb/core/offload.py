@@ -21,7 +21,6 @@ On a CPU device the same code runs with synchronous copies and no events, which 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,25 +30,6 @@ from .pages import LayerStore, PageTable
 
 if TYPE_CHECKING:
     from .pages import PagePool
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host tensor; with ``pin``, page-locked in one registration of its exact size.
-
-    (torch's pinned allocator rounds each block up to a power of two: up to twice the memory for a pool.)
-    """
-    t = torch.empty(shape, dtype=dtype)
-    if pin and t.numel():
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(
-                f"could not pin {t.numel() * t.element_size() / 2**30:.1f} GiB of host memory (CUDA error "
-                f"{int(err)}); the machine may not have that much lockable memory: shorten the context, use "
-                "grad_dtype='bfloat16', or offload='gpu'"
-            )
-        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t
 
 
 @dataclass

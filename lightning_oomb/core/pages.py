@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .host_memory import HostLedger, pinned_empty
+
 if TYPE_CHECKING:
     from .kept_attention import HostKeptAttention
     from .offload import Streamer
@@ -274,6 +276,7 @@ class PagePool:
         placement: str = "gpu",
         segment_tokens: int | None = None,
         host_grad_layers: int = 0,
+        host_limit: int | None = None,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -292,6 +295,9 @@ class PagePool:
                 f"got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
             )
         self.placement = placement
+        # Every host block of the pool, counted; ``host_limit`` is what its placement left for them.
+        self.host = HostLedger(host_limit)
+        self._loss_grads: torch.Tensor | None = None
         self.host_grad_layers = host_grad_layers
         self.host_layers = spread_layers(spec.n_layers, host_grad_layers)
         self.host_dk = self.host_dv = None
@@ -314,25 +320,25 @@ class PagePool:
                 self.dk = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
                 self.dv = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
             if host_grad_layers:
-                from .offload import pinned_empty
-
                 pin = self.device.type == "cuda"
                 # Zeroed page by page as batches take them (allocate), not here.
-                self.host_dk = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
-                self.host_dv = pinned_empty((host_grad_layers, *shape[1:]), spec.grad_dtype, pin)
+                grads = ((host_grad_layers, *shape[1:]), spec.grad_dtype, pin, self.host, "KV-gradient pages")
+                self.host_dk = pinned_empty(*grads)
+                self.host_dv = pinned_empty(*grads)
                 self.grad_staging = HostGradStaging(self.device)
             self.streamer = None
         else:
-            from .offload import Streamer, pinned_empty
+            from .offload import Streamer
 
             pin = self.device.type == "cuda"
-            self.k = pinned_empty(shape, spec.dtype, pin)
-            self.v = pinned_empty(shape, spec.dtype, pin)
+            self.k = pinned_empty(shape, spec.dtype, pin, self.host, "K/V pages")
+            self.v = pinned_empty(shape, spec.dtype, pin, self.host, "K/V pages")
             self._k_pages = self._v_pages = None  # nothing moves: every page is on the host
             # Gradient pages are never zeroed on the host: a step's first backward pass over a layer
             # starts its staged gradients from zero instead (offload.Streamer).
-            self.dk = pinned_empty(shape, spec.grad_dtype, pin) if with_grads else None
-            self.dv = pinned_empty(shape, spec.grad_dtype, pin) if with_grads else None
+            grads = (shape, spec.grad_dtype, pin, self.host, "KV-gradient pages")
+            self.dk = pinned_empty(*grads) if with_grads else None
+            self.dv = pinned_empty(*grads) if with_grads else None
             if segment_tokens is None:
                 raise ValueError("a host-placed pool needs segment_tokens (tokens per staged segment, all sequences)")
             self.streamer = Streamer(self, segment_tokens)
@@ -383,9 +389,19 @@ class PagePool:
 
         if self._host_kept is None or not self._host_kept.holds(n_chunks, out, lse):
             self._host_kept = None  # give the old buffers back before pinning new ones
-            self._host_kept = HostKeptAttention(n_chunks, self.spec.n_layers, out, lse)
+            self._host_kept = HostKeptAttention(n_chunks, self.spec.n_layers, out, lse, self.host)
         self._host_kept.begin()
         return self._host_kept
+
+    def loss_grad_buffer(self, n_chunks: int, chunk_elems: int, dtype: torch.dtype) -> torch.Tensor:
+        """(n_chunks, chunk_elems) pinned host memory for each chunk's dL/dh, kept from stage 1 to stage 2 by a
+        step that computes its loss in stage 1; made on first use, kept with the pool for the next steps."""
+        held = self._loss_grads
+        if held is None or held.shape[0] < n_chunks or held.shape[1] < chunk_elems or held.dtype != dtype:
+            self._loss_grads = None  # give the old block back before pinning a new one
+            pin = self.device.type == "cuda"
+            self._loss_grads = pinned_empty((n_chunks, chunk_elems), dtype, pin, self.host, "dL/dh of every chunk")
+        return self._loss_grads
 
     @property
     def with_grads(self) -> bool:
@@ -404,10 +420,10 @@ class PagePool:
 
     @property
     def host_nbytes(self) -> int:
-        """Bytes in host memory: all pages with placement "host", else the host gradient layers', and the
-        attention outputs stage 1 keeps there (``host_kept_attention``)."""
-        kept = self._host_kept.nbytes if self._host_kept is not None else 0
-        return (self.nbytes if self.on_host else self._host_grad_nbytes) + kept
+        """Bytes in host memory: all pages with placement "host", else the host gradient layers', the
+        attention outputs stage 1 keeps there (``host_kept_attention``) and the kept dL/dh
+        (``loss_grad_buffer``): what the pool's ledger counts."""
+        return self.host.total
 
     @property
     def _host_grad_nbytes(self) -> int:

@@ -26,6 +26,9 @@ from typing import Any, Literal
 import torch
 
 from .attention import uses_triton
+from .host_memory import (
+    available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
+)
 from .loss import piece_rows
 from .pages import HostGradStaging, movable_host_layers
 from .sparse import SparseConfig
@@ -65,10 +68,10 @@ KEPT_ATTENTION_SHARE = 0.5
 # Share of what is left free after those that it may fill with autograd graphs of whole chunks kept from
 # stage 1 (beyond the last chunk's, which costs nothing: stage 2 would hold it next).
 KEPT_GRAPHS_SHARE = 0.75
-# Share of the host memory a step leaves available (MemAvailable less its pinned pages) that it may pin for
-# attention outputs kept from stage 1 when the GPU leaves chunks to recompute (the rest for the process
-# and the rest of the machine).
-HOST_KEPT_SHARE = 0.85
+# Host memory the process may add during a run beyond what it holds when a step is placed and the pinned
+# blocks the placement decides: Triton's and CUDA's modules, Lightning's logging, a checkpoint's per-tensor
+# staging (the largest weight). Checked against measured runs (docs/benchmarks.md, the CLI route).
+HOST_GROWTH_BYTES = 2 * GIB
 # Sparse with ``sparse=True`` (no SparseConfig): tokens of the past each query attends to (sink + local
 # window + top-k pages). A SparseConfig gives its own: budget_pages * page_size.
 SPARSE_ATTENDED_TOKENS = 16384
@@ -539,6 +542,9 @@ class PlanConfig:
     and those chunks need no kept attention outputs). host_kept_chunks: attention outputs of the first that
     many chunks kept from stage 1 in pinned host memory. fused_ops: the fused Triton
     RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
+    stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy) and keeps
+    every chunk's dL/dh for stage 2: in pinned host memory where ``loss_grads_on_host``, else on the GPU.
+    host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
     """
 
     context: int
@@ -559,6 +565,9 @@ class PlanConfig:
     graph_chunks: int = 0
     host_kept_chunks: int = 0
     fused_ops: bool = True
+    stage_1_loss: bool = False
+    loss_grads_on_host: bool = False
+    host_process_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
@@ -789,6 +798,11 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     all_params = shape.total_params + lora
     trainable = lora if c.lora_rank else shape.total_params
     head_trained = c.lora_rank == 0
+    if c.host_process_bytes is None:
+        host = {"process (Python, torch, CUDA runtime; assumed)": HOST_PROCESS_BYTES}
+    else:
+        host = {"process when the step was placed (measured resident set)": c.host_process_bytes}
+    host["process growth during the run (allowance)"] = HOST_GROWTH_BYTES
     # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
     # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
     state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
@@ -813,6 +827,10 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     # (an assumption, see docs/planner.md).
     gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
+    if c.stage_1_loss:
+        kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
+        name = f"loss: dL/dh of every chunk, kept from stage 1 for stage 2 ({c.n_chunks} chunks)"
+        (host if c.loss_grads_on_host else gpu)[("pinned " if c.loss_grads_on_host else "") + name] = kept_grads
     rows = min(piece_rows(shape.vocab), t)
     # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast; the
     # fused kernel (kernels.cross_entropy) writes the gradient over the logits.
@@ -827,7 +845,6 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     kv_dtype = _kv_dtype(c.precision)
     kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
     grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
-    host = {"process (Python, torch, CUDA runtime; assumed)": HOST_PROCESS_BYTES}
     kv_name = f"K/V pages ({_dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({_dtype_name(c.grad_dtype)})"
     if c.offload:
@@ -908,12 +925,10 @@ def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
     return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear
 
 
-def loss_grad_bytes(shape: ModelShape, chunk_tokens: int, n_chunks: int, precision: str, pinned: bool = False) -> int:
+def loss_grad_bytes(shape: ModelShape, chunk_tokens: int, n_chunks: int, precision: str) -> int:
     """Bytes of every chunk's dL/dh that a step computing its loss in stage 1 (a served forward) keeps for
-    stage 2; ``pinned``: as blocks of torch's pinned host allocator, which rounds each up to a power of two
-    (and keeps them for the next step)."""
-    per_chunk = chunk_tokens * shape.hidden * PROFILES[precision].residual
-    return n_chunks * ((1 << (per_chunk - 1).bit_length()) if pinned else per_chunk)
+    stage 2 (on the host: one pinned block of the pool, ``PagePool.loss_grad_buffer``)."""
+    return n_chunks * chunk_tokens * shape.hidden * PROFILES[precision].residual
 
 
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
@@ -963,15 +978,15 @@ def kept_for_stage_2(
 def host_kept_for_stage_2(step: Plan, host_spare_bytes: float, kept: int, graphs: int,
                           keep_attention: int | None = None) -> int:
     """First chunks whose attention outputs stage 1 keeps in pinned host memory for ``step`` when it keeps
-    ``kept`` chunks' outputs and ``graphs`` graphs on the GPU and leaves ``host_spare_bytes`` of host memory
-    available: as many whole chunks as fit in HOST_KEPT_SHARE of it and stage 2 would recompute
-    (keep_attention=None), else none."""
+    ``kept`` chunks' outputs and ``graphs`` graphs on the GPU and the host memory budget has
+    ``host_spare_bytes`` left beyond everything else the run holds: as many whole chunks as fit there and
+    stage 2 would recompute (keep_attention=None), else none."""
     c = step.config
     if keep_attention is not None:
         return 0
     whole = c.context // c.chunk_size  # a shorter last chunk has other shapes
     per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
-    return keepable_chunks(host_spare_bytes, per_output, min(whole, c.n_chunks - kept - graphs), HOST_KEPT_SHARE)
+    return keepable_chunks(host_spare_bytes, per_output, min(whole, c.n_chunks - kept - graphs), 1.0)
 
 
 def _estimate(
@@ -1004,20 +1019,13 @@ def this_gpu_memory() -> tuple[int, str]:
     return int(props.total_memory), props.name
 
 
-def this_host_memory() -> int:
-    """Bytes of RAM of this machine."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-
-
 def plan(
     model: Any,
     context: int,
     *,
+    stage_1_loss: bool = False,
+    loss_grads_on_host: bool = False,
+    host_process_bytes: int | None = None,
     chunk_size: int = 4096,
     batch: int = 1,
     page_size: int = 128,
@@ -1042,7 +1050,8 @@ def plan(
 
     model: a ModelShape, a built-in name (``builtin_names()``), a config.json / model directory path, a
     transformers config (or config dict) or model. checkpoint_layers: None decides (off if it fits, else on).
-    gpu_memory, host_memory: bytes; None takes this machine's CUDA device and RAM (no CUDA device: error).
+    gpu_memory: bytes; None takes this machine's CUDA device (no CUDA device: error). host_memory: the run's host
+    memory budget in bytes; None: this machine's RAM less ``host_memory.host_headroom()``.
     matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
     sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
     summaries and selections.
@@ -1054,6 +1063,7 @@ def plan(
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
+    stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     """
@@ -1062,7 +1072,7 @@ def plan(
     if gpu_memory is None:
         gpu_memory, machine = this_gpu_memory()
     if host_memory is None:
-        host_memory = this_host_memory()
+        host_memory = machine_host_memory() - host_headroom()
     gpu_memory, host_memory = int(gpu_memory), int(host_memory)
     base = PlanConfig(
         context=context,
@@ -1083,6 +1093,9 @@ def plan(
         graph_chunks=graph_chunks,
         host_kept_chunks=host_kept_chunks,
         fused_ops=fused_ops,
+        stage_1_loss=stage_1_loss,
+        loss_grads_on_host=loss_grads_on_host,
+        host_process_bytes=host_process_bytes,
     )
 
     def estimate(config: PlanConfig) -> Plan:
@@ -1293,7 +1306,11 @@ class Placement:
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
     computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
     memory where ``loss_grads_on_host``, else on the device. With the pages on the GPU, stage 1 may also keep
-    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory."""
+    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory.
+
+    ``host_limit``: the pinned host bytes the host memory budget leaves beyond the process and its growth
+    allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
+    the host memory budget), for people."""
 
     where: str
     segment_tokens: int
@@ -1303,43 +1320,39 @@ class Placement:
     graph_chunks: int = 0
     loss_grads_on_host: bool = False
     host_kept_chunks: int = 0
-
-
-def available_host_memory() -> int:
-    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return this_host_memory()
+    host_limit: int | None = None
+    plan: "Plan | None" = field(default=None, compare=False, repr=False)
 
 
 def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
+    optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
     ``config`` is the step's ChunkConfig; its ``offload`` is "gpu", "host" or "auto" (the GPU when the step
     fits there, the host when it fits only there). With sparse attention K/V always stay on the GPU and the
     host holds KV-gradient pages: of every layer with "host", of the fewest layers that make the step fit
-    with "auto". On CUDA compares what the step allocates (pages or
-    their staging, one chunk's activations, the loss pieces, parameter gradients not yet allocated) with
-    the device's free memory plus ``reusable_gpu_bytes`` (a pool the step would reuse or replace), and the
-    pinned pages with the host's available memory plus ``reusable_host_bytes``. Raises PlanError with the
-    plan and what would make it fit. On a CPU device nothing is checked.
+    with "auto". On CUDA compares what the step allocates (pages or their staging, one chunk's activations,
+    the loss pieces, parameter gradients not yet allocated, ``pending_gpu_bytes`` the run allocates later,
+    such as optimizer state its first update creates) with the device's free memory plus
+    ``reusable_gpu_bytes`` (a pool the step would reuse or replace). Host memory has one budget
+    (``config.host_memory``, else ``host_memory.host_budget()``): what the process holds now (less
+    ``reusable_host_bytes`` of a pool it reuses), HOST_GROWTH_BYTES for what it may add, and every pinned
+    block the step makes must fit in it. Raises PlanError with the plan and what would make it fit. On a
+    CPU device nothing is checked.
 
     With every page on the GPU it also decides how many chunks' autograd graphs and attention outputs
     stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
     they do not fit; None: the last chunk's graph, attention outputs in KEPT_ATTENTION_SHARE of the memory
-    the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left).
+    the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left, and the
+    attention outputs of the first chunks in what the host memory budget leaves).
 
     ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
-    for stage 2), else in pinned host memory.
+    for stage 2), else in pinned host memory. ``optimizer`` ("adamw", "sgd", "none") is only for the plan
+    the placement carries.
     """
     if config.offload not in PLACEMENTS:
         raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
@@ -1347,6 +1360,8 @@ def place_step(
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)
     keep, keep_graphs = config.keep_attention, config.keep_graphs
+    budget = host_budget(config.host_memory)
+    process = max(0, process_host_bytes() - reusable_host_bytes)
 
     def not_kept(where: str) -> tuple[int, int]:
         for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
@@ -1369,7 +1384,41 @@ def place_step(
             )
         return 0, graphs
 
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    peft_config = getattr(model, "peft_config", None)
+    lora_rank = next(iter(peft_config.values())).r if peft_config else 0
+    if torch.is_autocast_enabled(device.type):
+        precision = "bf16-mixed"
+    else:
+        precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
+
+    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, **placed: Any) -> Plan:
+        return plan(
+            model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
+            lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
+            checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
+            host_memory=budget, offload=offload, segment_tokens=segment, sparse=config.sparse,
+            host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
+            host_process_bytes=process, **placed,
+        )
+
+    def placed(placement: Placement) -> Placement:
+        """``placement`` with its pinned-byte limit and the plan of the step as placed."""
+        result = step_plan(
+            placement.where == "host", placement.segment_tokens, placement.host_grad_layers, optimizer=optimizer,
+            kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
+            host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
+            loss_grads_on_host=placement.loss_grads_on_host,
+        )
+        if device.type != "cuda":
+            result.notes.append("no CUDA device: the GPU lines are this machine's RAM too, where the CPU run keeps "
+                                "everything; nothing is checked")
+        room = host_free if device.type == "cuda" else None
+        return dataclasses.replace(placement, host_limit=room, plan=result)
+
     if device.type != "cuda":
+        gpu_total = host_free = budget
         segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
         if config.offload == "host":
             not_kept("offload='host'")
@@ -1380,72 +1429,74 @@ def place_step(
         kept = min(keep or 0, n_chunks - graphs)
         if sparse:
             n_layers = ModelShape.resolve(model).n_layers
-            return Placement("gpu", segment, batch, n_layers if config.offload == "host" else 0, kept, graphs)
+            layers = n_layers if config.offload == "host" else 0
+            return placed(Placement("gpu", segment, batch, layers, kept, graphs))
         if config.offload == "host":
-            return Placement("host", segment, batch)
-        return Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs)
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    peft_config = getattr(model, "peft_config", None)
-    lora_rank = next(iter(peft_config.values())).r if peft_config else 0
-    if torch.is_autocast_enabled("cuda"):
-        precision = "bf16-mixed"
-    else:
-        precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
-    free, total = torch.cuda.mem_get_info(device)
+            return placed(Placement("host", segment, batch))
+        return placed(Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs))
+    free, gpu_total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
-    free -= int(PLACEMENT_HEADROOM_SHARE * total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
-    host_free = available_host_memory() + reusable_host_bytes
-    missing_grads = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
+    host_free = budget - process - HOST_GROWTH_BYTES  # room for pinned blocks
+    missing = sum(p.numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
     shape = ModelShape.resolve(model)
     chunk_tokens = batch * min(config.chunk_size, seq_len)
     loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
-    loss_grads_pinned = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision, pinned=True)
 
-    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0) -> tuple[Plan, int]:
-        step = plan(
-            model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
-            lora_rank=lora_rank, optimizer="none", precision=precision, checkpoint_layers=config.checkpoint_layers,
-            grad_dtype=config.grad_dtype, gpu_memory=total, offload=offload, segment_tokens=segment,
-            sparse=config.sparse, host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
+    def needed_on_gpu(step: Plan) -> int:
+        return sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing
+
+    def pinned_of(step: Plan) -> int:
+        return sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+
+    def host_short(pinned: int) -> str:
+        return (
+            f"{pinned / GIB:.2f} GiB of pinned host memory, but the host memory budget of {budget / GIB:.2f} GiB "
+            f"leaves {host_free / GIB:.2f} GiB beyond the process's {process / GIB:.2f} GiB and a "
+            f"{HOST_GROWTH_BYTES / GIB:.0f} GiB allowance for its growth"
+            + ("" if config.host_memory is not None else
+               f" (the budget: the process plus MemAvailable, less a {host_headroom() / GIB:.1f} GiB headroom)")
+            + "; host_memory sets the budget"
         )
-        needed = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing_grads
-        return step, needed
 
     if sparse:
         counts = {"gpu": [0], "auto": range(shape.n_layers + 1), "host": [shape.n_layers]}[config.offload]
+        if host_grad_layers is not None:
+            counts = [host_grad_layers]
         for n in counts:
-            step, needed = step_plan(False, page, n)
-            pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+            step = step_plan(False, page, n)
+            needed = needed_on_gpu(step)
             on_host = n > 0 or needed + loss_grads > free
-            pinned += loss_grads_pinned if on_host else 0
+            pinned = pinned_of(step) + (loss_grads if on_host else 0)
             if needed <= free and pinned <= host_free:
                 spare = free - needed - (0 if on_host else loss_grads)
                 kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
                 host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
-                return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
-                                 loss_grads_on_host=on_host, host_kept_chunks=host_kept)
+                return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
+                                        loss_grads_on_host=on_host, host_kept_chunks=host_kept))
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
                  "host": "with the KV-gradient pages in host memory"}[config.offload]
+        gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
+                    f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
         raise PlanError(
-            f"{where} this sparse step needs {needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free "
-            f"beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {pinned / GIB:.2f} GiB of pinned host memory "
-            f"({host_free / GIB:.2f} GiB available); nothing was allocated for it. Sparse attention keeps K/V "
-            "pages on the GPU"
+            f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it. "
+            "Sparse attention keeps K/V pages on the GPU"
             + (": offload='auto' moves gradient pages to the host." if config.offload == "gpu" else ".")
             + f"\n\n{step}"
         )
 
     if config.offload in ("auto", "gpu"):
-        on_gpu, needed = step_plan(False, page)
+        on_gpu = step_plan(False, page)
+        needed = needed_on_gpu(on_gpu)
         on_host = needed + loss_grads > free
-        if needed <= free and (not on_host or loss_grads_pinned <= host_free):
+        if needed <= free and (not on_host or loss_grads <= host_free):
             spare = free - needed - (0 if on_host else loss_grads)
             kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
-            host_spare = host_free - (loss_grads_pinned if on_host else 0)
-            return Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept,
-                             graph_chunks=graphs, loss_grads_on_host=on_host,
-                             host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep))
+            host_spare = host_free - (loss_grads if on_host else 0)
+            return placed(Placement(
+                "gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept, graph_chunks=graphs,
+                loss_grads_on_host=on_host, host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep),
+            ))
         if config.offload == "gpu":
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
@@ -1457,19 +1508,19 @@ def place_step(
     if segment is None:
         # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
         # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
-        smallest, needed = step_plan(True, page)
-        shape = smallest.shape
+        needed = needed_on_gpu(step_plan(True, page))
         per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
         per_token //= shape.n_layers
-        budget = max(0, free - needed) * OFFLOAD_STAGING_SHARE
-        segment = int(budget // (2 * batch * per_token)) // page * page
+        staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
+        segment = int(staging // (2 * batch * per_token)) // page * page
         segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
-    step, needed = step_plan(True, segment)
-    pinned = sum(v for k, v in step.host_lines.items() if k.startswith("pinned")) + loss_grads_pinned
+    step = step_plan(True, segment)
+    needed = needed_on_gpu(step)
+    pinned = pinned_of(step) + loss_grads
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
-            f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {pinned / GIB:.2f} GiB "
-            f"of host memory ({host_free / GIB:.2f} GiB available); nothing was allocated for it.\n\n{step}"
+            f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {host_short(pinned)}; "
+            f"nothing was allocated for it.\n\n{step}"
         )
-    return Placement("host", segment, batch, loss_grads_on_host=bool(loss_grads))
+    return placed(Placement("host", segment, batch, loss_grads_on_host=bool(loss_grads)))

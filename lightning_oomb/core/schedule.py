@@ -65,14 +65,19 @@ class ChunkConfig:
         forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
         per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
         pages live in host memory or on a CPU device; then, when that leaves chunks to recompute, the
-        outputs of the first chunks in pinned host memory, as many as fit in planner.HOST_KEPT_SHARE of the
-        host memory the step leaves available (lightning_oomb.core.kept_attention).
+        outputs of the first chunks in pinned host memory, as many as fit in what the host memory budget
+        leaves (``host_memory``; lightning_oomb.core.kept_attention).
     keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
         starts with their backward and recomputes only the chunks before them: the same numbers, one forward
         less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
         other one a chunk's activations. None: the last chunk's, plus as many as fit in
         planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
         pages live in host memory or layers are checkpointed.
+    host_memory: the run's host memory budget in bytes: what the training process may hold in host memory in
+        all, its own resident set and every pinned page included. None: what it holds when the step is placed
+        plus what the machine has available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
+        Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
+        refused.
     """
 
     chunk_size: int = 4096
@@ -86,6 +91,7 @@ class ChunkConfig:
     segment_tokens: int | None = None
     keep_attention: int | None = None
     keep_graphs: int | None = None
+    host_memory: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
@@ -109,6 +115,10 @@ class ChunkConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        if self.host_memory is not None and (
+            isinstance(self.host_memory, bool) or not isinstance(self.host_memory, int) or self.host_memory < 1
+        ):
+            raise ValueError(f"host_memory must be None or a number of bytes >= 1, got {self.host_memory!r}")
         if self.keep_graphs and self.checkpoint_layers:
             raise ValueError(
                 "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "
@@ -121,7 +131,8 @@ ChunkObserver = Callable[[int, int, int, int], None]
 
 # (spec, pages needed, with_grads, placement) -> a pool with at least that many pages of that spec, placed
 # so. A provider may also have ``held_bytes()``: (GPU bytes, host bytes) of a pool it already holds, which
-# the step reuses or replaces.
+# the step reuses or replaces, and ``host_grad_layers()``: the host gradient layers of a pool every step
+# must use (None: the step chooses).
 PoolProvider = Callable[[StoreSpec, int, bool, Placement], PagePool]
 
 _model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
@@ -169,7 +180,8 @@ def new_pool(
     """A pool of ``pages`` pages placed as ``placement`` says."""
     segment = placement.batch * placement.segment_tokens if placement.where == "host" else None
     return PagePool(spec, pages, page_size, device, with_grads=with_grads, placement=placement.where,
-                    segment_tokens=segment, host_grad_layers=placement.host_grad_layers if with_grads else 0)
+                    segment_tokens=segment, host_grad_layers=placement.host_grad_layers if with_grads else 0,
+                    host_limit=placement.host_limit)
 
 
 def pool_bytes(pool: PagePool) -> tuple[int, int]:
@@ -273,8 +285,9 @@ class ChunkedSequence:
         self.decoder = self.lm.get_decoder()
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
+        held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
-                                    stage_1_loss=stage_1_loss)
+                                    stage_1_loss=stage_1_loss, host_grad_layers=held_layers)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -362,6 +375,7 @@ class ChunkedSequence:
         batch, seq_len = self.input_ids.shape
         pages = batch * -(-seq_len // self.config.page_size)
         self.pool = self.pools(spec, pages, self._with_grads, self.placement)
+        self.pool.host.limit = self.placement.host_limit  # this step's room for pinned blocks
         self.table = self.pool.allocate(batch, seq_len)
 
     def _chunk_hidden(self, start: int, end: int) -> torch.Tensor:
@@ -404,7 +418,9 @@ class ChunkedSequence:
     def _keep_loss_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         if grad is None or not self.placement.loss_grads_on_host:
             return grad
-        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        rows = self.input_ids.shape[0] * min(self.config.chunk_size, self.input_ids.shape[1])
+        block = self.pool.loss_grad_buffer(len(self.chunks), rows * grad.shape[-1], grad.dtype)
+        host = block[self._chunk, : grad.numel()].view(grad.shape)
         return host.copy_(grad, non_blocking=True)  # in stream order: stage 2's copy back waits for it
 
     # -- the two stages -------------------------------------------------------------------------------
@@ -511,6 +527,7 @@ def train_step(
     segment_tokens: int | None = None,
     keep_attention: int | None = None,
     keep_graphs: int | None = None,
+    host_memory: int | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -524,11 +541,13 @@ def train_step(
     segment_tokens: tokens per streamed segment with offload (None: chosen from free GPU memory).
     keep_attention: chunks whose attention outputs stage 1 keeps for stage 2 (None: as many as fit in half
     the GPU memory left free; see ``ChunkConfig``). keep_graphs: chunks whose autograd graphs stage 1 keeps
-    for stage 2 (None: the last chunk's, plus as many as fit; see ``ChunkConfig``).
+    for stage 2 (None: the last chunk's, plus as many as fit; see ``ChunkConfig``). host_memory: the run's
+    host memory budget in bytes (None: what the machine has available less a headroom; see ``ChunkConfig``).
     """
     config = ChunkConfig(
         chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
         offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
+        host_memory=host_memory,
     )
     seq = ChunkedSequence(model, input_ids, labels, config)
     try:
@@ -549,14 +568,16 @@ def eval_loss(
     sparse: SparseConfig | dict | None = None,
     offload: str = "auto",
     segment_tokens: int | None = None,
+    host_memory: int | None = None,
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
     Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``,
-    ``offload``, ``segment_tokens``: as in ``train_step``.
+    ``offload``, ``segment_tokens``, ``host_memory``: as in ``train_step``.
     """
     config = ChunkConfig(
-        chunk_size, page_size, attention, sparse=sparse, offload=offload, segment_tokens=segment_tokens
+        chunk_size, page_size, attention, sparse=sparse, offload=offload, segment_tokens=segment_tokens,
+        host_memory=host_memory,
     )
     seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True)
     try:

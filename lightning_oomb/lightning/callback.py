@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import resource
-import sys
+import time
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ..core.host_memory import peak_process_host_bytes, process_host_bytes
 from ..core.pages import PagePool, StoreSpec
 from ..core.planner import PLACEMENTS, Placement, place_step
 from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
@@ -33,18 +33,24 @@ def probe_kv_dtype(
     return seen[0]
 
 
-def _host_rss_bytes() -> int:
-    """Resident set size of this process now (Linux), else its peak."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return _host_peak_rss_bytes()
-
-
-def _host_peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[str, int]:
+    """(the planner's name for the optimizers' kind, bytes of state their first update will create): the state
+    of torch's optimizers appears at their first ``step``, after the first step's pages are placed. Adam and
+    AdamW keep two buffers per parameter (three with amsgrad), SGD one with momentum; others are counted as
+    two."""
+    kind, pending = "none", 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if isinstance(optimizer, torch.optim.SGD):
+                copies = 1 if group.get("momentum", 0) else 0
+            else:
+                copies = 3 if group.get("amsgrad", False) else 2
+            if copies:
+                kind = "sgd" if copies == 1 and kind != "adamw" else "adamw"
+            for p in group["params"]:
+                if p.requires_grad and not optimizer.state.get(p):
+                    pending += copies * p.numel() * p.element_size()
+    return kind, pending
 
 
 class PagedKVCallback(Callback):
@@ -63,16 +69,19 @@ class PagedKVCallback(Callback):
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
             ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
             ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
+        print_plan: print the plan of the step as placed at fit start (memory by line against the GPU and the
+            host memory budget, predicted time) and how long pinning the host pages took.
 
     Logged each step through the Trainer's logger (``memory/...``): the pool's GPU and host bytes (GiB),
-    pages in use at the step's peak, pages in the pool, host peak RSS (GiB) and, on CUDA, GPU allocated and
-    peak (GiB); with host pages also ``offload/h2d_gib``, ``offload/d2h_gib`` (bytes copied each way) and
+    pages in use at the step's peak, pages in the pool, the process's host memory now and at its peak
+    (resident set, pinned pages included) against the run's host memory budget (GiB) and, on CUDA, GPU
+    allocated and peak (GiB); with host pages also ``offload/h2d_gib``, ``offload/d2h_gib`` (bytes copied each way) and
     ``offload/h2d_s``, ``offload/d2h_s`` (seconds each copy stream was busy).
     """
 
     def __init__(
         self, max_seq_len: int | None = None, max_batch_size: int | None = None, trace_step: int | None = None,
-        offload: str | None = None,
+        offload: str | None = None, print_plan: bool = True,
     ):
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if value is not None and value < 1:
@@ -83,6 +92,8 @@ class PagedKVCallback(Callback):
         self.max_batch_size = max_batch_size
         self.trace_step = trace_step
         self.offload = offload
+        self.print_plan = print_plan
+        self.placement: Placement | None = None
         self._trace: list[tuple[int, float]] | None = None
         self.pool: PagePool | None = None
         self._page_size = 1
@@ -114,15 +125,24 @@ class PagedKVCallback(Callback):
         from .strategy import find_causal_lm
 
         shape = self._largest_batch(trainer)
-        if shape is not None:
-            model = find_causal_lm(pl_module)
-            config = trainer.strategy.chunk_config
-            with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
-                # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
-                placement = place_step(model, *shape, config, self._device, stage_1_loss=True)
-            spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
-            pages = shape[0] * -(-shape[1] // self._page_size)
-            self.pool = new_pool(spec, pages, self._page_size, self._device, True, placement)
+        if shape is None:
+            return
+        model = find_causal_lm(pl_module)
+        config = trainer.strategy.chunk_config
+        optimizer, pending = optimizer_state(trainer.optimizers)
+        with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
+            # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
+            self.placement = place_step(model, *shape, config, self._device, stage_1_loss=True,
+                                        optimizer=optimizer, pending_gpu_bytes=pending)
+        spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
+        pages = shape[0] * -(-shape[1] // self._page_size)
+        started = time.perf_counter()
+        self.pool = new_pool(spec, pages, self._page_size, self._device, True, self.placement)
+        if self.print_plan and trainer.is_global_zero:
+            print(f"{self.placement.plan}\n")
+            if self.pool.host.total:
+                print(f"pinned {self.pool.host.total / GIB:.2f} GiB of host memory for the page pool in "
+                      f"{time.perf_counter() - started:.1f} s\n")
 
     def __call__(self, spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
         """The engine's pool provider: the pool for a step that needs ``pages`` pages of ``spec``. The pool
@@ -145,10 +165,14 @@ class PagedKVCallback(Callback):
         """(GPU, host) bytes of the pool already allocated, which the engine's memory check counts as available."""
         return (0, 0) if self.pool is None else pool_bytes(self.pool)
 
+    def host_grad_layers(self) -> int | None:
+        """KV-gradient layers in host memory of the pool every step uses (None before there is one)."""
+        return None if self.pool is None else self.pool.host_grad_layers
+
     def observe(self, stage: int, index: int, start: int, end: int) -> None:
         """The engine's chunk observer: records memory after each chunk of a traced step."""
         if self._trace is not None:
-            used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else _host_rss_bytes()
+            used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else process_host_bytes()
             self._trace.append((stage, used / GIB))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -160,7 +184,10 @@ class PagedKVCallback(Callback):
             torch.cuda.reset_peak_memory_stats(self._device)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        metrics = {"memory/host_peak_rss_gib": _host_peak_rss_bytes() / GIB}
+        metrics = {"memory/host_gib": process_host_bytes() / GIB,
+                   "memory/host_peak_gib": peak_process_host_bytes() / GIB}
+        if self.placement is not None and self.placement.plan is not None:
+            metrics["memory/host_budget_gib"] = self.placement.plan.host_memory / GIB
         if self.pool is not None:
             gpu_bytes, host_bytes = pool_bytes(self.pool)
             metrics["memory/pool_gib"] = gpu_bytes / GIB

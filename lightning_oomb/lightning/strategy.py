@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.planner import parse_bytes
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
 from ..core.sparse import SparseConfig
@@ -56,6 +57,10 @@ class OOMBStrategy(SingleDeviceStrategy):
             forward (same numbers, faster); None: as many as fit in half the GPU memory the step leaves free.
         keep_graphs: chunks whose autograd graphs stage 1 keeps so that stage 2 skips their forward (same
             numbers, faster); None: the last chunk's (free), plus as many as fit in the memory left.
+        host_memory: the run's host memory budget, bytes or a size such as "100GiB": what the training
+            process may hold in host memory in all, pinned pages included. None: what it holds at fit start
+            plus what the machine has available, less max(8 GiB, 10% of its RAM). A run that cannot fit in it
+            is refused at fit start with its plan.
         device: the device to train on (default: the first CUDA device, else CPU).
     """
 
@@ -74,6 +79,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         segment_tokens: int | None = None,
         keep_attention: int | None = None,
         keep_graphs: int | None = None,
+        host_memory: int | str | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ):
@@ -83,8 +89,10 @@ class OOMBStrategy(SingleDeviceStrategy):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
         self.chunk_config = ChunkConfig(
-            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse,
-            offload, segment_tokens, keep_attention, keep_graphs,
+            chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
+            cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
+            segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
+            host_memory=None if host_memory is None else parse_bytes(host_memory),
         )
         self._pending: Serving | None = None
 

@@ -1,0 +1,138 @@
+"""Host memory: what the machine has, what this process holds, the run's budget, and pinned allocation.
+
+A run has one host memory budget (docs/planner.md, "Host memory"): the bytes the training process may hold
+in host memory in all, resident set and pinned pages together. By default it is what the process holds when
+the step is placed plus what the kernel could still give it (MemAvailable), less a headroom of
+max(HOST_HEADROOM_MIN_BYTES, HOST_HEADROOM_SHARE of the machine's RAM) for the rest of the machine; a user
+sets it with ``host_memory=`` (bytes). The placement (``planner.place_step``) decides every pinned block of a
+step against it before any is made, and every pinned block is made here, by ``pinned_empty``, which counts it
+in a ``HostLedger`` and refuses one that the placement did not leave room for.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+GIB = 1 << 30
+HOST_HEADROOM_MIN_BYTES = 8 * GIB
+HOST_HEADROOM_SHARE = 0.10
+
+
+class HostMemoryError(RuntimeError):
+    """A pinned block would take the run past its host memory budget; nothing was allocated for it."""
+
+
+def machine_host_memory() -> int:
+    """Bytes of RAM of this machine."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return machine_host_memory()
+
+
+def process_host_bytes() -> int:
+    """This process's resident set now (Linux: pinned pages included), else its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_process_host_bytes()
+
+
+def peak_process_host_bytes() -> int:
+    """The largest resident set this process has had (ru_maxrss)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def host_headroom(total: int | None = None) -> int:
+    """Host memory a default budget leaves to the rest of the machine: max(8 GiB, 10% of its RAM)."""
+    total = machine_host_memory() if total is None else total
+    return max(HOST_HEADROOM_MIN_BYTES, int(HOST_HEADROOM_SHARE * total))
+
+
+def host_budget(host_memory: int | None = None) -> int:
+    """The run's host memory budget in bytes: ``host_memory`` if given, else what this process holds now plus
+    MemAvailable, less ``host_headroom()``."""
+    if host_memory is not None:
+        return int(host_memory)
+    return process_host_bytes() + available_host_memory() - host_headroom()
+
+
+@dataclass
+class HostLedger:
+    """Pinned host bytes a page pool holds, by what holds them; ``limit`` (None: no limit) is what the
+    placement left for them. ``pinned_empty`` adds to it and refuses a block past the limit."""
+
+    limit: int | None = None
+    held: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.held.values())
+
+    def add(self, what: str, nbytes: int) -> None:
+        if self.limit is not None and self.total + nbytes > self.limit:
+            raise HostMemoryError(
+                f"pinning {nbytes / GIB:.2f} GiB for {what} would hold {(self.total + nbytes) / GIB:.2f} GiB of "
+                f"host memory, past the {self.limit / GIB:.2f} GiB the step was placed with; nothing was "
+                "allocated for it. Raise host_memory, or shorten the context"
+            )
+        self.held[what] = self.held.get(what, 0) + nbytes
+
+    def remove(self, what: str, nbytes: int) -> None:
+        left = self.held.get(what, 0) - nbytes
+        if left > 0:
+            self.held[what] = left
+        else:
+            self.held.pop(what, None)
+
+
+def pinned_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, pin: bool, ledger: HostLedger | None = None, what: str = "pages"
+) -> torch.Tensor:
+    """An uninitialised host tensor, counted in ``ledger`` under ``what`` while it lives; with ``pin``,
+    page-locked in one registration of its exact size (torch's pinned allocator rounds each block up to a
+    power of two: up to twice the memory for a pool)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if ledger is not None:
+        ledger.add(what, nbytes)  # refused before any memory is taken
+    try:
+        t = torch.empty(shape, dtype=dtype)
+    except RuntimeError:
+        if ledger is not None:
+            ledger.remove(what, nbytes)
+        raise
+    if ledger is not None:
+        weakref.finalize(t, ledger.remove, what, nbytes)
+    if pin and t.numel():
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise HostMemoryError(
+                f"could not pin {t.numel() * t.element_size() / GIB:.1f} GiB of host memory (CUDA error "
+                f"{int(err)}); the machine may not have that much lockable memory: shorten the context, use "
+                "grad_dtype='bfloat16', or lower host_memory"
+            )
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t

@@ -1,0 +1,75 @@
+"""One host memory budget: every host block a step makes is counted (core.host_memory.HostLedger), refused
+past its limit before it is allocated, and equal to what the plan of the placed step says, byte for byte."""
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core.host_memory import (
+    GIB, HostLedger, HostMemoryError, host_budget, host_headroom, pinned_empty, process_host_bytes,
+)
+from lightning_oomb.core.planner import ModelShape, loss_grad_bytes, place_step
+from lightning_oomb.core.schedule import ChunkConfig, cached_pool
+from tiny_models import VOCAB, tiny_model
+
+
+def pinned_lines(plan) -> int:
+    return sum(v for k, v in plan.host_lines.items() if k.startswith("pinned"))
+
+
+def test_ledger_counts_blocks_while_they_live_and_refuses_past_its_limit():
+    ledger = HostLedger(limit=10_000)
+    a = pinned_empty((100, 10), torch.float32, pin=False, ledger=ledger, what="pages")  # 4,000 bytes
+    b = pinned_empty((1000,), torch.bfloat16, pin=False, ledger=ledger, what="outputs")  # 2,000 bytes
+    assert ledger.held == {"pages": 4000, "outputs": 2000} and ledger.total == 6000
+    with pytest.raises(HostMemoryError, match="past the 0.00 GiB the step was placed with"):
+        pinned_empty((1001,), torch.float32, pin=False, ledger=ledger, what="pages")  # 4,004 more: 10,004
+    assert ledger.total == 6000  # nothing counted for the refused block
+    del a
+    assert ledger.held == {"outputs": 2000}
+    del b
+    assert ledger.total == 0
+
+
+def test_default_budget_is_the_process_plus_available_less_the_headroom():
+    assert host_headroom(64 * GIB) == 8 * GIB and host_headroom(200 * GIB) == 20 * GIB
+    assert host_budget(123) == 123
+    budget = host_budget()
+    assert 0 < budget < process_host_bytes() + 2**50
+
+
+@pytest.mark.parametrize("offload,sparse", [("host", None), ("host", {"budget_pages": 2, "local_pages": 1})])
+def test_pool_host_bytes_equal_the_placed_plan(offload, sparse):
+    """Dense pages in host memory, and sparse KV-gradient pages of every layer there: the pool's ledger holds
+    what its tensors take, which is what the plan of the placed step lists as pinned."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 37))
+    kwargs = dict(chunk_size=8, page_size=4, offload=offload, sparse=sparse, segment_tokens=8)
+    lightning_oomb.train_step(model, ids, **kwargs)
+    pool = cached_pool(model)
+    host = [t for t in (pool.k, pool.v, pool.dk, pool.dv) if pool.on_host] + [pool.host_dk, pool.host_dv]
+    assert pool.host.total == sum(t.numel() * t.element_size() for t in host if t is not None) > 0
+    placement = place_step(model, 2, 37, ChunkConfig(**kwargs), torch.device("cpu"))
+    assert pinned_lines(placement.plan) == pool.host.total
+
+
+def test_kept_loss_gradients_are_one_counted_block_of_the_planned_size():
+    model = tiny_model("llama")
+    lightning_oomb.train_step(model, torch.randint(0, VOCAB, (1, 20)), chunk_size=8, page_size=4, offload="host",
+                              segment_tokens=8)
+    pool = cached_pool(model)
+    before = pool.host.total
+    shape = ModelShape.resolve(model)
+    block = pool.loss_grad_buffer(3, 2 * 8 * shape.hidden, torch.float32)  # 3 chunks of 8 tokens x batch 2
+    assert pool.host.total - before == block.numel() * 4 == loss_grad_bytes(shape, 16, 3, "32-true")
+    assert pool.loss_grad_buffer(2, 16 * shape.hidden, torch.float32) is block  # reused when it holds enough
+
+
+def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
+    """On a CPU device nothing is checked but the ledger; with a budget smaller than what the pinned pages need
+    the pool refuses them at its construction, naming the budget."""
+    from lightning_oomb.core.pages import PagePool, StoreSpec
+
+    spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=8, dtype=torch.float32)
+    with pytest.raises(HostMemoryError, match="Raise host_memory"):
+        PagePool(spec, 16, 4, "cpu", placement="host", segment_tokens=8, host_limit=1000)
