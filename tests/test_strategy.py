@@ -225,3 +225,40 @@ def test_callback_and_strategy_offload_must_agree():
     with pytest.raises(ValueError, match="set it in one place"):
         fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, offload="gpu"), max_steps=1,
             callbacks=[PagedKVCallback(offload="host")])
+
+
+def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
+    """Checkpoints are written on a background thread from the live weights: the next update waits for the
+    write (OOMBStrategy.backward), so a slow write still holds the weights of the step it was taken at."""
+    import threading
+
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO
+
+    step_3_updated = threading.Event()
+
+    class SlowCheckpointIO(AtomicCheckpointIO):
+        def _write(self, checkpoint, f):
+            # Without the wait, step 3's update comes first and the write would see its weights; with it, the
+            # update never comes before the write and this times out.
+            step_3_updated.wait(timeout=3.0)
+            super()._write(checkpoint, f)
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                self.weights = {n: p.detach().clone() for n, p in pl_module.state_dict().items()}
+            if trainer.global_step == 3:
+                step_3_updated.set()
+
+    record, io = Record(), SlowCheckpointIO()
+    module = UserModule(tiny_model("qwen2"))
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=False)
+    fit(module, OOMBStrategy(chunk_size=8, page_size=4, checkpoint_io=io), enable_checkpointing=True,
+        callbacks=[record, checkpoint])
+    saved = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["state_dict"]
+    assert saved.keys() == record.weights.keys()
+    assert all(torch.equal(saved[n], record.weights[n]) for n in saved)
+    assert not torch.equal(saved["model.lm_head.weight"], module.model.lm_head.weight.detach())  # step 3 moved them
+    assert io.last_save_s >= 3.0 and io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size

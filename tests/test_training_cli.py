@@ -40,6 +40,7 @@ class KillingCheckpointIO(AtomicCheckpointIO):
         self.saves += 1
         super().save_checkpoint(checkpoint, path, storage_options)
         if self.saves == self.kill_after_save:
+            self.wait()  # the write runs on a background thread
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _write(self, checkpoint, f):

@@ -148,6 +148,10 @@ class OOMBStrategy(SingleDeviceStrategy):
                 "never ran; return (a function of) self.model(input_ids=..., labels=...).loss"
             )
         self._pending = None
+        # The update that follows changes the weights and optimizer state a checkpoint may still be writing.
+        wait = getattr(self.checkpoint_io, "wait", None)
+        if wait is not None:
+            wait()
         return closure_loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
