@@ -72,6 +72,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(partial, path)
         _fsync_dir(path.parent)
         self.last_save_s, self.last_size = time.perf_counter() - started, path.stat().st_size
+        print(f"checkpoint: {path} written, {self.last_size / 1e9:.2f} GB in {self.last_save_s:.1f} s"
+              + (" (while training went on)" if self.asynchronous else ""), flush=True)
 
     def _write(self, checkpoint: dict[str, Any], f) -> None:
         torch.save(checkpoint, f)

@@ -1,0 +1,297 @@
+"""The route a user takes, measured: ``lightning-oomb fit`` on an example YAML, from a local model directory,
+with the optimizer, watching GPU and host memory; then the same step through ``train_step`` plus the
+optimizer in the same process lease, for the ratio.
+
+    python -m lightning_oomb.bench.cli_route --config examples/qwen2.5-7b-128k.yaml --model-dir /dev/shm/qwen \\
+        --make-model qwen2.5-7b --steps 3 --out runs/cli-route [--checkpoint-every 2] [--resume] [--baseline]
+
+``--make-model SHAPE`` writes random bf16 weights of a built-in shape to ``--model-dir`` first (built on the
+GPU, saved with ``save_pretrained``) when it holds no model yet. The corpus is generated text (seeded),
+tokenized with the byte tokenizer in ``examples/``. The fit runs as a child process; every second its
+resident set, the machine's used and available memory (``/proc/meminfo``) and the GPU's used memory
+(``nvidia-smi``) go to ``memory.csv``; a kill by the kernel's OOM killer shows there as the last rows.
+``summary.json`` holds: the seconds from the command to the first step's start, each step's seconds (from
+``train/tokens_per_s``), the GPU peak of each step (``memory/gpu_peak_gib``), the host peak (sampled), the
+plan's GPU and host totals (parsed from the printed plan), the checkpoint writes (size, seconds), and with
+``--baseline`` the steady step of ``train_step`` + the same optimizer in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+GIB = 1 << 30
+BYTE_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "byte_tokenizer"
+WORDS = ("the of and to in is was for on that with as by at from his her an which were are this be had not "
+         "but they one all have their has more also who been into time other its first after two new").split()
+
+
+def make_model(shape: str, target: Path) -> float:
+    """Random bf16 weights of a built-in shape, built on the GPU, saved to ``target``; seconds it took."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..core.planner import load_config_dict, transformers_config
+
+    started = time.perf_counter()
+    config = transformers_config(load_config_dict(shape))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(target)
+    del model
+    torch.cuda.empty_cache()
+    return time.perf_counter() - started
+
+
+def make_corpus(path: Path, tokens: int, seed: int = 0) -> None:
+    """Generated English-like text of at least ``tokens`` bytes (the byte tokenizer: one token a byte)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        written = 0
+        while written < tokens:
+            line = " ".join(rng.choice(WORDS) for _ in range(200)) + ".\n"
+            f.write(line)
+            written += len(line)
+
+
+def derived_config(config: Path, out: Path, checkpoint_every: int | None) -> Path:
+    """The example YAML with its checkpoint interval set (None: no ModelCheckpoint) and its logs under ``out``.
+    Each checkpoint gets its own file and no last.ckpt is written at the end, so that a 46 GB checkpoint is
+    written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB)."""
+    data = yaml.safe_load(config.read_text())
+    callbacks = data["trainer"].get("callbacks", [])
+    kept = []
+    for cb in callbacks:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            if checkpoint_every is None:
+                continue
+            cb["init_args"].update(every_n_train_steps=checkpoint_every, save_last=False, save_top_k=-1)
+        kept.append(cb)
+    data["trainer"]["callbacks"] = kept
+    if checkpoint_every is None:
+        data["trainer"]["enable_checkpointing"] = False
+    data["trainer"]["logger"]["init_args"]["save_dir"] = str(out / "runs")
+    target = out / f"{config.stem}.yaml"
+    target.write_text(yaml.safe_dump(data, sort_keys=False))
+    return target
+
+
+class Sampler(threading.Thread):
+    """Every ``period`` seconds: the child's resident set, the machine's used and available memory, GPU used."""
+
+    def __init__(self, pid: int, path: Path, period: float = 1.0):
+        super().__init__(daemon=True)
+        self.pid, self.path, self.period = pid, path, period
+        self.stopped = threading.Event()
+        self.peak_rss = 0
+        self.peak_used = 0
+
+    def run(self) -> None:
+        started = time.time()
+        with open(self.path, "w") as f:
+            f.write("t_s,rss_gib,used_gib,available_gib,gpu_used_gib\n")
+            while not self.stopped.wait(self.period):
+                rss = _rss(self.pid)
+                total, available = _meminfo()
+                gpu = _gpu_used()
+                self.peak_rss = max(self.peak_rss, rss)
+                self.peak_used = max(self.peak_used, total - available)
+                f.write(f"{time.time() - started:.1f},{rss / GIB:.2f},{(total - available) / GIB:.2f},"
+                        f"{available / GIB:.2f},{gpu / GIB:.2f}\n")
+                f.flush()
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _meminfo() -> tuple[int, int]:
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":")
+            values[key] = int(value.split()[0]) * 1024
+    return values["MemTotal"], values["MemAvailable"]
+
+
+def _gpu_used() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0]) * 2**20
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+def plan_totals(log: str) -> dict[str, float]:
+    """The GPU and host totals (GiB) of the last plan printed in ``log``."""
+    totals = re.findall(r"^  total\s+([\d.]+)$", log, flags=re.M)
+    return {"plan_gpu_gib": float(totals[-2]), "plan_host_gib": float(totals[-1])} if len(totals) >= 2 else {}
+
+
+def step_series(run_dir: Path, tokens: int, since: float) -> dict[str, list[float]]:
+    """Per step logged after ``since`` (a run resumed into the same folder adds to it): seconds
+    (tokens / train/tokens_per_s), the event's wall time, GPU and host peaks (GiB), the loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    def scalars(tag: str):
+        return [e for e in events.Scalars(tag) if e.wall_time >= since]
+
+    speed = scalars("train/tokens_per_s")
+    series = {"step_s": [tokens / e.value for e in speed], "wall": [e.wall_time for e in speed]}
+    for tag, name in (("memory/gpu_peak_gib", "gpu_peak_gib"), ("memory/host_peak_gib", "host_peak_gib"),
+                      ("memory/host_budget_gib", "host_budget_gib"), ("train/loss", "loss")):
+        if tag in tags:
+            series[name] = [e.value for e in scalars(tag)]
+    return series
+
+
+def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[str]) -> dict:
+    """One ``lightning-oomb fit`` child process, sampled; its summary."""
+    command = [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config),
+               "--model.pretrained", str(args.model_dir), "--data.init_args.paths", f"[{out / 'corpus.txt'}]",
+               "--data.init_args.tokenizer", str(BYTE_TOKENIZER), "--trainer.max_steps", str(steps),
+               "--trainer.limit_val_batches", "0", "--export", "false", *extra]
+    log_path = out / f"{name}.log"
+    started = time.time()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sampler = Sampler(child.pid, out / f"{name}-memory.csv")
+        sampler.start()
+        code = child.wait()
+        sampler.stopped.set()
+        sampler.join()
+    ended = time.time()
+    log = log_path.read_text()
+    data = yaml.safe_load(config.read_text())
+    logger = data["trainer"]["logger"]["init_args"]
+    run_dir = Path(logger["save_dir"]) / logger["name"] / logger["version"]
+    tokens = data["data"]["init_args"]["seq_len"] * data["data"]["init_args"].get("batch_size", 1)
+    summary = {"name": name, "returncode": code, "wall_s": round(ended - started, 1),
+               "host_peak_rss_gib": round(sampler.peak_rss / GIB, 2),
+               "machine_used_peak_gib": round(sampler.peak_used / GIB, 2), **plan_totals(log)}
+    try:
+        series = step_series(run_dir, tokens, started)
+    except (KeyError, ValueError):
+        series = {}
+    if series.get("step_s"):
+        first_end = series["wall"][0]
+        summary["to_first_step_s"] = round(first_end - series["step_s"][0] - started, 1)
+        summary.update({k: [round(v, 3) for v in vals] for k, vals in series.items() if k != "wall"})
+    saves = re.findall(r"checkpoint: (\S+) written, ([\d.]+) GB in ([\d.]+) s", log)
+    summary["checkpoints"] = [{"path": p, "gb": float(gb), "s": float(s)} for p, gb, s in saves]
+    pinned = re.findall(r"pinned ([\d.]+) GiB of host memory for the page pool in ([\d.]+) s", log)
+    if pinned:
+        summary["pinned_gib"], summary["pin_s"] = float(pinned[-1][0]), float(pinned[-1][1])
+    loaded = re.findall(r"^model: .*", log, flags=re.M)
+    if loaded:
+        summary["model_line"] = loaded[-1]
+    return summary
+
+
+def baseline(args, config: Path, steps: int) -> dict:
+    """The steady step of train_step + the YAML's optimizer (fused AdamW) with the YAML's strategy options, in
+    this process, on the same model directory: what the Lightning route must not exceed by more than 3%."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lightning_oomb
+
+    data = yaml.safe_load(config.read_text())
+    strategy = dict(data["trainer"]["strategy"].get("init_args") or {})
+    model_args = data["model"].get("init_args", data["model"])
+    sparse = None
+    if model_args.get("budget_pages"):
+        sparse = {k: model_args[k] for k in ("budget_pages", "sink_pages", "local_pages") if k in model_args}
+        sparse.update(score=model_args.get("sparse_score", "mean"), per_kv_head=model_args.get("per_kv_head", True))
+    seq_len = data["data"]["init_args"]["seq_len"]
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map={"": "cuda"})
+    if model_args.get("lora_rank"):
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=model_args["lora_rank"], lora_alpha=model_args.get("lora_alpha", 16),
+            target_modules=model_args.get("lora_target_modules") or ["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=model_args.get("learning_rate", 1e-5), fused=True)
+    ids = torch.randint(0, 256, (1, seq_len), device="cuda")
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        lightning_oomb.train_step(model, ids, sparse=sparse, **strategy)
+        torch.nn.utils.clip_grad_norm_(params, data["trainer"].get("gradient_clip_val") or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return {"baseline_step_s": [round(t, 3) for t in times],
+            "baseline_gpu_peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="an example YAML (examples/*.yaml)")
+    parser.add_argument("--model-dir", type=Path, required=True, help="a local model directory")
+    parser.add_argument("--make-model", default=None, help="write random weights of this built-in shape first")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="ModelCheckpoint's every_n_train_steps (default: the YAML's; 0: no checkpoints)")
+    parser.add_argument("--resume", action="store_true", help="then continue from the last checkpoint for one more step")
+    parser.add_argument("--delete-checkpoints", action="store_true", help="remove the checkpoints at the end (disk)")
+    parser.add_argument("--baseline", action="store_true", help="then time train_step + AdamW in this process")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"config": str(args.config), "argv": sys.argv}
+    if args.make_model and not (args.model_dir / "config.json").exists():
+        results["make_model_s"] = round(make_model(args.make_model, args.model_dir), 1)
+        print(f"random {args.make_model} weights written to {args.model_dir} in {results['make_model_s']} s", flush=True)
+    data = yaml.safe_load(args.config.read_text())
+    seq_len = data["data"]["init_args"]["seq_len"]
+    make_corpus(args.out / "corpus.txt", int(seq_len * 2.2))  # two sequences: one to train on, one held out
+    every = args.checkpoint_every
+    if every is None:
+        every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
+                      if cb["class_path"].endswith("ModelCheckpoint")), None)
+    config = derived_config(args.config, args.out, every or None)
+    results["fit"] = run_fit(args, config, args.out, args.steps, "fit", [])
+    print(json.dumps(results["fit"]), flush=True)
+    saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if args.resume and results["fit"]["returncode"] == 0 and saved:
+        results["resume"] = run_fit(args, config, args.out, args.steps + 1, "resume", ["--ckpt_path", str(saved[-1])])
+        print(json.dumps(results["resume"]), flush=True)
+    if args.delete_checkpoints:
+        for path in args.out.glob("runs/*/*/checkpoints/*.ckpt"):
+            path.unlink()
+    if args.baseline:
+        results["baseline"] = baseline(args, config, args.steps)
+        print(json.dumps(results["baseline"]), flush=True)
+    (args.out / "summary.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
