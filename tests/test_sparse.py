@@ -329,6 +329,7 @@ def test_mixin_trains_sparse_through_a_trainer(tmp_path, monkeypatch):
     strategy = OOMBStrategy(chunk_size=8, page_size=4, sparse={"budget_pages": 50})  # the module's wins
     trainer = Trainer(max_steps=2, accelerator="cpu", strategy=strategy, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=tmp_path)
+    module.materialize()  # the weights, which the Trainer would build in configure_model
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     trainer.fit(module, DataLoader(data, batch_size=None))
     assert trainer.global_step == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
@@ -9,11 +10,15 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_only
+from safetensors import SafetensorError
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassExactMatch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import is_accelerate_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
+WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
 class SetupError(ValueError):
@@ -60,15 +65,19 @@ class CausalLMModule(LightningModule):
     Args:
         pretrained: a local Hugging Face model directory (config and weights; nothing is downloaded); or
         config: a transformers config as a dict (with ``model_type``) for a randomly initialised model.
-        dtype: the dtype the weights are created in: "float32" (default), "bfloat16" (halves host memory while
-            loading; use with ``precision: bf16-true``) or "auto" (the checkpoint's). The Trainer's precision
-            still decides the training dtype: bf16-true converts the weights to bfloat16.
+        dtype: the dtype the weights are created in: "float32" (default), "bfloat16" or "auto" (the
+            checkpoint's or config's). The Trainer's precision still decides the training dtype: under bf16-true
+            the weights are created in bfloat16 whatever this says.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
         lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
         learning_rate, weight_decay: AdamW settings. warmup_steps: linear warm-up, then cosine decay to 0.
         answer_tokens: > 0 also reports ``val/retrieval_acc``, the teacher-forced exact match of the last
             ``answer_tokens`` tokens of each validation sequence (the passkey task).
-        seed: seeds the random initialisation.
+        seed: seeds the random initialisation (see ``materialize``).
+
+    Construction builds only the model's structure, on the meta device: a 7B model in seconds, no memory.
+    ``configure_model`` (called by the Trainer) builds the weights on the strategy's device, or loads them
+    there, and prints how long that took; outside a Trainer call ``materialize()`` before using ``self.model``.
 
     Batches are dicts with ``input_ids`` and ``labels`` (batch, seq_len). Logged: ``train/loss``,
     ``train/tokens_per_s`` (input tokens over the wall time of the step, forward to optimizer step),
@@ -99,25 +108,103 @@ class CausalLMModule(LightningModule):
         if dtype not in DTYPES:
             raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if pretrained is not None:
-            self.model = load_pretrained(pretrained, DTYPES[dtype])
+            hf_config = pretrained_config(pretrained)
         else:
-            config = dict(config)
-            model_type = config.pop("model_type", None)
-            if model_type is None:
-                raise SetupError("model.config needs a `model_type` (e.g. qwen2, llama)")
-            torch.manual_seed(seed)
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+            hf_config = config_from_dict(config)
+        # Only the structure, on the meta device (no memory, no RNG draws, seconds for 7B): config, module
+        # names, LoRA wrapping and the set-up checks work on it; configure_model builds the weights.
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
             if dtype != "auto":
-                self.model.to(DTYPES[dtype])
-        if lora_rank > 0:
-            import peft
-
-            targets = lora_target_modules or ["q_proj", "k_proj", "v_proj", "o_proj"]
-            lora = peft.LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets)
-            self.model = peft.get_peft_model(self.model, lora)
-        self.model.train()  # from_pretrained returns eval mode, which Lightning keeps
+                skeleton.to(DTYPES[dtype])
+            self.model = self._with_lora(skeleton)
+        self.model.train()
         self.val_loss = MeanMetric()
         self.val_acc = MulticlassExactMatch(num_classes=self.model.config.vocab_size) if answer_tokens else None
+
+    # -- the model's weights ------------------------------------------------------------------------------
+    @property
+    def is_materialized(self) -> bool:
+        """Whether ``self.model`` holds real tensors (False from construction until ``materialize``)."""
+        return not any(t.is_meta for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+
+    def configure_model(self) -> None:
+        """Build the weights where they will train.
+
+        Lightning calls this hook inside ``strategy.tensor_init_context()`` (the strategy's device, and under
+        ``bf16-true`` bfloat16 as default dtype) before it moves the model, builds the optimizer or restores a
+        checkpoint; ``load_from_checkpoint`` calls it too. It runs again for every ``fit``/``validate``/``test``
+        of the same module: a model already built is kept.
+        """
+        self.materialize()
+
+    def materialize(self, device: torch.device | str | None = None) -> None:
+        """Replace the meta-device skeleton of ``__init__`` by the real model on ``device``; a no-op once done.
+
+        ``device``: None is the device of the current ``torch.device`` context (Lightning's, inside
+        ``configure_model``), else the CPU. Call it to use ``self.model`` outside a Trainer.
+
+        With ``config``: built by ``from_config`` on ``device`` under ``torch.manual_seed(seed)``, exactly as a
+        model constructed there (non-persistent buffers such as RoPE's ``inv_freq`` included). The same seed on
+        the same device gives the same weights; the values come from that device's RNG (a CUDA build differs
+        from a CPU one) and, as before, the global RNGs are left seeded from ``seed``.
+        With ``pretrained``: ``from_pretrained`` straight onto ``device``.
+
+        The weights are created in ``model.dtype``, except where the default dtype is not float32 (Lightning's
+        ``bf16-true`` inside ``configure_model``): the precision would convert them to it anyway, so they are
+        built in it, without a float32 copy. LoRA adapters are then added by peft, initialised as peft does.
+        Prints one line with the time taken (global rank zero only).
+        """
+        if self.is_materialized:
+            return
+        device = torch.device(device) if device is not None else torch.empty(0).device
+        if device.type == "meta":
+            raise ValueError("materialize() builds real weights: give a device other than meta")
+        dtype = self._weights_dtype()
+        started = time.perf_counter()
+        if self.hparams.pretrained is not None:
+            base = load_pretrained(self.hparams.pretrained, dtype or "auto", device)
+            what = f"loaded {self.hparams.pretrained}"
+            where = "onto"
+        else:
+            torch.manual_seed(self.hparams.seed)
+            with torch.device(device):
+                base = AutoModelForCausalLM.from_config(config_from_dict(self.hparams.config))
+            if dtype is not None:
+                base.to(dtype)
+            what = f"built {base.config.model_type} from model.config"
+            where = "on"
+        params, built_dtype = sum(p.numel() for p in base.parameters()), next(base.parameters()).dtype
+        with torch.device(device):
+            model = self._with_lora(base)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the init kernels are asynchronous: time them
+        seconds = time.perf_counter() - started
+        self.model = model.train()  # from_pretrained returns eval mode, which Lightning keeps
+        detail = f"{_count(params)} params, {str(built_dtype).removeprefix('torch.')}"
+        if self.hparams.lora_rank > 0:
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            detail += f"; LoRA rank {self.hparams.lora_rank}, {_count(trainable)} trainable"
+        seed = "" if self.hparams.pretrained is not None else f", seed {self.hparams.seed}"
+        took = f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+        _print_rank_zero(f"model: {what} ({detail}) {where} {device} in {took}{seed}")
+
+    def _weights_dtype(self) -> torch.dtype | None:
+        """The dtype to build the weights in; None keeps the config's (or checkpoint's)."""
+        default = torch.get_default_dtype()
+        if default != torch.float32:  # a "-true" precision converts the weights to it after configure_model
+            return default
+        return None if self.hparams.dtype == "auto" else DTYPES[self.hparams.dtype]
+
+    def _with_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with peft LoRA adapters if ``lora_rank`` > 0 (created on the current device)."""
+        if self.hparams.lora_rank <= 0:
+            return model
+        import peft
+
+        targets = self.hparams.lora_target_modules or ["q_proj", "k_proj", "v_proj", "o_proj"]
+        lora = peft.LoraConfig(r=self.hparams.lora_rank, lora_alpha=self.hparams.lora_alpha, target_modules=targets)
+        return peft.get_peft_model(model, lora)
 
     def setup(self, stage: str) -> None:
         """Under OOMBStrategy, refuse a model the engine would not train exactly, before any step."""
@@ -198,8 +285,20 @@ class CausalLMModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def load_pretrained(path: str, dtype) -> torch.nn.Module:
-    """A causal LM from a local Hugging Face directory (never downloads), with errors that name the directory."""
+def config_from_dict(config: dict):
+    """A transformers config from ``model.config`` (a dict with ``model_type``); the family's defaults apply."""
+    fields = dict(config)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise SetupError("model.config needs a `model_type` (e.g. qwen2, llama)")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SetupError(f"model.config: {_one_line(e)}") from None
+
+
+def check_pretrained_dir(path: str) -> Path:
+    """The model directory, if it has a config and weights; else a SetupError naming what is missing."""
     where = Path(path).expanduser()
     if not where.is_dir():
         raise SetupError(f"model.pretrained: the model directory {path} does not exist")
@@ -208,7 +307,56 @@ def load_pretrained(path: str, dtype) -> torch.nn.Module:
             f"model.pretrained: {path} has no config.json; give a directory written by save_pretrained "
             "(config.json and *.safetensors)"
         )
+    if not any(next(where.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise SetupError(
+            f"model.pretrained: {path} has no weights ({' or '.join(WEIGHT_FILES)}); give a directory written "
+            "by save_pretrained"
+        )
+    return where
+
+
+def pretrained_config(path: str):
+    """The config of a local model directory (checked by ``check_pretrained_dir``; no weights read)."""
+    where = check_pretrained_dir(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(str(where), local_files_only=True, dtype=dtype)
+        return AutoConfig.from_pretrained(str(where), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise SetupError(f"model.pretrained: the model in {path} could not be loaded ({type(e).__name__}: {e})") from None
+        raise SetupError(f"model.pretrained: the config in {path} could not be read ({type(e).__name__}: "
+                         f"{_one_line(e)})") from None
+
+
+def load_pretrained(path: str, dtype, device: torch.device | str | None = None) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory (never downloads), loaded straight onto ``device``
+    (default CPU), with errors that name the directory, in one line."""
+    where = check_pretrained_dir(path)
+    device = torch.device(device if device is not None else "cpu")
+    via_cpu = device.type != "cpu" and not is_accelerate_available()  # transformers' device_map needs accelerate
+    device_map = None if device.type == "cpu" or via_cpu else {"": device}
+    try:
+        # Under a device context (Lightning's, in configure_model) transformers would infer a device_map itself.
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_pretrained(
+                str(where), local_files_only=True, dtype=dtype, device_map=device_map
+            )
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # unreadable, corrupt, mismatched
+        raise SetupError(f"model.pretrained: the model in {path} could not be loaded ({type(e).__name__}: "
+                         f"{_one_line(e)})") from None
+    return model.to(device) if via_cpu else model
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+@rank_zero_only
+def _print_rank_zero(line: str) -> None:
+    print(line, flush=True)
