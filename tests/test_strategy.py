@@ -262,3 +262,19 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
     assert all(torch.equal(saved[n], record.weights[n]) for n in saved)
     assert not torch.equal(saved["model.lm_head.weight"], module.model.lm_head.weight.detach())  # step 3 moved them
     assert io.last_save_s >= 3.0 and io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size
+
+
+def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():
+    """Lightning's strategy teardown moves the model and the optimizer state to host memory; the pinned pool
+    must be gone by then (a 1M-token run was killed by the OOM killer holding both)."""
+    seen = []
+
+    class Module(UserModule):
+        def cpu(self):
+            callback = next(cb for cb in self.trainer.callbacks if isinstance(cb, PagedKVCallback))
+            seen.append(callback.pool is None)
+            return super().cpu()
+
+    module = Module(tiny_model("qwen2"), optimizer="adamw")
+    fit(module, OOMBStrategy(chunk_size=8, page_size=4), callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
+    assert seen == [True]

@@ -252,6 +252,7 @@ def test_atomic_io_is_the_default(tmp_path):
     io_ = AtomicCheckpointIO()
     target = tmp_path / "sub" / "x.ckpt"
     io_.save_checkpoint({"a": torch.arange(3)}, target)
+    io_.wait()  # written on a background thread
     assert torch.equal(torch.load(target)["a"], torch.arange(3)) and not partial_path(target).exists()
     assert isinstance(io_, TorchCheckpointIO)
 

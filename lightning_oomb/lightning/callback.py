@@ -209,7 +209,11 @@ class PagedKVCallback(Callback):
                 trainer.logger.log_metrics({"memory_trace/allocated_gib": gib, "memory_trace/stage": stage}, step=i)
             self._trace = None
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def release_pool(self) -> None:
+        """Give the pool's GPU and pinned host memory back (a later step builds a new one)."""
         self.pool = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.release_pool()

@@ -168,5 +168,15 @@ class OOMBStrategy(SingleDeviceStrategy):
             self._pending = None
 
     def teardown(self) -> None:
+        """Lightning's teardown moves the model and the optimizer state to the CPU: the checkpoint being written
+        and the pinned page pool are given back first, or the host would hold both (a 1M-token run's pool and a
+        7B model's AdamW state do not fit in 128 GB together: the kernel's OOM killer ended such a run here)."""
         self._release_pending()
+        wait = getattr(self.checkpoint_io, "wait", None)
+        if wait is not None:
+            wait()
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        for callback in trainer.callbacks if trainer is not None else ():
+            if isinstance(callback, PagedKVCallback):
+                callback.release_pool()
         super().teardown()
