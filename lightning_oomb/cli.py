@@ -4,6 +4,7 @@ plain ``plan`` and ``bench`` commands."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Optional
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -18,8 +20,8 @@ from .core.served import serve
 from .lightning import CausalLMModule
 from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
-from .lightning.module import SetupError
-from .lightning.strategy import OOMBStrategy, find_causal_lm
+from .core.errors import SetupError
+from .lightning.strategy import OOMBStrategy, find_causal_lm, strategy_chunk_config
 
 
 
@@ -45,9 +47,25 @@ class OOMBCLI(LightningCLI):
         parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
 
     def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        precision = str(config.get("trainer", {}).get("precision"))
+        # Lightning turns 16-mixed into bf16-mixed on a CPU with only a warning: refuse it on every device.
+        if precision in ("16", "16-mixed", "16-true", "half"):
+            raise SetupError(
+                f"trainer.precision {precision} (float16) is not supported: it needs a gradient scaler that "
+                "lightning_oomb does not replay exactly; use bf16-true, bf16-mixed or 32-true"
+            )
+        # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
+        strategy = config.get("trainer", {}).get("strategy")
+        if str(getattr(strategy, "class_path", "")).endswith("OOMBStrategy") and strategy.get("init_args"):
+            names = inspect.signature(strategy_chunk_config).parameters
+            options = {k: v for k, v in vars(strategy.init_args).items() if k in names}
+            try:
+                strategy_chunk_config(**options)
+            except SetupError as e:
+                raise SetupError(f"trainer.strategy.init_args: {e}") from None
         # TextCorpusDataModule without a tokenizer takes the model's directory: write it into the config so
         # that the saved config.yaml says which tokenizer was used.
-        config = self.config.get(str(self.subcommand), self.config)
         data, model = config.get("data"), config.get("model")
         if data is None or model is None or not str(getattr(data, "class_path", "")).endswith("TextCorpusDataModule"):
             return
@@ -57,6 +75,8 @@ class OOMBCLI(LightningCLI):
 
     # -- fit -------------------------------------------------------------------------------------------
     def before_fit(self) -> None:
+        if self._get(self.config, "ckpt_path") == "last":
+            require_last_checkpoint(self.trainer)
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
@@ -100,6 +120,25 @@ class OOMBCLI(LightningCLI):
         answer = logits[0, :-1].argmax(-1).tolist()
         print(f"example: {ids.shape[1]} tokens, passkey {ids[0, -n:].tolist()} stated near the start; "
               f"the model answers {answer}")
+
+
+def require_last_checkpoint(trainer) -> None:
+    """``--ckpt_path last`` resumes; with no last checkpoint where the run's ModelCheckpoint writes, Lightning
+    would warn and train from scratch: refuse instead, saying where it looked."""
+    folders, found = [], False
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            found = found or bool(callback._find_last_checkpoints(trainer))
+            logger = trainer.loggers[0] if trainer.loggers else None
+            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
+            folders.append(str(Path(folder).resolve()))
+    if not found:
+        where = " or ".join(folders) or "nowhere (the run has no ModelCheckpoint with save_last: true)"
+        raise SetupError(
+            f"--ckpt_path last: no last checkpoint in {where}. Run without --ckpt_path to start training, give "
+            "the path of a checkpoint file, or run from the folder (and with the logger version) of the run to "
+            "continue"
+        )
 
 
 def _has_val_data(datamodule) -> bool:

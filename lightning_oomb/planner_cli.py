@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "other fields at their defaults); 0: dense. Sparse steps keep K/V on the GPU: --offload "
                         "moves only KV-gradient pages (auto: of the fewest layers that fit; host: of all)")
     parser.add_argument("--gpu-memory", type=_argument(parse_bytes), default=None,
-                        help="GPU memory, e.g. 141GB (default: this machine's CUDA device)")
+                        help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=_argument(parse_bytes), default=None,
-                        help="host RAM, e.g. 128GB (default: this machine's)")
+                        help="the run's host memory budget with its unit, e.g. 112GiB (default: this machine's RAM less max(8 GiB, 10%%))")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help=f"dense bf16 matmul peak of the GPU in TFLOP/s (default {DEFAULT_MATMUL_TFLOPS:g}, H200)")
     return parser

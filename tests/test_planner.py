@@ -289,7 +289,10 @@ def test_size_parsing():
     assert parse_tokens("1M") == 1 << 20 and parse_tokens("1.5M") == 3 << 19
     assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("141gb") == 141 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("512MiB") == 2**29
-    assert parse_bytes("1TB") == 10**12 and parse_bytes("1000") == 1000
+    assert parse_bytes("1TB") == 10**12 and parse_bytes("1000B") == 1000 and parse_bytes(1000) == 1000
+    for bare in ("141", "1000"):  # a number alone: 141 bytes is never what was meant
+        with pytest.raises(ValueError, match="give its unit"):
+            parse_bytes(bare)
     for bad in ("", "M", "1.5", "12q", "-3K"):
         with pytest.raises(ValueError):
             parse_tokens(bad)

@@ -292,6 +292,12 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "other data than the checkpoint": (["--data.init_args.seed", "1"], "trained on other data"),
         "missing model": (["--model.pretrained", str(tmp / "nowhere")],
                           f"model.pretrained: the model directory {tmp / 'nowhere'} does not exist"),
+        "chunk size 0": (["--trainer.strategy.init_args.chunk_size", "0"],
+                         "trainer.strategy.init_args: chunk_size must be an integer >= 1, got 0"),
+        "host budget without unit": (["--trainer.strategy.init_args.host_memory", "12"], "12 is less than 1 GiB"),
+        "negative learning rate": (["--model.learning_rate", "-1"], "model.learning_rate must be > 0, got -1.0"),
+        "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
+        "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),
     }
 
 
@@ -303,6 +309,16 @@ def test_bad_input_refused_before_training(assets, resumable, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "lightning-oomb: error:" in err and message in err, (name, err[-2000:])
         assert digest(last) == before, name
+
+
+def test_resume_without_a_checkpoint_is_refused(assets, tmp_path, capsys):
+    """--ckpt_path last where no run wrote one (another version, another working directory) would train from
+    scratch behind a warning: it stops with one line saying where it looked."""
+    config = write_config(tmp_path, assets)
+    assert fit(config, "--ckpt_path", "last", "--trainer.logger.init_args.version", "other") == 2
+    err = capsys.readouterr().err
+    assert "lightning-oomb: error: --ckpt_path last: no last checkpoint in" in err
+    assert str(run_dir(tmp_path).parent / "other" / "checkpoints") in err, err[-2000:]
 
 
 def test_unknown_yaml_key_is_named(assets, resumable, capsys):

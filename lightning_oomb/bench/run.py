@@ -30,7 +30,6 @@ import datetime
 import gc
 import math
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -57,6 +56,7 @@ from ..core.planner import (
     step_time,
     transformers_config,
 )
+from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..kernels import host_pages
 
 CSV_COLUMNS = (
@@ -313,27 +313,6 @@ register_mode(BenchMode(
 # == measuring ============================================================================================
 
 
-def _reset_host_peak() -> None:
-    """Reset the kernel's RSS high-water mark of this process (Linux), so each point has its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # elsewhere the peak is that of the whole process so far
-
-
-def _host_peak_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -438,7 +417,7 @@ def measure(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-        _reset_host_peak()
+        reset_peak_process_host_bytes()
         times, loss = [], None
         for _ in range(config.repeats):
             model.zero_grad(set_to_none=True)
@@ -452,7 +431,7 @@ def measure(
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s
         result.loss = float(loss)
-        result.peak_host_bytes = _host_peak_bytes()
+        result.peak_host_bytes = peak_process_host_bytes()
         if device.type == "cuda":
             result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
             result.alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries

@@ -60,9 +60,27 @@ def process_host_bytes() -> int:
 
 
 def peak_process_host_bytes() -> int:
-    """The largest resident set this process has had (ru_maxrss)."""
+    """The largest resident set this process has had since ``reset_peak_process_host_bytes`` (Linux's VmHWM),
+    else since it started (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_process_host_bytes() -> None:
+    """Start a new high-water mark of this process's resident set (Linux); elsewhere the peak stays the
+    whole process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def host_headroom(total: int | None = None) -> int:

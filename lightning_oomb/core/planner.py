@@ -684,8 +684,15 @@ class Plan:
         return sum(self.host_lines.values())
 
     @property
+    def usable_gpu_bytes(self) -> int:
+        """GPU memory a step may plan for: all of it less the reserve ``place_step`` keeps."""
+        return int(self.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE))
+
+    @property
     def fits(self) -> bool:
-        return self.peak_gpu_bytes <= self.gpu_memory and self.peak_host_bytes <= self.host_memory
+        """What ``place_step`` would decide: the GPU lines within the memory less its reserve, the host lines
+        within the host memory budget."""
+        return self.peak_gpu_bytes <= self.usable_gpu_bytes and self.peak_host_bytes <= self.host_memory
 
     def check(self) -> "Plan":
         """Raise PlanError (with this plan as the message) when the step does not fit; else return self."""
@@ -742,14 +749,16 @@ class Plan:
             f"host {_gb(self.host_memory)} ({_gib(self.host_memory)} GiB)"
         )
         rows.append("")
+        reserve = f"beyond the {PLACEMENT_HEADROOM_SHARE:.0%} reserve a step keeps"
         if self.fits:
             rows.append(
-                f"FITS on {machine}: {_gib(self.gpu_memory - self.peak_gpu_bytes)} GiB of GPU memory to spare"
+                f"FITS on {machine}: {_gib(self.usable_gpu_bytes - self.peak_gpu_bytes)} GiB of GPU memory to spare "
+                f"{reserve}"
             )
         else:
             short = []
-            if self.peak_gpu_bytes > self.gpu_memory:
-                short.append(f"GPU short by {_gib(self.peak_gpu_bytes - self.gpu_memory)} GiB")
+            if self.peak_gpu_bytes > self.usable_gpu_bytes:
+                short.append(f"GPU short by {_gib(self.peak_gpu_bytes - self.usable_gpu_bytes)} GiB {reserve}")
             if self.peak_host_bytes > self.host_memory:
                 short.append(f"host short by {_gib(self.peak_host_bytes - self.host_memory)} GiB")
             rows.append(f"DOES NOT FIT on {machine}: {', '.join(short)}")
@@ -1013,7 +1022,8 @@ def this_gpu_memory() -> tuple[int, str]:
     if not torch.cuda.is_available():
         raise ValueError(
             "there is no CUDA device on this machine to plan for: give the GPU's memory "
-            "(gpu_memory=141e9, or --gpu-memory 141GB for an H200, 80GB for an H100/A100)"
+            "(gpu_memory=140 * 2**30, or --gpu-memory 140GiB for an H200, 79GiB for an H100/A100 80GB: what torch "
+            "sees of them)"
         )
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return int(props.total_memory), props.name
@@ -1155,7 +1165,7 @@ def _note_kept_for_stage_2(result: Plan) -> None:
     c = result.config
     if c.offload or c.host_grad_layers or not result.fits:
         return
-    spare = result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE) - result.peak_gpu_bytes
+    spare = result.usable_gpu_bytes - result.peak_gpu_bytes
     kept, graphs = kept_for_stage_2(result, spare)
     if kept or graphs:
         result.notes.append(
@@ -1170,7 +1180,7 @@ def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> 
     the GPU with ``place_step``'s reserve, or with all of them when none does."""
     for n in range(shape.n_layers + 1):
         result = estimate(dataclasses.replace(config, host_grad_layers=n))
-        if result.peak_gpu_bytes <= result.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE):
+        if result.peak_gpu_bytes <= result.usable_gpu_bytes:
             return result
     return result
 
@@ -1254,7 +1264,7 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
 
 _TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _BYTE_UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
@@ -1281,12 +1291,13 @@ def parse_tokens(text: str | int) -> int:
 
 
 def parse_bytes(text: str | int) -> int:
-    """A memory size: ``141GB`` = 141e9 (decimal K/M/G/T[B]), ``80GiB`` = 80 * 2**30 (binary KiB..TiB)."""
+    """A memory size with its unit: ``141GB`` = 141e9 (decimal K/M/G/T[B]), ``80GiB`` = 80 * 2**30 (binary
+    KiB..TiB), ``1024B``. A number alone is refused (141 bytes is never what was meant); an int is bytes."""
     if isinstance(text, int):
         return text
     value, unit = _split(text, "a memory size")
     if unit not in _BYTE_UNITS:
-        raise ValueError(f"cannot read the memory size {text!r}: use e.g. 141GB, 80GiB, 512MB")
+        raise ValueError(f"cannot read the memory size {text!r}: give its unit, e.g. 140GiB, 141GB, 512MiB")
     return int(value * _BYTE_UNITS[unit])
 
 

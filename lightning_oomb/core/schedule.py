@@ -24,6 +24,7 @@ from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
+from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, StoreSpec
@@ -97,30 +98,30 @@ class ChunkConfig:
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
         dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
         if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
+            raise SetupError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
         object.__setattr__(self, "grad_dtype", dtype)
         for name in ("chunk_size", "page_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise SetupError(f"{name} must be an integer >= 1, got {value!r}")
         if self.attention not in ("auto", "reference", "triton"):
-            raise ValueError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
+            raise SetupError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
         if self.offload not in PLACEMENTS:
-            raise ValueError(f"offload must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.offload!r}")
+            raise SetupError(f"offload must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.offload!r}")
         if self.segment_tokens is not None and (
             isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1
         ):
-            raise ValueError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
+            raise SetupError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
         for name in ("keep_attention", "keep_graphs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+                raise SetupError(f"{name} must be None or an integer >= 0, got {value!r}")
         if self.host_memory is not None and (
             isinstance(self.host_memory, bool) or not isinstance(self.host_memory, int) or self.host_memory < 1
         ):
-            raise ValueError(f"host_memory must be None or a number of bytes >= 1, got {self.host_memory!r}")
+            raise SetupError(f"host_memory must be None or a number of bytes >= 1, got {self.host_memory!r}")
         if self.keep_graphs and self.checkpoint_layers:
-            raise ValueError(
+            raise SetupError(
                 "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "
                 "avoid; set keep_graphs=None (or 0)"
             )

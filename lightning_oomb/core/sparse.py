@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import SetupError
+
 from .pages import LayerStore
 
 SCORES = ("mean", "minmax")
@@ -66,16 +68,16 @@ class SparseConfig:
         for name, low in (("budget_pages", 1), ("sink_pages", 0), ("local_pages", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"SparseConfig.{name} must be an integer >= {low}, got {value!r}")
+                raise SetupError(f"SparseConfig.{name} must be an integer >= {low}, got {value!r}")
         if self.sink_pages + self.local_pages > self.budget_pages:
-            raise ValueError(
+            raise SetupError(
                 f"SparseConfig: sink_pages + local_pages ({self.sink_pages} + {self.local_pages}) must not exceed "
                 f"budget_pages ({self.budget_pages})"
             )
         if self.score not in SCORES:
-            raise ValueError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
+            raise SetupError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
         if not isinstance(self.per_kv_head, bool):
-            raise ValueError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
+            raise SetupError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
 
     @classmethod
     def coerce(cls, value: "SparseConfig | dict | None") -> "SparseConfig | None":
@@ -85,7 +87,7 @@ class SparseConfig:
         if isinstance(value, dict):
             unknown = set(value) - set(cls.__dataclass_fields__)
             if unknown:
-                raise ValueError(
+                raise SetupError(
                     f"sparse: unknown option(s) {', '.join(sorted(unknown))}; "
                     f"known: {', '.join(cls.__dataclass_fields__)}"
                 )

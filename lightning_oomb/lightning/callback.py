@@ -8,7 +8,7 @@ import time
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..core.host_memory import peak_process_host_bytes, process_host_bytes
+from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool, StoreSpec
 from ..core.planner import PLACEMENTS, Placement, place_step
 from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
@@ -73,7 +73,7 @@ class PagedKVCallback(Callback):
             host memory budget, predicted time) and how long pinning the host pages took.
 
     Logged each step through the Trainer's logger (``memory/...``): the pool's GPU and host bytes (GiB),
-    pages in use at the step's peak, pages in the pool, the process's host memory now and at its peak
+    pages in use at the step's peak, pages in the pool, the process's host memory now and at the step's peak
     (resident set, pinned pages included) against the run's host memory budget (GiB) and, on CUDA, GPU
     allocated and peak (GiB); with host pages also ``offload/h2d_gib``, ``offload/d2h_gib`` (bytes copied each way) and
     ``offload/h2d_s``, ``offload/d2h_s`` (seconds each copy stream was busy).
@@ -180,6 +180,7 @@ class PagedKVCallback(Callback):
             self._trace = []
         if self.pool is not None:
             self.pool.peak_pages_in_use = self.pool.pages_in_use
+        reset_peak_process_host_bytes()
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
 

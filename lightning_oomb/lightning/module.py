@@ -17,12 +17,11 @@ from torchmetrics.classification import MulticlassExactMatch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import is_accelerate_available
 
+from ..core.errors import SetupError
+from ..core.planner import human_count
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 WEIGHT_FILES = ("*.safetensors", "*.bin")
-
-
-class SetupError(ValueError):
-    """A configuration that cannot train, found before the first step: the message names the option or file."""
 
 
 def collect_rng_states() -> dict:
@@ -107,6 +106,12 @@ class CausalLMModule(LightningModule):
             raise SetupError("give exactly one of model.pretrained (a local model directory) or model.config (a dict)")
         if dtype not in DTYPES:
             raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        for name, value, low in (("learning_rate", learning_rate, 0.0), ("weight_decay", weight_decay, 0.0),
+                                 ("warmup_steps", warmup_steps, 0), ("lora_rank", lora_rank, 0),
+                                 ("answer_tokens", answer_tokens, 0)):
+            if value < low or (name == "learning_rate" and value == 0):
+                bound = "> 0" if name == "learning_rate" else f">= {low}"
+                raise SetupError(f"model.{name} must be {bound}, got {value!r}")
         if pretrained is not None:
             hf_config = pretrained_config(pretrained)
         else:
@@ -181,10 +186,10 @@ class CausalLMModule(LightningModule):
             torch.cuda.synchronize(device)  # the init kernels are asynchronous: time them
         seconds = time.perf_counter() - started
         self.model = model.train()  # from_pretrained returns eval mode, which Lightning keeps
-        detail = f"{_count(params)} params, {str(built_dtype).removeprefix('torch.')}"
+        detail = f"{human_count(params)} params, {str(built_dtype).removeprefix('torch.')}"
         if self.hparams.lora_rank > 0:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            detail += f"; LoRA rank {self.hparams.lora_rank}, {_count(trainable)} trainable"
+            detail += f"; LoRA rank {self.hparams.lora_rank}, {human_count(trainable)} trainable"
         seed = "" if self.hparams.pretrained is not None else f", seed {self.hparams.seed}"
         took = f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
         _print_rank_zero(f"model: {what} ({detail}) {where} {device} in {took}{seed}")
@@ -348,13 +353,6 @@ def load_pretrained(path: str, dtype, device: torch.device | str | None = None) 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
-
-
-def _count(n: int) -> str:
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 @rank_zero_only

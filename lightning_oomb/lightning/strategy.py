@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.errors import SetupError
 from ..core.planner import parse_bytes
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
@@ -33,6 +34,32 @@ def find_causal_lm(module: nn.Module) -> PreTrainedModel:
             f"OOMBStrategy needs exactly one transformers causal LM inside the LightningModule, found {names}"
         )
     return found[0][1]
+
+
+def _host_memory(value: int | str) -> int:
+    try:
+        size = parse_bytes(value)
+    except ValueError as e:
+        raise SetupError(f"host_memory: {e}") from None
+    if size < 1 << 30:
+        raise SetupError(f"host_memory is the run's host memory budget in bytes, or a size with its unit such as "
+                         f"100GiB; {value!r} is less than 1 GiB")
+    return size
+
+
+def strategy_chunk_config(
+    chunk_size: int = 4096, page_size: int = 128, attention: str = "auto", checkpoint_layers: bool = False,
+    cross_chunk_gradients: bool = True, grad_dtype: str = "float32", sparse: SparseConfig | dict | None = None,
+    offload: str = "auto", segment_tokens: int | None = None, keep_attention: int | None = None,
+    keep_graphs: int | None = None, host_memory: int | str | None = None,
+) -> ChunkConfig:
+    """The ChunkConfig of ``OOMBStrategy``'s options (see there); a SetupError names a bad one."""
+    return ChunkConfig(
+        chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
+        cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
+        segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
+        host_memory=None if host_memory is None else _host_memory(host_memory),
+    )
 
 
 class OOMBStrategy(SingleDeviceStrategy):
@@ -88,11 +115,9 @@ class OOMBStrategy(SingleDeviceStrategy):
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind.
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
-        self.chunk_config = ChunkConfig(
-            chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
-            cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
-            segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
-            host_memory=None if host_memory is None else parse_bytes(host_memory),
+        self.chunk_config = strategy_chunk_config(
+            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse, offload,
+            segment_tokens, keep_attention, keep_graphs, host_memory,
         )
         self._pending: Serving | None = None
 
@@ -101,9 +126,9 @@ class OOMBStrategy(SingleDeviceStrategy):
         super().setup_environment()
         precision = self.precision_plugin.precision
         if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
+            raise SetupError(
                 f"OOMBStrategy supports precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}. "
-                "16-mixed needs a gradient scaler that this strategy does not replay exactly: use bf16-mixed "
+                "float16 needs a gradient scaler that this strategy does not replay exactly: use bf16-mixed "
                 "or bf16-true"
             )
         module_sparse = getattr(self.lightning_module, "sparse_config", None)
