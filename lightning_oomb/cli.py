@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,6 +24,10 @@ from .lightning.checkpoint import AtomicCheckpointIO
 from .core.errors import SetupError
 from .lightning.strategy import OOMBStrategy, find_causal_lm, strategy_chunk_config
 
+
+
+# Arguments of from_pretrained that transformers keeps in a tokenizer's saved config.
+LOAD_ONLY_FLAGS = ("local_files_only", "cache_dir", "force_download", "token", "revision")
 
 
 class OOMBCLI(LightningCLI):
@@ -147,6 +152,33 @@ def _has_val_data(datamodule) -> bool:
     return True
 
 
+def _save_tokenizer(tokenizer, folder: Path) -> None:
+    """The tokenizer's files, without the flags it was loaded with (``local_files_only``): they are how this
+    machine read it, not part of the tokenizer, and would follow it to every machine that loads the export."""
+    tokenizer.save_pretrained(folder)
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        for flag in LOAD_ONLY_FLAGS:
+            config.pop(flag, None)
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _set_eos(folder: Path, eos_token_id: int | None) -> None:
+    """The EOS token the training data ended its documents with, in the exported config and generation config
+    where they have none (a randomly initialised config has none: generate would never stop)."""
+    if eos_token_id is None:
+        return
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        if config.get("eos_token_id") is None:
+            config["eos_token_id"] = eos_token_id
+            path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def default_export_dir(trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir) / "hf_export"
 
@@ -171,7 +203,8 @@ def export_hf(module, datamodule, target) -> Path:
         except Exception:
             tokenizer = None
     if tokenizer is not None:
-        tokenizer.save_pretrained(partial)
+        _save_tokenizer(tokenizer, partial)
+        _set_eos(partial, tokenizer.eos_token_id)
     if target.exists():
         shutil.rmtree(target)
     partial.rename(target)

@@ -174,6 +174,18 @@ def test_fit_logs_plan_tensorboard_and_export(uninterrupted, assets):
     # A generic tokenizer.json: AutoTokenizer would substitute Qwen2Tokenizer (config.json says qwen2).
     tokenizer = PreTrainedTokenizerFast.from_pretrained(export, local_files_only=True)
     assert tokenizer.eos_token == "</s>" and tokenizer("the cat")["input_ids"] == [26, 7]
+    assert "local_files_only" not in json.loads((export / "tokenizer_config.json").read_text())
+    # The EOS the corpus ended its documents with: generate stops there (forced at the third new token).
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+    def eos_at_third(input_ids, scores):
+        forced = tokenizer.eos_token_id if input_ids.shape[1] == 4 else 26  # "the", "the", then EOS
+        scores[:] = -float("inf")
+        scores[:, forced] = 0.0
+        return scores
+
+    out = model.generate(torch.tensor([[26, 7]]), max_new_tokens=10, do_sample=False, logits_processor=[eos_at_third])
+    assert out.shape[1] == 5 and out[0, -1] == tokenizer.eos_token_id, out
     saved = yaml.safe_load((uninterrupted["dir"] / "config.yaml").read_text())
     assert saved["data"]["init_args"]["tokenizer"] == str(assets["model"])  # taken from model.pretrained
 
