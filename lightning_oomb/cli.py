@@ -219,8 +219,23 @@ def export_hf(module, datamodule, target) -> Path:
     return target
 
 
+USAGE = """usage: lightning-oomb COMMAND [options]
+
+commands:
+  fit       train a Hugging Face causal LM with OOMBStrategy (Lightning CLI): fit --config examples/lora.yaml
+  validate  held-out loss of a model or checkpoint (Lightning CLI)
+  test      test loss (Lightning CLI)
+  plan      memory and time of one step before running it: plan --model qwen2.5-7b --context 1M --gpu-memory 140GiB
+  bench     measure steps against plain transformers on this GPU: bench --model qwen2.5-7b --lengths 16k,32k
+
+`lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration)."""
+
+
 def main(args: list[str] | None = None) -> int | None:
     args = list(args if args is not None else sys.argv[1:])
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
     # `plan` and `bench` are plain argparse commands, not Lightning CLI subcommands.
     if args and args[0] == "plan":
         from .planner_cli import main as plan_main

@@ -380,3 +380,10 @@ def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     restore_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
     got = (torch.rand(3), random.random(), numpy.random.rand())
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+
+
+def test_top_level_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "plan", "bench"):
+        assert f"\n  {command} " in out, out
