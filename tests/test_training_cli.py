@@ -195,7 +195,8 @@ def test_plan_and_corpus_printed(assets, tmp_path, capsys):
     assert fit(config, "--trainer.max_steps", "1", "--export", "false", "--trainer.limit_val_batches", "0") is None
     out = capsys.readouterr().out
     assert f"Plan: {assets['model']}, context 64 tokens x batch 2, chunk 16, page 8; full training, optimizer adamw" in out
-    assert "no CUDA device: the GPU lines are this machine's RAM too" in out
+    assert "no CUDA device: the step's memory is this machine's RAM too" in out
+    assert "TFLOP/s" not in out and "CUDA context" not in out  # no GPU-only lines on a CPU
     assert "process when the step was placed (measured resident set)" in out
     assert not (run_dir(tmp_path) / "hf_export").exists()
 

@@ -672,6 +672,8 @@ class Plan:
     machine: str = ""
     checkpoint_auto: bool = False
     other_activation_bytes: int | None = None
+    # "cpu": a step on a CPU device, whose "GPU" lines are host memory too; printed without GPU-only lines.
+    device: str = "cuda"
     notes: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
 
@@ -724,14 +726,15 @@ class Plan:
                 f"{sp.local_pages} local), score {sp.score}, {'per KV head' if sp.per_kv_head else 'shared'}"
             )
         width = max(len(k) for k in [*self.gpu_lines, *self.host_lines]) + 2
-        rows = [head, "", f"{'GPU memory':<{width}}{'GiB':>10}"]
+        cpu = self.device == "cpu"
+        rows = [head, "", f"{'Step memory (this CPU run: host RAM)' if cpu else 'GPU memory':<{width}}{'GiB':>10}"]
         rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.gpu_lines.items()]
         rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_gpu_bytes):>10}")
         rows += ["", f"{'Host memory':<{width}}{'GiB':>10}"]
         rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.host_lines.items()]
         rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_host_bytes):>10}")
         t = self.time
-        rows += [
+        rows += [] if cpu else [
             "",
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g})",
@@ -744,6 +747,8 @@ class Plan:
             other = "on" if not c.checkpoint_layers else "off"
             rows.append(f"Activations with layer checkpointing {other}: {_gib(self.other_activation_bytes)} GiB")
         rows += [f"Note: {n}" for n in self.notes]
+        if cpu:
+            return "\n".join(rows)
         machine = (
             f"GPU {_gb(self.gpu_memory)} ({_gib(self.gpu_memory)} GiB){' ' + self.machine if self.machine else ''}, "
             f"host {_gb(self.host_memory)} ({_gib(self.host_memory)} GiB)"
@@ -1423,8 +1428,10 @@ def place_step(
             loss_grads_on_host=placement.loss_grads_on_host,
         )
         if device.type != "cuda":
-            result.notes.append("no CUDA device: the GPU lines are this machine's RAM too, where the CPU run keeps "
-                                "everything; nothing is checked")
+            result.gpu_lines.pop("CUDA context and workspaces (assumed)", None)
+            result.device = "cpu"
+            result.notes.append("no CUDA device: the step's memory is this machine's RAM too, where the CPU run "
+                                "keeps everything; nothing is checked")
         room = host_free if device.type == "cuda" else None
         return dataclasses.replace(placement, host_limit=room, plan=result)
 
