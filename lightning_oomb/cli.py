@@ -4,10 +4,14 @@ plain ``plan`` and ``bench`` commands."""
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib
 import inspect
 import json
+import re
 import shutil
 import sys
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Optional
 
@@ -17,11 +21,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from .core.errors import SetupError
 from .core.served import serve
 from .lightning import CausalLMModule
 from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
-from .core.errors import SetupError
 from .lightning.strategy import OOMBStrategy, find_causal_lm, strategy_chunk_config
 
 
@@ -252,8 +256,13 @@ def main(args: list[str] | None = None) -> int | None:
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            # Errors come back to main as exceptions, to be told in one line rather than after the whole usage.
+            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in ("fit", "validate", "test")}},
             args=args,
         )
+    except ArgumentError as e:
+        print(f"lightning-oomb: error: {argument_error_line(e)}", file=sys.stderr)
+        return 2
     except Exception as e:
         # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
         cause = _setup_error(e)
@@ -262,6 +271,28 @@ def main(args: list[str] | None = None) -> int | None:
         print(f"lightning-oomb: error: {cause}", file=sys.stderr)
         return 2
     return None
+
+
+def argument_error_line(error: ArgumentError) -> str:
+    """jsonargparse's report of a bad option, in one line: an option a class does not accept is named with the
+    closest one it does; anything else is its first lines joined."""
+    text = str(error)
+    option = re.search(r"Option '([^']+)' is not accepted", text)
+    class_path = re.search(r"given class_path '([^']+)'", text)
+    key = re.search(r'Parser key "([^"]+)"', text)
+    if option and class_path:
+        module, _, name = class_path.group(1).rpartition(".")
+        try:
+            accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+        except (ImportError, AttributeError, ValueError):
+            accepted = []
+        close = difflib.get_close_matches(option.group(1), accepted, n=1)
+        where = f"{key.group(1)}.init_args" if key else class_path.group(1)
+        return (f"{where}: {class_path.group(1)} has no option {option.group(1)!r}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+                + " (`lightning-oomb fit --print_config` shows every option with its value)")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines[:3]) + (" (`lightning-oomb fit --help` lists the options)" if lines else "")
 
 
 def _setup_error(e: BaseException | None) -> SetupError | None:
