@@ -307,6 +307,23 @@ class ResumableBatchSampler(Sampler[list[int]]):
             yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
 
 
+class PositionedLoader(DataLoader):
+    """The training loader, resumable as Lightning sees it (``state_dict``/``load_state_dict``): its state is the
+    data position, (epoch, batches consumed) as ``position()`` reports it, which ``load_state_dict`` hands to
+    the sampler. The DataModule's own state restores the same position (and refuses other data)."""
+
+    def __init__(self, dataset: Dataset, batch_sampler: ResumableBatchSampler, position):
+        super().__init__(dataset, batch_sampler=batch_sampler)
+        self._position = position
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, consumed = self._position()
+        return {"epoch": epoch, "batches_consumed": consumed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.batch_sampler.resume(int(state_dict["epoch"]), int(state_dict["batches_consumed"]))
+
+
 # == the DataModule ========================================================================================
 
 
@@ -458,7 +475,7 @@ class TextCorpusDataModule(LightningDataModule):
             self._epoch, self._consumed = state["epoch"], state["batches_consumed"]
             self._sampler.resume(self._epoch, self._consumed)
             self._resume_from = None
-        return DataLoader(self.train_set, batch_sampler=self._sampler)
+        return PositionedLoader(self.train_set, self._sampler, lambda: (self._epoch, self._consumed))
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
