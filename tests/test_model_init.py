@@ -266,3 +266,18 @@ def test_7b_materializes_on_cuda_in_seconds():
     assert seconds < 60, seconds
     del module
     torch.cuda.empty_cache()
+
+
+def test_schedule_steps_fixes_the_cosine_length():
+    """model.schedule_steps: the cosine reaches 0 there, whatever the Trainer's max_steps (extending a run with a
+    larger max_steps keeps the learning rate on the same curve)."""
+    from lightning.pytorch import Trainer
+
+    module = CausalLMModule(config=TINY, learning_rate=1.0, warmup_steps=2, schedule_steps=10)
+    module.materialize()
+    module.trainer = Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False)
+    scheduler = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+    factors = [scheduler.lr_lambdas[0](step) for step in (0, 1, 6, 10, 12)]
+    assert factors == pytest.approx([0.5, 1.0, 0.5, 0.0, 0.0])
+    with pytest.raises(ValueError, match="model.schedule_steps must be >= 1"):
+        CausalLMModule(config=TINY, schedule_steps=0)

@@ -69,7 +69,10 @@ class CausalLMModule(LightningModule):
             the weights are created in bfloat16 whatever this says.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
         lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
-        learning_rate, weight_decay: AdamW settings. warmup_steps: linear warm-up, then cosine decay to 0.
+        learning_rate, weight_decay: AdamW settings. warmup_steps: linear warm-up, then cosine decay to 0 at
+            ``schedule_steps`` (None: the Trainer's ``max_steps``; resuming with a larger ``max_steps`` then
+            stretches the cosine from the resumed step on, so the learning rate jumps up: set ``schedule_steps``
+            to keep one schedule over runs that extend each other).
         answer_tokens: > 0 also reports ``val/retrieval_acc``, the teacher-forced exact match of the last
             ``answer_tokens`` tokens of each validation sequence (the passkey task).
         seed: seeds the random initialisation (see ``materialize``).
@@ -97,6 +100,7 @@ class CausalLMModule(LightningModule):
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        schedule_steps: int | None = None,
         answer_tokens: int = 0,
         seed: int = 0,
     ):
@@ -108,6 +112,7 @@ class CausalLMModule(LightningModule):
             raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         for name, value, low in (("learning_rate", learning_rate, 0.0), ("weight_decay", weight_decay, 0.0),
                                  ("warmup_steps", warmup_steps, 0), ("lora_rank", lora_rank, 0),
+                                 ("schedule_steps", 1 if schedule_steps is None else schedule_steps, 1),
                                  ("answer_tokens", answer_tokens, 0)):
             if value < low or (name == "learning_rate" and value == 0):
                 bound = "> 0" if name == "learning_rate" else f">= {low}"
@@ -277,7 +282,7 @@ class CausalLMModule(LightningModule):
         optimizer = torch.optim.AdamW(
             params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, fused=fused or None
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        total = self.hparams.schedule_steps or max(1, int(self.trainer.estimated_stepping_batches))
         warmup = self.hparams.warmup_steps
 
         def schedule(step: int) -> float:

@@ -62,6 +62,7 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
+        schedule_steps: int | None = None,
         answer_tokens: int = 0,
         seed: int = 0,
         budget_pages: int | None = 64,
@@ -73,6 +74,7 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         if budget_pages is not None:  # refuse bad options before loading a model
             SparseConfig(budget_pages, sink_pages, local_pages, sparse_score, per_kv_head)
         super().__init__(
-            pretrained, config, dtype, lora_rank, lora_alpha, lora_target_modules, learning_rate, weight_decay,
-            warmup_steps, answer_tokens, seed,
+            pretrained=pretrained, config=config, dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            lora_target_modules=lora_target_modules, learning_rate=learning_rate, weight_decay=weight_decay,
+            warmup_steps=warmup_steps, schedule_steps=schedule_steps, answer_tokens=answer_tokens, seed=seed,
         )
