@@ -13,7 +13,7 @@ a forward and backward with gradients zeroed before it (set_to_none) and no opti
   (the other SparseConfig fields at their defaults). Its floor counts the sparse attention FLOPs.
 Later modes join through ``register_mode``. An out-of-memory point is recorded as "OOM" and the sweep goes
 on. Written to --out: results.csv, results.md (machine, date, command line, table) and results.png (step
-time and peak GPU memory against context length, log-log, with the FLOP floor of DESIGN.md section 3).
+time and peak GPU memory against context length, log-log, with the FLOP floor of docs/planner.md, "Time").
 
 The floor is the same for every dense mode (8 P_mm L + 9 n_layers d_q L^2 at --matmul-tflops, no extra layer
 checkpointing recompute), so "fraction of floor" compares modes on the same useful work. For oomb rows

@@ -1,7 +1,7 @@
 """One autograd function: a chunk's queries attend to the stored past plus the chunk itself, causally.
 
 Backward adds the past's dK, dV into the store's gradient pages and returns the chunk's own dk, dv with
-what later chunks stored for them already added (DESIGN.md section 1, stage 2, step 3).
+what later chunks stored for them already added (docs/architecture.md, "The algorithm in one page": stage 2).
 
 With a page selection (``lightning_oomb.core.sparse``) the same function runs sparse attention: the past is
 only the selected pages of each query tile, and the backend is the sparse one (``resolve_backend(...,

@@ -1,4 +1,4 @@
-"""Pages in host memory, streamed through the GPU (DESIGN.md section 4).
+"""Pages in host memory, streamed through the GPU (docs/architecture.md, "Host pages").
 
 A host-placed PagePool keeps K, V, dK and dV of every layer in (pinned) host memory. Attention over such a
 past never holds it on the GPU: the past is cut into segments of ``segment_tokens`` tokens, each brought

@@ -1,4 +1,4 @@
-"""Memory and time of a training step before it runs (DESIGN.md sections 3 and 4).
+"""Memory and time of a training step before it runs (docs/planner.md).
 
 ``plan(model, context, ...)`` returns a ``Plan``: the GPU and host memory of one chunk-recurrent training
 step, line by line in bytes, whether it fits this (or a named) machine, the FLOP floor and a predicted
@@ -47,7 +47,7 @@ HOST_PROCESS_BYTES = 2 * GIB
 FIRST_STEP_RUNTIME_BYTES = GIB // 2
 # Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
 ASSUMED_EFFICIENCY = 0.72  # measured 0.72-0.76 dense 32K-128K, 0.71 sparse 128K (H200, Gluon kernels; docs/benchmarks.md)
-DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (DESIGN.md section 3)
+DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
 # additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
 # what hides behind the compute, HOST_ADD_HIDDEN_S. Fitted to whole steps on the H200 with every layer's
@@ -234,7 +234,7 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """P_mm of DESIGN.md section 3: every linear layer including lm_head, not the input embedding."""
+        """P_mm of docs/planner.md, "Time": every linear layer including lm_head, not the input embedding."""
         return self.n_layers * self.layer_matmul_params + self.head_params
 
     @property
@@ -488,7 +488,7 @@ def step_time(
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
     page_size: int = 128,
 ) -> StepTime:
-    """FLOP model of DESIGN.md section 3 for one step of ``batch`` sequences of ``context`` tokens.
+    """FLOP model (docs/planner.md, "Time") for one step of ``batch`` sequences of ``context`` tokens.
 
     linear: 8 * P_mm * tokens (stage-1 forward 2, stage-2 forward 2, backward 4). With LoRA the frozen
     weights still need the backward with respect to their inputs but not their own gradient:

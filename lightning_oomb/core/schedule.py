@@ -1,4 +1,4 @@
-"""The two-stage chunk-recurrent schedule (DESIGN.md section 1).
+"""The two-stage chunk-recurrent schedule (docs/architecture.md, "The algorithm in one page").
 
 Stage 1 (fill, no autograd but for the last chunks, whose graphs it keeps: ``keep_graphs``): chunks
 0..C-1 run forward; every attention layer writes the chunk's post-RoPE K, V into the paged store and attends

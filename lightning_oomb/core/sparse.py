@@ -1,4 +1,4 @@
-"""Page-level sparse attention (DESIGN.md section 5): options, page summaries, selection, and the reference.
+"""Page-level sparse attention (docs/architecture.md, "Page-level sparse attention"): options, page summaries, selection, and the reference.
 
 What a query attends to. The queries of a chunk at tokens [start, start + T) are cut into query tiles of
 ``page_size`` tokens, aligned to the chunk start (tile i holds queries [start + i*ps, start + (i+1)*ps), the
