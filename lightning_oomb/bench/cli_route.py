@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from ..core.host_memory import proc_field_bytes
+
 GIB = 1 << 30
 BYTE_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "byte_tokenizer"
 WORDS = ("the of and to in is was for on that with as by at from his her an which were are this be had not "
@@ -113,23 +115,11 @@ class Sampler(threading.Thread):
 
 
 def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return proc_field_bytes(f"/proc/{pid}/status", "VmRSS") or 0
 
 
 def _meminfo() -> tuple[int, int]:
-    values = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":")
-            values[key] = int(value.split()[0]) * 1024
-    return values["MemTotal"], values["MemAvailable"]
+    return proc_field_bytes("/proc/meminfo", "MemTotal") or 0, proc_field_bytes("/proc/meminfo", "MemAvailable") or 0
 
 
 def _gpu_used() -> int:

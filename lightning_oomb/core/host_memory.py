@@ -38,16 +38,22 @@ def machine_host_memory() -> int:
         return int(psutil.virtual_memory().total)
 
 
-def available_host_memory() -> int:
-    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
+def proc_field_bytes(path: str, field: str) -> int | None:
+    """Bytes of a ``field: N kB`` line of a /proc file (Linux: /proc/meminfo, /proc/PID/status), else None."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return machine_host_memory()
+    return None
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
+    available = proc_field_bytes("/proc/meminfo", "MemAvailable")
+    return machine_host_memory() if available is None else available
 
 
 def process_host_bytes() -> int:
@@ -62,13 +68,9 @@ def process_host_bytes() -> int:
 def peak_process_host_bytes() -> int:
     """The largest resident set this process has had since ``reset_peak_process_host_bytes`` (Linux's VmHWM),
     else since it started (ru_maxrss)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = proc_field_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

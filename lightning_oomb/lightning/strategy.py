@@ -48,6 +48,7 @@ def _host_memory(value: int | str) -> int:
 
 
 def strategy_chunk_config(
+    *,
     chunk_size: int = 4096, page_size: int = 128, attention: str = "auto", checkpoint_layers: bool = False,
     cross_chunk_gradients: bool = True, grad_dtype: str = "float32", sparse: SparseConfig | dict | None = None,
     offload: str = "auto", segment_tokens: int | None = None, keep_attention: int | None = None,
@@ -116,8 +117,10 @@ class OOMBStrategy(SingleDeviceStrategy):
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
         self.chunk_config = strategy_chunk_config(
-            chunk_size, page_size, attention, checkpoint_layers, cross_chunk_gradients, grad_dtype, sparse, offload,
-            segment_tokens, keep_attention, keep_graphs, host_memory,
+            chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
+            cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
+            segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
+            host_memory=host_memory,
         )
         self._pending: Serving | None = None
 
