@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
+    result.suggestion_style = "cli"
     print(result)
     return 0 if result.fits else 1
 

@@ -21,7 +21,6 @@ from lightning_oomb.core.planner import (
     PlanError,
     activation_bytes,
     builtin_names,
-    core_features,
     load_config_dict,
     parse_bytes,
     parse_tokens,
@@ -167,19 +166,18 @@ def test_plan_that_does_not_fit_lists_suggestions_with_numbers():
     kv = next(v for k, v in p.gpu_lines.items() if k.startswith("K/V pages"))
     grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
     assert (kv, grads) == (57_344 * 2**20, 114_688 * 2**20)
-    changes = {s.change.split(" (")[0]: s for s in p.suggestions}
+    changes = {s.change: s for s in p.suggestions}
     assert {"smaller chunks", "LoRA rank 16 on q, k, v, o", "bf16 KV-gradients",
-            "offload K/V and KV-gradient pages to pinned host memory"} <= set(changes)
-    features = core_features()
-    assert changes["bf16 KV-gradients"].available == features["bf16_kv_grads"]
-    offload = changes["offload K/V and KV-gradient pages to pinned host memory"]
-    assert offload.available == features["offload"]
+            "K/V and KV-gradient pages in pinned host memory, streamed"} <= set(changes)
+    offload = changes["K/V and KV-gradient pages in pinned host memory, streamed"]
+    assert (offload.cli, offload.python) == ("--offload host", "offload='host'")
     assert offload.plan.peak_gpu_bytes < p.peak_gpu_bytes and offload.plan.peak_host_bytes > p.peak_host_bytes
     assert changes["LoRA rank 16 on q, k, v, o"].plan.peak_gpu_bytes < p.peak_gpu_bytes
     text = str(p)
     assert "DOES NOT FIT" in text and "What would make it fit" in text
-    if not features["offload"]:
-        assert "[not yet available] offload" in text
+    assert "- bf16 KV-gradients (grad_dtype=torch.bfloat16)" in text  # the API's keywords by default
+    p.suggestion_style = "cli"
+    assert "- bf16 KV-gradients (--grad-dtype bfloat16)" in str(p)  # lightning-oomb plan's flags
     with pytest.raises(PlanError, match="DOES NOT FIT"):
         p.check()
 
@@ -254,12 +252,21 @@ def test_plan_without_gpu_memory_on_a_cpu_machine_asks_for_the_flag():
         plan("qwen2.5-7b", 32768)
 
 
-def test_bf16_kv_grads_projection_is_labelled():
+def test_bf16_kv_grads_in_the_plan():
     p = plan("qwen2.5-7b", 32768, grad_dtype=torch.bfloat16, **H200)
     grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
     assert grads == 57_344 * 32768
-    if not core_features()["bf16_kv_grads"]:
-        assert any("not yet available" in n for n in p.notes)
+
+
+def test_all_changes_together_when_none_fits_alone():
+    """At 4M tokens no single change fits: the last memory suggestion takes every one of them at once."""
+    p = plan("qwen2.5-7b", parse_tokens("4M"), **H200)
+    memory = [s for s in p.suggestions if s.goal == "memory"]
+    together = memory[-1]
+    assert together.change == "all of the above together" and not any(s.plan.fits for s in memory[:-1])
+    assert together.cli == " ".join(s.cli for s in memory[:-1])
+    c = together.plan.config
+    assert c.lora_rank == 16 and c.grad_dtype == torch.bfloat16 and c.offload and c.chunk_size < 4096
 
 
 # -- command line ----------------------------------------------------------------------------------------

@@ -299,7 +299,7 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
     assert f"KV-gradient pages of {n} of 28 layers in pinned host memory" in str(chosen)
     # The suggestion list offers it too (not the dense streaming offload, which sparse does not use).
     assert any("KV-gradient pages of" in s.change for s in on_gpu.suggestions)
-    assert not any(s.change.startswith("offload K/V") for s in on_gpu.suggestions)
+    assert not any(s.change.startswith("K/V and KV-gradient pages") for s in on_gpu.suggestions)
 
 
 def test_plan_placed_places_like_a_step():

@@ -2,9 +2,8 @@
 
 ``plan(model, context, ...)`` returns a ``Plan``: the GPU and host memory of one chunk-recurrent training
 step, line by line in bytes, whether it fits this (or a named) machine, the FLOP floor and a predicted
-step time, and, when it does not fit, what would make it fit, each with its own numbers. Features that
-``lightning_oomb.core`` does not implement yet (host offload) are listed as "not yet available" with the
-numbers they would give; nothing here pretends they exist. ``plan(..., sparse=SparseConfig(...))`` counts
+step time, and, when it does not fit, what would make it fit, each with its own numbers and the flags or
+keywords that ask for it. ``plan(..., sparse=SparseConfig(...))`` counts
 the FLOPs of page-level sparse attention and the memory of its page summaries and selections.
 
 Sizes on the command line: token counts take K = 1024 and M = 1024 * 1024 (``1M`` = 1,048,576 tokens);
@@ -27,7 +26,7 @@ import torch
 
 from .attention import uses_triton
 from .host_memory import (
-    available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
+    host_budget, host_headroom, machine_host_memory, process_host_bytes,
 )
 from .loss import piece_rows
 from .pages import HostGradStaging, movable_host_layers
@@ -622,40 +621,28 @@ def offload_segment_pages(c: PlanConfig) -> int:
     return c.batch * math.ceil(per_seq / c.page_size)
 
 
-def core_features() -> dict[str, bool]:
-    """Which optional features lightning_oomb.core implements, read from its public signatures."""
-    import inspect
-
-    from . import schedule
-
-    fields = {f.name for f in dataclasses.fields(schedule.ChunkConfig)}
-    params = set(inspect.signature(schedule.train_step).parameters)
-    names = fields | params
-    return {
-        "bf16_kv_grads": "grad_dtype" in names,
-        "offload": any(n.startswith("offload") for n in names),
-        "sparse": any("sparse" in n for n in names),
-    }
-
-
 @dataclass
 class Suggestion:
-    """A change that would make a step fit (goal "memory") or run faster (goal "time"), with its plan."""
+    """A change that would make a step fit (goal "memory") or run faster (goal "time"), with its plan: in
+    words, as flags of ``lightning-oomb plan`` (``cli``) and as keyword arguments of ``plan()`` and the
+    training API (``python``)."""
 
     change: str
-    available: bool
     plan: "Plan"
+    cli: str
+    python: str
     goal: str = "memory"
 
-    def __str__(self) -> str:
-        tag = "" if self.available else "[not yet available] "
+    def render(self, style: str = "python") -> str:
         p = self.plan
         verdict = "fits" if p.fits else "still does not fit"
         host = f", host {_gib(p.peak_host_bytes)} GiB" if p.config.offload or p.config.host_grad_layers else ""
-        return (
-            f"- {tag}{self.change}: GPU {_gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
-            f"step ≈ {_duration(p.time.predicted_s)}"
-        )
+        how = self.cli if style == "cli" else self.python
+        return (f"- {self.change} ({how}): GPU {_gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
+                f"step ≈ {_duration(p.time.predicted_s)}")
+
+    def __str__(self) -> str:
+        return self.render()
 
 
 @dataclass
@@ -674,6 +661,8 @@ class Plan:
     other_activation_bytes: int | None = None
     # "cpu": a step on a CPU device, whose "GPU" lines are host memory too; printed without GPU-only lines.
     device: str = "cuda"
+    # How suggestions name their changes: "python" (keyword arguments) or "cli" (lightning-oomb plan's flags).
+    suggestion_style: str = "python"
     notes: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
 
@@ -770,9 +759,9 @@ class Plan:
         memory = [x for x in self.suggestions if x.goal == "memory"]
         faster = [x for x in self.suggestions if x.goal == "time"]
         if memory:
-            rows += ["What would make it fit:", *map(str, memory)]
+            rows += ["What would make it fit:", *(x.render(self.suggestion_style) for x in memory)]
         if faster:
-            rows += ["What would make it faster:", *map(str, faster)]
+            rows += ["What would make it faster:", *(x.render(self.suggestion_style) for x in faster)]
         return "\n".join(rows)
 
 
@@ -1127,13 +1116,7 @@ def plan(
     elif checkpoint_layers is None:
         result.checkpoint_auto = True
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
-    features = core_features()
-    if grad_dtype != torch.float32 and not features["bf16_kv_grads"]:
-        result.notes.append(
-            f"KV-gradients in {_dtype_name(grad_dtype)} are not yet available in lightning_oomb.core "
-            "(it accumulates them in float32): these numbers are a projection"
-        )
-    result.suggestions = _suggestions(result, estimate, features)
+    result.suggestions = _suggestions(result, estimate)
     return result
 
 
@@ -1190,15 +1173,15 @@ def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> 
     return result
 
 
-def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Suggestion]:
-    """Single changes that make the step fit (each with its numbers); the available ones together when
-    no single one does; sparse attention when attention dominates the step's FLOPs."""
+def _suggestions(result: Plan, estimate) -> list[Suggestion]:
+    """Single changes that make the step fit (each with its numbers); all of them together when no single one
+    does; sparse attention when attention dominates the step's FLOPs."""
     c = result.config
     found: list[Suggestion] = []
     if not result.fits:
         if not c.checkpoint_layers:
-            found.append(Suggestion("layer checkpointing (--checkpoint-layers on)", True,
-                                    estimate(dataclasses.replace(c, checkpoint_layers=True))))
+            found.append(Suggestion("layer checkpointing", estimate(dataclasses.replace(c, checkpoint_layers=True)),
+                                    "--checkpoint-layers on", "checkpoint_layers=True"))
         halvings = []
         chunk = min(c.chunk_size, c.context) // 2
         while chunk >= MIN_SUGGESTED_CHUNK:
@@ -1209,49 +1192,38 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
             plans = (estimate(dataclasses.replace(c, chunk_size=k)) for k in halvings)
             smaller = next((p for p in plans if p.fits), None)
             smaller = smaller or estimate(dataclasses.replace(c, chunk_size=halvings[0]))
-            found.append(Suggestion(f"smaller chunks (--chunk {smaller.config.chunk_size})", True, smaller))
+            k = smaller.config.chunk_size
+            found.append(Suggestion("smaller chunks", smaller, f"--chunk {k}", f"chunk_size={k}"))
         if c.precision != "bf16-true":
-            found.append(Suggestion("bf16 parameters and optimizer state (--precision bf16-true)", True,
-                                    estimate(dataclasses.replace(c, precision="bf16-true"))))
+            found.append(Suggestion("bf16 parameters and optimizer state",
+                                    estimate(dataclasses.replace(c, precision="bf16-true")),
+                                    "--precision bf16-true", "precision='bf16-true'"))
         if c.lora_rank == 0:
-            found.append(Suggestion("LoRA rank 16 on q, k, v, o (--lora 16)", True,
-                                    estimate(dataclasses.replace(c, lora_rank=16))))
+            found.append(Suggestion("LoRA rank 16 on q, k, v, o", estimate(dataclasses.replace(c, lora_rank=16)),
+                                    "--lora 16", "lora_rank=16"))
         if c.grad_dtype != torch.bfloat16:
-            available = features["bf16_kv_grads"]
-            found.append(Suggestion(
-                "bf16 KV-gradients (grad_dtype=torch.bfloat16" + (")" if available else "; with the offload issue)"),
-                available, estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16))))
+            found.append(Suggestion("bf16 KV-gradients", estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16)),
+                                    "--grad-dtype bfloat16", "grad_dtype=torch.bfloat16"))
         if c.sparse:
             hosted = fewest_host_grad_layers(c, result.shape, estimate)
-            found.append(Suggestion(
-                f"KV-gradient pages of {hosted.config.host_grad_layers} layers in pinned host memory (offload='auto')",
-                features["offload"], hosted))
-        else:
-            found.append(Suggestion("offload K/V and KV-gradient pages to pinned host memory",
-                                    features["offload"], estimate(dataclasses.replace(c, offload=True))))
-        if not any(s.plan.fits for s in found):
+            if hosted.config.host_grad_layers != c.host_grad_layers:
+                found.append(Suggestion(
+                    f"KV-gradient pages of {hosted.config.host_grad_layers} layers in pinned host memory", hosted,
+                    "--offload auto", "offload='auto'"))
+        elif not c.offload:
+            found.append(Suggestion("K/V and KV-gradient pages in pinned host memory, streamed",
+                                    estimate(dataclasses.replace(c, offload=True)), "--offload host", "offload='host'"))
+        if found and not any(x.plan.fits for x in found):
             combined = c
-            for s in found:
-                if s.available:
-                    combined = dataclasses.replace(
-                        combined,
-                        checkpoint_layers=combined.checkpoint_layers or s.plan.config.checkpoint_layers,
-                        chunk_size=min(combined.chunk_size, s.plan.config.chunk_size),
-                        lora_rank=max(combined.lora_rank, s.plan.config.lora_rank),
-                        precision=combined.precision if s.plan.config.precision == c.precision
-                        else s.plan.config.precision,
-                    )
-            if combined != c:
-                found.append(Suggestion("all available changes above together", True, estimate(combined)))
-            everything = dataclasses.replace(
-                combined, grad_dtype=torch.bfloat16, offload=not c.sparse,
-                host_grad_layers=result.shape.n_layers if c.sparse else 0,
-                checkpoint_layers=True, lora_rank=max(combined.lora_rank, 16),
-            )
-            if everything != combined:
-                available = all(features[k] for k in ("bf16_kv_grads", "offload"))
-                found.append(Suggestion("all of the above with bf16 KV-gradients and offload", available,
-                                        estimate(everything)))
+            for x in found:  # every change at once; of the chunk sizes the smallest
+                changed = {f.name: getattr(x.plan.config, f.name) for f in dataclasses.fields(c)
+                           if getattr(x.plan.config, f.name) != getattr(c, f.name)}
+                if "chunk_size" in changed:
+                    changed["chunk_size"] = min(changed["chunk_size"], combined.chunk_size)
+                combined = dataclasses.replace(combined, **changed)
+            if len(found) > 1:
+                found.append(Suggestion("all of the above together", estimate(combined),
+                                        " ".join(x.cli for x in found), ", ".join(x.python for x in found)))
     t = result.time
     if t.attention_flops > t.linear_flops and not c.sparse:
         config = SparseConfig()
@@ -1259,9 +1231,9 @@ def _suggestions(result: Plan, estimate, features: dict[str, bool]) -> list[Sugg
         if c.offload:  # sparse keeps K/V on the GPU; host memory holds gradient pages where needed
             sparse = fewest_host_grad_layers(sparse.config, result.shape, estimate)
         found.append(Suggestion(
-            f"page-level sparse attention (sparse=SparseConfig(budget_pages={config.budget_pages}): at most "
-            f"{config.attended_past_tokens(c.page_size):,} past tokens per query)",
-            features["sparse"], sparse, goal="time"))
+            f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per query",
+            sparse, f"--sparse-budget {config.budget_pages}",
+            f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
     return found
 
 
