@@ -16,6 +16,7 @@ from .core.planner import (
     OFFLOAD_SEGMENT_TOKENS,
     OPTIMIZERS,
     PRECISIONS,
+    argparse_type,
     builtin_names,
     parse_bytes,
     parse_tokens,
@@ -27,19 +28,6 @@ CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _argument(parse):
-    """An argparse type that turns our ValueErrors into argparse's usage errors."""
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-oomb plan",
@@ -48,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True,
                         help=f"built-in shape ({', '.join(builtin_names())}), a config.json or a model directory")
-    parser.add_argument("--context", required=True, type=_argument(parse_tokens), help="tokens per sequence, e.g. 1M")
-    parser.add_argument("--chunk", type=_argument(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
+    parser.add_argument("--context", required=True, type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
+    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default 128)")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA rank on q,k,v,o (0: full training)")
@@ -62,15 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto",
                         help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
                         "else pinned host memory (as a training step decides)")
-    parser.add_argument("--segment-tokens", type=_argument(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
+    parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
                         help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
     parser.add_argument("--sparse-budget", type=int, default=0, metavar="PAGES",
                         help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
                         "other fields at their defaults); 0: dense. Sparse steps keep K/V on the GPU: --offload "
                         "moves only KV-gradient pages (auto: of the fewest layers that fit; host: of all)")
-    parser.add_argument("--gpu-memory", type=_argument(parse_bytes), default=None,
+    parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
-    parser.add_argument("--host-memory", type=_argument(parse_bytes), default=None,
+    parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
                         help="the run's host memory budget with its unit, e.g. 112GiB (default: this machine's RAM less max(8 GiB, 10%%))")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help=f"dense bf16 matmul peak of the GPU in TFLOP/s (default {DEFAULT_MATMUL_TFLOPS:g}, H200)")

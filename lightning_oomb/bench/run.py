@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.planner import (
     CUDA_CONTEXT_BYTES,
     DEFAULT_MATMUL_TFLOPS,
@@ -49,6 +50,7 @@ from ..core.planner import (
     LORA_TARGETS,
     OFFLOAD_SEGMENT_TOKENS,
     ModelShape,
+    argparse_type,
     human_count,
     load_config_dict,
     parse_tokens,
@@ -56,7 +58,6 @@ from ..core.planner import (
     step_time,
     transformers_config,
 )
-from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..kernels import host_pages
 
 CSV_COLUMNS = (
@@ -646,26 +647,6 @@ def plot(results: list[PointResult], config: BenchConfig, machine: str, path: Pa
 # == command line =========================================================================================
 
 
-def _one(parse):
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return convert
-
-
-def _list_of(parse):
-    def convert(text: str):
-        try:
-            return tuple(parse(x) for x in text.split(",") if x.strip())
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return convert
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-oomb bench",
@@ -673,11 +654,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="qwen2.5-7b",
                         help="built-in shape, a config.json or a model directory (default qwen2.5-7b)")
-    parser.add_argument("--lengths", type=_list_of(parse_tokens), default=BenchConfig.lengths,
+    parser.add_argument("--lengths", type=argparse_type(parse_tokens, many=True), default=BenchConfig.lengths,
                         help="context lengths, e.g. 16k,32k,64k,128k")
-    parser.add_argument("--modes", type=_list_of(str.strip), default=BenchConfig.modes,
+    parser.add_argument("--modes", type=argparse_type(str.strip, many=True), default=BenchConfig.modes,
                         help=f"comma-separated, from: {', '.join(MODES)}")
-    parser.add_argument("--chunk", type=_one(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
+    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",

@@ -1278,6 +1278,21 @@ def parse_bytes(text: str | int) -> int:
     return int(value * _BYTE_UNITS[unit])
 
 
+def argparse_type(parse, many: bool = False):
+    """An argparse ``type`` from a parser of this module (``parse_tokens``, ``parse_bytes``): its ValueError
+    becomes argparse's usage error; ``many``: a comma-separated list of such values, as a tuple."""
+    import argparse
+
+    def convert(text: str):
+        try:
+            return tuple(parse(x) for x in text.split(",") if x.strip()) if many else parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
 # Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA
 # context); everything else is what the step itself allocates.
 _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copies", "CUDA context")

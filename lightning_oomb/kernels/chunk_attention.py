@@ -40,7 +40,6 @@ slot ``slots[b, t // page_size]``, offset ``t % page_size``.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ..core.pages import LayerStore
+from .launch import on_device_of
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -572,10 +572,6 @@ def _query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
                  for x in xs)
 
 
-def _device_ctx(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -622,7 +618,7 @@ def _launch_forward(
     slots = store.table.slots.to(torch.int32)
     grid = (triton.cdiv(t, tiles.block_m), b * hq)
     descs = _pool_descriptors(store, past_lo, tiles.block_n)
-    with _device_ctx(q):
+    with on_device_of(q):
         _fwd_kernel[grid](
             q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
@@ -657,7 +653,7 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     b, hq, t, d = out.shape
     delta = torch.empty((b, hq, t), dtype=torch.float32, device=out.device)
     block = 64 if _padded(d) <= 64 else 32
-    with _device_ctx(out):
+    with on_device_of(out):
         _delta_kernel[(triton.cdiv(t, block), b * hq)](
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2), t,
@@ -694,7 +690,7 @@ def launch_dkdv(
     if n_past_tiles + n_chunk_tiles == 0:
         return None
     rows = _query_descriptors(kt.block_m, q, dout)
-    with _device_ctx(q):
+    with on_device_of(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
             lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, grad_slots, dk_out, dv_out,
@@ -728,7 +724,7 @@ def _launch_dq(
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
     descs = _pool_descriptors(store, past_lo, tiles.block_n)
-    with _device_ctx(q):
+    with on_device_of(q):
         _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
             q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq,
             q.stride(0), q.stride(1), q.stride(2),

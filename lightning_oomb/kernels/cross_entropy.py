@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_attention import _device_ctx
+from .launch import on_device_of
 
 # Columns per step of a row: 16 KB of bf16 logits over 8 warps.
 _BLOCK = 8192
@@ -56,7 +56,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: 
                          f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}")
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
-        with _device_ctx(logits):
+        with on_device_of(logits):
             _cross_entropy_kernel[(n,)](
                 logits, targets, loss, vocab, logits.stride(0), float(normalizer),
                 WITH_GRAD=grad, BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_attention import _device_ctx
+from .launch import on_device_of
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, ds
     if src_slots.numel() == 0:
         return
     page_elems = src[0].numel()
-    with _device_ctx(src_slots):
+    with on_device_of(src_slots):
         _copy_pages_kernel[(src_slots.numel(),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(),
                                                  PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
 
@@ -96,7 +96,7 @@ def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*rows.shape, *src.shape[1:]), dtype=src.dtype, device=rows.device)
     flat = rows.reshape(-1)
     if flat.numel():
-        with _device_ctx(rows):
+        with on_device_of(rows):
             block = triton.next_power_of_2(min(row_elems, 1024))
             _read_rows_kernel[(flat.numel(),)](src, flat, out, ROW_ELEMS=row_elems, BLOCK=block)
     return out
@@ -161,7 +161,7 @@ def add_staged_pages(
     if b * h * n_pages == 0:
         return
     pages, counts = pages.contiguous(), counts.contiguous()
-    with _device_ctx(pages):
+    with on_device_of(pages):
         _add_staged_kernel[(min(launch.programs, b * h * n_pages),)](
             dst_k, dst_v, src_k, src_v, slots, pages, counts, dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
             slots.stride(0), slots.stride(1), b * h * n_pages, n_pages, src_k.shape[2], start,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_attention import _device_ctx
+from .launch import on_device_of
 
 # Elements of x one program holds at once: whole rows of a wide hidden size, several rows of a narrow one
 # (Qwen3's per-head norm over D = 128 runs on B * T * H rows of 128).
@@ -116,7 +116,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
         block_r, block_n, num_warps = _tiles(n, _FWD_TILE)
-        with _device_ctx(x):
+        with on_device_of(x):
             _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
                 x, weight, y, rstd, n_rows, x.stride(0), y.stride(0), eps,
                 N=n, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
@@ -143,7 +143,7 @@ def _backward(
     tiles_per_program = triton.cdiv(n_tiles, min(n_tiles, max_programs))
     programs = triton.cdiv(n_tiles, tiles_per_program)
     partial = torch.empty((programs, n) if compute_dw else (1,), dtype=torch.float32, device=x.device)
-    with _device_ctx(x):
+    with on_device_of(x):
         _rms_norm_bwd_kernel[(programs,)](
             dy, x, weight, rstd, dx, partial, n_rows, tiles_per_program * block_r,
             dy.stride(0), x.stride(0), dx.stride(0),

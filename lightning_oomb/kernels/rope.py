@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_attention import _device_ctx
+from .launch import on_device_of
 
 # Elements of one half of the head dim across heads that one program rotates at a time.
 _TILE_ELEMS = 1024
@@ -128,7 +128,7 @@ def _launch(
     # A batch-broadcast cos/sin (1, T, D) is read at batch stride 0.
     sc_b = cos.stride(0) if cos.shape[0] > 1 else 0
     ss_b = sin.stride(0) if sin.shape[0] > 1 else 0
-    with _device_ctx(q):
+    with on_device_of(q):
         _rope_kernel[(b * t,)](
             q, k, q_out, k_out, cos, sin, t,
             *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),

@@ -48,7 +48,6 @@ from .chunk_attention import (
     _fwd_chunk,
     launch_delta,
     launch_dkdv,
-    _device_ctx,
     _dkdv_step,
     _dq_step,
     _fwd_step,
@@ -70,6 +69,7 @@ from .chunk_attention import (
     default_tiles as dense_tiles,
     _interpreting,
 )
+from .launch import on_device_of
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     sub = _sub_blocks(ps, tiles.block_m)
     grid = (triton.cdiv(t, ps) * sub, b * hq)
     descs = _whole_page_descriptors(store, start, tiles.block_n)
-    with _device_ctx(q):
+    with on_device_of(q):
         _sparse_fwd_kernel[grid](
             q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
@@ -475,7 +475,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     staging = store.grad_staging
     if staging is not None:
         staging.wait_for_layer(store.layer)  # later chunks' shares of this layer are in its host pages
-    with _device_ctx(q):
+    with on_device_of(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True)

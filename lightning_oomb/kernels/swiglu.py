@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_attention import _device_ctx
+from .launch import on_device_of
 
 # Elements per program: 16 per thread at 8 warps, enough bytes in flight per SM to stay bandwidth-bound.
 _BLOCK = 4096
@@ -65,7 +65,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of contiguous gate, up (one shape and dtype), without autograd."""
     out = torch.empty_like(gate)
     if out.numel():
-        with _device_ctx(gate):
+        with on_device_of(gate):
             _silu_mul_fwd_kernel[_grid(out.numel())](gate, up, out, out.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS)
     return out
 
@@ -75,7 +75,7 @@ def silu_mul_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) 
     dout = dout.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if dout.numel():
-        with _device_ctx(gate):
+        with on_device_of(gate):
             _silu_mul_bwd_kernel[_grid(dout.numel())](
                 dout, gate, up, dgate, dup, dout.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
             )
