@@ -4,6 +4,7 @@ plain ``plan`` and ``bench`` commands."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -22,11 +23,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from .core.errors import SetupError
+from .core.schedule import ChunkConfig
 from .core.served import serve
 from .lightning import CausalLMModule
 from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
-from .lightning.strategy import OOMBStrategy, find_causal_lm, strategy_chunk_config
+from .lightning.strategy import OOMBStrategy, find_causal_lm
 
 
 
@@ -67,10 +69,10 @@ class OOMBCLI(LightningCLI):
         # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
         strategy = config.get("trainer", {}).get("strategy")
         if str(getattr(strategy, "class_path", "")).endswith("OOMBStrategy") and strategy.get("init_args"):
-            names = inspect.signature(strategy_chunk_config).parameters
+            names = {f.name for f in dataclasses.fields(ChunkConfig)}
             options = {k: v for k, v in vars(strategy.init_args).items() if k in names}
             try:
-                strategy_chunk_config(**options)
+                OOMBStrategy(**options)  # checks its options; allocates nothing
             except SetupError as e:
                 raise SetupError(f"trainer.strategy.init_args: {e}") from None
         # TextCorpusDataModule without a tokenizer takes the model's directory: write it into the config so

@@ -47,22 +47,6 @@ def _host_memory(value: int | str) -> int:
     return size
 
 
-def strategy_chunk_config(
-    *,
-    chunk_size: int = 4096, page_size: int = 128, attention: str = "auto", checkpoint_layers: bool = False,
-    cross_chunk_gradients: bool = True, grad_dtype: str = "float32", sparse: SparseConfig | dict | None = None,
-    offload: str = "auto", segment_tokens: int | None = None, keep_attention: int | None = None,
-    keep_graphs: int | None = None, host_memory: int | str | None = None,
-) -> ChunkConfig:
-    """The ChunkConfig of ``OOMBStrategy``'s options (see there); a SetupError names a bad one."""
-    return ChunkConfig(
-        chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
-        cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
-        segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
-        host_memory=None if host_memory is None else _host_memory(host_memory),
-    )
-
-
 class OOMBStrategy(SingleDeviceStrategy):
     """Trains the transformers causal LM of a LightningModule with exact chunk-recurrent recomputation.
 
@@ -116,11 +100,11 @@ class OOMBStrategy(SingleDeviceStrategy):
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind.
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
         super().__init__(device=device, **kwargs)
-        self.chunk_config = strategy_chunk_config(
+        self.chunk_config = ChunkConfig(
             chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
             cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
             segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
-            host_memory=host_memory,
+            host_memory=None if host_memory is None else _host_memory(host_memory),
         )
         self._pending: Serving | None = None
 
