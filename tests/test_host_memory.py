@@ -73,3 +73,21 @@ def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
     spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=8, dtype=torch.float32)
     with pytest.raises(HostMemoryError, match="Raise host_memory"):
         PagePool(spec, 16, 4, "cpu", placement="host", segment_tokens=8, host_limit=1000)
+
+
+def test_optimizer_state_still_to_come_is_counted():
+    """At fit start torch's optimizers have no state yet: their first update creates it (AdamW two buffers per
+    trainable parameter, SGD with momentum one), and the placement must leave room for it."""
+    from lightning_oomb.lightning.callback import optimizer_state
+
+    model = tiny_model("qwen2")
+    params = [p for p in model.parameters() if p.requires_grad]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    adamw = torch.optim.AdamW(params)
+    assert optimizer_state([adamw]) == ("adamw", 2 * nbytes)
+    assert optimizer_state([torch.optim.SGD(params, lr=0.1, momentum=0.9)]) == ("sgd", nbytes)
+    assert optimizer_state([torch.optim.SGD(params, lr=0.1)]) == ("none", 0)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    adamw.step()
+    assert optimizer_state([adamw]) == ("adamw", 0)  # the state exists now: nothing more to come
