@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="ModelCheckpoint's every_n_train_steps (default: the YAML's; 0: no checkpoints)")
-    parser.add_argument("--resume", action="store_true", help="then continue from the last checkpoint for one more step")
+    parser.add_argument("--resume", action="store_true", help="then continue from the last checkpoint to the same last step")
     parser.add_argument("--delete-checkpoints", action="store_true", help="remove the checkpoints at the end (disk)")
     parser.add_argument("--baseline", action="store_true", help="then time train_step + AdamW in this process")
     args = parser.parse_args(argv)
@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
     if args.resume and results["fit"]["returncode"] == 0 and saved:
-        results["resume"] = run_fit(args, config, args.out, args.steps + 1, "resume", ["--ckpt_path", str(saved[-1])])
+        # up to the same last step: the steps after the checkpoint run again and no second checkpoint is
+        # written beside the first (the GPU machine's disk holds one 46 GB checkpoint and the model)
+        results["resume"] = run_fit(args, config, args.out, args.steps, "resume", ["--ckpt_path", str(saved[-1])])
         print(json.dumps(results["resume"]), flush=True)
     if args.delete_checkpoints:
         for path in args.out.glob("runs/*/*/checkpoints/*.ckpt"):
