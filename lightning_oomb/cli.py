@@ -25,10 +25,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from .core.errors import SetupError
 from .core.schedule import ChunkConfig
 from .core.served import serve
+from .integrations.transformers import find_causal_lm
 from .lightning import CausalLMModule
 from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
-from .lightning.strategy import OOMBStrategy, find_causal_lm
+from .lightning.strategy import OOMBStrategy
 
 
 

@@ -78,7 +78,7 @@ def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
 def test_optimizer_state_still_to_come_is_counted():
     """At fit start torch's optimizers have no state yet: their first update creates it (AdamW two buffers per
     trainable parameter, SGD with momentum one), and the placement must leave room for it."""
-    from lightning_oomb.lightning.callback import optimizer_state
+    from lightning_oomb.core.planner import optimizer_state
 
     model = tiny_model("qwen2")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -91,3 +91,17 @@ def test_optimizer_state_still_to_come_is_counted():
         p.grad = torch.zeros_like(p)
     adamw.step()
     assert optimizer_state([adamw]) == ("adamw", 0)  # the state exists now: nothing more to come
+
+
+def test_a_step_given_its_optimizer_leaves_room_for_its_state():
+    """train_step(optimizer=...) and OOMBStrategy's steps place the step with the optimizer state still to
+    come (a 1M-token step placed without it filled the GPU, and AdamW's first update ran out of memory)."""
+    from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, model.config.vocab_size, (1, 32))
+    adamw = torch.optim.AdamW(model.parameters())
+    for optimizers, counted in (((adamw,), True), ((), False)):
+        seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=16, page_size=8), optimizers=optimizers)
+        assert ("optimizer state (adamw" in str(seq.placement.plan)) == counted
+        seq.release()

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_oomb import CausalLMModule
 from lightning_oomb.lightning.module import SetupError
-from lightning_oomb.lightning.strategy import find_causal_lm
+from lightning_oomb.integrations.transformers import find_causal_lm
 from test_corpus import make_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]

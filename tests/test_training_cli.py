@@ -233,6 +233,29 @@ def test_lora_exports_adapter(assets, tmp_path):
 # == checkpoints that resume exactly ========================================================================
 
 
+def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(assets, tmp_path):
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    lora = dict(lora_rank=4, lora_target_modules=["q_proj", "v_proj"])
+    whole = write_config(tmp_path / "whole", assets, **lora)
+    assert fit(whole, "--trainer.max_steps", str(2 * EVERY)) is None
+    want = load(run_dir(tmp_path / "whole") / "checkpoints" / "last.ckpt")
+    assert want["state_dict"] and all("lora_" in name for name in want["state_dict"])  # the frozen weights stay out
+    base = AutoModelForCausalLM.from_pretrained(assets["model"])
+    assert want["frozen_weights"] == {"pretrained": str(assets["model"]), "tensors": len(base.state_dict())}
+
+    halves = write_config(tmp_path / "halves", assets, **lora)
+    assert fit(halves, "--trainer.max_steps", str(EVERY)) is None
+    assert fit(halves, "--trainer.max_steps", str(2 * EVERY), "--ckpt_path", "last") is None
+    got = load(run_dir(tmp_path / "halves") / "checkpoints" / "last.ckpt")
+    assert got["global_step"] == want["global_step"] == 2 * EVERY
+    for name, tensor in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], tensor), name
+    for a, b in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values()):
+        assert all(torch.equal(a[key], b[key]) for key in b)
+
+
 def test_sigkill_after_checkpoint_then_resume_is_bitwise(uninterrupted, assets, tmp_path):
     config = write_config(tmp_path, assets)
     killed = fit_subprocess(config, killer(kill_after_save=2))  # right after the step-4 checkpoint
@@ -269,6 +292,9 @@ def test_atomic_io_is_the_default(tmp_path):
     io_.wait()  # written on a background thread
     assert torch.equal(torch.load(target)["a"], torch.arange(3)) and not partial_path(target).exists()
     assert isinstance(io_, TorchCheckpointIO)
+    loaded = io_.load_checkpoint(target)  # on the CPU, memory-mapped: read when the state is loaded
+    assert loaded["a"].device.type == "cpu" and torch.equal(loaded["a"], torch.arange(3))
+    assert str(target) in Path("/proc/self/maps").read_text()
 
 
 # == bad input: refused before training, the checkpoint untouched ==========================================

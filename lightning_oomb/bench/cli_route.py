@@ -231,7 +231,7 @@ def baseline(args, config: Path, steps: int) -> dict:
     for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        lightning_oomb.train_step(model, ids, sparse=sparse, **strategy)
+        lightning_oomb.train_step(model, ids, sparse=sparse, optimizer=optimizer, **strategy)
         torch.nn.utils.clip_grad_norm_(params, data["trainer"].get("gradient_clip_val") or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

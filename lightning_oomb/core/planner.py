@@ -1299,6 +1299,26 @@ _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copie
 PLACEMENTS = ("auto", "gpu", "host")
 
 
+def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[str, int]:
+    """(the planner's name for the optimizers' kind, bytes of state their first update will create): the state
+    of torch's optimizers appears at their first ``step``, after the first step's pages are placed. Adam and
+    AdamW keep two buffers per parameter (three with amsgrad), SGD one with momentum; others are counted as
+    two."""
+    kind, pending = "none", 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if isinstance(optimizer, torch.optim.SGD):
+                copies = 1 if group.get("momentum", 0) else 0
+            else:
+                copies = 3 if group.get("amsgrad", False) else 2
+            if copies:
+                kind = "sgd" if copies == 1 and kind != "adamw" else "adamw"
+            for p in group["params"]:
+                if p.requires_grad and not optimizer.state.get(p):
+                    pending += copies * p.numel() * p.element_size()
+    return kind, pending
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, StoreSpec
-from .planner import PLACEMENTS, Placement, place_step
+from .planner import PLACEMENTS, Placement, optimizer_state, place_step
 from .sparse import SparseConfig, select_pages, update_summaries
 
 IGNORE_INDEX = -100
@@ -244,6 +244,7 @@ class ChunkedSequence:
         num_items_in_batch: int | torch.Tensor | None = None,
         observer: ChunkObserver | None = None,
         stage_1_loss: bool = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ):
         self.stage_1_loss = stage_1_loss
         self.targets = _check_tokens(input_ids, labels)
@@ -287,8 +288,10 @@ class ChunkedSequence:
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
+        optimizer, pending = optimizer_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
-                                    stage_1_loss=stage_1_loss, host_grad_layers=held_layers)
+                                    stage_1_loss=stage_1_loss, optimizer=optimizer, pending_gpu_bytes=pending,
+                                    host_grad_layers=held_layers)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -529,6 +532,7 @@ def train_step(
     keep_attention: int | None = None,
     keep_graphs: int | None = None,
     host_memory: int | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -544,13 +548,15 @@ def train_step(
     the GPU memory left free; see ``ChunkConfig``). keep_graphs: chunks whose autograd graphs stage 1 keeps
     for stage 2 (None: the last chunk's, plus as many as fit; see ``ChunkConfig``). host_memory: the run's
     host memory budget in bytes (None: what the machine has available less a headroom; see ``ChunkConfig``).
+    optimizer: the optimizer whose ``step`` follows: the state its first step creates (AdamW: two copies of
+    the trainable weights) is left free when the step is placed, so that the update fits after it.
     """
     config = ChunkConfig(
         chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
         offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
         host_memory=host_memory,
     )
-    seq = ChunkedSequence(model, input_ids, labels, config)
+    seq = ChunkedSequence(model, input_ids, labels, config, optimizers=() if optimizer is None else (optimizer,))
     try:
         seq.fill()
         return seq.backward()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -75,6 +75,7 @@ class Serving:
     pools: PoolProvider | None = None
     max_calls: int | None = None
     observer: ChunkObserver | None = None
+    optimizers: Sequence[torch.optim.Optimizer] = ()
     sequences: list[ChunkedSequence] = field(default_factory=list)
 
     def forward(
@@ -113,7 +114,7 @@ class Serving:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         seq = ChunkedSequence(
             self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
-            stage_1_loss=True,
+            stage_1_loss=True, optimizers=self.optimizers,
         )
         self.sequences.append(seq)
         train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
@@ -137,8 +138,12 @@ def serve(
     pools: PoolProvider | None = None,
     max_calls: int | None = None,
     observer: ChunkObserver | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> Iterator[Serving]:
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
+
+    ``optimizers``: those that update the model after the step (the state their first update creates is
+    counted when the step is placed: ``planner.optimizer_state``).
 
     The instance's ``forward`` attribute is set for the block and removed after it (the class is untouched).
     Stage 2 runs when the returned loss is backpropagated, inside or after the block.
@@ -146,7 +151,7 @@ def serve(
     lm = causal_lm(model)
     if "forward" in lm.__dict__:
         raise RuntimeError(f"{type(lm).__name__}.forward is already overridden on this instance (nested serve?)")
-    serving = Serving(model, config, pools, max_calls, observer)
+    serving = Serving(model, config, pools, max_calls, observer, optimizers)
     lm.forward = serving.forward
     try:
         yield serving

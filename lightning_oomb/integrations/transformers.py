@@ -71,6 +71,21 @@ def causal_lm(model: nn.Module) -> PreTrainedModel:
     return inner
 
 
+def find_causal_lm(module: nn.Module) -> PreTrainedModel:
+    """The one transformers causal LM inside a LightningModule (``self.model`` or any other name)."""
+    found = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, PreTrainedModel) and isinstance(m.get_output_embeddings(), nn.Linear)
+    ]
+    if len(found) != 1:
+        names = ", ".join(name or "<root>" for name, _ in found) or "none"
+        raise TypeError(
+            f"lightning_oomb needs exactly one transformers causal LM inside the LightningModule, found {names}"
+        )
+    return found[0][1]
+
+
 def _rope_type(config) -> str:
     for attr in ("rope_parameters", "rope_scaling"):
         params = getattr(config, attr, None)

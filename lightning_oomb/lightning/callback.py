@@ -10,8 +10,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool, StoreSpec
-from ..core.planner import PLACEMENTS, Placement, place_step
+from ..core.planner import PLACEMENTS, Placement, optimizer_state, place_step
 from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
+from ..integrations.transformers import find_causal_lm
 
 GIB = 2**30
 
@@ -31,26 +32,6 @@ def probe_kv_dtype(
         config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu")
         ChunkedSequence(model, ids, config=config, pools=record).fill(with_grads=False)
     return seen[0]
-
-
-def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[str, int]:
-    """(the planner's name for the optimizers' kind, bytes of state their first update will create): the state
-    of torch's optimizers appears at their first ``step``, after the first step's pages are placed. Adam and
-    AdamW keep two buffers per parameter (three with amsgrad), SGD one with momentum; others are counted as
-    two."""
-    kind, pending = "none", 0
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if isinstance(optimizer, torch.optim.SGD):
-                copies = 1 if group.get("momentum", 0) else 0
-            else:
-                copies = 3 if group.get("amsgrad", False) else 2
-            if copies:
-                kind = "sgd" if copies == 1 and kind != "adamw" else "adamw"
-            for p in group["params"]:
-                if p.requires_grad and not optimizer.state.get(p):
-                    pending += copies * p.numel() * p.element_size()
-    return kind, pending
 
 
 class PagedKVCallback(Callback):
@@ -122,8 +103,6 @@ class PagedKVCallback(Callback):
         return (batch, seq_len) if seq_len else None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        from .strategy import find_causal_lm
-
         shape = self._largest_batch(trainer)
         if shape is None:
             return

@@ -86,7 +86,9 @@ class CausalLMModule(LightningModule):
     ``val/loss`` (token-weighted mean), ``val/ppl`` and, if asked, ``val/retrieval_acc``.
 
     AdamW keeps its state (``exp_avg``, ``exp_avg_sq``) in each parameter's dtype: float32 under
-    ``32-true`` and ``bf16-mixed``, bfloat16 under ``bf16-true``. Checkpoints also carry the RNG states.
+    ``32-true`` and ``bf16-mixed``, bfloat16 under ``bf16-true``. Checkpoints also carry the RNG states; with
+    ``pretrained`` they leave out the weights that do not train (under LoRA all but the adapters), which
+    resuming takes from ``pretrained`` again.
     """
 
     def __init__(
@@ -248,11 +250,38 @@ class CausalLMModule(LightningModule):
         self.log("train/tokens_per_s", batch["input_ids"].numel() / seconds, prog_bar=True, on_step=True, on_epoch=False)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Adds the RNG states. With ``pretrained``, leaves out the frozen weights (all but the adapters under
+        LoRA: 15 GB of a 7B model that ``model.pretrained`` holds already), which loading takes from there."""
         checkpoint["rng_states"] = collect_rng_states()
+        frozen = self._frozen_names()
+        if self.hparams.pretrained is not None and frozen:
+            for name in frozen:
+                checkpoint["state_dict"].pop(name, None)
+            checkpoint["frozen_weights"] = {"pretrained": str(self.hparams.pretrained), "tensors": len(frozen)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restores the RNG states, and the frozen weights a checkpoint left out from the model as loaded
+        from ``model.pretrained``."""
         if "rng_states" in checkpoint:
             restore_rng_states(checkpoint["rng_states"])
+        left_out = checkpoint.get("frozen_weights")
+        if left_out is None:
+            return
+        if self.hparams.pretrained is None:
+            raise SetupError(
+                f"this checkpoint holds only the trained weights; the frozen ones come from "
+                f"{left_out['pretrained']}: set model.pretrained to that directory"
+            )
+        if str(self.hparams.pretrained) != left_out["pretrained"]:
+            _print_rank_zero(f"checkpoint: the frozen weights come from model.pretrained={self.hparams.pretrained} "
+                             f"(the checkpoint was trained on {left_out['pretrained']})")
+        state, current = checkpoint["state_dict"], self.state_dict()
+        for name in self._frozen_names():
+            state.setdefault(name, current[name])
+
+    def _frozen_names(self) -> list[str]:
+        """State-dict names of the parameters that do not train (every name of a tied weight)."""
+        return [name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss

@@ -7,33 +7,17 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from torch import nn
-from transformers import PreTrainedModel
 
 from ..core.errors import SetupError
 from ..core.planner import parse_bytes
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
 from ..core.sparse import SparseConfig
+from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
-
-
-def find_causal_lm(module: nn.Module) -> PreTrainedModel:
-    """The one transformers causal LM inside a LightningModule (``self.model`` or any other name)."""
-    found = [
-        (name, m)
-        for name, m in module.named_modules()
-        if isinstance(m, PreTrainedModel) and isinstance(m.get_output_embeddings(), nn.Linear)
-    ]
-    if len(found) != 1:
-        names = ", ".join(name or "<root>" for name, _ in found) or "none"
-        raise TypeError(
-            f"OOMBStrategy needs exactly one transformers causal LM inside the LightningModule, found {names}"
-        )
-    return found[0][1]
 
 
 def _host_memory(value: int | str) -> int:
@@ -132,7 +116,8 @@ class OOMBStrategy(SingleDeviceStrategy):
 
     def _serve(self, max_calls: int | None):
         callback = self.kv_callback
-        return serve(find_causal_lm(self.lightning_module), self.chunk_config, callback, max_calls, callback.observe)
+        return serve(find_causal_lm(self.lightning_module), self.chunk_config, callback, max_calls, callback.observe,
+                     self.optimizers)
 
     # -- steps ------------------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -183,8 +168,9 @@ class OOMBStrategy(SingleDeviceStrategy):
         """Lightning's teardown moves the model and the optimizer state to the CPU: the checkpoint being written
         and the pinned page pool are given back first, or the host would hold both (a 1M-token run's pool and a
         7B model's AdamW state do not fit in 128 GB together: the kernel's OOM killer ended such a run here).
-        The optimizer state is dropped rather than copied (28 GiB and half a minute for a 7B model with
-        AdamW): a later ``fit`` builds new optimizers anyway and takes their state from a checkpoint."""
+        The optimizer state and the last step's gradients are dropped rather than copied (43 GiB and most of
+        a minute for a 7B model with AdamW): a later ``fit`` builds new optimizers, whose state comes from a
+        checkpoint, and computes its own gradients."""
         self._release_pending()
         wait = getattr(self.checkpoint_io, "wait", None)
         if wait is not None:
@@ -195,4 +181,6 @@ class OOMBStrategy(SingleDeviceStrategy):
                 callback.release_pool()
         for optimizer in self.optimizers:
             optimizer.state.clear()
+        if self.lightning_module is not None:
+            self.lightning_module.zero_grad(set_to_none=True)
         super().teardown()
