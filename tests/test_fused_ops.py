@@ -179,7 +179,7 @@ def test_swiglu_linear_is_the_down_projection_of_silu_mul_bitwise(grad_exists):
     """swiglu_linear gives F.linear(silu_mul(gate, up)) and its gradients bit for bit (the product recomputed
     in backward by the same kernel; dW added into an existing .grad in place), and keeps gate, up and the
     weight for backward, not the product."""
-    from lightning_oomb.core.linear import swiglu_linear
+    from lightning_oomb.kernels.linear import swiglu_linear
 
     torch.manual_seed(0)
     gate, up = (torch.randn(2, 5, 48, device=DEVICE) for _ in range(2))

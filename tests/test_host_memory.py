@@ -68,7 +68,8 @@ def test_kept_loss_gradients_are_one_counted_block_of_the_planned_size():
 def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
     """On a CPU device nothing is checked but the ledger; with a budget smaller than what the pinned pages need
     the pool refuses them at its construction, naming the budget."""
-    from lightning_oomb.core.pages import PagePool, StoreSpec
+    from lightning_oomb.kernels.page_table import StoreSpec
+    from lightning_oomb.core.pages import PagePool
 
     spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=8, dtype=torch.float32)
     with pytest.raises(HostMemoryError, match="Raise host_memory"):

@@ -1,9 +1,9 @@
-"""core.linear: the weight gradient added into .grad by the matmul equals autograd's accumulated one."""
+"""kernels.linear: the weight gradient added into .grad by the matmul equals autograd's accumulated one."""
 
 import torch
 import torch.nn.functional as F
 
-from lightning_oomb.core.linear import _adds_in_place, accumulating_linear
+from lightning_oomb.kernels.linear import _adds_in_place, accumulating_linear
 
 
 def _two_backwards(linear, x, w, b, douts):

@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
-from lightning_oomb.core.pages import StoreSpec
+from lightning_oomb.kernels.page_table import StoreSpec
 from lightning_oomb.core.planner import (
     LORA_TARGETS,
     ModelShape,
@@ -407,7 +407,7 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
 
     roomy = plan_placed("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
     # As place_step chose on the H200 at 32K (docs/benchmarks.md: 3 graphs, then 5 chunks' outputs), and one
-    # graph more since the down projection recomputes its input (core.linear.swiglu_linear).
+    # graph more since the down projection recomputes its input (kernels.linear.swiglu_linear).
     assert any("autograd graphs of the last 4 and the attention outputs of 4 more of 8 chunks" in n
                for n in roomy.notes), roomy.notes
     offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)

@@ -21,7 +21,7 @@ MEASURED = (
 
 
 def product_bytes(context: int, chunks: int) -> int:
-    """What the measured steps (all before core.linear.swiglu_linear) kept and the plan no longer counts: the
+    """What the measured steps (all before kernels.linear.swiglu_linear) kept and the plan no longer counts: the
     SwiGLU product of every layer, (chunk tokens, intermediate) in bf16, per chunk of activations held."""
     return chunks * 28 * min(context, 4096) * 18944 * 2
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import lightning_oomb
-from lightning_oomb.core.pages import PagePool, StoreSpec, movable_host_layers
+from lightning_oomb.kernels.page_table import StoreSpec
+from lightning_oomb.core.pages import PagePool, movable_host_layers
 from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, Placement, place_step, plan
 from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import SparseConfig

@@ -14,7 +14,8 @@ import torch
 
 from lightning_oomb.core import reference_attention as ref
 from lightning_oomb.core.attention import chunk_attention, resolve_backend
-from lightning_oomb.core.pages import LayerStore, PagePool, StoreSpec
+from lightning_oomb.kernels.page_table import LayerStore, StoreSpec
+from lightning_oomb.core.pages import PagePool
 from lightning_oomb.kernels import chunk_attention as tri
 from tiny_models import rel_err
 

@@ -21,8 +21,9 @@ import time
 import torch
 
 from ..core import reference_attention as ref
-from ..core.pages import LayerStore, PagePool, StoreSpec
+from ..core.pages import PagePool
 from ..kernels import chunk_attention as tri
+from ..kernels.page_table import LayerStore, StoreSpec
 
 H_Q, H_KV, D = 28, 4, 128
 PAGE = 128

@@ -41,7 +41,8 @@ def _stores(past: int, t: int, n_kv: int = 4, d: int = 128, ps: int = 128,
             grad_dtype: torch.dtype = torch.float32, layers: int = 1, host_layers: int = 0):
     """One LayerStore per layer over a past of ``past`` tokens (random K/V), the gradient pages of
     ``host_layers`` of them (spread as in a step) in pinned host memory, the others on the GPU."""
-    from ..core.pages import PagePool, StoreSpec
+    from ..kernels.page_table import StoreSpec
+    from ..core.pages import PagePool
 
     spec = StoreSpec(n_layers=layers, n_kv_heads=n_kv, head_dim=d, dtype=torch.bfloat16, grad_dtype=grad_dtype)
     pages = -(-(past + t) // ps)

@@ -1,6 +1,7 @@
 """The engine: no Lightning import; usable from a plain PyTorch loop."""
 
-from .pages import PagePool, PageTable, StoreSpec
+from ..kernels.page_table import PageTable, StoreSpec
+from .pages import PagePool
 from .schedule import ChunkConfig, ChunkedSequence, eval_loss, train_step
 from .sparse import SparseConfig
 

@@ -17,8 +17,8 @@ import os
 
 import torch
 
+from ..kernels.page_table import LayerStore
 from . import reference_attention
-from .pages import LayerStore
 
 
 def uses_triton(impl: str, device: torch.device) -> bool:

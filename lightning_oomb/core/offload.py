@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .pages import LayerStore, PageTable
+from ..kernels.page_table import LayerStore, PageTable, StoreSpec
 
-if TYPE_CHECKING:
-    from .pages import PagePool
 
 
 @dataclass
@@ -107,17 +105,19 @@ class Streamer:
     chunk's stored dK, dV on their way in: fixed memory, whatever the context length.
     """
 
-    def __init__(self, pool: "PagePool", segment_tokens: int):
+    def __init__(self, spec: StoreSpec, page_size: int, host: dict[str, torch.Tensor | None], device: torch.device,
+                 segment_tokens: int):
+        """host: the pool's pages, "k", "v", "dk", "dv" -> (n_layers, num_pages, page_size, n_kv_heads,
+        head_dim) host tensors (dk, dv None without gradient pages); device: the GPU they stream through.
+        The pages, not the pool: a reference back would make a cycle that keeps the staging buffers (and
+        the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs."""
         if segment_tokens < 1:
             raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
-        # What it needs of the pool, not the pool: a reference back would make a cycle that keeps the staging
-        # buffers (and the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs.
-        self.page_size, self.spec, self.with_grads = pool.page_size, pool.spec, pool.with_grads
-        self._host = {"k": pool.k, "v": pool.v, "dk": pool.dk, "dv": pool.dv}  # (n_layers, pages, ...) each
-        self.device = pool.device
-        ps = pool.page_size
+        self.page_size, self.spec, self.with_grads = page_size, spec, host["dk"] is not None
+        self._host = host
+        self.device = device
+        ps = page_size
         self.half_pages = -(-segment_tokens // ps)
-        spec = pool.spec
         self._page = (ps, spec.n_kv_heads, spec.head_dim)
         two = 2 * self.half_pages
         self.k = torch.empty((two, *self._page), dtype=spec.dtype, device=self.device)

@@ -326,7 +326,7 @@ def layer_activation_bytes(
     fused_ops (the Triton steps, lightning_oomb.kernels): each RMSNorm saves its input (in its own dtype)
     and one fp32 rstd per row instead of the fp32 copy and the normalised input; SwiGLU saves gate and up,
     not silu(gate) (one I less), and without autocast the trained down projection recomputes its input,
-    the product (core.linear.swiglu_linear: another I less).
+    the product (kernels.linear.swiglu_linear: another I less).
     """
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width

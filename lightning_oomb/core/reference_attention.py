@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .pages import LayerStore
+from ..kernels.page_table import LayerStore
 
 
 def _grouped(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
+from ..kernels.page_table import StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .pages import PagePool, StoreSpec
+from .pages import PagePool
 from .planner import PLACEMENTS, Placement, optimizer_state, place_step
 from .sparse import SparseConfig, select_pages, update_summaries
 

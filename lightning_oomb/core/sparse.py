@@ -38,9 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.page_table import LayerStore
 from .errors import SetupError
-
-from .pages import LayerStore
 
 SCORES = ("mean", "minmax")
 

@@ -1,5 +1,5 @@
 """Wiring into transformers: an AttentionInterface entry, the fused Triton ops (RMSNorm, RoPE, SwiGLU)
-and the decoder's linear layers that add their weight gradients in place (core.linear) swapped in for a
+and the decoder's linear layers that add their weight gradients in place (kernels.linear) swapped in for a
 step, and the checks that refuse models this engine would not compute exactly. No model
 class is modified: instances get a ``forward`` attribute and the modeling module its
 ``apply_rotary_pos_emb`` for the duration of a step, restored after it.
@@ -137,7 +137,7 @@ def _fused_rms_norm(module: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 
 
 def _fused_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from ..core.linear import swiglu_linear
+    from ..kernels.linear import swiglu_linear
     from ..kernels.swiglu import silu_mul
 
     down = module.down_proj
@@ -195,7 +195,7 @@ def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
 
 
 def _accumulating_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    from ..core.linear import accumulating_linear
+    from ..kernels.linear import accumulating_linear
 
     return accumulating_linear(x, module.weight, module.bias)
 

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.pages import LayerStore
+from .page_table import LayerStore
 from .launch import on_device_of
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..core.pages import LayerStore
+from .page_table import LayerStore
 
 # Gluon is experimental and renames things: Triton 3.6 (the H200's) has ``thread_barrier`` and
 # ``tma.async_copy_global_to_shared``, later releases ``barrier`` and ``tma.async_load``.

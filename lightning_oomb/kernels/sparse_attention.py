@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.pages import LayerStore
+from .page_table import LayerStore
 from .chunk_attention import (
     _check,
     _dq_chunk,

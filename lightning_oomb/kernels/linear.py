@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import swiglu
+
 
 def _adds_in_place(weight: torch.Tensor) -> bool:
     grad = weight.grad
@@ -88,26 +90,22 @@ def accumulating_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 class _SwigluLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias):
-        from ..kernels.swiglu import silu_mul_forward
-
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
-        return F.linear(silu_mul_forward(gate, up), weight, bias)
+        return F.linear(swiglu.silu_mul_forward(gate, up), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        from ..kernels.swiglu import silu_mul_backward, silu_mul_forward
-
         gate, up, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = None
         if ctx.needs_input_grad[2]:
             # The product lives only for dW: one (tokens, intermediate) tensor less at the input gradients.
-            dw = _weight_gradient(weight, dy2, silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
+            dw = _weight_gradient(weight, dy2, swiglu.silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy2.sum(0)
-        dgate, dup = silu_mul_backward(dy @ weight, gate, up)
+        dgate, dup = swiglu.silu_mul_backward(dy @ weight, gate, up)
         return dgate, dup, dw, db
 
 
@@ -116,9 +114,7 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bi
     gate, up (..., intermediate), weight (out, intermediate) -> (..., out). For a trained weight, backward
     recomputes the product instead of keeping it and adds dW as ``accumulating_linear`` does; otherwise (frozen
     weight, no grad, autocast, mixed dtypes) it is ``F.linear`` of ``silu_mul``, which keeps what it needs."""
-    from ..kernels.swiglu import check_gate_up, silu_mul
-
-    check_gate_up(gate, up)
+    swiglu.check_gate_up(gate, up)
     if _trains_weight(gate, weight):
         return _SwigluLinear.apply(gate, up, weight, bias)
-    return F.linear(silu_mul(gate, up), weight, bias)
+    return F.linear(swiglu.silu_mul(gate, up), weight, bias)

@@ -1,0 +1,139 @@
+"""The paged layout of the KV store, as attention reads it.
+
+Layout of one pool tensor: (n_layers, num_pages, page_size, n_kv_heads, head_dim). A sequence's logical
+page p lives in physical slot ``page_table[b, p]``; token t of sequence b is row
+``page_table[b, t // page_size] * page_size + t % page_size`` of a layer's pool viewed as
+(num_pages * page_size, n_kv_heads, head_dim). ``PageTable`` holds the slots of a batch, ``LayerStore`` is
+one layer's view of a pool (what the attention op reads and adds into), ``StoreSpec`` what a token costs.
+The pool that owns the tensors and decides where they live is ``core.pages.PagePool``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype = torch.float32
+
+    def bytes_per_token(self, with_grads: bool = True) -> int:
+        """Bytes of K+V (and dK+dV when ``with_grads``) for one token over all layers."""
+        elems = 2 * self.n_layers * self.n_kv_heads * self.head_dim
+        kv = elems * _itemsize(self.dtype)
+        return kv + (elems * _itemsize(self.grad_dtype) if with_grads else 0)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class PageTable:
+    """Which pool slots hold the pages of a batch of sequences: ``slots`` is (batch, n_pages) int32."""
+
+    slots: torch.Tensor
+    seq_len: int
+    page_size: int
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """Pool rows of tokens [start, end) of every sequence: (batch, end - start) int64."""
+        t = torch.arange(start, end, device=self.slots.device)
+        return self.slots[:, t // self.page_size].long() * self.page_size + t % self.page_size
+
+
+@dataclass
+class LayerStore:
+    """One layer's view of a pool: what the attention op reads and accumulates into.
+
+    k, v, dk, dv: (num_pages, page_size, n_kv_heads, head_dim) tensors (dk, dv None without gradient pages).
+    ``streamer`` is set when the tensors live in host memory: attention then streams them through the GPU
+    (lightning_oomb.core.offload) with ``layer`` naming this layer there. ``grad_table`` is set when the
+    gradient pages have their own slots (a host gradient layer moved into dead K/V pages,
+    ``PagePool.move_host_grads_to_gpu``): dk, dv are then indexed by it, k, v by ``table``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
+    table: PageTable
+    page_size: int
+    layer: int = 0
+    streamer: HostPageStreamer | None = None
+    grad_staging: HostGradAdder | None = None
+    grad_table: PageTable | None = None
+
+    @property
+    def grad_slots(self) -> torch.Tensor:
+        """(batch, n_pages) int32: where each page's gradient lives in dk, dv (the kernels index it with the
+        strides of ``table.slots``)."""
+        slots = (self.grad_table or self.table).slots
+        if slots.stride() != self.table.slots.stride():
+            raise ValueError("the gradient page table must have the layout of the K/V page table")
+        return slots
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, *t.shape[2:])
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
+        if self.streamer is not None:
+            self.streamer.write(self, k, v, start)
+            return
+        rows = self.table.rows(start, start + k.shape[2])
+        self._flat(self.k)[rows] = k.transpose(1, 2).to(self.k.dtype)
+        self._flat(self.v)[rows] = v.transpose(1, 2).to(self.v.dtype)
+
+    def read(self, start: int, end: int, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
+        rows = (self.grad_table or self.table).rows(start, end) if grads else self.table.rows(start, end)
+        a, b = (self.dk, self.dv) if grads else (self.k, self.v)
+        if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=...))
+            from .host_pages import read_rows
+
+            return read_rows(self._flat(a), rows).transpose(1, 2), read_rows(self._flat(b), rows).transpose(1, 2)
+        return self._flat(a)[rows].transpose(1, 2), self._flat(b)[rows].transpose(1, 2)
+
+    def accumulate_grads(self, dk: torch.Tensor, dv: torch.Tensor, start: int) -> None:
+        """Add dK, dV (batch, n_kv_heads, n, head_dim) of tokens [start, start + n) into the gradient pages."""
+        rows = (self.grad_table or self.table).rows(start, start + dk.shape[2]).reshape(-1)
+        fdk, fdv = self._flat(self.dk), self._flat(self.dv)
+        fdk.index_add_(0, rows, dk.transpose(1, 2).reshape(-1, *fdk.shape[1:]).to(fdk.dtype))
+        fdv.index_add_(0, rows, dv.transpose(1, 2).reshape(-1, *fdv.shape[1:]).to(fdv.dtype))
+
+
+class HostPageStreamer(Protocol):
+    """Streams the pages of a host-placed pool through the GPU (``core.offload.Streamer``)."""
+
+    def write(self, store: LayerStore, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
+
+    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float):
+        """The attention backend's forward over ``store``'s pages, streamed segment by segment."""
+
+    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float):
+        """The backend's backward over the streamed pages, their gradients added back into host memory."""
+
+
+class HostGradAdder(Protocol):
+    """Adds the sparse backward's page gradients of a host gradient layer into its pinned host pages
+    (``core.pages.HostGradStaging``)."""
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Make the compute stream wait for the additions into ``layer``'s host pages issued so far."""
+
+    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int):
+        """The next (dk, dv) float32 GPU buffers, each (batch, n_kv_heads, >= n_pages, page_size, head_dim)."""
+
+    def add_into(self, store: LayerStore, pages: torch.Tensor, counts: torch.Tensor, start: int) -> None:
+        """Add the buffers last handed out into ``store``'s gradient pages in host memory."""
