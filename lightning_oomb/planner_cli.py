@@ -11,18 +11,10 @@ import sys
 
 import torch
 
-from .core.planner import (
-    DEFAULT_MATMUL_TFLOPS,
-    OFFLOAD_SEGMENT_TOKENS,
-    OPTIMIZERS,
-    PRECISIONS,
-    argparse_type,
-    builtin_names,
-    parse_bytes,
-    parse_tokens,
-    plan_placed,
-)
+from .core.model_shape import PRECISIONS, builtin_names
+from .core.planner import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, plan_placed
 from .core.sparse import SparseConfig
+from .core.units import argparse_type, parse_bytes, parse_tokens
 
 CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -8,7 +8,9 @@ import lightning_oomb
 from lightning_oomb.core.host_memory import (
     GIB, HostLedger, HostMemoryError, host_budget, host_headroom, pinned_empty, process_host_bytes,
 )
-from lightning_oomb.core.planner import ModelShape, loss_grad_bytes, place_step
+from lightning_oomb.core.model_shape import ModelShape
+from lightning_oomb.core.placement import place_step
+from lightning_oomb.core.planner import loss_grad_bytes
 from lightning_oomb.core.schedule import ChunkConfig, cached_pool
 from tiny_models import VOCAB, tiny_model
 
@@ -68,8 +70,8 @@ def test_kept_loss_gradients_are_one_counted_block_of_the_planned_size():
 def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
     """On a CPU device nothing is checked but the ledger; with a budget smaller than what the pinned pages need
     the pool refuses them at its construction, naming the budget."""
-    from lightning_oomb.kernels.page_table import StoreSpec
     from lightning_oomb.core.pages import PagePool
+    from lightning_oomb.kernels.page_table import StoreSpec
 
     spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=8, dtype=torch.float32)
     with pytest.raises(HostMemoryError, match="Raise host_memory"):
@@ -79,7 +81,7 @@ def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
 def test_optimizer_state_still_to_come_is_counted():
     """At fit start torch's optimizers have no state yet: their first update creates it (AdamW two buffers per
     trainable parameter, SGD with momentum one), and the placement must leave room for it."""
-    from lightning_oomb.core.planner import optimizer_state
+    from lightning_oomb.core.placement import optimizer_state
 
     model = tiny_model("qwen2")
     params = [p for p in model.parameters() if p.requires_grad]

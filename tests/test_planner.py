@@ -14,22 +14,12 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
-from lightning_oomb.kernels.page_table import StoreSpec
-from lightning_oomb.core.planner import (
-    LORA_TARGETS,
-    ModelShape,
-    PlanError,
-    activation_bytes,
-    builtin_names,
-    load_config_dict,
-    parse_bytes,
-    parse_tokens,
-    plan,
-    step_time,
-    transformers_config,
-)
+from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
+from lightning_oomb.core.planner import PlanError, activation_bytes, plan, step_time
 from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence
 from lightning_oomb.core.sparse import SparseConfig
+from lightning_oomb.core.units import parse_bytes, parse_tokens
+from lightning_oomb.kernels.page_table import StoreSpec
 from lightning_oomb.integrations.transformers import bind
 
 H200 = dict(gpu_memory=141e9, host_memory=128e9)
@@ -353,7 +343,7 @@ def test_attention_outputs_kept_on_the_host_in_the_plan():
 def test_kept_attention_outputs_in_the_plan_and_the_placement():
     """keep_attention: a plan line of n_layers x tokens x (q_width bf16 + fp32 lse) per chunk; place_step
     keeps what is asked on a CPU device (nothing by default), and refuses it when pages go to the host."""
-    from lightning_oomb.core.planner import place_step
+    from lightning_oomb.core.placement import place_step
 
     base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
     kept = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=3, **H200)
@@ -378,7 +368,8 @@ def test_kept_graphs_in_the_plan_and_the_placement():
     """keep_graphs: the last chunk's graph is free; each other one costs a chunk's activations plus what the
     loss computes ahead, and replaces that chunk's kept attention outputs. place_step keeps the last chunk's
     by default, none with layer checkpointing or host pages."""
-    from lightning_oomb.core.planner import graph_chunk_bytes, place_step
+    from lightning_oomb.core.placement import place_step
+    from lightning_oomb.core.planner import graph_chunk_bytes
 
     base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, **H200)
     one = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=1, **H200)
@@ -417,7 +408,9 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
 def test_served_loss_gradients_in_the_placement():
     """A served step keeps every chunk's dL/dh for stage 2 (pinned: one block of the pool, its exact size). On a
     CPU device they stay where the step runs."""
-    from lightning_oomb.core.planner import ModelShape, loss_grad_bytes, place_step
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.placement import place_step
+    from lightning_oomb.core.planner import loss_grad_bytes
 
     shape = ModelShape.from_name("qwen2.5-7b")
     assert loss_grad_bytes(shape, 4096, 256, "bf16-true") == 256 * 4096 * 3584 * 2  # 7 GiB at 1M

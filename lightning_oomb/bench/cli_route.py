@@ -44,7 +44,7 @@ def make_model(shape: str, target: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..core.planner import load_config_dict, transformers_config
+    from ..core.model_shape import load_config_dict, transformers_config
 
     started = time.perf_counter()
     config = transformers_config(load_config_dict(shape))

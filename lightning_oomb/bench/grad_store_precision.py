@@ -14,8 +14,9 @@ import argparse
 import torch
 
 from .. import train_step
-from ..core.planner import ModelShape, parse_tokens
+from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
+from ..core.units import parse_tokens
 from .run import BenchConfig, build_model
 
 

@@ -19,8 +19,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from .. import OOMBStrategy, train_step
-from ..core.planner import ModelShape, parse_tokens
+from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
+from ..core.units import parse_tokens
 from .run import BenchConfig, build_model
 
 

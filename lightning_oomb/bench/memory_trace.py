@@ -15,9 +15,12 @@ import time
 
 import torch
 
-from ..core.planner import CUDA_CONTEXT_BYTES, GIB, ModelShape, parse_tokens, plan
+from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
+from ..core.model_shape import ModelShape
+from ..core.planner import CUDA_CONTEXT_BYTES, plan
 from ..core.schedule import ChunkConfig, ChunkedSequence, release_cached_pool
-from .run import BenchConfig, _host_peak_bytes, _reset_host_peak, build_model
+from ..core.units import GIB, parse_tokens
+from .run import BenchConfig, build_model
 
 
 def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bool) -> tuple[int, int, float, ChunkedSequence]:
@@ -27,7 +30,7 @@ def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bo
     release_cached_pool(model)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    _reset_host_peak()
+    reset_peak_process_host_bytes()
 
     def observe(stage: int, index: int, start: int, end: int) -> None:
         if verbose:
@@ -41,7 +44,7 @@ def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bo
     seq.fill()
     seq.backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated(), _host_peak_bytes(), time.perf_counter() - began, seq
+    return torch.cuda.max_memory_allocated(), peak_process_host_bytes(), time.perf_counter() - began, seq
 
 
 def main(argv: list[str] | None = None) -> None:

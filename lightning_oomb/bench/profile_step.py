@@ -27,9 +27,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
-from ..core.planner import ModelShape, parse_tokens
+from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkConfig, ChunkedSequence
 from ..core.sparse import SparseConfig
+from ..core.units import parse_tokens
 from .run import BenchConfig, build_model
 
 # Our kernels by exact name (dense, sparse and Hopper Gluon kernels of each direction); cuBLAS by substring.

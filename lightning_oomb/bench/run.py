@@ -43,21 +43,9 @@ import torch
 from torch import nn
 
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
-from ..core.planner import (
-    CUDA_CONTEXT_BYTES,
-    DEFAULT_MATMUL_TFLOPS,
-    GIB,
-    LORA_TARGETS,
-    OFFLOAD_SEGMENT_TOKENS,
-    ModelShape,
-    argparse_type,
-    human_count,
-    load_config_dict,
-    parse_tokens,
-    plan,
-    step_time,
-    transformers_config,
-)
+from ..core.model_shape import LORA_TARGETS, ModelShape, load_config_dict, transformers_config
+from ..core.planner import CUDA_CONTEXT_BYTES, DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, plan, step_time
+from ..core.units import GIB, argparse_type, human_count, parse_tokens
 from ..kernels import host_pages
 
 CSV_COLUMNS = (
@@ -360,7 +348,7 @@ def measure(
     mode: BenchMode, model: nn.Module, context: int, config: BenchConfig, device: torch.device, shape: ModelShape
 ) -> PointResult:
     """Warm-up and timed steps of one mode at one length; OOM is a result, not an error."""
-    from ..core.planner import place_step
+    from ..core.placement import place_step
     from ..core.schedule import ChunkConfig, cached_pool, pool_bytes
 
     dtype = next(model.parameters()).dtype

@@ -4,7 +4,7 @@ A run has one host memory budget (docs/planner.md, "Host memory"): the bytes the
 in host memory in all, resident set and pinned pages together. By default it is what the process holds when
 the step is placed plus what the kernel could still give it (MemAvailable), less a headroom of
 max(HOST_HEADROOM_MIN_BYTES, HOST_HEADROOM_SHARE of the machine's RAM) for the rest of the machine; a user
-sets it with ``host_memory=`` (bytes). The placement (``planner.place_step``) decides every pinned block of a
+sets it with ``host_memory=`` (bytes). The placement (``placement.place_step``) decides every pinned block of a
 step against it before any is made, and every pinned block is made here, by ``pinned_empty``, which counts it
 in a ``HostLedger`` and refuses one that the placement did not leave room for.
 """

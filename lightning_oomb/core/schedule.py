@@ -29,7 +29,8 @@ from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool
-from .planner import PLACEMENTS, Placement, optimizer_state, place_step
+from .placement import Placement, optimizer_state, place_step
+from .planner import PLACEMENTS
 from .sparse import SparseConfig, select_pages, update_summaries
 
 IGNORE_INDEX = -100
@@ -59,7 +60,7 @@ class ChunkConfig:
         attention over the past (lightning_oomb.core.sparse).
     offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
         the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
-        host; lightning_oomb.core.planner.place_step).
+        host; lightning_oomb.core.placement.place_step).
     segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
         memory the step leaves free (on a CPU device: one chunk).
     keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks

@@ -143,7 +143,7 @@ def serve(
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
 
     ``optimizers``: those that update the model after the step (the state their first update creates is
-    counted when the step is placed: ``planner.optimizer_state``).
+    counted when the step is placed: ``placement.optimizer_state``).
 
     The instance's ``forward`` attribute is set for the block and removed after it (the class is untouched).
     Stage 2 runs when the returned loss is backpropagated, inside or after the block.

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import is_accelerate_available
 
 from ..core.errors import SetupError
-from ..core.planner import human_count
+from ..core.units import human_count
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 WEIGHT_FILES = ("*.safetensors", "*.bin")

@@ -9,10 +9,10 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from ..core.errors import SetupError
-from ..core.planner import parse_bytes
 from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
 from ..core.sparse import SparseConfig
+from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO

@@ -1,0 +1,222 @@
+"""What the planner needs of a model: its shape, from a built-in name (``lightning_oomb/model_shapes``), a
+config.json or a model directory (no weights read), and what each training precision stores in which dtype."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
+
+Precision = Literal["bf16-true", "bf16-mixed", "32-true"]
+PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+
+def builtin_names() -> list[str]:
+    """Names of the model shapes shipped in ``lightning_oomb/model_shapes`` (e.g. ``qwen2.5-7b``)."""
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
+
+
+def load_config_dict(model: str | os.PathLike) -> dict[str, Any]:
+    """The config.json fields of a built-in name, a config.json file, or a model directory (no weights read)."""
+    text = str(model)
+    if text in builtin_names():
+        path = SHAPES_DIR / f"{text}.json"
+    else:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{text!r} is neither a built-in model shape ({', '.join(builtin_names())}) nor a config.json "
+                "file or a directory holding one"
+            )
+    with open(path) as f:
+        return json.load(f)
+
+
+def transformers_config(config: dict[str, Any]):
+    """A transformers config built from config.json fields, so that the family's defaults apply."""
+    from transformers import AutoConfig
+
+    fields = dict(config)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("the config has no `model_type` (e.g. qwen2, llama)")
+    for key in ("architectures", "transformers_version"):
+        fields.pop(key, None)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families).
+
+    Biases and QK-norm only change ``total_params``; ``matmul_params`` counts weight matrices.
+    """
+
+    n_layers: int
+    hidden: int
+    intermediate: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    name: str = "custom"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    # -- constructors -----------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any, name: str | None = None) -> "ModelShape":
+        """From a transformers config object or a config.json dict."""
+        if isinstance(config, dict):
+            config = transformers_config(config)
+        model_type = getattr(config, "model_type", "")
+        n_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            n_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            name=name or getattr(config, "name_or_path", "") or model_type or "custom",
+            # Qwen2 always has q/k/v biases; Llama and Qwen3 put `attention_bias` on q, k, v and o.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelShape":
+        """A built-in shape: one of ``builtin_names()``."""
+        if name not in builtin_names():
+            raise ValueError(f"unknown model shape {name!r}; built-in: {', '.join(builtin_names())}")
+        return cls.from_config(load_config_dict(name), name=name)
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> "ModelShape":
+        """From a config.json file or a pretrained model directory (reads its config.json only)."""
+        p = Path(path)
+        return cls.from_config(load_config_dict(p), name=(p.name if p.is_dir() else p.parent.name) or p.stem)
+
+    @classmethod
+    def resolve(cls, model: Any) -> "ModelShape":
+        """A ModelShape, a built-in name, a config.json / model directory path, a transformers config or
+        config dict, or a transformers model (peft-wrapped is fine)."""
+        if isinstance(model, ModelShape):
+            return model
+        if isinstance(model, (str, os.PathLike)):
+            if str(model) in builtin_names():
+                return cls.from_name(str(model))
+            return cls.from_path(model)
+        if isinstance(model, dict):
+            return cls.from_config(model)
+        if isinstance(model, torch.nn.Module):
+            inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+            if not hasattr(inner, "config"):
+                raise TypeError(f"{type(model).__name__} has no transformers config")
+            return cls.from_config(inner.config)
+        if hasattr(model, "num_hidden_layers"):
+            return cls.from_config(model)
+        raise TypeError(f"cannot read a model shape from {type(model).__name__}")
+
+    # -- sizes ------------------------------------------------------------------------------------------
+    @property
+    def q_width(self) -> int:
+        """d_q = n_heads * head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weight-matrix parameters of one decoder layer (q, k, v, o, gate, up, down)."""
+        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
+        return attention + 3 * self.hidden * self.intermediate
+
+    @property
+    def head_params(self) -> int:
+        """Parameters of the output layer (lm_head), vocab x hidden."""
+        return self.vocab * self.hidden
+
+    @property
+    def matmul_params(self) -> int:
+        """P_mm of docs/planner.md, "Time": every linear layer including lm_head, not the input embedding."""
+        return self.n_layers * self.layer_matmul_params + self.head_params
+
+    @property
+    def layer_bias_params(self) -> int:
+        n = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
+        n += self.hidden if self.o_bias else 0
+        n += (2 * self.intermediate + self.hidden) if self.mlp_bias else 0
+        return n
+
+    @property
+    def total_params(self) -> int:
+        """All parameters: layers (matrices, biases, norms), embedding, lm_head unless tied, final norm."""
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        layers = self.n_layers * (self.layer_matmul_params + self.layer_bias_params + norms)
+        embedding = self.vocab * self.hidden
+        return layers + embedding + (0 if self.tied_embeddings else self.head_params) + self.hidden
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection."""
+        per_layer = (self.hidden + self.q_width) * 2 + (self.hidden + self.kv_width) * 2
+        return self.n_layers * rank * per_layer
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``."""
+        return 2 * self.n_layers * self.kv_width * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# == what each precision stores in which dtype ============================================================
+
+
+@dataclass(frozen=True)
+class DtypeProfile:
+    """Bytes per element of what a step holds, under a Lightning precision setting.
+
+    param: parameters, their gradients and (torch.optim) optimizer state. linear: outputs of linear layers.
+    residual: the residual stream (embedding output and the sums). qk: q and k after RoPE, which is also
+    the dtype of the K/V store (the store takes k's dtype). v: the value projection.
+    """
+
+    param: int
+    linear: int
+    residual: int
+    qk: int
+    v: int
+    autocast_weight_copies: bool
+
+
+PROFILES: dict[str, DtypeProfile] = {
+    "bf16-true": DtypeProfile(param=2, linear=2, residual=2, qk=2, v=2, autocast_weight_copies=False),
+    "32-true": DtypeProfile(param=4, linear=4, residual=4, qk=4, v=4, autocast_weight_copies=False),
+    # fp32 parameters under bf16 autocast: linear outputs are bf16, the residual stream stays fp32, and RoPE
+    # multiplies the bf16 projections by fp32 cos/sin, so q and k (hence the K/V store) are fp32.
+    "bf16-mixed": DtypeProfile(param=4, linear=2, residual=4, qk=4, v=2, autocast_weight_copies=True),
+}
+
+
+def _kv_dtype(precision: str) -> torch.dtype:
+    return torch.float32 if PROFILES[precision].qk == 4 else torch.bfloat16

@@ -1,0 +1,279 @@
+"""Where a training step's pages live, decided before anything is allocated: ``place_step`` (called by the
+engine for every step and by PagedKVCallback at fit start) checks the step's plan (``core.planner``) against
+the GPU's free memory and the run's host memory budget, chooses the GPU or pinned host memory for the pages
+and how much of stage 1 to keep for stage 2, and refuses with the plan what cannot fit (docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .attention import uses_triton
+from .host_memory import host_budget, host_headroom, process_host_bytes
+from .model_shape import ModelShape, _kv_dtype
+from .planner import (
+    FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
+    PLACEMENT_HEADROOM_SHARE, PLACEMENTS, asked_graphs, host_kept_for_stage_2, kept_for_stage_2,
+    loss_grad_bytes, Plan, plan, PlanError,
+)
+from .units import GIB
+
+# Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA
+# context); everything else is what the step itself allocates.
+_RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copies", "CUDA context")
+
+
+def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[str, int]:
+    """(the planner's name for the optimizers' kind, bytes of state their first update will create): the state
+    of torch's optimizers appears at their first ``step``, after the first step's pages are placed. Adam and
+    AdamW keep two buffers per parameter (three with amsgrad), SGD one with momentum; others are counted as
+    two."""
+    kind, pending = "none", 0
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if isinstance(optimizer, torch.optim.SGD):
+                copies = 1 if group.get("momentum", 0) else 0
+            else:
+                copies = 3 if group.get("amsgrad", False) else 2
+            if copies:
+                kind = "sgd" if copies == 1 and kind != "adamw" else "adamw"
+            for p in group["params"]:
+                if p.requires_grad and not optimizer.state.get(p):
+                    pending += copies * p.numel() * p.element_size()
+    return kind, pending
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
+    through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
+    sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over the depth) may live in
+    pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
+    autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
+    chunks before them for stage 2, which then skips their forward or their attention forward. A step that
+    computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
+    memory where ``loss_grads_on_host``, else on the device. With the pages on the GPU, stage 1 may also keep
+    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory.
+
+    ``host_limit``: the pinned host bytes the host memory budget leaves beyond the process and its growth
+    allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
+    the host memory budget), for people."""
+
+    where: str
+    segment_tokens: int
+    batch: int = 1
+    host_grad_layers: int = 0
+    kept_chunks: int = 0
+    graph_chunks: int = 0
+    loss_grads_on_host: bool = False
+    host_kept_chunks: int = 0
+    host_limit: int | None = None
+    plan: "Plan | None" = field(default=None, compare=False, repr=False)
+
+
+def place_step(
+    model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
+    reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
+    optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
+) -> Placement:
+    """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
+
+    ``config`` is the step's ChunkConfig; its ``offload`` is "gpu", "host" or "auto" (the GPU when the step
+    fits there, the host when it fits only there). With sparse attention K/V always stay on the GPU and the
+    host holds KV-gradient pages: of every layer with "host", of the fewest layers that make the step fit
+    with "auto". On CUDA compares what the step allocates (pages or their staging, one chunk's activations,
+    the loss pieces, parameter gradients not yet allocated, ``pending_gpu_bytes`` the run allocates later,
+    such as optimizer state its first update creates) with the device's free memory plus
+    ``reusable_gpu_bytes`` (a pool the step would reuse or replace). Host memory has one budget
+    (``config.host_memory``, else ``host_memory.host_budget()``): what the process holds now (less
+    ``reusable_host_bytes`` of a pool it reuses), HOST_GROWTH_BYTES for what it may add, and every pinned
+    block the step makes must fit in it. Raises PlanError with the plan and what would make it fit. On a
+    CPU device nothing is checked.
+
+    With every page on the GPU it also decides how many chunks' autograd graphs and attention outputs
+    stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
+    they do not fit; None: the last chunk's graph, attention outputs in KEPT_ATTENTION_SHARE of the memory
+    the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left, and the
+    attention outputs of the first chunks in what the host memory budget leaves).
+
+    ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
+    the GPU when every page is there and they fit in what the step leaves free (before anything is kept
+    for stage 2), else in pinned host memory. ``optimizer`` ("adamw", "sgd", "none") is only for the plan
+    the placement carries.
+    """
+    if config.offload not in PLACEMENTS:
+        raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
+    page = config.page_size
+    sparse = config.sparse is not None
+    n_chunks = -(-seq_len // config.chunk_size)
+    keep, keep_graphs = config.keep_attention, config.keep_graphs
+    budget = host_budget(config.host_memory)
+    process = max(0, process_host_bytes() - reusable_host_bytes)
+
+    def not_kept(where: str) -> tuple[int, int]:
+        for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
+            if value:
+                raise PlanError(
+                    f"{name}={value} keeps stage 1's results on the GPU next to every page, but this step's "
+                    f"pages go to host memory ({where}); set {name}=None (or 0)"
+                )
+        return 0, 0
+
+    def last_graph_only(host_grad_layers: int) -> tuple[int, int]:
+        # With host gradient layers the GPU has no room for stage 1's results but the last chunk's graph,
+        # which costs nothing (stage 2 would hold it next) and is done before stage 2 moves any layer.
+        graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs)
+        if keep or graphs > 1:
+            raise PlanError(
+                f"keep_attention={keep} and keep_graphs={keep_graphs} keep stage 1's results on the GPU, which has "
+                f"no room for them next to this step's pages ({host_grad_layers} layers' KV-gradient pages go to "
+                "host memory); set keep_attention=None and keep_graphs=None (or at most 1)"
+            )
+        return 0, graphs
+
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    peft_config = getattr(model, "peft_config", None)
+    lora_rank = next(iter(peft_config.values())).r if peft_config else 0
+    if torch.is_autocast_enabled(device.type):
+        precision = "bf16-mixed"
+    else:
+        precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
+
+    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, **placed: Any) -> Plan:
+        return plan(
+            model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
+            lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
+            checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
+            host_memory=budget, offload=offload, segment_tokens=segment, sparse=config.sparse,
+            host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
+            host_process_bytes=process, **placed,
+        )
+
+    def placed(placement: Placement) -> Placement:
+        """``placement`` with its pinned-byte limit and the plan of the step as placed."""
+        result = step_plan(
+            placement.where == "host", placement.segment_tokens, placement.host_grad_layers, optimizer=optimizer,
+            kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
+            host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
+            loss_grads_on_host=placement.loss_grads_on_host,
+        )
+        if device.type != "cuda":
+            result.gpu_lines.pop("CUDA context and workspaces (assumed)", None)
+            result.device = "cpu"
+            result.notes.append("no CUDA device: the step's memory is this machine's RAM too, where the CPU run "
+                                "keeps everything; nothing is checked")
+        room = host_free if device.type == "cuda" else None
+        return dataclasses.replace(placement, host_limit=room, plan=result)
+
+    if device.type != "cuda":
+        gpu_total = host_free = budget
+        segment = config.segment_tokens or max(page, min(config.chunk_size, seq_len))
+        if config.offload == "host":
+            not_kept("offload='host'")
+            graphs = 0
+        else:  # the last chunk's graph (free: stage 2 would hold it next), none with layer checkpointing
+            graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs)
+        # keep_attention=None: nothing on a CPU device, whose memory is the host's
+        kept = min(keep or 0, n_chunks - graphs)
+        if sparse:
+            n_layers = ModelShape.resolve(model).n_layers
+            layers = n_layers if config.offload == "host" else 0
+            return placed(Placement("gpu", segment, batch, layers, kept, graphs))
+        if config.offload == "host":
+            return placed(Placement("host", segment, batch))
+        return placed(Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs))
+    free, gpu_total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
+    free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
+    host_free = budget - process - HOST_GROWTH_BYTES  # room for pinned blocks
+    missing = sum(p.numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
+    shape = ModelShape.resolve(model)
+    chunk_tokens = batch * min(config.chunk_size, seq_len)
+    loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
+
+    def needed_on_gpu(step: Plan) -> int:
+        return sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing
+
+    def pinned_of(step: Plan) -> int:
+        return sum(v for k, v in step.host_lines.items() if k.startswith("pinned"))
+
+    def host_short(pinned: int) -> str:
+        return (
+            f"{pinned / GIB:.2f} GiB of pinned host memory, but the host memory budget of {budget / GIB:.2f} GiB "
+            f"leaves {host_free / GIB:.2f} GiB beyond the process's {process / GIB:.2f} GiB and a "
+            f"{HOST_GROWTH_BYTES / GIB:.0f} GiB allowance for its growth"
+            + ("" if config.host_memory is not None else
+               f" (the budget: the process plus MemAvailable, less a {host_headroom() / GIB:.1f} GiB headroom)")
+            + "; host_memory sets the budget"
+        )
+
+    if sparse:
+        counts = {"gpu": [0], "auto": range(shape.n_layers + 1), "host": [shape.n_layers]}[config.offload]
+        if host_grad_layers is not None:
+            counts = [host_grad_layers]
+        for n in counts:
+            step = step_plan(False, page, n)
+            needed = needed_on_gpu(step)
+            on_host = n > 0 or needed + loss_grads > free
+            pinned = pinned_of(step) + (loss_grads if on_host else 0)
+            if needed <= free and pinned <= host_free:
+                spare = free - needed - (0 if on_host else loss_grads)
+                kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
+                host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
+                return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
+                                        loss_grads_on_host=on_host, host_kept_chunks=host_kept))
+        where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
+                 "host": "with the KV-gradient pages in host memory"}[config.offload]
+        gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
+                    f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
+        raise PlanError(
+            f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it. "
+            "Sparse attention keeps K/V pages on the GPU"
+            + (": offload='auto' moves gradient pages to the host." if config.offload == "gpu" else ".")
+            + f"\n\n{step}"
+        )
+
+    if config.offload in ("auto", "gpu"):
+        on_gpu = step_plan(False, page)
+        needed = needed_on_gpu(on_gpu)
+        on_host = needed + loss_grads > free
+        if needed <= free and (not on_host or loss_grads <= host_free):
+            spare = free - needed - (0 if on_host else loss_grads)
+            kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
+            host_spare = host_free - (loss_grads if on_host else 0)
+            return placed(Placement(
+                "gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept, graph_chunks=graphs,
+                loss_grads_on_host=on_host, host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep),
+            ))
+        if config.offload == "gpu":
+            raise PlanError(
+                f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
+                f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
+                f"for it. offload='host' (or 'auto') keeps the pages in pinned host memory.\n\n{on_gpu}"
+            )
+    not_kept("offload='host'" if config.offload == "host" else "the step does not fit on the GPU")
+    segment = config.segment_tokens
+    if segment is None:
+        # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
+        # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
+        needed = needed_on_gpu(step_plan(True, page))
+        per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
+        per_token //= shape.n_layers
+        staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
+        segment = int(staging // (2 * batch * per_token)) // page * page
+        segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
+    step = step_plan(True, segment)
+    needed = needed_on_gpu(step)
+    pinned = pinned_of(step) + loss_grads
+    if needed > free or pinned > host_free:
+        raise PlanError(
+            f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
+            f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {host_short(pinned)}; "
+            f"nothing was allocated for it.\n\n{step}"
+        )
+    return placed(Placement("host", segment, batch, loss_grads_on_host=bool(loss_grads)))
