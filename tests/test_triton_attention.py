@@ -13,15 +13,35 @@ import pytest
 import torch
 
 from lightning_oomb.core import reference_attention as ref
-from lightning_oomb.core.attention import chunk_attention, resolve_backend
-from lightning_oomb.kernels.page_table import LayerStore, StoreSpec
+from lightning_oomb.core import sparse as sparse_ref
+from lightning_oomb.core.attention import AttentionBackend, SparseAttentionBackend, chunk_attention, resolve_backend
 from lightning_oomb.core.pages import PagePool
 from lightning_oomb.kernels import chunk_attention as tri
+from lightning_oomb.kernels import sparse_attention as sparse_tri
+from lightning_oomb.kernels.page_table import LayerStore, StoreSpec
 from tiny_models import rel_err
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
 # On a GPU box the same cases run compiled on the GPU; otherwise in the interpreter (tests/conftest.py).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend, protocol", [
+    (ref, AttentionBackend), (tri, AttentionBackend), (sparse_ref, SparseAttentionBackend),
+    (sparse_tri, SparseAttentionBackend),
+])
+def test_backends_implement_their_protocol(backend, protocol):
+    """Each backend module has every function of its Protocol, taking the Protocol's parameters in its order
+    (a backend may add trailing parameters with defaults, such as the reference's tile size)."""
+    import inspect
+
+    for name, want in inspect.getmembers(protocol, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        wanted = [p for p in inspect.signature(want).parameters if p != "self"]
+        got = inspect.signature(getattr(backend, name)).parameters
+        assert list(got)[: len(wanted)] == wanted, f"{backend.__name__}.{name}"
+        assert all(p.default is not inspect.Parameter.empty for p in list(got.values())[len(wanted):]), name
 
 
 @dataclass

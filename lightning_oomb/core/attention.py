@@ -14,11 +14,65 @@ streamer (lightning_oomb.core.offload), which calls the backend on one key range
 from __future__ import annotations
 
 import os
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..kernels.page_table import LayerStore
 from . import reference_attention
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """What the engine calls for dense chunk attention: ``reference_attention`` (plain PyTorch, the oracle)
+    and ``kernels.chunk_attention`` (Triton) are modules of these functions (``tests/test_triton_attention.py``
+    checks both against it). Shapes: q (B, H_q, T, D), k and v (B, H_kv, T, D) of the chunk at tokens
+    [start, start + T); out like q; lse (B, H_q, T) float32, natural log; the past is the store's tokens
+    [0, start). ``forward_state``, ``backward_delta`` and ``backward_part`` take one key range of the past
+    at a time, for pages streamed from the host (``core.offload``)."""
+
+    def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
+                          start: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in q's dtype, lse)."""
+
+    def attention_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq like q, dk, dv like k, v: the chunk's share plus what later chunks stored for its tokens);
+        adds the past's dK, dV into the store's gradient pages."""
+
+    def forward_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int,
+                      past_hi: int, scale: float, chunk: bool,
+                      state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continue the online softmax ``state`` = (out float32 normalised, lse), updated in place (None:
+        a new one), over the stored keys [past_lo, past_hi) and, with ``chunk``, the chunk's own k, v."""
+
+    def backward_delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+        """rowsum(dout * out): (B, H_q, T) float32, shared by every key range of a chunk's backward."""
+
+    def backward_part(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      lse: torch.Tensor, delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
+                      chunk_start: int, scale: float, chunk: bool,
+                      dq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Add dQ of the keys [past_lo, past_hi) (and, with ``chunk``, the chunk's own) into dq (float32),
+        their dK, dV into the store's gradient pages; with ``chunk`` return the chunk's dk, dv."""
+
+
+@runtime_checkable
+class SparseAttentionBackend(Protocol):
+    """What the engine calls for page-level sparse attention: ``core.sparse`` (plain PyTorch) and
+    ``kernels.sparse_attention`` (Triton). As ``AttentionBackend``'s two entry points, with the chunk's page
+    selection (B, H_sel, n_tiles, K) int32 (``core.sparse.select_pages``) as the last argument: the past is
+    only the selected pages of each query tile."""
+
+    def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
+                          start: int, scale: float, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in q's dtype, lse)."""
+
+    def attention_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int, scale: float,
+                           selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) as the dense backward; adds the selected pages' dK, dV into the gradient pages."""
 
 
 def uses_triton(impl: str, device: torch.device) -> bool:
@@ -28,9 +82,11 @@ def uses_triton(impl: str, device: torch.device) -> bool:
     return impl == "triton" or (impl == "auto" and device.type == "cuda")
 
 
-def resolve_backend(impl: str, device: torch.device, sparse: bool = False):
-    """The module implementing ``attention_forward``/``attention_backward`` for ``impl`` on ``device``
-    (with ``sparse``: the page-selection variants of ``lightning_oomb.core.sparse`` or its Triton kernels)."""
+def resolve_backend(
+    impl: str, device: torch.device, sparse: bool = False
+) -> AttentionBackend | SparseAttentionBackend:
+    """The module implementing ``AttentionBackend`` for ``impl`` on ``device`` (with ``sparse``: a
+    ``SparseAttentionBackend``, ``lightning_oomb.core.sparse`` or its Triton kernels)."""
     if not uses_triton(impl, device):
         if sparse:
             from . import sparse as sparse_reference
