@@ -157,14 +157,14 @@ def test_unaligned_queries_take_pointer_loads():
     """Query rows the copy engine cannot take (a base off 16 bytes) are read by pointer loads instead:
     the same results. (Aligned inputs, as in the other cases, take the descriptors.)"""
     p = make_problem(1, 2, 2, 16, 33, 32, 16, torch.float32)
-    assert tri._query_descriptors(16, p.q, p.dout) is not None
+    assert tri.query_descriptors(16, p.q, p.dout) is not None
 
     def shifted(x):
         flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
         return flat[1:].view(x.shape).copy_(x)
 
     p.q, p.dout = shifted(p.q), shifted(p.dout)
-    assert tri._query_descriptors(16, p.q, p.dout) is None
+    assert tri.query_descriptors(16, p.q, p.dout) is None
     got, want = run_both(p)
     assert_close(got, want, TOL[torch.float32])
 

@@ -221,18 +221,18 @@ def chunk_sweep(t: int) -> None:
     base = tri.default_tiles(D, DTYPE)
     out, lse = tri._forward(q, k, v, store, 0, scale, base.fwd)
     delta = tri.launch_delta(out, dout)
-    row_terms = tri._row_terms(lse, delta, scale)
+    row_terms = tri.softmax_row_terms(lse, delta, scale)
     state = torch.empty(q.shape, dtype=torch.float32, device=DEVICE), torch.empty_like(lse)
     partial = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
     per_matmul = kernel_flops(0, t) / 2
     kernels = {
         "fwd": (2, [tri.Tiles(128, 128, 8, 3), tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 4, 3),
                     tri.Tiles(64, 128, 4, 3), tri.Tiles(64, 64, 4, 3)],
-                lambda o: tri._launch_forward(q, k, v, store, 0, 0, scale, o, True, *state, carry=False)),
+                lambda o: tri.launch_forward(q, k, v, store, 0, 0, scale, o, True, *state, carry=False)),
         "dq": (3, [tri.Tiles(128, 128, 8, 2), tri.Tiles(128, 128, 8, 3), tri.Tiles(128, 64, 8, 2),
                    tri.Tiles(128, 64, 8, 3), tri.Tiles(128, 64, 4, 2), tri.Tiles(64, 128, 4, 2),
                    tri.Tiles(64, 128, 4, 3), tri.Tiles(64, 128, 8, 3), tri.Tiles(64, 64, 4, 3)],
-               lambda o: tri._launch_dq(dout, q, k, v, lse, delta, store, 0, 0, scale, o, True, partial,
+               lambda o: tri.launch_dq(dout, q, k, v, lse, delta, store, 0, 0, scale, o, True, partial,
                                         accumulate=False)),
         "dkdv": (4, [tri.Tiles(64, 128, 8, 3), tri.Tiles(32, 128, 8, 3), tri.Tiles(64, 128, 4, 3),
                      tri.Tiles(64, 64, 4, 3), tri.Tiles(128, 128, 8, 2)],

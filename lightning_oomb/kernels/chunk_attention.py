@@ -40,183 +40,17 @@ slot ``slots[b, t // page_size]``, offset ``t % page_size``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .page_table import LayerStore
+from .attention_blocks import (
+    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, dot_precision, dq_chunk, dq_step, fwd_chunk,
+    fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
+    pool_descriptors, pool_rows, query_descriptors, softmax_row_terms, store_tile,
+)
 from .launch import on_device_of
-
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Shared pieces
-# --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_tile(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Load a (rows, D_PAD) tile; rows where ``row_ok`` is false (None: all rows valid) and the padding
-    columns [HEAD_DIM, D_PAD) read as 0, so they add nothing to any dot product."""
-    if row_ok is None:
-        if HEAD_DIM == D_PAD:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    else:
-        if HEAD_DIM == D_PAD:
-            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    return x
-
-
-@triton.jit
-def _store_tile(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    if HEAD_DIM == D_PAD:
-        tl.store(ptrs, x, mask=row_ok[:, None])
-    else:
-        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _pool_rows(slots_b, ss_p, tok, valid, PAGE_SIZE: tl.constexpr, s_page, s_off):
-    """Element offsets (int64) of the rows of tokens ``tok`` (BLOCK,) of one sequence in a pool tensor
-    laid out as (num_pages, PAGE_SIZE, H, D); rows where ``valid`` is false point at slot 0."""
-    slot = tl.load(slots_b + (tok // PAGE_SIZE) * ss_p, mask=valid, other=0)
-    return slot.to(tl.int64) * s_page + (tok % PAGE_SIZE) * s_off
-
-
-@triton.jit
-def _past_tile(desc, pool, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE: tl.constexpr, sp_page, sp_off,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr):
-    """The whole tile of stored rows [lo, lo + BLOCK_N) of KV head hk from a (num_pages, PAGE_SIZE, H, D)
-    pool. PAGED_TMA (tiles never cross a page): one bulk copy through ``desc``, a descriptor of the pool
-    as (num_pages * PAGE_SIZE, H, D) rows; else one gathered row per key (``pool`` points at head hk)."""
-    if PAGED_TMA:
-        slot = tl.load(slots_b + (lo // PAGE_SIZE) * ss_p)
-        x = desc.load([slot * PAGE_SIZE + lo % PAGE_SIZE, hk, 0]).reshape(BLOCK_N, D_PAD)
-    else:
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, offs_n >= 0, PAGE_SIZE, sp_page, sp_off)
-        x = _load_tile(pool + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-    return x
-
-
-@triton.jit
-def _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
-    """One key tile of the online softmax in the log2 domain: m_i is the running max of s * qk_scale
-    (qk_scale = scale * log2 e > 0), so each probability costs one FMA and one exp2."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if mask is not None:
-        s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexpr):
-    """dQ += dS K for one key tile, with P = exp(S - lse) and dS = P * (dO V^T - delta)."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    p = tl.math.exp2(s - lse2[:, None])
-    if mask is not None:
-        p = tl.where(mask, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-
-
-@triton.jit
-def _query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                ROWS_TMA: tl.constexpr):
-    """Query rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor.
-
-    ROWS_TMA: one bulk copy through the descriptor ``src``; rows past the tensor's end read as 0, rows past
-    the bound T (counted from t0) are read as they are and the caller's masks give them no weight. Else
-    ``src`` points at row t0 of head h of sequence b and rows from the bound T on read as 0."""
-    if ROWS_TMA:
-        x = src.load([b.to(tl.int32), h, t0 + m0, 0]).reshape(BLOCK_M, D_PAD)
-    else:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, D_PAD)
-        x = _load_tile(src + offs_m[:, None] * s_t + offs_d[None, :], offs_m < T, offs_d, HEAD_DIM, D_PAD)
-    return x
-
-
-@triton.jit
-def _dkdv_step(
-    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
-):
-    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
-    query head h; q_src, do_src as in ``_query_rows``; lse2_ptr, delta_ptr point at row t0 of head h of
-    the row terms of ``_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
-    rescales them. EVEN: every row of every step is below its bound (no masked loads)."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    q = _query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
-    do = _query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
-    if EVEN:
-        lse2 = tl.load(lse2_ptr + offs_m)
-        delta = tl.load(delta_ptr + offs_m)
-    else:
-        # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
-        m_valid = offs_m < T
-        lse2 = tl.load(lse2_ptr + offs_m, mask=m_valid, other=float("inf"))
-        delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
-    if CAUSAL:
-        p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    ds_t = p_t * (dp_t * scale - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """The online softmax over the chunk's own keys for queries [m0, m_end): key tiles wholly at or before
-    every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
-    fully masked (no exp(-inf + inf))."""
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, m_end, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
-              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``_fwd_chunk``."""
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
-    for lo in range(diag_lo, m_end, BLOCK_N):
-        n = lo + offs_n
-        k = _load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
-    return dq
+from .page_table import LayerStore
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -248,7 +82,7 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
-    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
 
     out_ptrs = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
@@ -256,7 +90,7 @@ def _fwd_kernel(
     if CARRY:
         # Continue the softmax of earlier key ranges: (out, lse) is the running state with its sum
         # normalised to 1 at the running max lse (OUT holds it in fp32).
-        acc = _load_tile(out_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        acc = load_tile(out_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
         m_i = tl.load(lse_ptrs, mask=m_valid, other=0.0) * LOG2E
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
@@ -270,25 +104,25 @@ def _fwd_kernel(
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
     for lo in range(past_lo, past_whole, BLOCK_N):
-        k = _past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+        k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
-        v = _past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+        v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
-        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+        rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
+        k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
     if CHUNK:
-        acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+        acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                                    m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
                                    HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
-    _store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+    store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
     tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
 
 
@@ -309,9 +143,9 @@ def _delta_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
-    o = _load_tile(O + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :], m_valid, offs_d,
+    o = load_tile(O + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
-    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+    do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     tl.store(DELTA + bh.to(tl.int64) * T + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_valid)
 
@@ -332,7 +166,7 @@ def _dkdv_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
-    # LSE2, SDELTA: the row terms of ``_row_terms``. EVEN: T is a multiple of BLOCK_M.
+    # LSE2, SDELTA: the row terms of ``softmax_row_terms``. EVEN: T is a multiple of BLOCK_M.
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
     # With CHUNK_SPLIT > 1 each chunk tile is shared by CHUNK_SPLIT programs, each over GROUP / CHUNK_SPLIT
@@ -363,12 +197,12 @@ def _dkdv_kernel(
     # masked off, so it costs no memory traffic).
     chunk_off = b * sk_b + hk * sk_h + offs_n[:, None] * sk_t + offs_d[None, :]
     k = tl.where(is_past,
-                 _load_tile(KP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
-                 _load_tile(K + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
+                 load_tile(KP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
+                 load_tile(K + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
     chunk_off = b * sv_b + hk * sv_h + offs_n[:, None] * sv_t + offs_d[None, :]
     v = tl.where(is_past,
-                 _load_tile(VP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
-                 _load_tile(V + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
+                 load_tile(VP + kv_rows[:, None] + offs_d[None, :], past_rows, offs_d, HEAD_DIM, D_PAD),
+                 load_tile(V + chunk_off, chunk_rows, offs_d, HEAD_DIM, D_PAD))
 
     # Start from what is already stored for these rows (other chunks' share for past tokens, later
     # chunks' share for the chunk's own): loaded here, while registers are free, rather than after the
@@ -381,8 +215,8 @@ def _dkdv_kernel(
         init_rows = n_valid
     else:
         init_rows = past_rows
-    dk = _load_tile(DKP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-    dv = _load_tile(DVP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    dk = load_tile(DKP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    dv = load_tile(DVP + grad_rows[:, None] + offs_d[None, :], init_rows, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
     # Queries that see these keys: all of them for a past tile, those at or after `lo` for a chunk tile.
     # From `m_free` on, every query of a tile is at or after the tile's last key: no causal mask there.
     m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
@@ -395,18 +229,18 @@ def _dkdv_kernel(
         lse2_ptr = LSE2 + (b * H_Q + h) * T
         delta_ptr = SDELTA + (b * H_Q + h) * T
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
                                 sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA, EVEN)
         for m0 in range(m_free, T, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
                                 sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
-    _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
-    _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
+    store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
+    store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
     out_off = split * sdk_s + b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
-    _store_tile(DK + out_off, dk.to(DK.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
-    _store_tile(DV + out_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
+    store_tile(DK + out_off, dk.to(DK.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
+    store_tile(DV + out_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
 
 
 @triton.jit
@@ -433,9 +267,9 @@ def _dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < T
-    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
-    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+    do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
@@ -446,58 +280,33 @@ def _dq_kernel(
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
     for lo in range(past_lo, past_whole, BLOCK_N):
-        k = _past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+        k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
-        v = _past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
+        v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
-        rows = _pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
-        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+        rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
+        k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
     if CHUNK:
-        dq = _dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+        dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                        m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
                        HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :]
     dq = dq * scale
     if ACCUMULATE:  # the sum over key ranges, kept in fp32 by the caller
-        dq += _load_tile(dq_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-    _store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
+        dq += load_tile(dq_ptrs, m_valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+    store_tile(dq_ptrs, dq.to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Launch shape of one kernel: BLOCK_M query rows x BLOCK_N key rows per step."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-@dataclass(frozen=True)
-class KernelTiles:
-    fwd: Tiles
-    dkdv: Tiles
-    dq: Tiles
-    # Programs per chunk key tile in dK/dV (a divisor of the GQA group); None: chosen by _chunk_split.
-    chunk_split: int | None = None
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
@@ -511,12 +320,12 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
     fp32 inputs use exact fp32 products (no tensor cores): small tiles; that path is for correctness, not
     speed.
     """
-    if _interpreting():
+    if interpreting():
         t = Tiles(16, 16)
         return KernelTiles(t, t, t)
     if dtype == torch.float32:
         return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
-    if _padded(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.kernels --sweep, --chunk-sweep)
+    if padded_head_dim(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.kernels --sweep, --chunk-sweep)
         # dQ: on sm_90 this kernel only sees the chunk's own keys (the Gluon kernel takes the past), where
         # 128 x 64 in 3 stages does not spill and beat 128 x 128 in 2 (0.352 against 0.385 ms).
         return KernelTiles(Tiles(128, 128, 8, 3), Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3))
@@ -533,91 +342,14 @@ def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: tor
     return group if past_programs < 4 * sms else 1
 
 
-def _copy_engine(t: torch.Tensor) -> bool:
-    """Whether Triton can read t through a tensor descriptor (Hopper's bulk copy engine, or the interpreter
-    that emulates it): 16-byte aligned base and strides, contiguous rows."""
-    if t.is_cuda:
-        if torch.cuda.get_device_capability(t.device)[0] < 9:
-            return False
-    elif not _interpreting():
-        return False
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
-
-
-def _pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | None:
-    """Descriptors of the K and V pools as (num_pages * page_size, H_kv, D) rows with (block_n, 1, D_pad)
-    boxes, when whole key tiles of the past never cross a page; None otherwise (gathered loads)."""
-    pools = (store.k, store.v)
-    if store.page_size % block_n or past_lo % block_n or not all(_copy_engine(x) for x in pools):
-        return None
-    if any(x.stride(0) != x.shape[1] * x.stride(1) for x in pools):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n, ps, h, d = store.k.shape
-    return tuple(TensorDescriptor(x, [n * ps, h, d], [x.stride(1), x.stride(2), 1], [block_n, 1, _padded(d)])
-                 for x in pools)
-
-
-def _query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
-    """Descriptors of (B, H_q, T, D) tensors with (1, 1, block_m, D_pad) boxes (bulk copies of query
-    tiles); None unless every one of them can take one."""
-    if not all(_copy_engine(x) for x in xs):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_m, _padded(x.shape[-1])])
-                 for x in xs)
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int) -> None:
-    b, hq, t, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
-        raise ValueError(f"k, v must be (B, H_kv, T, D) matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}")
-    if hq % k.shape[1]:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
-    if not 1 <= d <= 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {d}")
-    if t < 1 or start < 0:
-        raise ValueError(f"need T >= 1 and start >= 0, got T={t}, start={start}")
-    if not (q.dtype == k.dtype == v.dtype == store.k.dtype == store.v.dtype):
-        raise ValueError(
-            f"q, k, v and the store must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {store.k.dtype}"
-        )
-    slots = store.table.slots
-    if slots.shape[0] != b or slots.shape[1] * store.page_size < start + t:
-        raise ValueError(
-            f"the page table ({tuple(slots.shape)} pages of {store.page_size}) does not cover "
-            f"batch {b} x tokens [0, {start + t})"
-        )
-    if store.k.shape[-2:] != (k.shape[1], d) or store.k.stride(-1) != 1:
-        raise ValueError(f"store pages {tuple(store.k.shape)} do not hold {k.shape[1]} heads of dim {d} contiguously")
-
-
-def _padded(d: int) -> int:
-    # Tiles are powers of two and tl.dot needs K >= 16: other head dims run padded, masked columns read 0.
-    return max(16, triton.next_power_of_2(d))
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: exact fp32 products (no TF32), so fp32 tests compare at ~1e-6.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _launch_forward(
+def launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
     scale: float, tiles: Tiles, chunk: bool, out: torch.Tensor, lse: torch.Tensor, carry: bool,
 ) -> None:
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
     grid = (triton.cdiv(t, tiles.block_m), b * hq)
-    descs = _pool_descriptors(store, past_lo, tiles.block_n)
+    descs = pool_descriptors(store, past_lo, tiles.block_n)
     with on_device_of(q):
         _fwd_kernel[grid](
             q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, out, lse,
@@ -628,8 +360,8 @@ def _launch_forward(
             slots.stride(0), slots.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             t, past_lo, past_hi, scale * 1.4426950408889634,
-            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
+            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
             CARRY=carry, PAGED_TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 
@@ -641,23 +373,16 @@ def _check_grads(store: LayerStore) -> None:
         raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
 
 
-def _row_terms(lse: torch.Tensor, delta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-query terms of the dK/dV loops, (B, H_q, T) float32 each: lse in log2 units and delta times
-    the softmax scale. Scaled here once rather than in every step of every key tile that reads them (a
-    measurable share of those loops' instructions)."""
-    return lse * 1.4426950408889634, delta * scale
-
-
 def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dO * O): (B, H_q, T) float32."""
     b, hq, t, d = out.shape
     delta = torch.empty((b, hq, t), dtype=torch.float32, device=out.device)
-    block = 64 if _padded(d) <= 64 else 32
+    block = 64 if padded_head_dim(d) <= 64 else 32
     with on_device_of(out):
         _delta_kernel[(triton.cdiv(t, block), b * hq)](
             out, dout, delta, out.stride(0), out.stride(1), out.stride(2),
             dout.stride(0), dout.stride(1), dout.stride(2), t,
-            H_Q=hq, HEAD_DIM=d, D_PAD=_padded(d), BLOCK_M=block,
+            H_Q=hq, HEAD_DIM=d, D_PAD=padded_head_dim(d), BLOCK_M=block,
         )
     return delta
 
@@ -669,7 +394,7 @@ def launch_dkdv(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
     ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
-    lse2, sdelta: the chunk's row terms (``_row_terms``)."""
+    lse2, sdelta: the chunk's row terms (``softmax_row_terms``)."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -689,7 +414,7 @@ def launch_dkdv(
     n_chunk_tiles = triton.cdiv(t, kt.block_n) * split if chunk else 0
     if n_past_tiles + n_chunk_tiles == 0:
         return None
-    rows = _query_descriptors(kt.block_m, q, dout)
+    rows = query_descriptors(kt.block_m, q, dout)
     with on_device_of(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
@@ -703,8 +428,8 @@ def launch_dkdv(
             slots.stride(0), slots.stride(1),
             s_stride, dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
-            H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=_precision(q.dtype),
+            H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
+            BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=dot_precision(q.dtype),
             ROWS_TMA=rows is not None, EVEN=t % kt.block_m == 0, num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
     if not chunk:
@@ -716,14 +441,14 @@ def launch_dkdv(
     return dk, dv
 
 
-def _launch_dq(
+def launch_dq(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, scale: float, tiles: Tiles,
     chunk: bool, dq: torch.Tensor, accumulate: bool,
 ) -> None:
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
-    descs = _pool_descriptors(store, past_lo, tiles.block_n)
+    descs = pool_descriptors(store, past_lo, tiles.block_n)
     with on_device_of(q):
         _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
             q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq,
@@ -735,8 +460,8 @@ def _launch_dq(
             slots.stride(0), slots.stride(1),
             dq.stride(0), dq.stride(1), dq.stride(2),
             t, past_lo, past_hi, scale * 1.4426950408889634, scale,
-            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype), CHUNK=chunk,
+            H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
             ACCUMULATE=accumulate, PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -751,8 +476,8 @@ def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
     tiles: Tiles,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, v, store, start)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    check_chunk_inputs(q, k, v, store, start)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     past_end = _warp_specialized_past(q, store, start)
@@ -762,21 +487,16 @@ def _forward(
         from . import past_attention_sm90
 
         state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
-        _launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
+        launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
         past_attention_sm90.forward_past(q, store, scale, state, out, past_end=past_end)
         return out, lse
-    _launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
+    launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
     return out, lse
-
-
-def _sm90(t: torch.Tensor) -> bool:
-    """Whether t lives on an sm_90 GPU (H100, H200), where the warp-specialised Gluon kernels run."""
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) == (9, 0)
 
 
 def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int) -> int:
     """Where the past's whole tiles end when the warp-specialised kernels run them; 0 when they do not."""
-    if not _sm90(q):
+    if not is_sm90(q):
         return 0
     from . import past_attention_sm90
 
@@ -788,17 +508,17 @@ def _backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(q, k, v, store, start)
+    check_chunk_inputs(q, k, v, store, start)
     _check_grads(store)
-    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
-    row_terms = _row_terms(lse, delta, scale)
+    row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     past_end = _warp_specialized_past(q, store, start)
     if not past_end:
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True)
-        _launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
+        launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
         return dq, dk, dv
     # As in _forward: the whole past tiles in the warp-specialised kernels, the chunk and the past's partial
     # tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon kernel continues).
@@ -810,7 +530,7 @@ def _backward(
         dkdv_from = past_end
     dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True)
     partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    _launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial, accumulate=False)
+    launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial, accumulate=False)
     past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=past_end)
     return dq, dk, dv
 
@@ -843,19 +563,19 @@ def forward_state(
     """Attend q to the stored keys [past_lo, past_hi) and, with ``chunk``, causally to k, v, continuing the
     online softmax ``state`` = (out (B, H_q, T, D) float32, lse (B, H_q, T) float32), updated in place;
     None starts a new one. Returns the state."""
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     carry = state is not None
     if not carry:
         state = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
                  torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
     tiles = default_tiles(q.shape[-1], q.dtype).fwd
-    _launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry)
+    launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry)
     return state
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """rowsum(dO * O): (B, H_q, T) float32, shared by every key range of one chunk's backward."""
-    return launch_delta(_last_dim_contiguous(out), _last_dim_contiguous(dout))
+    return launch_delta(last_dim_contiguous(out), last_dim_contiguous(dout))
 
 
 def backward_part(
@@ -867,9 +587,9 @@ def backward_part(
     the chunk's own (returned, plus the store's rows [chunk_start, chunk_start + T)); dQ of those keys is
     added into dq (B, H_q, T, D) float32."""
     _check_grads(store)
-    q, k, v, dout = (_last_dim_contiguous(x) for x in (q, k, v, dout))
+    q, k, v, dout = (last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(q.shape[-1], q.dtype)
-    grads = launch_dkdv(dout, q, k, v, *_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
+    grads = launch_dkdv(dout, q, k, v, *softmax_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
                         tiles, chunk)
-    _launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
+    launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
     return grads

@@ -5,7 +5,8 @@ Contract of :mod:`lightning_oomb.core.sparse` (the reference): the queries of th
 KV head h attends to the past pages ``selection[b, h or 0, i, :]`` (logical page numbers, past page p being
 tokens [p*ps, min((p+1)*ps, start))) and causally to the whole chunk. Pages are found through the page table.
 
-Kernels (helpers and the chunk part follow :mod:`lightning_oomb.kernels.chunk_attention`):
+Kernels (built from :mod:`lightning_oomb.kernels.attention_blocks`; the chunk's own keys run the dense launchers of
+:mod:`lightning_oomb.kernels.chunk_attention`):
 - forward, query-stationary: one program per (query block, query head); a query block is at most
   BLOCK_M queries of ONE query tile (a tile of page_size queries takes cdiv(page_size, BLOCK_M) blocks), so
   every program has one page list. It loops over the tile's pages (each in key blocks of BLOCK_N rows,
@@ -41,35 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .page_table import LayerStore
-from .chunk_attention import (
-    _check,
-    _dq_chunk,
-    _fwd_chunk,
-    launch_delta,
-    launch_dkdv,
-    _dkdv_step,
-    _dq_step,
-    _fwd_step,
-    _last_dim_contiguous,
-    _launch_dq,
-    _launch_forward,
-    _load_tile,
-    _padded,
-    _pool_descriptors,
-    _precision,
-    _query_descriptors,
-    _row_terms,
-    _sm90,
-    _store_tile,
-    KernelTiles,
-    Tiles,
-    LN2,
-    LOG2E,
-    default_tiles as dense_tiles,
-    _interpreting,
+from .attention_blocks import (
+    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, dot_precision, dq_chunk, dq_step, fwd_chunk,
+    fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
+    query_descriptors, softmax_row_terms, store_tile,
 )
+from .chunk_attention import default_tiles as dense_tiles
+from .chunk_attention import launch_delta, launch_dkdv, launch_dq, launch_forward
 from .launch import on_device_of
+from .page_table import LayerStore
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -104,8 +85,8 @@ def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, kd, vd, hk, sp_page, sp_of
     else:
         valid = (n0 + offs_n < PAGE_SIZE) & (page * PAGE_SIZE + n0 + offs_n < start)
         rows = slot.to(tl.int64) * sp_page + (n0 + offs_n) * sp_off
-        k = _load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
     return k, v, valid
 
 
@@ -133,7 +114,7 @@ def _sparse_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < m_end
-    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -149,16 +130,16 @@ def _sparse_fwd_kernel(
         k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
                                   start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
         if PAGED_TMA:
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
         else:
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
     # The chunk, causally, as the dense kernel.
-    acc, m_i, l_i = _fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+    acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                                m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
-    _store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
+    store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
                 out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=m_valid)
 
@@ -188,9 +169,9 @@ def _sparse_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     m_valid = offs_m < m_end
-    q = _load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
                    HEAD_DIM, D_PAD)
-    do = _load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
+    do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=0.0)
@@ -203,14 +184,14 @@ def _sparse_dq_kernel(
         k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
                                   start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
         if PAGED_TMA:
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
         else:
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
-    dq = _dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
+    dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                    m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
-    _store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
+    store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
                 (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
 
 
@@ -250,7 +231,7 @@ def _page_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     tiles = TILES + b * st_b + hk * st_h + idx * st_i
-    # LSE2, SDELTA: the row terms of chunk_attention._row_terms. EVEN: every query tile is a whole page of
+    # LSE2, SDELTA: the row terms of attention_blocks.softmax_row_terms. EVEN: every query tile is a whole page of
     # whole BLOCK_M blocks.
     # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
     # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
@@ -262,8 +243,8 @@ def _page_dkdv_kernel(
     for n0 in range(0, rows_in_page, BLOCK_N):
         valid = n0 + offs_n < rows_in_page
         kv_rows = slot * sp_page + (n0 + offs_n) * sp_off + hk * sp_h
-        k = _load_tile(KP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        v = _load_tile(VP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        k = load_tile(KP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(VP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
         # (choosing tile, query head of the group, query block of the tile) in ONE loop, so that the
@@ -273,23 +254,23 @@ def _page_dkdv_kernel(
             tile = tl.load(tiles + (it // (GROUP * TILE_BLOCKS)) * st_j)
             h = hk * GROUP + (it // TILE_BLOCKS) % GROUP
             t0 = tile * PAGE_SIZE
-            # Rows counted from the tile's first query: _dkdv_step's "T" bound is then the tile's end.
+            # Rows counted from the tile's first query: dkdv_step's "T" bound is then the tile's end.
             q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h + t0 * sq_t
             do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h + t0 * sdo_t
             lse2_ptr = LSE2 + (b * H_Q + h) * T + t0
             delta_ptr = SDELTA + (b * H_Q + h) * T + t0
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = _dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n,
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n,
                                 tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
                                 BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
         if not STAGED:
             # The stored gradient is added to the chunk's whole share, as the staged path adds them: a page's
             # gradient has the same bits whether its layer's pages live on the GPU or on the host.
-            dk += _load_tile(DKP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-            dv += _load_tile(DVP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
-        _store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
-        _store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
+            dk += load_tile(DKP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+            dv += load_tile(DVP + g_ptrs, valid, offs_d, HEAD_DIM, D_PAD).to(tl.float32)
+        store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
+        store_tile(DVP + g_ptrs, dv.to(DVP.dtype.element_ty), valid, offs_d, HEAD_DIM, D_PAD)
 
 
 def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
@@ -322,12 +303,12 @@ def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
 def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
     """Forward/dQ: query blocks inside a page tile (BLOCK_M <= a 128-query tile) and key blocks of a page;
     page dK/dV: the dense kernel's key-stationary shape. The chunk's dK/dV use the dense kernel's tiles."""
-    if _interpreting():
+    if interpreting():
         t = Tiles(16, 16)
         return KernelTiles(t, t, t)
     if dtype == torch.float32:
         return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
-    if _padded(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.sparse_kernels --sweep)
+    if padded_head_dim(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.sparse_kernels --sweep)
         return KernelTiles(Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2), Tiles(128, 128, 8, 2))
     return KernelTiles(Tiles(128, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3))
 
@@ -355,12 +336,12 @@ def _selection_args(selection: torch.Tensor, n_kv: int):
 def _whole_page_descriptors(store: LayerStore, start: int, block_n: int) -> tuple | None:
     """The pool descriptors of the dense kernels when every selected page is whole (the chunk starts on a
     page boundary, as it does whenever the chunk size is a multiple of the page size); else None."""
-    return _pool_descriptors(store, 0, block_n) if start % store.page_size == 0 else None
+    return pool_descriptors(store, 0, block_n) if start % store.page_size == 0 else None
 
 
 def _warp_specialized_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor) -> bool:
     """Whether the warp-specialised kernels run the selected pages (forward and dQ)."""
-    if not _sm90(q):
+    if not is_sm90(q):
         return False
     from . import past_attention_sm90
 
@@ -372,9 +353,9 @@ def _sub_blocks(page_size: int, block_m: int) -> int:
 
 
 def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor, tiles: Tiles):
-    _check(q, k, v, store, start)
+    check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     slots = store.table.slots.to(torch.int32)
@@ -388,7 +369,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
         from . import past_attention_sm90
 
         state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
-        _launch_forward(q, k, v, store, start, start, scale, dense_tiles(d, q.dtype).fwd, True, *state,
+        launch_forward(q, k, v, store, start, start, scale, dense_tiles(d, q.dtype).fwd, True, *state,
                         carry=False)
         past_attention_sm90.forward_past(q, store, scale, state, out, selection=sel)
         return out, lse
@@ -406,8 +387,8 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
             *ssel,
             out.stride(0), out.stride(1), out.stride(2),
             t, start, sel.shape[-1], scale * 1.4426950408889634,
-            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=_precision(q.dtype),
+            H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype),
             PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -423,7 +404,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
     b, hq, t, d = q.shape
     hkv = store.k.shape[2]
     ps = store.page_size
-    rows = _query_descriptors(pt.block_m, q, dout)
+    rows = query_descriptors(pt.block_m, q, dout)
     grad_slots = store.grad_slots.to(torch.int32)
     if staging is None:
         (dkp, dvp), staged_pages = (store.dk, store.dv), 0
@@ -442,8 +423,8 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
         pages.stride(0), pages.stride(1), pages.stride(2),
         *tile_lists.stride(),
         t, start, scale * 1.4426950408889634, scale,
-        H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=_padded(d),
-        BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=_precision(q.dtype),
+        H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=padded_head_dim(d),
+        BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=dot_precision(q.dtype),
         TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
         EVEN=t % ps == 0 and ps % pt.block_m == 0,
         num_warps=pt.num_warps, num_stages=pt.num_stages,
@@ -452,13 +433,13 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
 
 def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
               tiles: KernelTiles, chunk_tiles: KernelTiles):
-    _check(q, k, v, store, start)
+    check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
     if store.dk is None or store.dv is None:
         raise ValueError("attention backward needs a page pool built with_grads=True")
     if store.dk.stride() != store.dv.stride() or store.dk.stride(-1) != 1:
         raise ValueError("store.dk and store.dv must share one layout with contiguous heads")
-    q, k, v, out, dout = (_last_dim_contiguous(x) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (last_dim_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.contiguous()
     b, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -466,10 +447,10 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     ps = store.page_size
     slots = store.table.slots.to(torch.int32)
     sel, ssel = _selection_args(selection, hkv)
-    precision = _precision(q.dtype)
+    precision = dot_precision(q.dtype)
     qk_scale = scale * 1.4426950408889634
     delta = launch_delta(out, dout)
-    row_terms = _row_terms(lse, delta, scale)
+    row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
     staging = store.grad_staging
@@ -498,7 +479,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
 
         if warp_specialized:  # as in _forward
             partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            _launch_dq(dout, q, k, v, lse, delta, store, start, start, scale, chunk_tiles.dq, True, partial,
+            launch_dq(dout, q, k, v, lse, delta, store, start, start, scale, chunk_tiles.dq, True, partial,
                        accumulate=False)
             past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, selection=sel)
             return dq, dk, dv
@@ -516,7 +497,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             *ssel,
             dq.stride(0), dq.stride(1), dq.stride(2),
             t, start, sel.shape[-1], qk_scale, scale,
-            H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=_padded(d),
+            H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
             PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), PAGED_TMA=descs is not None, num_warps=qt.num_warps,
             num_stages=qt.num_stages,

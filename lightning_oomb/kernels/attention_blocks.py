@@ -1,0 +1,303 @@
+"""What the dense and the sparse attention kernels share: the Triton building blocks of their loops (tile
+loads and stores through a page table, one online-softmax step, one dQ step, one dK/dV step, the chunk's own
+causal keys) and the launch-side helpers (tile shapes, tensor descriptors for Hopper's bulk copies, input
+checks). ``chunk_attention`` and ``sparse_attention`` build their kernels from these; neither imports the
+other's private names.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .page_table import LayerStore
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton building blocks
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Load a (rows, D_PAD) tile; rows where ``row_ok`` is false (None: all rows valid) and the padding
+    columns [HEAD_DIM, D_PAD) read as 0, so they add nothing to any dot product."""
+    if row_ok is None:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        if HEAD_DIM == D_PAD:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    return x
+
+
+@triton.jit
+def store_tile(ptrs, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    if HEAD_DIM == D_PAD:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def pool_rows(slots_b, ss_p, tok, valid, PAGE_SIZE: tl.constexpr, s_page, s_off):
+    """Element offsets (int64) of the rows of tokens ``tok`` (BLOCK,) of one sequence in a pool tensor
+    laid out as (num_pages, PAGE_SIZE, H, D); rows where ``valid`` is false point at slot 0."""
+    slot = tl.load(slots_b + (tok // PAGE_SIZE) * ss_p, mask=valid, other=0)
+    return slot.to(tl.int64) * s_page + (tok % PAGE_SIZE) * s_off
+
+
+@triton.jit
+def past_tile(desc, pool, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE: tl.constexpr, sp_page, sp_off,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGED_TMA: tl.constexpr):
+    """The whole tile of stored rows [lo, lo + BLOCK_N) of KV head hk from a (num_pages, PAGE_SIZE, H, D)
+    pool. PAGED_TMA (tiles never cross a page): one bulk copy through ``desc``, a descriptor of the pool
+    as (num_pages * PAGE_SIZE, H, D) rows; else one gathered row per key (``pool`` points at head hk)."""
+    if PAGED_TMA:
+        slot = tl.load(slots_b + (lo // PAGE_SIZE) * ss_p)
+        x = desc.load([slot * PAGE_SIZE + lo % PAGE_SIZE, hk, 0]).reshape(BLOCK_N, D_PAD)
+    else:
+        rows = pool_rows(slots_b, ss_p, lo + offs_n, offs_n >= 0, PAGE_SIZE, sp_page, sp_off)
+        x = load_tile(pool + rows[:, None] + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+    return x
+
+
+@triton.jit
+def fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
+    """One key tile of the online softmax in the log2 domain: m_i is the running max of s * qk_scale
+    (qk_scale = scale * log2 e > 0), so each probability costs one FMA and one exp2."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if mask is not None:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexpr):
+    """dQ += dS K for one key tile, with P = exp(S - lse) and dS = P * (dO V^T - delta)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    if mask is not None:
+        p = tl.where(mask, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
+def query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                ROWS_TMA: tl.constexpr):
+    """Query rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor.
+
+    ROWS_TMA: one bulk copy through the descriptor ``src``; rows past the tensor's end read as 0, rows past
+    the bound T (counted from t0) are read as they are and the caller's masks give them no weight. Else
+    ``src`` points at row t0 of head h of sequence b and rows from the bound T on read as 0."""
+    if ROWS_TMA:
+        x = src.load([b.to(tl.int32), h, t0 + m0, 0]).reshape(BLOCK_M, D_PAD)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        x = load_tile(src + offs_m[:, None] * s_t + offs_d[None, :], offs_m < T, offs_d, HEAD_DIM, D_PAD)
+    return x
+
+
+@triton.jit
+def dkdv_step(
+    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
+):
+    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
+    query head h; q_src, do_src as in ``query_rows``; lse2_ptr, delta_ptr point at row t0 of head h of
+    the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
+    rescales them. EVEN: every row of every step is below its bound (no masked loads)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
+    do = query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
+    if EVEN:
+        lse2 = tl.load(lse2_ptr + offs_m)
+        delta = tl.load(delta_ptr + offs_m)
+    else:
+        # Queries past the end get lse = +inf: their probabilities are exactly 0, no extra mask needed.
+        m_valid = offs_m < T
+        lse2 = tl.load(lse2_ptr + offs_m, mask=m_valid, other=float("inf"))
+        delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
+    p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+    if CAUSAL:
+        p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    ds_t = p_t * (dp_t * scale - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax over the chunk's own keys for queries [m0, m_end): key tiles wholly at or before
+    every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
+    fully masked (no exp(-inf + inf))."""
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``fwd_chunk``."""
+    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    for lo in range(0, diag_lo, BLOCK_N):
+        n = lo + offs_n
+        k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+    for lo in range(diag_lo, m_end, BLOCK_N):
+        n = lo + offs_n
+        k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+    return dq
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launch-side helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one kernel: BLOCK_M query rows x BLOCK_N key rows per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    fwd: Tiles
+    dkdv: Tiles
+    dq: Tiles
+    # Programs per chunk key tile in dK/dV (a divisor of the GQA group); None: chosen by _chunk_split.
+    chunk_split: int | None = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def copy_engine(t: torch.Tensor) -> bool:
+    """Whether Triton can read t through a tensor descriptor (Hopper's bulk copy engine, or the interpreter
+    that emulates it): 16-byte aligned base and strides, contiguous rows."""
+    if t.is_cuda:
+        if torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    elif not interpreting():
+        return False
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | None:
+    """Descriptors of the K and V pools as (num_pages * page_size, H_kv, D) rows with (block_n, 1, D_pad)
+    boxes, when whole key tiles of the past never cross a page; None otherwise (gathered loads)."""
+    pools = (store.k, store.v)
+    if store.page_size % block_n or past_lo % block_n or not all(copy_engine(x) for x in pools):
+        return None
+    if any(x.stride(0) != x.shape[1] * x.stride(1) for x in pools):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, ps, h, d = store.k.shape
+    return tuple(TensorDescriptor(x, [n * ps, h, d], [x.stride(1), x.stride(2), 1], [block_n, 1, padded_head_dim(d)])
+                 for x in pools)
+
+
+def query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
+    """Descriptors of (B, H_q, T, D) tensors with (1, 1, block_m, D_pad) boxes (bulk copies of query
+    tiles); None unless every one of them can take one."""
+    if not all(copy_engine(x) for x in xs):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_m, padded_head_dim(x.shape[-1])])
+                 for x in xs)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int) -> None:
+    b, hq, t, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
+        raise ValueError(f"k, v must be (B, H_kv, T, D) matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
+    if not 1 <= d <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {d}")
+    if t < 1 or start < 0:
+        raise ValueError(f"need T >= 1 and start >= 0, got T={t}, start={start}")
+    if not (q.dtype == k.dtype == v.dtype == store.k.dtype == store.v.dtype):
+        raise ValueError(
+            f"q, k, v and the store must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {store.k.dtype}"
+        )
+    slots = store.table.slots
+    if slots.shape[0] != b or slots.shape[1] * store.page_size < start + t:
+        raise ValueError(
+            f"the page table ({tuple(slots.shape)} pages of {store.page_size}) does not cover "
+            f"batch {b} x tokens [0, {start + t})"
+        )
+    if store.k.shape[-2:] != (k.shape[1], d) or store.k.stride(-1) != 1:
+        raise ValueError(f"store pages {tuple(store.k.shape)} do not hold {k.shape[1]} heads of dim {d} contiguously")
+
+
+def padded_head_dim(d: int) -> int:
+    # Tiles are powers of two and tl.dot needs K >= 16: other head dims run padded, masked columns read 0.
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no TF32), so fp32 tests compare at ~1e-6.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softmax_row_terms(lse: torch.Tensor, delta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-query terms of the dK/dV loops, (B, H_q, T) float32 each: lse in log2 units and delta times
+    the softmax scale. Scaled here once rather than in every step of every key tile that reads them (a
+    measurable share of those loops' instructions)."""
+    return lse * 1.4426950408889634, delta * scale
+
+
+def is_sm90(t: torch.Tensor) -> bool:
+    """Whether t lives on an sm_90 GPU (H100, H200), where the warp-specialised Gluon kernels run."""
+    return t.is_cuda and torch.cuda.get_device_capability(t.device) == (9, 0)
