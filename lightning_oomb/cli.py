@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
 
 from .core.errors import SetupError
 from .core.schedule import ChunkConfig
@@ -47,6 +48,7 @@ class OOMBCLI(LightningCLI):
     held-out result is reported.
     """
 
+    @override
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument(
             "--export_dir", type=Optional[str], default=None,
@@ -58,6 +60,7 @@ class OOMBCLI(LightningCLI):
                             help="fit: print the plan of a step as placed (memory against the GPU and host budget)")
         parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
         precision = str(config.get("trainer", {}).get("precision"))
@@ -86,6 +89,7 @@ class OOMBCLI(LightningCLI):
             data.init_args.tokenizer = pretrained  # (a missing directory is reported as model.pretrained)
 
     # -- fit -------------------------------------------------------------------------------------------
+    @override
     def before_fit(self) -> None:
         if self._get(self.config, "ckpt_path") == "last":
             require_last_checkpoint(self.trainer)
@@ -100,6 +104,7 @@ class OOMBCLI(LightningCLI):
                 self.trainer.callbacks.append(callback)
             callback.print_plan = self._get(self.config, "plan", True)
 
+    @override
     def after_fit(self) -> None:
         trainer, module = self.trainer, self.model
         if not trainer.is_global_zero:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool
 from ..core.placement import Placement, optimizer_state, place_step
-from ..core.planner import PLACEMENTS
 from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
 from ..integrations.transformers import find_causal_lm
 from ..kernels.page_table import StoreSpec
@@ -46,9 +45,7 @@ class PagedKVCallback(Callback):
         max_seq_len, max_batch_size: the largest batch the pool must hold. By default they are read from
             the DataModule's ``seq_len`` and ``batch_size``; without them the pool is sized by the first
             batch, and a larger batch later is refused with a message.
-        offload: "auto" | "gpu" | "host": where the pages live (see ``ChunkConfig.offload``); None follows
-            the strategy's ``offload``. The placement is decided once, for the largest batch.
-
+        Where the pages live follows the strategy's ``offload``; it is decided once, for the largest batch.
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
             ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
             ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
@@ -64,17 +61,14 @@ class PagedKVCallback(Callback):
 
     def __init__(
         self, max_seq_len: int | None = None, max_batch_size: int | None = None, trace_step: int | None = None,
-        offload: str | None = None, print_plan: bool = True,
+        print_plan: bool = True,
     ):
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if offload is not None and offload not in PLACEMENTS:
-            raise ValueError(f"offload must be None or one of {', '.join(PLACEMENTS)}, got {offload!r}")
         self.max_seq_len = max_seq_len
         self.max_batch_size = max_batch_size
         self.trace_step = trace_step
-        self.offload = offload
         self.print_plan = print_plan
         self.placement: Placement | None = None
         self._trace: list[tuple[int, float]] | None = None
@@ -83,17 +77,11 @@ class PagedKVCallback(Callback):
         self._device = torch.device("cpu")
         self._fitting = True
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         config = getattr(trainer.strategy, "chunk_config", None)
         if config is None:
             raise RuntimeError("PagedKVCallback works with OOMBStrategy (Trainer(strategy=OOMBStrategy(...)))")
-        if self.offload is not None and self.offload != config.offload:
-            if config.offload != "auto":
-                raise ValueError(
-                    f"PagedKVCallback(offload={self.offload!r}) contradicts OOMBStrategy(offload={config.offload!r}): "
-                    "set it in one place"
-                )
-            trainer.strategy.chunk_config = dataclasses.replace(config, offload=self.offload)
         self._page_size = config.page_size
         self._device = trainer.strategy.root_device
         self._fitting = stage == "fit"  # only training steps need gradient pages
@@ -104,6 +92,7 @@ class PagedKVCallback(Callback):
         batch = self.max_batch_size or getattr(dm, "batch_size", None) or 1
         return (batch, seq_len) if seq_len else None
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         shape = self._largest_batch(trainer)
         if shape is None:
@@ -156,6 +145,7 @@ class PagedKVCallback(Callback):
             used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else process_host_bytes()
             self._trace.append((stage, used / GIB))
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_step == self.trace_step and trainer.logger is not None:
             self._trace = []
@@ -165,6 +155,7 @@ class PagedKVCallback(Callback):
         if self._device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._device)
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         metrics = {"memory/host_gib": process_host_bytes() / GIB,
                    "memory/host_peak_gib": peak_process_host_bytes() / GIB}
@@ -197,5 +188,6 @@ class PagedKVCallback(Callback):
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.release_pool()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -50,6 +51,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.last_save_s: float | None = None
         self.last_size: int | None = None
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):
             self.wait()
@@ -84,6 +86,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if pending is not None:
             pending.result()
 
+    @override
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
         """The checkpoint with its tensors memory-mapped from the file on the CPU (``map_location`` None), not
         restored to the GPU they were saved from as Lightning's default does: a 46 GB checkpoint would
@@ -98,10 +101,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return torch.load(path, map_location="cpu" if map_location is None else map_location,
                           weights_only=weights_only, mmap=True)
 
+    @override
     def remove_checkpoint(self, path) -> None:
         self.wait()
         super().remove_checkpoint(path)
 
+    @override
     def teardown(self) -> None:
         self.wait()
         if self._executor is not None:

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
+from typing_extensions import override
 
 from ..core.errors import SetupError
 
@@ -413,6 +414,7 @@ class TextCorpusDataModule(LightningDataModule):
             vocab = getattr(config, "vocab_size", None)
         return pretrained, vocab
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         trainer = self._trainer_or_none()
         if trainer is not None:
@@ -468,6 +470,7 @@ class TextCorpusDataModule(LightningDataModule):
         )
 
     # -- loaders ---------------------------------------------------------------------------------------
+    @override
     def train_dataloader(self) -> DataLoader:
         self._sampler = ResumableBatchSampler(len(self.train_set), self.batch_size, self.seed)
         state = self._resume_from
@@ -477,11 +480,13 @@ class TextCorpusDataModule(LightningDataModule):
             self._resume_from = None
         return PositionedLoader(self.train_set, self._sampler, lambda: (self._epoch, self._consumed))
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
+    @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self._trainer_or_none()
         if trainer is not None and trainer.training:
@@ -491,6 +496,7 @@ class TextCorpusDataModule(LightningDataModule):
         return batch
 
     # -- checkpoint state: the data position -----------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self._epoch,
@@ -501,6 +507,7 @@ class TextCorpusDataModule(LightningDataModule):
             "batch_size": self.batch_size,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         now = {"seed": self.seed, "seq_len": self.seq_len, "batch_size": self.batch_size}
         if self.train_set is not None:

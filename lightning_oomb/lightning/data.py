@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 IGNORE_INDEX = -100
 KEY_MARKER, QUERY_MARKER, FIRST_KEY = 1, 2, 3
@@ -115,8 +116,10 @@ class PasskeyDataModule(LightningDataModule):
         self.train_set = PasskeyDataset(train_size, seed=seed, **common)
         self.val_set = PasskeyDataset(val_size, seed=seed + 1, **common)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size)

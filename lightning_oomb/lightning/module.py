@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassExactMatch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import is_accelerate_available
+from typing_extensions import override
 
 from ..core.errors import SetupError
 from ..core.units import human_count
@@ -140,6 +141,7 @@ class CausalLMModule(LightningModule):
         """Whether ``self.model`` holds real tensors (False from construction until ``materialize``)."""
         return not any(t.is_meta for t in itertools.chain(self.model.parameters(), self.model.buffers()))
 
+    @override
     def configure_model(self) -> None:
         """Build the weights where they will train.
 
@@ -218,6 +220,7 @@ class CausalLMModule(LightningModule):
         lora = peft.LoraConfig(r=self.hparams.lora_rank, lora_alpha=self.hparams.lora_alpha, target_modules=targets)
         return peft.get_peft_model(model, lora)
 
+    @override
     def setup(self, stage: str) -> None:
         """Under OOMBStrategy, refuse a model the engine would not train exactly, before any step."""
         from ..integrations.transformers import causal_lm, check_supported
@@ -237,9 +240,11 @@ class CausalLMModule(LightningModule):
         finally:
             lm.train(was_training)
 
+    @override
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, outputs, batch: dict, batch_idx: int) -> None:
         started = getattr(self, "_step_started", None)
         if started is None:
@@ -249,6 +254,7 @@ class CausalLMModule(LightningModule):
         seconds = max(time.perf_counter() - started, 1e-9)
         self.log("train/tokens_per_s", batch["input_ids"].numel() / seconds, prog_bar=True, on_step=True, on_epoch=False)
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Adds the RNG states. With ``pretrained``, leaves out the frozen weights (all but the adapters under
         LoRA: 15 GB of a 7B model that ``model.pretrained`` holds already), which loading takes from there."""
@@ -259,6 +265,7 @@ class CausalLMModule(LightningModule):
                 checkpoint["state_dict"].pop(name, None)
             checkpoint["frozen_weights"] = {"pretrained": str(self.hparams.pretrained), "tensors": len(frozen)}
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Restores the RNG states, and the frozen weights a checkpoint left out from the model as loaded
         from ``model.pretrained``."""
@@ -283,11 +290,13 @@ class CausalLMModule(LightningModule):
         """State-dict names of the parameters that do not train (every name of a tied weight)."""
         return [name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
+    @override
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         ids, labels = batch["input_ids"], batch["labels"]
         n = self.hparams.answer_tokens
@@ -297,6 +306,7 @@ class CausalLMModule(LightningModule):
         if n:
             self.val_acc.update(out.logits[:, :-1].argmax(-1), ids[:, -n:])
 
+    @override
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.log_dict({"val/loss": loss, "val/ppl": torch.exp(loss)}, prog_bar=True)
@@ -305,6 +315,7 @@ class CausalLMModule(LightningModule):
             self.log("val/retrieval_acc", self.val_acc.compute(), prog_bar=True)
             self.val_acc.reset()
 
+    @override
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
         fused = all(p.is_cuda for p in params)

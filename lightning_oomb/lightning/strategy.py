@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
 
 from ..core.errors import SetupError
 from ..core.schedule import ChunkConfig
@@ -93,6 +94,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         self._pending: Serving | None = None
 
     # -- set-up -----------------------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         precision = self.precision_plugin.precision
@@ -120,6 +122,7 @@ class OOMBStrategy(SingleDeviceStrategy):
                      self.optimizers)
 
     # -- steps ------------------------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._release_pending()
         with self._serve(max_calls=1) as serving:
@@ -132,6 +135,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         self._pending = serving
         return output
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Backpropagating the served loss runs stage 2 with the factor Lightning applied to it."""
         serving = self._pending
@@ -151,10 +155,12 @@ class OOMBStrategy(SingleDeviceStrategy):
             wait()
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._serve(max_calls=None):
             return super().validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._serve(max_calls=None):
             return super().test_step(*args, **kwargs)
@@ -164,6 +170,7 @@ class OOMBStrategy(SingleDeviceStrategy):
             self._pending.release()
             self._pending = None
 
+    @override
     def teardown(self) -> None:
         """Lightning's teardown moves the model and the optimizer state to the CPU: the checkpoint being written
         and the pinned page pool are given back first, or the host would hold both (a 1M-token run's pool and a
