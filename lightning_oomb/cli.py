@@ -23,8 +23,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from .core.config import ChunkConfig
 from .core.errors import SetupError
-from .core.schedule import ChunkConfig
 from .core.served import serve
 from .integrations.transformers import find_causal_lm
 from .lightning import CausalLMModule

@@ -11,9 +11,9 @@ import sys
 
 import torch
 
+from .core.config import SparseConfig
 from .core.model_shape import PRECISIONS, builtin_names
 from .core.planner import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, plan_placed
-from .core.sparse import SparseConfig
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
 CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}

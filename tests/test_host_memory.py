@@ -8,10 +8,11 @@ import lightning_oomb
 from lightning_oomb.core.host_memory import (
     GIB, HostLedger, HostMemoryError, host_budget, host_headroom, pinned_empty, process_host_bytes,
 )
+from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.placement import place_step
 from lightning_oomb.core.planner import loss_grad_bytes
-from lightning_oomb.core.schedule import ChunkConfig, cached_pool
+from lightning_oomb.core.schedule import cached_pool
 from tiny_models import VOCAB, tiny_model
 
 
@@ -99,7 +100,8 @@ def test_optimizer_state_still_to_come_is_counted():
 def test_a_step_given_its_optimizer_leaves_room_for_its_state():
     """train_step(optimizer=...) and OOMBStrategy's steps place the step with the optimizer state still to
     come (a 1M-token step placed without it filled the GPU, and AdamW's first update ran out of memory)."""
-    from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence
+    from lightning_oomb.core.config import ChunkConfig
+    from lightning_oomb.core.schedule import ChunkedSequence
 
     model = tiny_model("qwen2")
     ids = torch.randint(0, model.config.vocab_size, (1, 32))

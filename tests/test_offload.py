@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import lightning_oomb
+from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.pages import PagePool
 from lightning_oomb.core.placement import Placement, place_step
-from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, new_pool
+from lightning_oomb.core.schedule import ChunkedSequence, new_pool
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
 

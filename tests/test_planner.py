@@ -14,13 +14,14 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
 from lightning_oomb.core.planner import PlanError, activation_bytes, plan, step_time
-from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence
-from lightning_oomb.core.sparse import SparseConfig
+from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.core.units import parse_bytes, parse_tokens
-from lightning_oomb.kernels.page_table import StoreSpec
 from lightning_oomb.integrations.transformers import bind
+from lightning_oomb.kernels.page_table import StoreSpec
 
 H200 = dict(gpu_memory=141e9, host_memory=128e9)
 

@@ -67,7 +67,7 @@ def test_predicted_sparse_peaks_with_host_gradient_layers(row):
     """The 1M-token sparse step (16 layers' bf16 gradient pages pinned on the host, float32 staging on the GPU)."""
     import torch
 
-    from lightning_oomb.core.sparse import SparseConfig
+    from lightning_oomb.core.config import SparseConfig
 
     predicted = plan(
         "qwen2.5-7b", int(row["context"]), chunk_size=int(row["chunk_size"]), batch=int(row["batch"]),

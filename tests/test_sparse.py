@@ -13,7 +13,8 @@ import torch
 import lightning_oomb
 from lightning_oomb.core import sparse
 from lightning_oomb.core.attention import chunk_attention, resolve_backend
-from lightning_oomb.core.sparse import SparseConfig, select_pages, update_summaries
+from lightning_oomb.core.config import SparseConfig
+from lightning_oomb.core.sparse import select_pages, update_summaries
 from lightning_oomb.kernels import sparse_attention as tri
 from test_triton_attention import DEVICE, make_problem
 from tiny_models import VOCAB, grads_of, rel_err, tiny_model
@@ -96,9 +97,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="unknown option"):
         SparseConfig.coerce({"budget": 3})
     assert SparseConfig.coerce({"budget_pages": 8}) == SparseConfig(budget_pages=8)
-    from lightning_oomb.core.schedule import ChunkConfig
+    from lightning_oomb.core.config import ChunkConfig
 
-    assert ChunkConfig(sparse={"budget_pages": 8, "score": "minmax"}).sparse == SparseConfig(8, score="minmax")
+    assert ChunkConfig(sparse={"budget_pages": 8, "score": "minmax"}).sparse == SparseConfig(budget_pages=8, score="minmax")
 
 
 # == the reference against the masked dense oracle =========================================================
@@ -138,7 +139,7 @@ def test_selection_rules():
             assert {0, 8, 9} <= set(row.tolist())
             middle = sc[1:8]
             assert set(row.tolist()) - {0, 8, 9} == set((middle.topk(2).indices + 1).tolist())
-        shared = select_pages(p.q, store, summaries, SparseConfig(5, 1, 2, score, per_kv_head=False), p.start)
+        shared = select_pages(p.q, store, summaries, SparseConfig(budget_pages=5, sink_pages=1, local_pages=2, score=score, per_kv_head=False), p.start)
         assert shared.shape == (2, 1, 3, 5)
         dense = select_pages(p.q, store, summaries, SparseConfig(budget_pages=10), p.start)
         assert (dense == torch.arange(10, dtype=torch.int32)).all()
@@ -154,7 +155,7 @@ def test_minmax_bounds_the_mean_query_logit():
     p = make_problem(1, 1, 2, 8, 8, 24, 4, torch.float32, device="cpu")
     summaries = tuple(s[1] for s in p.pool.summaries("minmax"))
     update_summaries(p.store, summaries, "minmax", 0, p.start)
-    bound = sparse.page_scores(p.q, p.store, summaries, SparseConfig(2, 0, 0, "minmax"), p.start)  # (1,1,2,6)
+    bound = sparse.page_scores(p.q, p.store, summaries, SparseConfig(budget_pages=2, sink_pages=0, local_pages=0, score="minmax"), p.start)  # (1,1,2,6)
     qbar = sparse.tile_queries(p.q, 4).mean(1)  # (1, n_tiles, D)
     kp, _ = p.store.read(0, p.start)
     logits = torch.einsum("bnd,bpd->bnp", qbar, kp[:, 0].float()).view(1, 2, 6, 4)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import lightning_oomb
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.pages import PagePool, movable_host_layers
 from lightning_oomb.core.placement import Placement, place_step
 from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan
-from lightning_oomb.core.schedule import ChunkConfig, ChunkedSequence, cached_pool, new_pool, release_cached_pool
-from lightning_oomb.core.sparse import SparseConfig
+from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
 

@@ -27,9 +27,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
+from ..core.config import ChunkConfig
+from ..core.config import SparseConfig
 from ..core.model_shape import ModelShape
-from ..core.schedule import ChunkConfig, ChunkedSequence
-from ..core.sparse import SparseConfig
+from ..core.schedule import ChunkedSequence
 from ..core.units import parse_tokens
 from .run import BenchConfig, build_model
 

@@ -189,7 +189,7 @@ class BenchMode:
     offload: bool = False
 
     def sparse_config(self, config: "BenchConfig"):
-        from ..core.sparse import SparseConfig
+        from ..core.config import SparseConfig
 
         return SparseConfig(budget_pages=config.budget_pages) if self.sparse else None
 
@@ -348,8 +348,9 @@ def measure(
     mode: BenchMode, model: nn.Module, context: int, config: BenchConfig, device: torch.device, shape: ModelShape
 ) -> PointResult:
     """Warm-up and timed steps of one mode at one length; OOM is a result, not an error."""
+    from ..core.config import ChunkConfig
     from ..core.placement import place_step
-    from ..core.schedule import ChunkConfig, cached_pool, pool_bytes
+    from ..core.schedule import cached_pool, pool_bytes
 
     dtype = next(model.parameters()).dtype
     result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,

@@ -30,7 +30,7 @@ import yaml
 from lightning.pytorch import Trainer
 
 from .. import train_step
-from ..core.sparse import SparseConfig
+from ..core.config import SparseConfig
 from ..lightning import OOMBStrategy, PasskeyDataModule
 from ..lightning.module import CausalLMModule
 from ..lightning.sparse import SparseCausalLMModule

@@ -17,7 +17,7 @@ from .host_memory import host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
 from .planner import (
     FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
-    PLACEMENT_HEADROOM_SHARE, PLACEMENTS, asked_graphs, host_kept_for_stage_2, kept_for_stage_2,
+    PLACEMENT_HEADROOM_SHARE, asked_graphs, host_kept_for_stage_2, kept_for_stage_2,
     loss_grad_bytes, Plan, plan, PlanError,
 )
 from .units import GIB
@@ -105,8 +105,6 @@ def place_step(
     for stage 2), else in pinned host memory. ``optimizer`` ("adamw", "sgd", "none") is only for the plan
     the placement carries.
     """
-    if config.offload not in PLACEMENTS:
-        raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {config.offload!r}")
     page = config.page_size
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)

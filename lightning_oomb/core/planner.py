@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 import torch
 
+from .config import OFFLOADS, SparseConfig
 from .host_memory import host_headroom, machine_host_memory
 from .loss import piece_rows
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
 from .pages import HostGradStaging, movable_host_layers
-from .sparse import SparseConfig
 from .units import GIB, human_count
 
 # -- assumptions, named so that the bench can calibrate them --------------------------------------------
@@ -73,7 +73,6 @@ MIN_SUGGESTED_CHUNK = 256
 
 Optimizer = Literal["adamw", "sgd", "none"]
 OPTIMIZERS = ("adamw", "sgd", "none")
-PLACEMENTS = ("auto", "gpu", "host")
 
 
 class PlanError(RuntimeError):
@@ -900,8 +899,8 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
     them: dense steps stream every page from the host ("host", or "auto" when it fits only there); sparse
     steps keep K/V on the GPU and put KV-gradient pages of all layers ("host") or of the fewest that fit
     ("auto") in host memory. Other keyword arguments go to ``plan``."""
-    if offload not in PLACEMENTS:
-        raise ValueError(f"offload must be one of {', '.join(PLACEMENTS)}, got {offload!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     sparse = SparseConfig.coerce(sparse)
     if sparse is not None:
         layers = {"gpu": 0, "auto": None, "host": ModelShape.resolve(model).n_layers}[offload]

@@ -16,7 +16,6 @@ chunks just before the kept graphs on the GPU, of the first chunks in pinned hos
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -25,13 +24,12 @@ from torch import nn
 from ..integrations.transformers import bind, causal_lm, check_supported
 from ..kernels.page_table import StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
-from .errors import SetupError
+from .config import ChunkConfig, SparseConfig
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool
 from .placement import Placement, optimizer_state, place_step
-from .planner import PLACEMENTS
-from .sparse import SparseConfig, select_pages, update_summaries
+from .sparse import select_pages, update_summaries
 
 IGNORE_INDEX = -100
 
@@ -40,93 +38,6 @@ class _LastKVStored(Exception):
     """Raised by the last attention layer in stage 1 once its K, V are stored and its pages selected, when
     nothing else of the chunk's forward is needed there (no loss, kept graph or logits): the rest of the
     decoder (that layer's attention, its MLP, the final norm) only feeds the output layer."""
-
-
-@dataclass(frozen=True)
-class ChunkConfig:
-    """How a sequence is cut and computed.
-
-    chunk_size: tokens per chunk (activation memory is that of one chunk).
-    page_size: tokens per page of the KV store.
-    attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton". The Triton kernels
-        cover attention and the fused RMSNorm, RoPE and SwiGLU ops swapped in for the step
-        (lightning_oomb.kernels; the same functions, rounded once instead of after every elementwise op).
-    checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
-    cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
-        (an ablation: training then no longer follows the full-sequence gradient).
-    grad_dtype: dtype of the KV-gradient store, torch.float32 (default) or torch.bfloat16 (half the
-        memory; each chunk's contribution is rounded to bf16 as it is added: see docs/benchmarks.md).
-    sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
-        attention over the past (lightning_oomb.core.sparse).
-    offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
-        the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
-        host; lightning_oomb.core.placement.place_step).
-    segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
-        memory the step leaves free (on a CPU device: one chunk).
-    keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks
-        before those whose graphs it keeps (``keep_graphs``) for stage 2, which then skips their attention
-        forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
-        per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
-        pages live in host memory or on a CPU device; then, when that leaves chunks to recompute, the
-        outputs of the first chunks in pinned host memory, as many as fit in what the host memory budget
-        leaves (``host_memory``; lightning_oomb.core.kept_attention).
-    keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
-        starts with their backward and recomputes only the chunks before them: the same numbers, one forward
-        less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
-        other one a chunk's activations. None: the last chunk's, plus as many as fit in
-        planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
-        pages live in host memory or layers are checkpointed.
-    host_memory: the run's host memory budget in bytes: what the training process may hold in host memory in
-        all, its own resident set and every pinned page included. None: what it holds when the step is placed
-        plus what the machine has available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
-        Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
-        refused.
-    """
-
-    chunk_size: int = 4096
-    page_size: int = 128
-    attention: str = "auto"
-    checkpoint_layers: bool = False
-    cross_chunk_gradients: bool = True
-    grad_dtype: torch.dtype | str = torch.float32
-    sparse: SparseConfig | None = None
-    offload: str = "auto"
-    segment_tokens: int | None = None
-    keep_attention: int | None = None
-    keep_graphs: int | None = None
-    host_memory: int | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
-        dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise SetupError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
-        object.__setattr__(self, "grad_dtype", dtype)
-        for name in ("chunk_size", "page_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SetupError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.attention not in ("auto", "reference", "triton"):
-            raise SetupError(f"attention must be 'auto', 'reference' or 'triton', got {self.attention!r}")
-        if self.offload not in PLACEMENTS:
-            raise SetupError(f"offload must be one of {', '.join(map(repr, PLACEMENTS))}, got {self.offload!r}")
-        if self.segment_tokens is not None and (
-            isinstance(self.segment_tokens, bool) or not isinstance(self.segment_tokens, int) or self.segment_tokens < 1
-        ):
-            raise SetupError(f"segment_tokens must be None or an integer >= 1, got {self.segment_tokens!r}")
-        for name in ("keep_attention", "keep_graphs"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise SetupError(f"{name} must be None or an integer >= 0, got {value!r}")
-        if self.host_memory is not None and (
-            isinstance(self.host_memory, bool) or not isinstance(self.host_memory, int) or self.host_memory < 1
-        ):
-            raise SetupError(f"host_memory must be None or a number of bytes >= 1, got {self.host_memory!r}")
-        if self.keep_graphs and self.checkpoint_layers:
-            raise SetupError(
-                "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "
-                "avoid; set keep_graphs=None (or 0)"
-            )
 
 
 # Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
@@ -554,7 +465,8 @@ def train_step(
     the trainable weights) is left free when the step is placed, so that the update fits after it.
     """
     config = ChunkConfig(
-        chunk_size, page_size, attention, checkpoint_layers, grad_dtype=grad_dtype, sparse=sparse,
+        chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
+        grad_dtype=grad_dtype, sparse=sparse,
         offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
         host_memory=host_memory,
     )
@@ -585,7 +497,8 @@ def eval_loss(
     ``offload``, ``segment_tokens``, ``host_memory``: as in ``train_step``.
     """
     config = ChunkConfig(
-        chunk_size, page_size, attention, sparse=sparse, offload=offload, segment_tokens=segment_tokens,
+        chunk_size=chunk_size, page_size=page_size, attention=attention, sparse=sparse, offload=offload,
+        segment_tokens=segment_tokens,
         host_memory=host_memory,
     )
     seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True)

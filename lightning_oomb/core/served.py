@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..integrations.transformers import causal_lm
-from .schedule import ChunkConfig, ChunkedSequence, ChunkObserver, PoolProvider
+from .config import ChunkConfig
+from .schedule import ChunkedSequence, ChunkObserver, PoolProvider
 
 # Keyword arguments of a causal LM's forward that we accept when they ask for nothing we do not compute.
 _IGNORED_WHEN_FALSY = ("use_cache", "output_attentions", "output_hidden_states", "inputs_embeds", "cache", "past_key_values")

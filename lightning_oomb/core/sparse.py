@@ -34,68 +34,10 @@ Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contrac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..kernels.page_table import LayerStore
-from .errors import SetupError
-
-SCORES = ("mean", "minmax")
-
-
-@dataclass(frozen=True)
-class SparseConfig:
-    """Page-level sparse attention over the stored past; ``None`` where a config is taken means dense.
-
-    budget_pages: past pages each query tile attends to (sinks and local window included). A query tile
-        whose past has no more pages than this attends densely.
-    sink_pages: the first pages of the sequence, always attended.
-    local_pages: the pages just before the chunk, always attended (the chunk itself is always attended).
-    score: "mean" (query . mean key of the page) or "minmax" (Quest's upper bound with per-page min/max).
-    per_kv_head: True selects pages per (query tile, KV head); False one selection per query tile for all
-        heads.
-    """
-
-    budget_pages: int = 64
-    sink_pages: int = 1
-    local_pages: int = 4
-    score: str = "mean"
-    per_kv_head: bool = True
-
-    def __post_init__(self):
-        for name, low in (("budget_pages", 1), ("sink_pages", 0), ("local_pages", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise SetupError(f"SparseConfig.{name} must be an integer >= {low}, got {value!r}")
-        if self.sink_pages + self.local_pages > self.budget_pages:
-            raise SetupError(
-                f"SparseConfig: sink_pages + local_pages ({self.sink_pages} + {self.local_pages}) must not exceed "
-                f"budget_pages ({self.budget_pages})"
-            )
-        if self.score not in SCORES:
-            raise SetupError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
-        if not isinstance(self.per_kv_head, bool):
-            raise SetupError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
-
-    @classmethod
-    def coerce(cls, value: "SparseConfig | dict | None") -> "SparseConfig | None":
-        """A SparseConfig from itself, a dict of its fields (as a YAML config gives it) or None (dense)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - set(cls.__dataclass_fields__)
-            if unknown:
-                raise SetupError(
-                    f"sparse: unknown option(s) {', '.join(sorted(unknown))}; "
-                    f"known: {', '.join(cls.__dataclass_fields__)}"
-                )
-            return cls(**value)
-        raise TypeError(f"sparse must be a SparseConfig, a dict of its fields or None, got {type(value).__name__}")
-
-    def attended_past_tokens(self, page_size: int) -> int:
-        """Most past tokens one query attends to."""
-        return self.budget_pages * page_size
+from .config import SparseConfig
 
 
 # == page summaries ==========================================================================================

@@ -8,10 +8,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool
 from ..core.placement import Placement, optimizer_state, place_step
-from ..core.schedule import ChunkConfig, ChunkedSequence, new_pool, pool_bytes
+from ..core.schedule import ChunkedSequence, new_pool, pool_bytes
 from ..integrations.transformers import find_causal_lm
 from ..kernels.page_table import StoreSpec
 

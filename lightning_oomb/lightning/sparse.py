@@ -17,7 +17,7 @@ sparse Triton kernels run (``attention="auto"``); on CPU the PyTorch reference.
 
 from __future__ import annotations
 
-from ..core.sparse import SparseConfig
+from ..core.config import SparseConfig
 from .module import CausalLMModule
 
 SPARSE_HPARAMS = {
@@ -72,7 +72,8 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         per_kv_head: bool = True,
     ):
         if budget_pages is not None:  # refuse bad options before loading a model
-            SparseConfig(budget_pages, sink_pages, local_pages, sparse_score, per_kv_head)
+            SparseConfig(budget_pages=budget_pages, sink_pages=sink_pages, local_pages=local_pages, score=sparse_score,
+                         per_kv_head=per_kv_head)
         super().__init__(
             pretrained=pretrained, config=config, dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
             lora_target_modules=lora_target_modules, learning_rate=learning_rate, weight_decay=weight_decay,

@@ -9,10 +9,10 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from ..core.config import ChunkConfig
+from ..core.config import SparseConfig
 from ..core.errors import SetupError
-from ..core.schedule import ChunkConfig
 from ..core.served import Serving, serve
-from ..core.sparse import SparseConfig
 from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
