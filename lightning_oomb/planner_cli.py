@@ -1,6 +1,8 @@
 """``lightning-oomb plan``: print the memory and time plan of a training step before running it.
 
-Exit status 0 when the step fits, 1 when it does not (the plan then lists what would make it fit).
+Exit status 0 when the step fits, 1 when it does not (the plan then lists what would make it fit). With
+``--max-context``: the longest context that fits, as a table over full training and LoRA, dense and sparse,
+next to the machine's physical limit.
 Token counts take K = 1024 and M = 1024 * 1024; memory takes 141GB = 141e9 bytes or 80GiB = 80 * 2**30.
 """
 
@@ -8,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import torch
 
 from .core.config import SparseConfig
-from .core.model_shape import PRECISIONS, builtin_names
-from .core.planner import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, plan_placed
+from .core.model_shape import PRECISIONS, _kv_dtype, builtin_names
+from .core.planner import (
+    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, _duration, _gib, max_context, plan_placed,
+)
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
 CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
@@ -28,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True,
                         help=f"built-in shape ({', '.join(builtin_names())}), a config.json or a model directory")
-    parser.add_argument("--context", required=True, type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
+    parser.add_argument("--context", type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
+    parser.add_argument("--max-context", action="store_true",
+                        help="instead of one plan: the longest context that fits, for full training (--optimizer) "
+                        "and LoRA (--lora, default rank 16), dense and sparse (--sparse-budget, default 64 pages), "
+                        "with the other options as given, next to the machine's physical limit")
     parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default 128)")
@@ -61,32 +70,75 @@ def main(argv: list[str] | None = None) -> int:
     """Print the plan; 0 when the step fits, 1 when it does not."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    sparse = SparseConfig(budget_pages=args.sparse_budget) if args.sparse_budget else None
-
+    if (args.context is None) == (not args.max_context):
+        parser.error("give --context TOKENS (one plan) or --max-context (the longest context that fits)")
+    common = dict(
+        offload=args.offload, chunk_size=args.chunk, batch=args.batch, page_size=args.page_size,
+        precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
+        grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens,
+    )
     try:
-        result = plan_placed(
-            args.model,
-            args.context,
-            offload=args.offload,
-            sparse=sparse,
-            chunk_size=args.chunk,
-            batch=args.batch,
-            page_size=args.page_size,
-            lora_rank=args.lora,
-            optimizer=args.optimizer,
-            precision=args.precision,
-            checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
-            grad_dtype=GRAD_DTYPES[args.grad_dtype],
-            gpu_memory=args.gpu_memory,
-            host_memory=args.host_memory,
-            matmul_tflops=args.matmul_tflops,
-            segment_tokens=args.segment_tokens,
-        )
+        if args.max_context:
+            print(context_table(args.model, args, common))
+            return 0
+        options = dict(sparse=SparseConfig(budget_pages=args.sparse_budget) if args.sparse_budget else None,
+                       lora_rank=args.lora, optimizer=args.optimizer, **common)
+        result = plan_placed(args.model, args.context, **options)
+        result.suggestion_style = "cli"
+        print(result)
+        if not result.fits and not any(s.plan.fits for s in result.suggestions if s.goal == "memory"):
+            print("\n" + what_it_would_take(args.model, result, max_context(args.model, **options)))
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
-    result.suggestion_style = "cli"
-    print(result)
     return 0 if result.fits else 1
+
+
+def what_it_would_take(model: str, result, limit) -> str:
+    """When no change fits: the longest context that does with these options, and what the asked one needs."""
+    c = result.config
+    stored = c.context * c.batch * (
+        result.shape.kv_bytes_per_token(_kv_dtype(c.precision)) + result.shape.kv_bytes_per_token(c.grad_dtype))
+    longest = f"{limit.context:,} tokens" if limit.context else "not even one chunk"
+    return textwrap.fill(
+        f"What {c.context:,} tokens would take: with these options the longest context that fits here is {longest} "
+        f"(lightning-oomb plan --max-context). {c.context:,} tokens store {_gib(stored)} GiB of K, V and their "
+        f"gradients; this machine holds {limit.physical_tokens:,} tokens of them in all (GPU and host budget). "
+        "Past that: a host with more memory (dense steps stream every page from there; sparse steps keep K/V on "
+        "the GPU and only their KV-gradient pages on the host), or several GPUs (not built yet).", width=110)
+
+
+def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
+    """The longest context of each common case, one row each, next to the machine's physical limit."""
+    rank, budget = args.lora or 16, args.sparse_budget or 64
+    cases = [
+        (f"full training, {args.optimizer}", dict(optimizer=args.optimizer)),
+        (f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")),
+    ]
+    rows = []
+    for name, options in cases:
+        for attention, sparse in (("dense", None), (f"sparse {budget} pages", SparseConfig(budget_pages=budget))):
+            limit = max_context(model, sparse=sparse, **options, **common)
+            p = limit.plan
+            fitted = f"{limit.context:,}" if limit.context else "none"
+            time = _duration(p.time.predicted_s) if limit.context else "-"
+            rows.append((f"{name}, {attention}", fitted, f"{_gib(p.peak_gpu_bytes)}", f"{_gib(p.peak_host_bytes)}",
+                         time, f"{limit.physical_tokens:,}"))
+    head = ("case", "longest context", "GPU GiB", "host GiB", "step", "machine limit")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    p = limit.plan
+    machine = f"{p.machine + ': ' if p.machine else ''}GPU {_gib(p.gpu_memory)} GiB, host budget {_gib(p.host_memory)} GiB"
+    note = textwrap.fill(
+        "The machine limit: the GPU memory a one-chunk step leaves free plus the host memory budget's room for "
+        "pinned pages, over the bytes a token stores (K, V and their gradients, all layers). Dense steps past "
+        "the GPU stream every page from the host; sparse steps keep K/V on the GPU (only their KV-gradient "
+        "pages go to the host), so their context stops short of it.", width=110)
+    return "\n".join([
+        f"Longest context per step of {model} ({machine}; offload {args.offload}, chunk {args.chunk:,}, "
+        f"{args.precision}, KV-gradients {args.grad_dtype}, batch {args.batch}):", "",
+        line(head), *(line(r) for r in rows), "", note,
+    ])
 
 
 if __name__ == "__main__":

@@ -419,3 +419,49 @@ def test_served_loss_gradients_in_the_placement():
     model = tiny_model("qwen2")
     placement = place_step(model, 1, 32, ChunkConfig(chunk_size=8), torch.device("cpu"), stage_1_loss=True)
     assert not placement.loss_grads_on_host
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(lora_rank=16),
+    dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16),
+    dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, optimizer="none"),
+])
+def test_max_context_is_the_longest_that_fits(options):
+    """The longest context fits and one chunk more does not, as plan_placed would place each; the machine's
+    physical limit (every page on the GPU or pinned on the host) is never below it."""
+    from lightning_oomb.core.planner import max_context, plan_placed
+
+    limit = max_context("qwen2.5-7b", **H200, **options)
+    assert limit.context % 4096 == 0 and limit.context >= 4096
+    assert limit.plan.fits and limit.plan.config.context == limit.context
+    assert not plan_placed("qwen2.5-7b", limit.context + 4096, **H200, **options).fits
+    assert limit.physical_tokens >= limit.context
+
+
+def test_max_context_when_nothing_fits():
+    from lightning_oomb.core.planner import max_context
+
+    limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9)  # AdamW state alone is 28 GiB
+    assert limit.context == 0 and not limit.plan.fits and "not even one chunk" in str(limit)
+
+
+def test_cli_max_context_table(capsys):
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--max-context", "--gpu-memory", "140GiB",
+                     "--host-memory", "112GiB", "--grad-dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith(("full training", "LoRA"))]
+    assert len(rows) == 4 and "machine limit" in out
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plan", "--model", "qwen2.5-7b", "--gpu-memory", "140GiB"])
+    assert exit_.value.code == 2 and "--max-context" in capsys.readouterr().err
+
+
+def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "4M", "--gpu-memory", "140GiB", "--host-memory",
+                     "112GiB", "--sparse-budget", "64", "--grad-dtype", "bfloat16"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1
+    assert "What 4,194,304 tokens would take" in out and "the longest context that fits here is 1,314,816 tokens" in out
+    assert "4,194,304 tokens store 448.00 GiB" in out

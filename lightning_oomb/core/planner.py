@@ -920,6 +920,70 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
     return result
 
 
+@dataclass
+class ContextLimit:
+    """The longest context a step fits, next to what the machine could hold.
+
+    ``context``: the most tokens per sequence (a multiple of the chunk) whose step fits as a training step
+    with the asked ``offload`` would place it (0: not even one chunk); ``plan``: that step's plan (or the
+    one-chunk plan that does not fit). ``physical_tokens``: the machine's limit for any placement: the GPU
+    memory the one-chunk step leaves free plus the host memory budget's room for pinned pages, over the
+    bytes a token stores (K, V and their gradients over all layers; the dL/dh a served step keeps is left
+    out). Sparse steps keep K/V on the GPU, so their context stops short of it."""
+
+    context: int
+    plan: Plan
+    physical_tokens: int
+
+    def __str__(self) -> str:
+        p = self.plan
+        if not self.context:
+            return f"not even one chunk of {p.config.chunk_size:,} tokens fits:\n\n{p}"
+        return (f"{self.context:,} tokens fit ({p.config.n_chunks} chunks of {p.config.chunk_size:,}): GPU "
+                f"{_gib(p.peak_gpu_bytes)} GiB, host {_gib(p.peak_host_bytes)} GiB, step ≈ "
+                f"{_duration(p.time.predicted_s)}; the machine holds {self.physical_tokens:,} tokens of K/V "
+                "and their gradients")
+
+
+def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, limit: int = 1 << 30,
+                **kwargs: Any) -> ContextLimit:
+    """The longest context (tokens per sequence, a multiple of ``chunk_size``, at most ``limit``) whose step
+    fits, as ``plan_placed`` with ``offload`` would place it, and the machine's physical limit
+    (``ContextLimit``). Other keyword arguments go to ``plan_placed`` (batch, lora_rank, sparse, optimizer,
+    gpu_memory, host_memory, ...). Assumes that a step that fits at some length fits at every shorter one."""
+    def placed(chunks: int) -> Plan:
+        return plan_placed(model, chunks * chunk_size, offload=offload, chunk_size=chunk_size, **kwargs)
+
+    one = placed(1)
+    # The machine's limit starts from the smallest fixed cost: with layer checkpointing unless it is refused.
+    least = one if kwargs.get("checkpoint_layers") is False else plan_placed(
+        model, chunk_size, offload=offload, chunk_size=chunk_size, **{**kwargs, "checkpoint_layers": True})
+    c = least.config
+    per_token = c.batch * (least.shape.kv_bytes_per_token(_kv_dtype(c.precision))
+                           + least.shape.kv_bytes_per_token(c.grad_dtype))
+    host_room = least.host_memory - sum(v for k, v in least.host_lines.items() if k.startswith("process"))
+    gpu_room = least.usable_gpu_bytes - least.peak_gpu_bytes
+    physical = max(0, gpu_room + host_room) // per_token
+    if not one.fits:
+        return ContextLimit(0, one, physical)
+    low, high, best = 1, 2, one  # placed(low) fits; find a high that does not
+    most = max(1, limit // chunk_size)
+    while high <= most:
+        result = placed(high)
+        if not result.fits:
+            break
+        low, best, high = high, result, 2 * high
+    high = min(high, most + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        result = placed(mid)
+        if result.fits:
+            low, best = mid, result
+        else:
+            high = mid
+    return ContextLimit(low * chunk_size, best, physical)
+
+
 def _note_kept_for_stage_2(result: Plan) -> None:
     """Say how many chunks' autograd graphs and attention outputs a step would keep (keep_graphs=None,
     keep_attention=None) in what this plan leaves free, as place_step decides it."""
