@@ -221,9 +221,12 @@ def test_offload_traffic_in_tensorboard(tmp_path):
     assert all(e.value > 0 for e in events.Scalars("memory/pool_host_gib"))
 
 
-def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
-    """Checkpoints are written on a background thread from the live weights: the next update waits for the
-    write (OOMBStrategy.backward), so a slow write still holds the weights of the step it was taken at."""
+@pytest.mark.parametrize("host_has_room", [True, False])
+def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, host_has_room):
+    """Checkpoints are written on a background thread. Where the host memory budget holds a copy, the write
+    reads copies made at the save and training goes on; where it does not, the write reads the live weights
+    and the next update waits for it (OOMBStrategy.backward). Either way a slow write holds the weights of the
+    step it was taken at."""
     import threading
 
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -234,10 +237,13 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
 
     class SlowCheckpointIO(AtomicCheckpointIO):
         def _write(self, checkpoint, f):
-            # Without the wait, step 3's update comes first and the write would see its weights; with it, the
-            # update never comes before the write and this times out.
+            # Reading the live weights, the write must come before step 3's update, which then never comes
+            # before it and this times out; reading copies, step 3's update comes first.
             step_3_updated.wait(timeout=3.0)
             super()._write(checkpoint, f)
+
+    class NoRoomCheckpointIO(SlowCheckpointIO):
+        host_room = property(lambda self: (lambda: -1), lambda self, value: None)
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -246,7 +252,7 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
             if trainer.global_step == 3:
                 step_3_updated.set()
 
-    record, io = Record(), SlowCheckpointIO()
+    record, io = Record(), SlowCheckpointIO() if host_has_room else NoRoomCheckpointIO()
     module = UserModule(tiny_model("qwen2"))
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=False)
     fit(module, OOMBStrategy(chunk_size=8, page_size=4, checkpoint_io=io), enable_checkpointing=True,
@@ -255,7 +261,23 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path):
     assert saved.keys() == record.weights.keys()
     assert all(torch.equal(saved[n], record.weights[n]) for n in saved)
     assert not torch.equal(saved["model.lm_head.weight"], module.model.lm_head.weight.detach())  # step 3 moved them
-    assert io.last_save_s >= 3.0 and io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size
+    assert io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size
+    if host_has_room:
+        assert io.last_staged_s is not None and io.last_save_s < 3.0  # step 3 did not wait for the write
+    else:
+        assert io.last_staged_s is None and io.last_save_s >= 3.0
+
+
+def test_checkpoint_copy_keeps_shared_tensors_shared():
+    from lightning_oomb.lightning.checkpoint import copy_to_host, tensor_bytes
+
+    weight = torch.randn(4, 3)
+    tree = {"state_dict": {"a": weight, "b": weight, "c": weight[1]}, "step": 3, "list": [torch.ones(2)]}
+    assert tensor_bytes(tree) == 4 * 3 * 4 + 3 * 4 + 2 * 4
+    copied = copy_to_host(tree)
+    assert copied["state_dict"]["a"] is copied["state_dict"]["b"] and copied["state_dict"]["a"] is not weight
+    assert torch.equal(copied["state_dict"]["c"], weight[1]) and copied["step"] == 3
+    assert copied["list"][0].data_ptr() != tree["list"][0].data_ptr()
 
 
 def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():

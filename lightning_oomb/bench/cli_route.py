@@ -189,8 +189,10 @@ def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[st
         first_end = series["wall"][0]
         summary["to_first_step_s"] = round(first_end - series["step_s"][0] - started, 1)
         summary.update({k: [round(v, 3) for v in vals] for k, vals in series.items() if k != "wall"})
-    saves = re.findall(r"checkpoint: (\S+) written, ([\d.]+) GB in ([\d.]+) s", log)
-    summary["checkpoints"] = [{"path": p, "gb": float(gb), "s": float(s)} for p, gb, s in saves]
+    saves = re.findall(r"checkpoint: (\S+) written, ([\d.]+) GB in ([\d.]+) s(?: \(copied to host memory in ([\d.]+) s)?",
+                       log)
+    summary["checkpoints"] = [{"path": p, "gb": float(gb), "s": float(s), "copied_to_host_s": float(c) if c else None}
+                              for p, gb, s, c in saves]
     pinned = re.findall(r"pinned ([\d.]+) GiB of host memory for the page pool in ([\d.]+) s", log)
     if pinned:
         summary["pinned_gib"], summary["pin_s"] = float(pinned[-1][0]), float(pinned[-1][1])

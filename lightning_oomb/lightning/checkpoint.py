@@ -7,7 +7,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -36,20 +36,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     implementation.
 
     asynchronous: write on a background thread while training goes on (a 7B model with AdamW is 46 GB: a
-    minute or more of disk). The checkpoint holds the live weights and optimizer state, not copies (a copy
-    would not fit next to a long-context step), so the next optimizer update waits for the write:
-    ``OOMBStrategy.backward`` calls ``wait()`` once the step's gradients are computed, before the update;
-    so do the next save, loading, and the end of the run.
-    ``last_save_s``: seconds the last completed write took, ``last_size``: its bytes.
+    minute or more of disk). Where ``host_room()`` (set by OOMBStrategy: what the run's host memory budget
+    leaves) holds a copy of the checkpoint's tensors, they are first copied to host memory and the write
+    reads the copies, so training never waits for the disk. Otherwise (a 1M-token step fills the host) the
+    write reads the live weights and optimizer state, and the next optimizer update waits for it:
+    ``OOMBStrategy.backward`` calls ``wait_until_weights_free()`` once the step's gradients are computed,
+    before the update. The next save, loading and the end of the run wait for any write.
+    ``last_save_s``: seconds the last completed write took, ``last_size``: its bytes, ``last_staged_s``: the
+    seconds its copy to host memory took (None: it read the live tensors).
     """
 
     def __init__(self, asynchronous: bool = True):
         super().__init__()
         self.asynchronous = asynchronous
+        self.host_room: Callable[[], int] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._pending_reads_live = False
         self.last_save_s: float | None = None
         self.last_size: int | None = None
+        self.last_staged_s: float | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -59,8 +65,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.wait()
         if not self.asynchronous:
             return self._save_now(checkpoint, Path(path))
+        self.last_staged_s = None
+        if self.host_room is not None and tensor_bytes(checkpoint) <= self.host_room():
+            started = time.perf_counter()
+            checkpoint = copy_to_host(checkpoint)
+            self.last_staged_s = time.perf_counter() - started
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending_reads_live = self.last_staged_s is None
         self._pending = self._executor.submit(self._save_now, checkpoint, Path(path))
 
     def _save_now(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -74,8 +86,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.replace(partial, path)
         _fsync_dir(path.parent)
         self.last_save_s, self.last_size = time.perf_counter() - started, path.stat().st_size
-        print(f"checkpoint: {path} written, {self.last_size / 1e9:.2f} GB in {self.last_save_s:.1f} s"
-              + (" (while training went on)" if self.asynchronous else ""), flush=True)
+        how = ""
+        if self.asynchronous:
+            how = (" (while training went on; the next update waited for it)" if self.last_staged_s is None else
+                   f" (copied to host memory in {self.last_staged_s:.1f} s first; training went on)")
+        print(f"checkpoint: {path} written, {self.last_size / 1e9:.2f} GB in {self.last_save_s:.1f} s{how}", flush=True)
 
     def _write(self, checkpoint: dict[str, Any], f) -> None:
         torch.save(checkpoint, f)
@@ -85,6 +100,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def wait_until_weights_free(self) -> None:
+        """Block until no write reads the live weights and optimizer state (a write of host copies goes on)."""
+        if self._pending_reads_live:
+            self.wait()
 
     @override
     def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None):
@@ -127,3 +147,50 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a checkpoint (nested dicts, lists, tuples), a storage shared by several once."""
+    seen: set[tuple] = set()
+    total = 0
+    for t in _tensors(tree):
+        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def copy_to_host(tree: Any) -> Any:
+    """The checkpoint with every tensor copied into new host memory (views of one tensor stay one copy)."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        return copies[key]
+
+    return _map(tree, copy)
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def _map(tree: Any, fn):
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):  # OrderedDict (state dicts), Lightning's AttributeDict (hyperparameters)
+        return type(tree)((k, _map(v, fn)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        mapped = [_map(v, fn) for v in tree]
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
+    return tree

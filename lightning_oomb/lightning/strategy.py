@@ -12,6 +12,8 @@ from typing_extensions import override
 from ..core.config import ChunkConfig
 from ..core.config import SparseConfig
 from ..core.errors import SetupError
+from ..core.host_memory import host_budget, process_host_bytes
+from ..core.planner import HOST_GROWTH_BYTES
 from ..core.served import Serving, serve
 from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
@@ -110,7 +112,17 @@ class OOMBStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(PagedKVCallback())
+        if isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            self.checkpoint_io.host_room = self._checkpoint_host_room
         find_causal_lm(self.lightning_module)  # fail at set-up, not at the first step
+
+    def _checkpoint_host_room(self) -> int:
+        """Host memory a copy of a checkpoint may take: the run's host memory budget less what the process
+        holds now or was placed to hold at its step's peak, whichever is more, and the growth allowance."""
+        placement = self.kv_callback.placement
+        planned = placement.plan.peak_host_bytes if placement is not None and placement.plan is not None else 0
+        held = max(process_host_bytes(), planned)
+        return host_budget(self.chunk_config.host_memory) - held - HOST_GROWTH_BYTES
 
     @property
     def kv_callback(self) -> PagedKVCallback:
@@ -149,10 +161,9 @@ class OOMBStrategy(SingleDeviceStrategy):
                 "never ran; return (a function of) self.model(input_ids=..., labels=...).loss"
             )
         self._pending = None
-        # The update that follows changes the weights and optimizer state a checkpoint may still be writing.
-        wait = getattr(self.checkpoint_io, "wait", None)
-        if wait is not None:
-            wait()
+        # The update that follows changes the weights and optimizer state a checkpoint may still be reading.
+        if isinstance(self.checkpoint_io, AtomicCheckpointIO):
+            self.checkpoint_io.wait_until_weights_free()
         return closure_loss
 
     @override
