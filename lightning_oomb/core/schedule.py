@@ -446,6 +446,7 @@ def train_step(
     keep_graphs: int | None = None,
     host_memory: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -463,6 +464,9 @@ def train_step(
     host memory budget in bytes (None: what the machine has available less a headroom; see ``ChunkConfig``).
     optimizer: the optimizer whose ``step`` follows: the state its first step creates (AdamW: two copies of
     the trainable weights) is left free when the step is placed, so that the update fits after it.
+    num_items_in_batch: the count of valid (shifted) labels the loss is divided by; None: this batch's. Data
+    parallel ranks pass the count over all ranks' batches, so that their gradients summed (one all-reduce
+    after the step) are one process's gradient of all the batches together (tests/test_distributed.py).
     """
     config = ChunkConfig(
         chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
@@ -470,7 +474,8 @@ def train_step(
         offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
         host_memory=host_memory,
     )
-    seq = ChunkedSequence(model, input_ids, labels, config, optimizers=() if optimizer is None else (optimizer,))
+    seq = ChunkedSequence(model, input_ids, labels, config, num_items_in_batch=num_items_in_batch,
+                          optimizers=() if optimizer is None else (optimizer,))
     try:
         seq.fill()
         return seq.backward()
