@@ -173,6 +173,24 @@ def test_resumable_sampler_order():
     assert list(s) == epoch1
 
 
+def test_resumable_sampler_gives_each_rank_its_share_of_the_global_batch():
+    """Data parallel: at each step the ranks' batches are the consecutive pieces of one global batch of the same
+    permutation, the ranks run equally many steps (trailing items that make no whole global batch wait for the
+    next epoch's permutation), and a resume skips the same global batches on every rank."""
+    world, batch = 3, 2
+    ranks = [ResumableBatchSampler(20, batch, seed=5, rank=r, world_size=world) for r in range(world)]
+    one = ResumableBatchSampler(20, batch * world, seed=5)
+    assert [len(s) for s in ranks] == [3, 3, 3]
+    per_rank = [list(s) for s in ranks]
+    for step in range(3):
+        assert sum((per_rank[r][step] for r in range(world)), []) == list(one)[step]
+    for s in ranks:
+        s.resume(0, 1)
+    assert [list(s) for s in ranks] == [b[1:] for b in per_rank]
+    with pytest.raises(ValueError, match="one batch of 2 for each of 3 ranks"):
+        ResumableBatchSampler(5, batch, seed=5, rank=0, world_size=world)
+
+
 def test_data_position_state(tmp_path, tokenizer_dir):
     corpus = write_corpus(tmp_path / "corpus", docs=30)
     dm = module([corpus], tokenizer_dir, val_fraction=0.0)

@@ -278,10 +278,22 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 class ResumableBatchSampler(Sampler[list[int]]):
     """Batches of a permutation drawn from ``seed`` and the epoch; ``resume(epoch, batches)`` skips the batches
-    a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect."""
+    a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect.
 
-    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
+    Data parallel (``world_size`` > 1): every rank draws the same permutation; step b's global batch is its
+    ``world_size * batch_size`` items from position ``b * world_size * batch_size`` on, and rank ``rank`` takes
+    the ``rank``-th ``batch_size`` of them. An epoch is the whole global batches only, so every rank runs the
+    same number of steps (a rank with a batch less would leave the others waiting in a collective)."""
+
+    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if world_size > 1 and num_items < world_size * batch_size:
+            raise ValueError(f"{num_items} sequences do not make one batch of {batch_size} for each of {world_size} "
+                             "ranks: use more data, a shorter seq_len or a smaller batch_size")
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self._skip: tuple[int, int] | None = None
 
@@ -293,7 +305,9 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self._skip = (epoch, batches)
 
     def __len__(self) -> int:
-        return math.ceil(self.num_items / self.batch_size)
+        if self.world_size == 1:
+            return math.ceil(self.num_items / self.batch_size)
+        return self.num_items // (self.world_size * self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
@@ -305,7 +319,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
             else torch.arange(self.num_items)
         )
         for b in range(skip, len(self)):
-            yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+            start = (b * self.world_size + self.rank) * self.batch_size
+            yield order[start : start + self.batch_size].tolist()
 
 
 class PositionedLoader(DataLoader):
@@ -472,7 +487,10 @@ class TextCorpusDataModule(LightningDataModule):
     # -- loaders ---------------------------------------------------------------------------------------
     @override
     def train_dataloader(self) -> DataLoader:
-        self._sampler = ResumableBatchSampler(len(self.train_set), self.batch_size, self.seed)
+        trainer = self._trainer_or_none()
+        rank, world = getattr(trainer, "global_rank", 0), getattr(trainer, "world_size", 1)
+        self._sampler = ResumableBatchSampler(len(self.train_set), self.batch_size, self.seed, rank=rank,
+                                              world_size=world)
         state = self._resume_from
         if state is not None:
             self._epoch, self._consumed = state["epoch"], state["batches_consumed"]
