@@ -255,6 +255,14 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_bitwise(assets, tmp_path
     for a, b in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values()):
         assert all(torch.equal(a[key], b[key]) for key in b)
 
+    # Outside a Trainer too: the adapters from the checkpoint, the frozen weights from model.pretrained.
+    from lightning_oomb import CausalLMModule
+
+    loaded = CausalLMModule.load_from_checkpoint(run_dir(tmp_path / "whole") / "checkpoints" / "last.ckpt")
+    state = loaded.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in want["state_dict"].items())
+    assert torch.equal(state["model.base_model.model.lm_head.weight"], base.lm_head.weight)
+
 
 def test_sigkill_after_checkpoint_then_resume_is_bitwise(uninterrupted, assets, tmp_path):
     config = write_config(tmp_path, assets)
