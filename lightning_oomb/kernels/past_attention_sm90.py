@@ -357,7 +357,7 @@ def _dkdv_partition(KP, VP, DKP, DVP, LSE2, SDELTA, TILES, tiles_row, st_j, k_sm
     """dV = P^T dO and dK = dS^T Q of the program's keys 64 * HALF .. +64 (rows from kv_row, stride sp_off)
     over its steps; the stored gradient (rows from g_row) is added after, or with STAGED the sums go to a
     staging area alone. A program without steps (a page nobody chose) reads and writes nothing.
-    LSE2, SDELTA: the row terms of ``chunk_attention._row_terms`` (lse in log2 units, delta times scale)."""
+    LSE2, SDELTA: the row terms of ``attention_blocks.softmax_row_terms`` (lse in log2 units, delta times scale)."""
     KEYS: gl.constexpr = 64
     s_mma: gl.constexpr = _wgmma_layout(BLOCK_M)
     o_mma: gl.constexpr = _wgmma_layout(HEAD_DIM)
@@ -599,7 +599,7 @@ def dkdv_past(dout: torch.Tensor, q: torch.Tensor, lse2: torch.Tensor, sdelta: t
               scale: float, past_end: int = 0, pages: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               staging: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Add dK, dV of the stored keys [0, past_end) into ``store.dk``/``store.dv`` in place: q, dout
-    (B, H_q, T, D); lse2, sdelta the chunk's (B, H_q, T) row terms of ``chunk_attention._row_terms``.
+    (B, H_q, T, D); lse2, sdelta the chunk's (B, H_q, T) row terms of ``attention_blocks.softmax_row_terms``.
     Key-stationary: each 128-key tile is read, added to and written by one program (deterministic).
 
     Sparse: ``pages`` = (pages, tiles, counts) of ``sparse_attention.invert_selection``, one program per
