@@ -13,7 +13,8 @@ resident set, the machine's used and available memory (``/proc/meminfo``) and th
 ``summary.json`` holds: the seconds from the command to the first step's start, each step's seconds (from
 ``train/tokens_per_s``), the GPU peak of each step (``memory/gpu_peak_gib``), the host peak (sampled), the
 plan's GPU and host totals (parsed from the printed plan), the checkpoint writes (size, seconds), and with
-``--baseline`` the steady step of ``train_step`` + the same optimizer in this process.
+``--baseline`` the steady step of ``train_step`` + the same optimizer in this process. Where the YAML's
+PagedKVCallback traces a step (``trace_step``), ``<name>-trace.png`` draws the memory after every chunk.
 """
 
 from __future__ import annotations
@@ -157,6 +158,40 @@ def step_series(run_dir: Path, tokens: int, since: float) -> dict[str, list[floa
     return series
 
 
+def plot_trace(run_dir: Path, path: Path, since: float) -> bool:
+    """The per-chunk memory trace PagedKVCallback(trace_step=N) logged (``memory_trace/*``) as a picture:
+    memory allocated after each chunk, stage 1's chunks then stage 2's. False when the run logged none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    if "memory_trace/allocated_gib" not in events.Tags()["scalars"]:
+        return False
+    gib = [e.value for e in events.Scalars("memory_trace/allocated_gib") if e.wall_time >= since]
+    stage = [e.value for e in events.Scalars("memory_trace/stage") if e.wall_time >= since]
+    if not gib:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for s, color in ((1, "tab:blue"), (2, "tab:orange")):
+        points = [(i, g) for i, (g, st) in enumerate(zip(gib, stage)) if st == s]
+        if points:
+            ax.plot(*zip(*points), ".-", color=color, markersize=3, label=f"stage {s}")
+    ax.set_xlabel("chunk (stage 1 first to last, then stage 2 last to first)")
+    ax.set_ylabel("allocated after the chunk (GiB)")
+    ax.set_title(f"{run_dir.parent.name}: memory after every chunk of one step")
+    ax.set_ylim(0, max(gib) * 1.1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[str]) -> dict:
     """One ``lightning-oomb fit`` child process, sampled; its summary."""
     command = [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config),
@@ -183,6 +218,8 @@ def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[st
                "machine_used_peak_gib": round(sampler.peak_used / GIB, 2), **plan_totals(log)}
     try:
         series = step_series(run_dir, tokens, started)
+        summary["trace_png"] = str(out / f"{name}-trace.png") if plot_trace(run_dir, out / f"{name}-trace.png",
+                                                                             started) else None
     except (KeyError, ValueError):
         series = {}
     if series.get("step_s"):
