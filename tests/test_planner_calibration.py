@@ -79,3 +79,48 @@ def test_predicted_sparse_peaks_with_host_gradient_layers(row):
     gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES + product_bytes(int(row["context"]), 1)
     assert abs(gpu - measured_gpu) / measured_gpu <= 0.03, (gpu / 2**30, measured_gpu / 2**30)
     assert abs(predicted.peak_host_bytes - measured_host) / measured_host <= 0.10
+
+
+# Measured steps for the time model, each with what its placement kept (the bench CSVs record it; for the CLI
+# runs it is the plan printed at fit start, docs/bench/h200-cli-route-*-summary.json and the fit logs):
+# (what, measured seconds, plan options).
+SPARSE64 = {"budget_pages": 64}
+TIMED = (
+    ("h200-qwen2.5-7b-dense-d49b5f5.csv", "oomb", 32768, {}),
+    ("h200-qwen2.5-7b-dense-d49b5f5.csv", "oomb", 65536, {}),
+    ("h200-qwen2.5-7b-dense-d49b5f5.csv", "oomb", 131072, {}),
+    ("h200-qwen2.5-7b-sparse-128k-d49b5f5.csv", "sparse", 131072, {"sparse": SPARSE64}),
+    ("h200-qwen2.5-7b-sparse-1m-warm-e88a23c.csv", "sparse", 1 << 20, {"sparse": SPARSE64, "grad_dtype": "bfloat16"}),
+)
+CLI_TIMED = (  # lightning-oomb fit, AdamW, f29543e / 5174e5a: steady step, and the placement it printed
+    ("128K YAML", 38.7, 131072, dict(kept_chunks=24, graph_chunks=2)),
+    ("LoRA YAML", 3.63, 32768, dict(lora_rank=16, kept_chunks=2, graph_chunks=6)),
+    ("1M sparse YAML", 179.0, 1 << 20, dict(sparse=SPARSE64, grad_dtype="bfloat16", checkpoint_layers=True,
+                                             host_grad_layers=21, host_kept_chunks=76)),
+)
+
+
+def timed_rows():
+    rows = []
+    for name, mode, context, options in TIMED:
+        with open(BENCH / name) as f:
+            row = next(r for r in csv.DictReader(f) if r["mode"] == mode and int(r["context"]) == context)
+        kept = {k: int(row[k] or 0) for k in ("kept_chunks", "graph_chunks", "host_kept_chunks") if k in row}
+        placed = dict(options, optimizer="none", host_grad_layers=int(row["host_grad_layers"] or 0), **kept)
+        rows.append(pytest.param(float(row["step_time_s"]), context, placed, id=f"{name}:{context}"))
+    for what, seconds, context, options in CLI_TIMED:
+        rows.append(pytest.param(seconds, context, dict(options, optimizer="adamw"), id=what))
+    return rows
+
+
+@pytest.mark.parametrize("measured,context,options", timed_rows())
+def test_step_time_within_ten_percent(measured, context, options):
+    """The time model counts what a step executes (kept chunks skip stage-2 work) at a linear and an attention
+    efficiency fitted to these steps; each is predicted within 10% (all within 5% when fitted)."""
+    import torch
+
+    options = dict(options)
+    if "grad_dtype" in options:
+        options["grad_dtype"] = getattr(torch, options["grad_dtype"])
+    predicted = plan("qwen2.5-7b", context, gpu_memory=10**15, host_memory=10**15, **options).time.predicted_s
+    assert predicted == pytest.approx(measured, rel=0.10), f"predicted {predicted:.2f} s, measured {measured:.2f} s"

@@ -37,8 +37,13 @@ HOST_PROCESS_BYTES = 2 * GIB
 # kernel modules): 0.24 GiB in a 1M-token sparse step on an H200. place_step sets it aside for a step with
 # no pool to reuse, so that the next step, which sees it gone, places no more host gradient layers.
 FIRST_STEP_RUNTIME_BYTES = GIB // 2
-# Fraction of the matmul peak (``matmul_tflops``) a whole step reaches: predicted = floor / efficiency.
-ASSUMED_EFFICIENCY = 0.72  # measured 0.72-0.76 dense 32K-128K, 0.71 sparse 128K (H200, Gluon kernels; docs/benchmarks.md)
+# Fractions of the matmul peak that the linear layers and the attention reach in a whole step, each counted on
+# the FLOPs the step executes (chunks whose stage-1 graph or attention output is kept skip that work in
+# stage 2). Fitted by least squares to eight measured H200 steps (bench dense 32K/64K/128K, sparse 128K and
+# 1M; the CLI's 128K, LoRA 32K and sparse 1M with checkpointing and AdamW; docs/planner.md, "Time"): each
+# predicted within 6.1% (tests/test_planner_calibration.py).
+LINEAR_EFFICIENCY = 0.70
+ATTENTION_EFFICIENCY = 0.60
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
 # additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
@@ -186,13 +191,15 @@ def activation_bytes(
 
 @dataclass(frozen=True)
 class StepTime:
-    """FLOPs of one step and its time at ``matmul_tflops`` (floor) and at ASSUMED_EFFICIENCY (predicted)."""
+    """FLOPs one step executes and its time at ``matmul_tflops`` (floor) and at LINEAR_EFFICIENCY and
+    ATTENTION_EFFICIENCY of it (predicted). ``recompute_flops`` (layer checkpointing) holds
+    ``recompute_attention_flops`` of attention, the rest is linear."""
 
     linear_flops: float
     attention_flops: float
     recompute_flops: float
     matmul_tflops: float
-    efficiency: float = ASSUMED_EFFICIENCY
+    recompute_attention_flops: float = 0.0
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
 
     @property
@@ -206,9 +213,13 @@ class StepTime:
 
     @property
     def predicted_s(self) -> float:
-        """floor / efficiency plus the host gradient layers' additions: an assumption, to be calibrated with
-        ``lightning-oomb bench``."""
-        return self.floor_s / self.efficiency + self.host_add_s
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, plus
+        the host gradient layers' additions: fitted to measured steps, to be calibrated with
+        ``lightning-oomb bench`` on other machines."""
+        attention = self.attention_flops + self.recompute_attention_flops
+        linear = self.total_flops - attention
+        peak = self.matmul_tflops * 1e12
+        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY) + self.host_add_s
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -267,6 +278,9 @@ def step_time(
     sparse: "bool | SparseConfig | None" = False,
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
     page_size: int = 128,
+    graph_chunks: int = 0,
+    kept_chunks: int = 0,
+    host_kept_chunks: int = 0,
 ) -> StepTime:
     """FLOP model (docs/planner.md, "Time") for one step of ``batch`` sequences of ``context`` tokens.
 
@@ -280,6 +294,9 @@ def step_time(
     sparse: each query attends to at most A past tokens (A = budget_pages * page_size for a SparseConfig,
     SPARSE_ATTENDED_TOKENS for True) plus its chunk causally: per chunk of n tokens after s past tokens,
     n * (min(s, A) + n / 2) pairs instead of n * (s + n / 2).
+    What stage 1 keeps is not computed again: the last ``graph_chunks`` chunks' stage-2 forward (linear and
+    attention; none with layer checkpointing), the attention forward of the ``kept_chunks`` chunks before
+    them and of the first ``host_kept_chunks`` chunks.
     """
     shape = ModelShape.resolve(model)
     tokens = batch * context
@@ -288,21 +305,27 @@ def step_time(
     else:
         linear = 8.0 * shape.matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
-    dense_pairs = context * context / 2
-    pairs = dense_pairs
+    attended = context
     if sparse:
         attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
-        pairs = 0.0
-        for start in range(0, context, chunk_size):
-            n = min(chunk_size, context - start)
-            pairs += n * (min(start, attended) + n / 2)
-        pairs = min(dense_pairs, pairs)
-    forward_attention = 4.0 * shape.q_width * pairs * shape.n_layers * batch
+    chunk_pairs = [min(chunk_size, context - s) * (min(s, attended) + min(chunk_size, context - s) / 2)
+                   for s in range(0, context, chunk_size)]
+    per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
+    forward_attention = per_pair * sum(chunk_pairs)
     attention = 4.5 * forward_attention
-    recompute = 0.0
+    recompute = recompute_attention = 0.0
     if checkpoint_layers:
-        recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + forward_attention
-    return StepTime(linear, attention, recompute, matmul_tflops)
+        recompute_attention = forward_attention
+        recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + recompute_attention
+    n = len(chunk_pairs)
+    graphs = 0 if checkpoint_layers else min(graph_chunks, n)
+    kept = min(kept_chunks, n - graphs)
+    host_kept = min(host_kept_chunks, n - graphs - kept)
+    skipped = list(range(n - graphs - kept, n)) + list(range(host_kept))
+    attention -= per_pair * sum(chunk_pairs[i] for i in skipped)
+    linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
+                                                      for i in range(n - graphs, n))
+    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention)
 
 
 # == the plan =============================================================================================
@@ -509,7 +532,8 @@ class Plan:
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g})",
             f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
-            f"{_duration(t.predicted_s)} (assumed efficiency {t.efficiency:g}"
+            f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
+            "of the peak"
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + ", calibrate with lightning-oomb bench)",
         ]
@@ -779,6 +803,9 @@ def _estimate(
         sparse=config.sparse,
         matmul_tflops=config.matmul_tflops,
         page_size=config.page_size,
+        graph_chunks=config.graph_chunks,
+        kept_chunks=config.kept_chunks,
+        host_kept_chunks=config.host_kept_chunks,
     )
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
@@ -908,16 +935,14 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         if result.config.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
                                 f"{result.config.host_grad_layers} layers in pinned host memory")
-        _note_kept_for_stage_2(result)
-        return result
+        return _kept_for_stage_2(result)
     result = plan(model, context, offload=offload == "host", **kwargs)
     if offload == "auto" and not result.fits:
         on_host = plan(model, context, offload=True, **kwargs)
         if on_host.fits:
             on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
             return on_host
-    _note_kept_for_stage_2(result)
-    return result
+    return _kept_for_stage_2(result)
 
 
 @dataclass
@@ -984,20 +1009,26 @@ def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, li
     return ContextLimit(low * chunk_size, best, physical)
 
 
-def _note_kept_for_stage_2(result: Plan) -> None:
-    """Say how many chunks' autograd graphs and attention outputs a step would keep (keep_graphs=None,
-    keep_attention=None) in what this plan leaves free, as place_step decides it."""
+def _kept_for_stage_2(result: Plan) -> Plan:
+    """The plan with the chunks' autograd graphs and attention outputs a step would keep (keep_graphs=None,
+    keep_attention=None) in what this plan leaves free, as place_step decides it: their memory and the
+    stage-2 work they save, said in a note."""
     c = result.config
     if c.offload or c.host_grad_layers or not result.fits:
-        return
-    spare = result.usable_gpu_bytes - result.peak_gpu_bytes
-    kept, graphs = kept_for_stage_2(result, spare)
-    if kept or graphs:
-        result.notes.append(
-            f"a step keeps stage 1's autograd graphs of the last {graphs} and the attention outputs of {kept} more "
-            f"of {c.n_chunks} chunks in the memory to spare (keep_graphs=None, keep_attention=None), so stage 2 "
-            "skips their forward or their attention forward"
-        )
+        return result
+    kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
+    if not (kept or graphs):
+        return result
+    placed = _estimate(result.shape, dataclasses.replace(c, kept_chunks=kept, graph_chunks=graphs),
+                       result.gpu_memory, result.host_memory, result.machine)
+    placed.checkpoint_auto, placed.other_activation_bytes = result.checkpoint_auto, result.other_activation_bytes
+    placed.suggestions = result.suggestions
+    placed.notes = result.notes + [
+        f"a step keeps stage 1's autograd graphs of the last {graphs} and the attention outputs of {kept} more "
+        f"of {c.n_chunks} chunks in the memory to spare (keep_graphs=None, keep_attention=None), so stage 2 "
+        "skips their forward or their attention forward"
+    ]
+    return placed
 
 
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
