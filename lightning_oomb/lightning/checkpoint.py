@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
 PARTIAL_SUFFIX = ".partial"
@@ -150,47 +151,25 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a checkpoint (nested dicts, lists, tuples), a storage shared by several once."""
-    seen: set[tuple] = set()
-    total = 0
-    for t in _tensors(tree):
-        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.dtype)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    """Bytes of the tensors in a checkpoint (nested collections); a tensor reached twice (tied weights) once."""
+    sizes: dict[tuple, int] = {}
+    apply_to_collection(tree, torch.Tensor, lambda t: sizes.setdefault(_identity(t), t.numel() * t.element_size()))
+    return sum(sizes.values())
 
 
 def copy_to_host(tree: Any) -> Any:
-    """The checkpoint with every tensor copied into new host memory (views of one tensor stay one copy)."""
+    """The checkpoint with every tensor copied into new host memory; a tensor reached twice stays one copy."""
     copies: dict[tuple, torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = _identity(t)
         if key not in copies:
             copies[key] = t.detach().to("cpu", copy=True)
         return copies[key]
 
-    return _map(tree, copy)
+    return apply_to_collection(tree, torch.Tensor, copy)
 
 
-def _tensors(tree: Any):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _tensors(value)
-
-
-def _map(tree: Any, fn):
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):  # OrderedDict (state dicts), Lightning's AttributeDict (hyperparameters)
-        return type(tree)((k, _map(v, fn)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        mapped = [_map(v, fn) for v in tree]
-        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
-    return tree
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same tensor: storage, offset, shape, strides, dtype."""
+    return (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
