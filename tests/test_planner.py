@@ -14,8 +14,7 @@ from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
-from lightning_oomb.core.config import ChunkConfig
-from lightning_oomb.core.config import SparseConfig
+from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
 from lightning_oomb.core.planner import PlanError, activation_bytes, plan, step_time
 from lightning_oomb.core.schedule import ChunkedSequence

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import lightning_oomb
-from lightning_oomb.core.config import ChunkConfig
-from lightning_oomb.core.config import SparseConfig
+from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.pages import PagePool, movable_host_layers
 from lightning_oomb.core.placement import Placement, place_step
 from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan

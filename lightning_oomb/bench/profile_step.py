@@ -27,8 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
-from ..core.config import ChunkConfig
-from ..core.config import SparseConfig
+from ..core.config import ChunkConfig, SparseConfig
 from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkedSequence
 from ..core.units import parse_tokens

@@ -9,8 +9,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from ..core.config import ChunkConfig
-from ..core.config import SparseConfig
+from ..core.config import ChunkConfig, SparseConfig
 from ..core.errors import SetupError
 from ..core.host_memory import host_budget, process_host_bytes
 from ..core.planner import HOST_GROWTH_BYTES
