@@ -15,7 +15,7 @@ import textwrap
 import torch
 
 from .core.config import SparseConfig
-from .core.model_shape import PRECISIONS, _kv_dtype, builtin_names
+from .core.model_shape import PRECISIONS, builtin_names
 from .core.planner import (
     DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, _duration, _gib, max_context, plan_placed,
 )
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def what_it_would_take(model: str, result, limit) -> str:
     """When no change fits: the longest context that does with these options, and what the asked one needs."""
     c = result.config
-    stored = c.context * c.batch * (
-        result.shape.kv_bytes_per_token(_kv_dtype(c.precision)) + result.shape.kv_bytes_per_token(c.grad_dtype))
+    stored = c.context * limit.bytes_per_token
     longest = f"{limit.context:,} tokens" if limit.context else "not even one chunk"
     return textwrap.fill(
         f"What {c.context:,} tokens would take: with these options the longest context that fits here is {longest} "

@@ -138,13 +138,18 @@ def plan_totals(log: str) -> dict[str, float]:
     return {"plan_gpu_gib": float(totals[-2]), "plan_host_gib": float(totals[-1])} if len(totals) >= 2 else {}
 
 
-def step_series(run_dir: Path, tokens: int, since: float) -> dict[str, list[float]]:
-    """Per step logged after ``since`` (a run resumed into the same folder adds to it): seconds
-    (tokens / train/tokens_per_s), the event's wall time, GPU and host peaks (GiB), the loss."""
+def load_events(run_dir: Path):
+    """The TensorBoard scalars a run logged, read once."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
+    return events
+
+
+def step_series(events, tokens: int, since: float) -> dict[str, list[float]]:
+    """Per step logged after ``since`` (a run resumed into the same folder adds to it): seconds
+    (tokens / train/tokens_per_s), the event's wall time, GPU and host peaks (GiB), the loss."""
     tags = events.Tags()["scalars"]
     def scalars(tag: str):
         return [e for e in events.Scalars(tag) if e.wall_time >= since]
@@ -158,13 +163,9 @@ def step_series(run_dir: Path, tokens: int, since: float) -> dict[str, list[floa
     return series
 
 
-def plot_trace(run_dir: Path, path: Path, since: float) -> bool:
+def plot_trace(events, title: str, path: Path, since: float) -> bool:
     """The per-chunk memory trace PagedKVCallback(trace_step=N) logged (``memory_trace/*``) as a picture:
     memory allocated after each chunk, stage 1's chunks then stage 2's. False when the run logged none."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
     if "memory_trace/allocated_gib" not in events.Tags()["scalars"]:
         return False
     gib = [e.value for e in events.Scalars("memory_trace/allocated_gib") if e.wall_time >= since]
@@ -183,7 +184,7 @@ def plot_trace(run_dir: Path, path: Path, since: float) -> bool:
             ax.plot(*zip(*points), ".-", color=color, markersize=3, label=f"stage {s}")
     ax.set_xlabel("chunk (stage 1 first to last, then stage 2 last to first)")
     ax.set_ylabel("allocated after the chunk (GiB)")
-    ax.set_title(f"{run_dir.parent.name}: memory after every chunk of one step")
+    ax.set_title(f"{title}: memory after every chunk of one step")
     ax.set_ylim(0, max(gib) * 1.1)
     ax.legend()
     fig.tight_layout()
@@ -217,9 +218,10 @@ def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[st
                "host_peak_rss_gib": round(sampler.peak_rss / GIB, 2),
                "machine_used_peak_gib": round(sampler.peak_used / GIB, 2), **plan_totals(log)}
     try:
-        series = step_series(run_dir, tokens, started)
-        summary["trace_png"] = str(out / f"{name}-trace.png") if plot_trace(run_dir, out / f"{name}-trace.png",
-                                                                             started) else None
+        events = load_events(run_dir)
+        series = step_series(events, tokens, started)
+        trace = out / f"{name}-trace.png"
+        summary["trace_png"] = str(trace) if plot_trace(events, run_dir.parent.name, trace, started) else None
     except (KeyError, ValueError):
         series = {}
     if series.get("step_s"):

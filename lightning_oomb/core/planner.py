@@ -954,11 +954,13 @@ class ContextLimit:
     one-chunk plan that does not fit). ``physical_tokens``: the machine's limit for any placement: the GPU
     memory the one-chunk step leaves free plus the host memory budget's room for pinned pages, over the
     bytes a token stores (K, V and their gradients over all layers; the dL/dh a served step keeps is left
-    out). Sparse steps keep K/V on the GPU, so their context stops short of it."""
+    out). Sparse steps keep K/V on the GPU, so their context stops short of it. ``bytes_per_token``: that
+    divisor, the bytes one token of the batch stores."""
 
     context: int
     plan: Plan
     physical_tokens: int
+    bytes_per_token: int
 
     def __str__(self) -> str:
         p = self.plan
@@ -990,7 +992,7 @@ def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, li
     gpu_room = least.usable_gpu_bytes - least.peak_gpu_bytes
     physical = max(0, gpu_room + host_room) // per_token
     if not one.fits:
-        return ContextLimit(0, one, physical)
+        return ContextLimit(0, one, physical, per_token)
     low, high, best = 1, 2, one  # placed(low) fits; find a high that does not
     most = max(1, limit // chunk_size)
     while high <= most:
@@ -1006,7 +1008,7 @@ def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, li
             low, best = mid, result
         else:
             high = mid
-    return ContextLimit(low * chunk_size, best, physical)
+    return ContextLimit(low * chunk_size, best, physical, per_token)
 
 
 def _kept_for_stage_2(result: Plan) -> Plan:
