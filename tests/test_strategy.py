@@ -222,16 +222,27 @@ def test_offload_traffic_in_tensorboard(tmp_path):
 
 
 @pytest.mark.parametrize("host_has_room", [True, False])
-def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, host_has_room):
-    """Checkpoints are written on a background thread. Where the host memory budget holds a copy, the write
-    reads copies made at the save and training goes on; where it does not, the write reads the live weights
-    and the next update waits for it (OOMBStrategy.backward). Either way a slow write holds the weights of the
-    step it was taken at."""
+def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, monkeypatch, host_has_room):
+    """Checkpoints are copied and written on a background thread. Where the host memory budget holds a copy,
+    the thread copies the tensors to host memory and the write reads the copies: the next update waits for the
+    copy (slowed here), not for the write; where it does not, the write reads the live weights and the next
+    update waits for it (OOMBStrategy.backward). Either way a slow copy or write holds the weights of the step
+    it was taken at."""
     import threading
+    import time
 
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+    from lightning_oomb.lightning import checkpoint as checkpoint_module
     from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO
+
+    copy_to_host = checkpoint_module.copy_to_host
+
+    def slow_copy_to_host(tree):
+        time.sleep(1.0)  # longer than step 3's forward and backward: the update must wait for it
+        return copy_to_host(tree)
+
+    monkeypatch.setattr(checkpoint_module, "copy_to_host", slow_copy_to_host)
 
     step_3_updated = threading.Event()
 
@@ -263,7 +274,7 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, host_ha
     assert not torch.equal(saved["model.lm_head.weight"], module.model.lm_head.weight.detach())  # step 3 moved them
     assert io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size
     if host_has_room:
-        assert io.last_staged_s is not None and io.last_save_s < 3.0  # step 3 did not wait for the write
+        assert 1.0 <= io.last_staged_s and io.last_save_s < 3.0  # step 3 did not wait for the write
     else:
         assert io.last_staged_s is None and io.last_save_s >= 3.0
 

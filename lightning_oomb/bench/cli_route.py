@@ -228,7 +228,8 @@ def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[st
         first_end = series["wall"][0]
         summary["to_first_step_s"] = round(first_end - series["step_s"][0] - started, 1)
         summary.update({k: [round(v, 3) for v in vals] for k, vals in series.items() if k != "wall"})
-    saves = re.findall(r"checkpoint: (\S+) written, ([\d.]+) GB in ([\d.]+) s(?: \(copied to host memory in ([\d.]+) s)?",
+    saves = re.findall(r"checkpoint: (\S+) written, ([\d.]+) GB in ([\d.]+) s(?: while training went on(?:, copied to host "
+                       r"memory in ([\d.]+) s)?)?",
                        log)
     summary["checkpoints"] = [{"path": p, "gb": float(gb), "s": float(s), "copied_to_host_s": float(c) if c else None}
                               for p, gb, s, c in saves]

@@ -3,7 +3,9 @@ next step computes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,15 +38,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     time (host memory: the largest tensor). Paths with a remote protocol (s3://, ...) go to Lightning's
     implementation.
 
-    asynchronous: write on a background thread while training goes on (a 7B model with AdamW is 46 GB: a
-    minute or more of disk). Where ``host_room()`` (set by OOMBStrategy: what the run's host memory budget
-    leaves) holds a copy of the checkpoint's tensors, they are first copied to host memory and the write
-    reads the copies, so training never waits for the disk. Otherwise (a 1M-token step fills the host) the
-    write reads the live weights and optimizer state, and the next optimizer update waits for it:
-    ``OOMBStrategy.backward`` calls ``wait_until_weights_free()`` once the step's gradients are computed,
-    before the update. The next save, loading and the end of the run wait for any write.
-    ``last_save_s``: seconds the last completed write took, ``last_size``: its bytes, ``last_staged_s``: the
-    seconds its copy to host memory took (None: it read the live tensors).
+    asynchronous: copy and write on a background thread while training goes on (a 7B model with AdamW is 46
+    GB: a minute or more of disk). Where ``host_room()`` (set by OOMBStrategy: what the run's host memory
+    budget leaves) holds a copy of the checkpoint's tensors, the thread first copies them to host memory (from
+    the GPU on a side stream, so the step's kernels go on) and the write reads the copies; otherwise (a
+    1M-token step fills the host) the write reads the live weights and optimizer state. Either way the next
+    optimizer update must not change what is still being read: ``OOMBStrategy.backward`` calls
+    ``wait_until_weights_free()`` once the step's gradients are computed, which waits for the copy, or for the
+    whole write where there is no copy. The next save, loading and the end of the run wait for any write.
+    ``last_save_s``: seconds the last completed write took (its copy included), ``last_size``: its bytes,
+    ``last_staged_s``: the seconds its copy to host memory took (None: it read the live tensors).
     """
 
     def __init__(self, asynchronous: bool = True):
@@ -53,7 +56,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.host_room: Callable[[], int] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._pending_reads_live = False
+        self._weights_free: threading.Event | None = None
+        self._side_stream: torch.cuda.Stream | None = None
         self.last_save_s: float | None = None
         self.last_size: int | None = None
         self.last_staged_s: float | None = None
@@ -66,18 +70,46 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.wait()
         if not self.asynchronous:
             return self._save_now(checkpoint, Path(path))
-        self.last_staged_s = None
-        if self.host_room is not None and tensor_bytes(checkpoint) <= self.host_room():
-            started = time.perf_counter()
-            checkpoint = copy_to_host(checkpoint)
-            self.last_staged_s = time.perf_counter() - started
+        stage = self.host_room is not None and tensor_bytes(checkpoint) <= self.host_room()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending_reads_live = self.last_staged_s is None
-        self._pending = self._executor.submit(self._save_now, checkpoint, Path(path))
+        self.last_staged_s = None
+        self._weights_free = threading.Event()
+        self._pending = self._executor.submit(self._copy_and_save, checkpoint, Path(path), stage,
+                                              self._after_current_gpu_work(checkpoint))
 
-    def _save_now(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def _after_current_gpu_work(self, checkpoint: dict[str, Any]) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
+        """A side stream of the current GPU and an event on its current stream after the last update: the
+        thread's copies wait for that update, not for the kernels queued after it. None: no GPU tensors."""
+        on_gpu: list[bool] = []
+        apply_to_collection(checkpoint, torch.Tensor, lambda t: on_gpu.append(t.is_cuda))
+        if not any(on_gpu):
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream()
+        return self._side_stream, torch.cuda.current_stream(self._side_stream.device).record_event()
+
+    def _copy_and_save(self, checkpoint: dict[str, Any], path: Path, stage: bool,
+                       gpu: tuple[torch.cuda.Stream, torch.cuda.Event] | None) -> None:
         started = time.perf_counter()
+        try:
+            with contextlib.ExitStack() as on_stream:
+                if gpu is not None:
+                    stream, ready = gpu
+                    on_stream.enter_context(torch.cuda.stream(stream))
+                    stream.wait_event(ready)
+                if stage:
+                    checkpoint = copy_to_host(checkpoint)
+                    if gpu is not None:
+                        gpu[0].synchronize()
+                    self.last_staged_s = time.perf_counter() - started
+                    self._weights_free.set()
+                self._save_now(checkpoint, path, started)
+        finally:
+            self._weights_free.set()
+
+    def _save_now(self, checkpoint: dict[str, Any], path: Path, started: float | None = None) -> None:
+        started = time.perf_counter() if started is None else started
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = partial_path(path)
         with open(partial, "wb") as f:
@@ -89,8 +121,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.last_save_s, self.last_size = time.perf_counter() - started, path.stat().st_size
         how = ""
         if self.asynchronous:
-            how = (" (while training went on; the next update waited for it)" if self.last_staged_s is None else
-                   f" (copied to host memory in {self.last_staged_s:.1f} s first; training went on)")
+            how = (" while training went on" if self.last_staged_s is None else
+                   f" while training went on, copied to host memory in {self.last_staged_s:.1f} s first")
         print(f"checkpoint: {path} written, {self.last_size / 1e9:.2f} GB in {self.last_save_s:.1f} s{how}", flush=True)
 
     def _write(self, checkpoint: dict[str, Any], f) -> None:
@@ -103,8 +135,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             pending.result()
 
     def wait_until_weights_free(self) -> None:
-        """Block until no write reads the live weights and optimizer state (a write of host copies goes on)."""
-        if self._pending_reads_live:
+        """Block until no checkpoint reads the live weights and optimizer state (a write of host copies goes
+        on); raise what the copy or write raised."""
+        if self._weights_free is None or self._pending is None:
+            return
+        self._weights_free.wait()
+        if self._pending.done():
             self.wait()
 
     @override
