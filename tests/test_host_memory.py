@@ -41,6 +41,27 @@ def test_default_budget_is_the_process_plus_available_less_the_headroom():
     assert 0 < budget < process_host_bytes() + 2**50
 
 
+def test_pages_of_a_mapped_file_are_not_held_host_memory(tmp_path):
+    """A checkpoint is loaded memory-mapped (AtomicCheckpointIO); its pages, read into the resident set, are
+    page cache the kernel can take back, so the budget's process bytes leave them out."""
+    import mmap
+
+    path = tmp_path / "checkpoint"
+    path.write_bytes(b"\1" * (64 << 20))
+    before, rss_before = process_host_bytes(), _resident_set()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == len(mapped) // 4096  # read every page
+        assert _resident_set() - rss_before >= 60 << 20
+        assert abs(process_host_bytes() - before) < 8 << 20
+
+
+def _resident_set() -> int:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 @pytest.mark.parametrize("offload,sparse", [("host", None), ("host", {"budget_pages": 2, "local_pages": 1})])
 def test_pool_host_bytes_equal_the_placed_plan(offload, sparse):
     """Dense pages in host memory, and sparse KV-gradient pages of every layer there: the pool's ledger holds
