@@ -21,7 +21,8 @@ def document_starts(position_ids: torch.Tensor | None, input_ids: torch.Tensor) 
     if position_ids is None:
         return None
     if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"position_ids must be an int64 or int32 tensor, got {position_ids!r:.60}")
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be an int64 or int32 tensor, got {got}")
     if position_ids.shape != input_ids.shape:
         raise ValueError(
             f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
