@@ -111,18 +111,23 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
 
 def main() -> None:
     f32 = {n: "*fp32" for n in ("LSE", "DELTA", "LSE2", "SDELTA", "DKP", "DVP", "OUT_F32")}
-    i32 = {n: "*i32" for n in ("SLOTS", "GSLOTS", "SEL", "PAGES", "TILES", "TCOUNT", "COUNTS")}
+    i32 = {n: "*i32" for n in ("SLOTS", "GSLOTS", "SEL", "PAGES", "TILES", "TCOUNT", "COUNTS", "DOC", "Q_SEEN")}
     scalars = {"qk_scale": "fp32", "scale": "fp32", "T": "i32"}
     for tma in (True, False):
         pool = (lambda n: f"tensordesc<bf16[{n},1,{D}]>") if tma else (lambda n: "*bf16")
         rows = f"tensordesc<bf16[1,1,64,{D}]>" if tma else "*bf16"
-        build(tri._fwd_kernel, {"KD": pool(128), "VD": pool(128), "LSE": "*fp32", **i32, **scalars},
-              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=tma))
-        build(tri._dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma),
-              num_stages=2)
-        build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma, EVEN=tma))
+        # Without documents (DOC, Q_SEEN None) and, with descriptors, with packed documents too.
+        for docs in ((False, True) if tma else (False,)):
+            no_docs = {} if docs else dict(DOC=None, Q_SEEN=None)
+            build(tri._fwd_kernel, {"KD": pool(128), "VD": pool(128), "LSE": "*fp32", **i32, **scalars},
+                  dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=tma,
+                       **{k: v for k, v in no_docs.items() if k == "DOC"}))
+            build(tri._dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
+                  dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=tma,
+                       **{k: v for k, v in no_docs.items() if k == "DOC"}), num_stages=2)
+            build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
+                  dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma, EVEN=tma,
+                       **no_docs))
         build(sparse._sparse_fwd_kernel, {"KD": pool(64), "VD": pool(64), "LSE": "*fp32", **i32, **scalars},
               dict(SHAPE, **HEADS, SUB=2, BLOCK_M=64, BLOCK_N=64, PAGE_BLOCKS=2, PAGED_TMA=tma), num_warps=4)
         build(sparse._sparse_dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},

@@ -141,6 +141,23 @@ def test_three_formats_packed_with_eos(tmp_path, tokenizer_dir):
     assert "attention crosses document borders" in dm.describe()
 
 
+def test_document_masking_restarts_positions_after_eos(tmp_path, tokenizer_dir):
+    """document_masking=True: position_ids restart at 0 after every EOS and at each sequence start; the
+    default collate stacks them into the batch, and the packed step takes them (test_documents.py checks it
+    against each document run on its own)."""
+    corpus = write_corpus(tmp_path / "corpus", docs=41, words=12)  # 13 tokens per document with its EOS
+    dm = module([corpus], tokenizer_dir, seq_len=16, val_fraction=0.1, seed=3, document_masking=True)
+    dm.setup("fit")
+    eos = dm.tokenizer.eos_token_id
+    for item in (dm.train_set[i] for i in range(len(dm.train_set))):
+        ids, pos = item["input_ids"], item["position_ids"]
+        assert pos[0] == 0 and torch.equal(pos[1:] == 0, ids[:-1] == eos)
+        assert ((pos[1:] == pos[:-1] + 1) | (pos[1:] == 0)).all()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["position_ids"].shape == batch["input_ids"].shape == (2, 16)
+    assert "each document attends within itself" in dm.describe()
+
+
 def test_text_field_and_large_text_pieces(tmp_path, tokenizer_dir, monkeypatch):
     import lightning_oomb.lightning.corpus as corpus
 

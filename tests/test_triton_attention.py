@@ -187,7 +187,7 @@ def test_warp_specialized_kernels_take_only_what_they_support():
     assert ws.supported_pages(p.q, p.store, 1024, selection)
     assert not ws.supported_pages(p.q, p.store, 1000, selection)  # the chunk must start on a page
     assert not ws.supported_pages(p.q, p.store, 1024, selection[..., :0])  # nothing selected
-    assert tri._warp_specialized_past(p.q, p.store, 1024) == 0  # a CPU tensor
+    assert tri._warp_specialized_past(p.q, p.store, 1024, None) == 0  # a CPU tensor
 
 
 def test_odd_head_dim_runs_padded():
@@ -210,6 +210,86 @@ def test_autograd_wiring():
         grads.append((out.detach(), q.grad, k.grad, v.grad))
     for a, b in zip(*grads):
         assert rel_err(a, b) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------
+# Packed documents: each query sees only keys from its document's start on (doc_start)
+# --------------------------------------------------------------------------------------------------------
+
+
+DOC_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size; the document starts of each row (token positions)
+    "borders-mid-page-and-tile": (2, 2, 2, 16, 45, 37, 5, ([0, 9, 40, 41, 43, 70], [0, 50, 51, 60])),
+    "document-from-the-past-into-the-chunk": (1, 2, 2, 16, 33, 64, 8, ([0, 35, 70],)),
+    "chunk-starts-a-document": (1, 1, 4, 16, 32, 48, 16, ([0, 48, 60],)),
+    "short-documents-no-past": (2, 1, 2, 16, 40, 0, 4, ([0, 1, 3, 20], [0, 17, 18, 19])),
+}
+
+
+def chunk_doc_start(starts: tuple[list[int], ...], start: int, t: int) -> torch.Tensor:
+    """(B, T) int32: for each token of the chunk [start, start + T), its document's start."""
+    tok = torch.arange(start, start + t)
+    rows = [torch.tensor(s)[torch.searchsorted(torch.tensor(s), tok, right=True) - 1] for s in starts]
+    return torch.stack(rows).int().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
+def test_documents_match_reference_and_skip_other_documents(case, dtype):
+    """The kernels against the reference with document starts; K, V, dK, dV of the key tiles that end before
+    a row's earliest document start in the chunk are NaN for the kernels: they must be neither read (the
+    outputs stay finite) nor written (they stay NaN)."""
+    *shape, starts = DOC_CASES[case]
+    p = make_problem(*shape, dtype=dtype)
+    t = p.q.shape[2]
+    doc_start = chunk_doc_start(starts, p.start, t)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
+    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
+    want = (out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True))
+    p.pool.dk.copy_(saved[0])
+    p.pool.dv.copy_(saved[1])
+    block_n = tri.default_tiles(p.q.shape[-1], dtype).fwd.block_n
+    skipped = [int(doc_start[b, 0]) // block_n * block_n for b in range(len(starts))]
+    for b, end in enumerate(skipped):
+        rows = p.store.table.rows(0, end)[b]
+        for x in (p.pool.k, p.pool.v, p.pool.dk, p.pool.dv):
+            x[1].view(-1, *x.shape[-2:])[rows] = float("nan")
+    out, lse = tri.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
+    dq, dk, dv = tri.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
+    got = [out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)]
+    for b, end in enumerate(skipped):
+        for i in (5, 6):
+            assert got[i][b, :, :end].isnan().all(), "a skipped key tile's gradient rows were written"
+            got[i][b, :, :end] = want[i][b, :, :end]
+    assert_close(got, want, TOL[dtype])
+
+
+def test_documents_in_key_ranges():
+    """forward_state / backward_part over key ranges (host pages stream the past this way) with documents
+    give what one call over the whole past gives."""
+    *shape, starts = DOC_CASES["borders-mid-page-and-tile"]
+    p = make_problem(*shape, dtype=torch.float32)
+    doc_start = chunk_doc_start(starts, p.start, p.q.shape[2])
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    results = []
+    for backend in (tri, ref):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        state = backend.forward_state(p.q, p.k, p.v, p.store, 0, 0, p.scale, True, doc_start=doc_start,
+                                      chunk_start=p.start)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.forward_state(p.q, p.k, p.v, p.store, lo, hi, p.scale, False, state, doc_start=doc_start)
+        out, lse = state
+        dq = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
+        delta = backend.backward_delta(out, p.dout)
+        dk, dv = backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, 0, 0, p.start, p.scale, True, dq,
+                                       doc_start)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, lo, hi, p.start, p.scale, False, dq,
+                                  doc_start)
+        results.append((out, lse, dq, dk, dv, *p.store.read(0, p.start + p.q.shape[2], grads=True)))
+    assert_close(*results, TOL[torch.float32])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -255,7 +335,7 @@ def test_16_bit_gpu_against_fp32_reference(case, dtype):
     p = make_problem(*GPU_CASES[case], dtype, device="cuda")
     if torch.cuda.get_device_capability() == (9, 0):
         warp_specialized = list(GPU_CASES)[:4]
-        assert bool(tri._warp_specialized_past(p.q, p.store, p.start)) == (case in warp_specialized)
+        assert bool(tri._warp_specialized_past(p.q, p.store, p.start, None)) == (case in warp_specialized)
     p32 = _fp32_copy(p)
     saved = p.pool.dk.clone(), p.pool.dv.clone()
     t = p.q.shape[2]

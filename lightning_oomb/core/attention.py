@@ -7,6 +7,11 @@ With a page selection (``lightning_oomb.core.sparse``) the same function runs sp
 only the selected pages of each query tile, and the backend is the sparse one (``resolve_backend(...,
 sparse=True)``), whose ``attention_forward``/``attention_backward`` take the selection as a last argument.
 
+Packed documents (``core.documents``): ``doc_start`` (B, T) int32 gives every query of the chunk the token
+position where its document starts; the query attends to the keys [doc_start, its own position] only. Dense
+backends take it (None: one document, every past key visible); sparse backends do not (the schedule refuses
+sparse attention over packed documents).
+
 A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
 streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time.
 """
@@ -29,31 +34,35 @@ class AttentionBackend(Protocol):
     checks both against it). Shapes: q (B, H_q, T, D), k and v (B, H_kv, T, D) of the chunk at tokens
     [start, start + T); out like q; lse (B, H_q, T) float32, natural log; the past is the store's tokens
     [0, start). ``forward_state``, ``backward_delta`` and ``backward_part`` take one key range of the past
-    at a time, for pages streamed from the host (``core.offload``)."""
+    at a time, for pages streamed from the host (``core.offload``). doc_start: None, or (B, T) int32, the
+    token position of each query's document start: keys before it are not attended (packed documents)."""
 
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
-                          start: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          start: int, scale: float,
+                          doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse)."""
 
     def attention_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int, scale: float,
+                           doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq like q, dk, dv like k, v: the chunk's share plus what later chunks stored for its tokens);
         adds the past's dK, dV into the store's gradient pages."""
 
     def forward_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int,
                       past_hi: int, scale: float, chunk: bool,
-                      state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      state: tuple[torch.Tensor, torch.Tensor] | None = None, doc_start: torch.Tensor | None = None,
+                      chunk_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Continue the online softmax ``state`` = (out float32 normalised, lse), updated in place (None:
-        a new one), over the stored keys [past_lo, past_hi) and, with ``chunk``, the chunk's own k, v."""
+        a new one), over the stored keys [past_lo, past_hi) and, with ``chunk``, the chunk's own k, v (at
+        tokens [chunk_start, chunk_start + T), which doc_start is compared with)."""
 
     def backward_delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         """rowsum(dout * out): (B, H_q, T) float32, shared by every key range of a chunk's backward."""
 
     def backward_part(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       lse: torch.Tensor, delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
-                      chunk_start: int, scale: float, chunk: bool,
-                      dq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      chunk_start: int, scale: float, chunk: bool, dq: torch.Tensor,
+                      doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Add dQ of the keys [past_lo, past_hi) (and, with ``chunk``, the chunk's own) into dq (float32),
         their dK, dV into the store's gradient pages; with ``chunk`` return the chunk's dk, dv."""
 
@@ -107,24 +116,27 @@ def resolve_backend(
     return triton_attention
 
 
-def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, extra: tuple):
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start):
     if store.streamer is not None:
-        return store.streamer.forward(backend, q, k, v, store, start, scale)
-    return backend.attention_forward(q, k, v, store, start, scale, *extra)
+        return store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
+    if selection is not None:
+        return backend.attention_forward(q, k, v, store, start, scale, selection)
+    return backend.attention_forward(q, k, v, store, start, scale, doc_start)
 
 
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None, kept=None):
-        extra = () if selection is None else (selection,)
+    def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None, kept=None,
+                doc_start=None):
         if kept is None:
-            out, lse = _forward(q, k, v, store, start, scale, backend, extra)
+            out, lse = _forward(q, k, v, store, start, scale, backend, selection, doc_start)
         else:
             # A new tensor object on the kept storage: autograd attaches this call's history to it, and a
             # layer checkpoint's recompute may call again with the same kept pair.
             out, lse = kept[0].detach(), kept[1]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.store, ctx.start, ctx.scale, ctx.backend, ctx.extra = store, start, scale, backend, extra
+        ctx.store, ctx.start, ctx.scale, ctx.backend = store, start, scale, backend
+        ctx.selection, ctx.doc_start = selection, doc_start
         return out
 
     @staticmethod
@@ -132,33 +144,36 @@ class ChunkAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         args = (dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale)
         if ctx.store.streamer is not None:
-            dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args)
+            dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args, ctx.doc_start)
+        elif ctx.selection is not None:
+            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection)
         else:
-            dq, dk, dv = ctx.backend.attention_backward(*args, *ctx.extra)
-        return dq, dk, dv, None, None, None, None, None, None
+            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.doc_start)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def chunk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
     selection: torch.Tensor | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
 
     selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
     sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
-    used instead of computing them again.
+    used instead of computing them again. doc_start: None, or (B, T) int32, each query's document start
+    (packed documents; dense only).
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept)
+        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start)
     if kept is not None:
         return kept[0]
-    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection)[0]
+    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection, doc_start)[0]
 
 
 def chunk_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
-    selection: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log)."""
-    extra = () if selection is None else (selection,)
-    return _forward(q, k, v, store, start, scale, backend, extra)
+    return _forward(q, k, v, store, start, scale, backend, selection, doc_start)

@@ -354,16 +354,16 @@ class Streamer:
         self._step["ahead"] = (direction, nxt, start, turn)
 
     # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
-    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float):
+    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None):
         """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
         segments = self._segments(start)
         view = self._step["seg_view"]
         self._first_loads("forward", store.layer, start, q.shape[2], fresh=False)
-        state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True)
+        state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True, doc_start=doc_start, chunk_start=start)
         for i, (lo, hi) in enumerate(segments):
             half = i % 2
             self.streams.compute_waits(self._loaded[half])
-            backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state)
+            backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state, doc_start=doc_start)
             self.streams.record(self._consumed[half])
             if i + 2 < len(segments):
                 self._load(store.layer, i + 2, *segments[i + 2], grads=False, fresh=False)
@@ -371,7 +371,8 @@ class Streamer:
         out, lse = state
         return out.to(q.dtype), lse
 
-    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float):
+    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float,
+                 doc_start=None):
         """``backend.attention_backward`` over a host-resident past: (dq, dk, dv) of the chunk; the past's
         dK, dV are added into the host gradient pages."""
         fresh = store.layer in self._step["fresh"]
@@ -384,12 +385,12 @@ class Streamer:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         self.streams.compute_waits(self._in_loaded[turn])
         chunk_view = self._chunk_view(start, t, turn)
-        dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq)
+        dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq, doc_start)
         self.streams.record(self._in_consumed[turn])
         for i, (lo, hi) in enumerate(segments):
             half = i % 2
             self.streams.compute_waits(self._loaded[half])
-            backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq)
+            backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq, doc_start)
             self.streams.record(self._consumed[half])
             self._write_back(store, i, lo, hi)
             if i + 2 < len(segments):

@@ -4,6 +4,10 @@ Queries of one chunk, q (B, H_q, T, D), attend to the stored past (tokens [0, st
 causally to the chunk's own keys k, v (B, H_kv, T, D). Keys are visited in tiles of ``tile`` tokens with
 an online softmax in float32, so memory is O(T x tile), never O(T x L). GQA: the H_q = g * H_kv query
 heads are viewed as (H_kv, g) and broadcast against each key head; K/V are never repeated.
+
+Packed documents: with ``doc_start`` (B, T) int32, query i sees only keys at or after doc_start[:, i] (token
+positions): key tiles wholly before the chunk's earliest document start are skipped, the others masked per
+element.
 """
 
 from __future__ import annotations
@@ -18,17 +22,31 @@ def _grouped(x: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     return x.float().view(b, n_kv_heads, hq // n_kv_heads, t, d)
 
 
-def _key_tiles(past_lo: int, past_hi: int, t: int, tile: int):
-    """(is_past, lo, hi) for the stored tiles [past_lo, past_hi) then the current chunk's tiles [0, t)."""
+def _key_tiles(past_lo: int, past_hi: int, t: int, tile: int, chunk_start: int, doc_start: torch.Tensor | None):
+    """(is_past, lo, hi) for the stored tiles [past_lo, past_hi) then the current chunk's tiles [0, t), less
+    the tiles that end before every query's document starts."""
+    # The oracle reads the earliest start on the host (a wait for the GPU there; the kernels read it themselves).
+    first = 0 if doc_start is None else int(doc_start.min())
     for lo in range(past_lo, past_hi, tile):
-        yield True, lo, min(lo + tile, past_hi)
+        if min(lo + tile, past_hi) > first:
+            yield True, lo, min(lo + tile, past_hi)
     for lo in range(0, t, tile):
-        yield False, lo, min(lo + tile, t)
+        if chunk_start + min(lo + tile, t) > first:
+            yield False, lo, min(lo + tile, t)
 
 
-def _causal_mask(t: int, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-    """True where query i (of the chunk) may not see current key j in [lo, hi)."""
-    return torch.arange(lo, hi, device=device)[None, :] > torch.arange(t, device=device)[:, None]
+def _hidden_keys(t: int, lo: int, hi: int, is_past: bool, chunk_start: int, doc_start: torch.Tensor | None,
+                 device: torch.device) -> torch.Tensor | None:
+    """True where a query of the chunk may not see key j of [lo, hi) (stored tokens, or the chunk's own
+    counted from its start): (T, n), or (B, 1, 1, T, n) with documents; None when all are seen."""
+    keys = torch.arange(lo, hi, device=device)
+    hidden = None if is_past else keys[None, :] > torch.arange(t, device=device)[:, None]
+    if doc_start is None:
+        return hidden
+    before = (keys if is_past else keys + chunk_start)[None, None, :] < doc_start[:, :, None]  # (B, T, n)
+    if hidden is not None:
+        before = before | hidden
+    return before[:, None, None]
 
 
 def forward_state(
@@ -41,10 +59,13 @@ def forward_state(
     scale: float,
     chunk: bool,
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    doc_start: torch.Tensor | None = None,
+    chunk_start: int = 0,
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend q (B, H_q, T, D) to the stored tokens [past_lo, past_hi) and, with ``chunk``, causally to the
-    chunk's own k, v (B, H_kv, T, D), continuing the online softmax of ``state``.
+    chunk's own k, v (B, H_kv, T, D) at tokens [chunk_start, chunk_start + T), continuing the online softmax
+    of ``state``; with doc_start (B, T) int32, only to keys at or after each query's document start.
 
     state: (out, lse) of the keys attended so far, out (B, H_q, T, D) float32 normalised, lse (B, H_q, T)
     float32 natural log; updated in place. None starts from no keys. Returns (out, lse).
@@ -61,14 +82,18 @@ def forward_state(
         acc = state[0].view(b, h, hq // h, t, -1).clone()
         m = state[1].view(b, h, hq // h, t).clone()
         denom = torch.ones_like(m)
-    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile):
+    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
         s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt.float()) * scale
-        if not is_past:
-            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
+        hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
+        if hidden is not None:
+            s = s.masked_fill(hidden, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])
+        # A query none of whose keys so far is in its document has m_new = -inf: shifting by 0 instead keeps
+        # its (empty) state, where exp(-inf - -inf) would be NaN.
+        shift = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        alpha = torch.exp(m - shift)
+        p = torch.exp(s - shift[..., None])
         denom = denom * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bhgtn,bhnd->bhgtd", p, vt.float())
         m = m_new
@@ -100,13 +125,14 @@ def backward_part(
     scale: float,
     chunk: bool,
     dq: torch.Tensor,
+    doc_start: torch.Tensor | None = None,
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Gradients through the keys [past_lo, past_hi) of the store and, with ``chunk``, the chunk's own.
 
     Adds into dq (B, H_q, T, D) float32 and into the store's gradient pages of [past_lo, past_hi). With
     ``chunk`` returns the chunk's dk, dv (like k, v): its share plus what later chunks stored for tokens
-    [chunk_start, chunk_start + T); else None.
+    [chunk_start, chunk_start + T); else None. doc_start: as in ``forward_state``.
     """
     b, hq, t, d = q.shape
     h = k.shape[1]
@@ -118,12 +144,13 @@ def backward_part(
     if chunk:
         dk_cur, dv_cur = store.read(chunk_start, chunk_start + t, grads=True)
         dk_cur, dv_cur = dk_cur.float(), dv_cur.float()
-    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile):
+    for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
         kt, vt = kt.float(), vt.float()
         s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
-        if not is_past:
-            s = s.masked_fill(_causal_mask(t, lo, hi, q.device), float("-inf"))
+        hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
+        if hidden is not None:
+            s = s.masked_fill(hidden, float("-inf"))
         p = torch.exp(s - lse_g[..., None])
         dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, dog)
         ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", dog, vt) - delta_g[..., None])
@@ -144,9 +171,10 @@ def attention_forward(
     store: LayerStore,
     start: int,
     scale: float,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
-    out, lse = forward_state(q, k, v, store, 0, start, scale, chunk=True)
+    out, lse = forward_state(q, k, v, store, 0, start, scale, chunk=True, doc_start=doc_start, chunk_start=start)
     return out.to(q.dtype), lse
 
 
@@ -160,6 +188,7 @@ def attention_backward(
     store: LayerStore,
     start: int,
     scale: float,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the chunk attention.
 
@@ -168,5 +197,6 @@ def attention_backward(
     chunks already accumulated for them in the store.
     """
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, 0, start, start, scale, True, dq)
+    dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, 0, start, start, scale, True, dq,
+                           doc_start)
     return dq.to(q.dtype), dk, dv

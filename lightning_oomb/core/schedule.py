@@ -25,13 +25,12 @@ from ..integrations.transformers import bind, causal_lm, check_supported
 from ..kernels.page_table import StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig
+from .documents import IGNORE_INDEX, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool
 from .placement import Placement, optimizer_state, place_step
 from .sparse import select_pages, update_summaries
-
-IGNORE_INDEX = -100
 
 
 class _LastKVStored(Exception):
@@ -158,9 +157,19 @@ class ChunkedSequence:
         observer: ChunkObserver | None = None,
         stage_1_loss: bool = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        position_ids: torch.Tensor | None = None,
     ):
         self.stage_1_loss = stage_1_loss
-        self.targets = _check_tokens(input_ids, labels)
+        targets = _check_tokens(input_ids, labels)
+        # Packed documents (core/documents.py): None, or each token's document start (B, L) int32.
+        self.doc_start = document_starts(position_ids, input_ids)
+        self._chunk_doc_start: torch.Tensor | None = None  # the current chunk's (B, T), contiguous
+        if self.doc_start is not None and config.sparse is not None:
+            raise NotImplementedError(
+                "sparse attention does not take packed documents yet (position_ids restarting at 0): its page "
+                "selection would cross document borders; train packed documents with dense attention (sparse=None)"
+            )
+        self.targets = ignore_across_borders(targets, self.doc_start)
         self.observer = observer
         self.model = model
         self.lm = causal_lm(model)
@@ -267,17 +276,20 @@ class ChunkedSequence:
         if fill and layer_idx == self._last_layer and not self._hidden_needed:
             raise _LastKVStored
         if fill and self._with_grads and self._keeps_attention(self._chunk):
-            self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
+            self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
+                                                      self._chunk_doc_start)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
-            out, lse = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection)
+            out, lse = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
+                                                self._chunk_doc_start)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
             return out
         if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
             self.kept[key] = self.host_kept.fetch(*key)
-        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key))
+        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key),
+                               self._chunk_doc_start)
 
     def _keeps_graph(self, index: int) -> bool:
         return self._with_grads and index >= len(self.chunks) - self.placement.graph_chunks
@@ -299,6 +311,9 @@ class ChunkedSequence:
         self._start = start
         ids = self.input_ids[:, start:end]
         pos = torch.arange(start, end, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
+        if self.doc_start is not None:  # RoPE positions restart with every document
+            self._chunk_doc_start = self.doc_start[:, start:end].contiguous()
+            pos = pos - self._chunk_doc_start
         try:
             return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         except _LastKVStored:
@@ -434,6 +449,7 @@ def train_step(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
+    position_ids: torch.Tensor | None = None,
     chunk_size: int = 4096,
     page_size: int = 128,
     attention: str = "auto",
@@ -451,7 +467,10 @@ def train_step(
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
     input_ids, labels: (batch, seq_len) token ids; labels default to input_ids, -100 is ignored, and are
-    shifted over the whole sequence. Returns the loss (float32 scalar, detached): the mean token
+    shifted over the whole sequence. position_ids: None, or (batch, seq_len) positions that restart at 0 where a
+    document starts (packed documents, as transformers' DataCollatorWithFlattening makes them): each token
+    then attends only within its document, RoPE takes these positions, and a document's last token predicts
+    nothing (core/documents.py). Returns the loss (float32 scalar, detached): the mean token
     cross-entropy over the valid labels of the batch, in nats. Memory: activations of one chunk of
     ``chunk_size`` tokens plus the paged K/V store and its gradients (``grad_dtype``, float32 by default).
     sparse: a ``SparseConfig`` for page-level sparse attention (the gradient is then that of the sparse
@@ -475,7 +494,7 @@ def train_step(
         host_memory=host_memory,
     )
     seq = ChunkedSequence(model, input_ids, labels, config, num_items_in_batch=num_items_in_batch,
-                          optimizers=() if optimizer is None else (optimizer,))
+                          optimizers=() if optimizer is None else (optimizer,), position_ids=position_ids)
     try:
         seq.fill()
         return seq.backward()
@@ -488,6 +507,7 @@ def eval_loss(
     input_ids: torch.Tensor,
     labels: torch.Tensor | None = None,
     *,
+    position_ids: torch.Tensor | None = None,
     chunk_size: int = 4096,
     page_size: int = 128,
     attention: str = "auto",
@@ -498,7 +518,7 @@ def eval_loss(
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
-    Same shapes and label rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``,
+    Same shapes, label and position_ids rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``,
     ``offload``, ``segment_tokens``, ``host_memory``: as in ``train_step``.
     """
     config = ChunkConfig(
@@ -506,7 +526,7 @@ def eval_loss(
         segment_tokens=segment_tokens,
         host_memory=host_memory,
     )
-    seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True)
+    seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True, position_ids=position_ids)
     try:
         return seq.fill(with_grads=False)[0]
     finally:

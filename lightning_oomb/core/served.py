@@ -107,15 +107,13 @@ class Serving:
             )
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padding masks are not supported; mark padded positions with label -100 instead")
-        if position_ids is not None:
-            expected = torch.arange(input_ids.shape[1], device=position_ids.device).expand_as(input_ids)
-            if not torch.equal(position_ids.expand_as(input_ids), expected):
-                raise ValueError("position_ids other than 0..L-1 are not supported")
+        if isinstance(position_ids, torch.Tensor) and position_ids.shape == (1, *input_ids.shape[1:]):
+            position_ids = position_ids.expand_as(input_ids)  # one row for the batch, as transformers takes it
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
         seq = ChunkedSequence(
             self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
-            stage_1_loss=True, optimizers=self.optimizers,
+            stage_1_loss=True, optimizers=self.optimizers, position_ids=position_ids,
         )
         self.sequences.append(seq)
         train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())

@@ -81,8 +81,13 @@ def fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
     if mask is not None:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    shift = m_new
+    if mask is not None:
+        # A row with no key seen yet (another document's keys only) has m_new = -inf: shifting by 0 keeps
+        # its empty state, where exp2(-inf - -inf) would be NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - shift[:, None])
+    alpha = tl.math.exp2(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
@@ -119,14 +124,16 @@ def query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.cons
 
 @triton.jit
 def dkdv_step(
-    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n, T, sq_t, sdo_t, qk_scale, scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_ptr, key_tok, b, h, t0, m0, offs_n, T, sq_t, sdo_t,
+    qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
     query head h; q_src, do_src as in ``query_rows``; lse2_ptr, delta_ptr point at row t0 of head h of
     the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
-    rescales them. EVEN: every row of every step is below its bound (no masked loads)."""
+    rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or
+    the document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,)
+    before a row's start get no weight from it (packed documents)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
     do = query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
@@ -141,6 +148,9 @@ def dkdv_step(
     p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    if doc_ptr is not None:
+        doc = tl.load(doc_ptr + offs_m, mask=offs_m < T, other=0)
+        p_t = tl.where(key_tok[:, None] >= doc[None, :], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t * scale - delta[None, :])
@@ -149,13 +159,36 @@ def dkdv_step(
 
 
 @triton.jit
+def doc_tiles(lo, key_first, key_last, bound, BLOCK_N: tl.constexpr):
+    """Key tiles [lo + i * BLOCK_N, ...) below ``bound`` for queries whose document starts lie in
+    [key_first, key_last] (counted like the keys): (first, masked_end). Tiles before ``first`` end before
+    every query's document (skipped); tiles in [first, masked_end) straddle some query's start (masked per
+    element); the rest are seen whole."""
+    first = lo + tl.maximum(key_first - lo, 0) // BLOCK_N * BLOCK_N
+    masked_end = lo + tl.cdiv(tl.maximum(key_last - lo, 0), BLOCK_N) * BLOCK_N
+    return tl.minimum(first, bound), tl.minimum(tl.maximum(masked_end, first), bound)
+
+
+@triton.jit
 def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+               key_lo, key_first, key_last,
                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """The online softmax over the chunk's own keys for queries [m0, m_end): key tiles wholly at or before
     every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
-    fully masked (no exp(-inf + inf))."""
+    fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from the chunk
+    start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
+    straddle a start masked."""
     diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
+    whole_lo = 0
+    if key_lo is not None:
+        whole_lo, masked_end = doc_tiles(0, key_first, key_last, diag_lo, BLOCK_N)
+        for lo in range(whole_lo, masked_end, BLOCK_N):
+            n = lo + offs_n
+            k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] >= key_lo[:, None], PRECISION)
+        whole_lo = masked_end
+    for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
@@ -164,16 +197,29 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+        seen = n[None, :] <= offs_m[:, None]
+        if key_lo is not None:
+            seen = seen & (n[None, :] >= key_lo[:, None])
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
 def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
+              key_lo, key_first, key_last,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``fwd_chunk``."""
     diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
-    for lo in range(0, diag_lo, BLOCK_N):
+    whole_lo = 0
+    if key_lo is not None:
+        whole_lo, masked_end = doc_tiles(0, key_first, key_last, diag_lo, BLOCK_N)
+        for lo in range(whole_lo, masked_end, BLOCK_N):
+            n = lo + offs_n
+            k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] >= key_lo[:, None], PRECISION)
+        whole_lo = masked_end
+    for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
@@ -182,7 +228,10 @@ def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, o
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] <= offs_m[:, None], PRECISION)
+        seen = n[None, :] <= offs_m[:, None]
+        if key_lo is not None:
+            seen = seen & (n[None, :] >= key_lo[:, None])
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION)
     return dq
 
 

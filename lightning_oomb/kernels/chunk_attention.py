@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from .attention_blocks import (
-    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, dot_precision, dq_chunk, dq_step, fwd_chunk,
+    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_tiles, dot_precision, dq_chunk, dq_step,
+    fwd_chunk,
     fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
     pool_descriptors, pool_rows, query_descriptors, softmax_row_terms, store_tile,
 )
@@ -59,15 +60,24 @@ from .page_table import LayerStore
 
 
 @triton.jit
+def _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M: tl.constexpr):
+    """The document starts (token positions) of query rows offs_m of sequence b (DOC: (B, T) int32), and the
+    least and greatest of the tile's: starts only grow along a sequence, so its first and last row's."""
+    row = DOC + b * T
+    key_lo = tl.load(row + offs_m, mask=m_valid, other=0)
+    return key_lo, tl.load(row + m0), tl.load(row + tl.minimum(m0 + BLOCK_M, T) - 1)
+
+
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, KP, VP, KD, VD, SLOTS, OUT, LSE,
+    Q, K, V, KP, VP, KD, VD, SLOTS, OUT, LSE, DOC,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
     sp_page, sp_off, sp_h,
     ss_b, ss_p,
     so_b, so_h, so_t,
-    T, past_lo, past_hi, qk_scale,
+    T, past_lo, past_hi, chunk_start, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     CHUNK: tl.constexpr, CARRY: tl.constexpr, PAGED_TMA: tl.constexpr,
@@ -99,11 +109,28 @@ def _fwd_kernel(
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
     # The stored keys [past_lo, past_hi), all visible: whole tiles unmasked, then at most one partial tile.
+    # Packed documents (DOC): tiles before the earliest document start of the query tile are skipped, those
+    # straddling a start masked per element.
     slots_b = SLOTS + b * ss_b
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
-    for lo in range(past_lo, past_whole, BLOCK_N):
+    whole_lo = past_lo
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:
+        key_lo, doc_first, doc_last = _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
+        whole_lo, masked_end = doc_tiles(past_lo, doc_first, doc_last, past_whole, BLOCK_N)
+        for lo in range(whole_lo, masked_end, BLOCK_N):
+            k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,
+                           D_PAD, BLOCK_N, PAGED_TMA)
+            v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,
+                           D_PAD, BLOCK_N, PAGED_TMA)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, lo + offs_n[None, :] >= key_lo[:, None],
+                                     PRECISION)
+        whole_lo = masked_end
+    for lo in range(whole_lo, past_whole, BLOCK_N):
         k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
         v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
@@ -114,12 +141,17 @@ def _fwd_kernel(
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+        seen = valid[None, :]
+        if DOC is not None:
+            seen = seen & (lo + offs_n[None, :] >= key_lo[:, None])
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
 
     if CHUNK:
+        if DOC is not None:  # the chunk's keys count from its start
+            key_lo, doc_first, doc_last = key_lo - chunk_start, doc_first - chunk_start, doc_last - chunk_start
         acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                                    m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
-                                   HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
+                                   key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
     store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
@@ -152,7 +184,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GSLOTS, DK, DV,
+    Q, K, V, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GSLOTS, DK, DV, DOC, Q_SEEN,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -172,6 +204,10 @@ def _dkdv_kernel(
     # With CHUNK_SPLIT > 1 each chunk tile is shared by CHUNK_SPLIT programs, each over GROUP / CHUNK_SPLIT
     # query heads, writing fp32 partial sums to DK/DV[split] (summed by the launcher): more programs,
     # better balanced, when a short past leaves too few key tiles to fill the GPU.
+    # Packed documents (DOC: the chunk's queries' document starts, (B, T) int32): Q_SEEN (2, B, tiles) int32
+    # holds per key tile how many of the chunk's first queries see its first key / any of its keys (starts
+    # only grow along a sequence, so both are prefixes): queries from the second on are skipped, those
+    # between masked per element; a past tile no query sees is neither read nor written.
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H_KV).to(tl.int64)
@@ -182,7 +218,12 @@ def _dkdv_kernel(
     n_heads = tl.where(is_past, GROUP, GROUP // CHUNK_SPLIT)
     offs_n = lo + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    past_rows = offs_n < tl.where(is_past, past_hi, 0)
+    q_end = T
+    if DOC is not None:
+        seen = Q_SEEN + b * tl.num_programs(0) + tile
+        q_whole = tl.load(seen)
+        q_end = tl.load(seen + tl.num_programs(0) * (tl.num_programs(1) // H_KV))
+    past_rows = offs_n < tl.where(is_past & (q_end > 0), past_hi, 0)
     chunk_rows = offs_n < tl.where(is_past, 0, T)
     n_valid = past_rows | chunk_rows
 
@@ -221,7 +262,12 @@ def _dkdv_kernel(
     # From `m_free` on, every query of a tile is at or after the tile's last key: no causal mask there.
     m_begin = tl.where(is_past, 0, (lo // BLOCK_M) * BLOCK_M)
     m_free = tl.where(is_past, 0, tl.cdiv(lo + BLOCK_N - 1, BLOCK_M) * BLOCK_M)
-    m_diag_end = tl.minimum(m_free, T)
+    m_diag_end = tl.minimum(m_free, q_end)
+    m_doc = T
+    doc_rows = None
+    if DOC is not None:  # query tiles wholly before q_whole see every key of this tile, later ones some
+        m_doc = tl.maximum(tl.minimum(q_whole // BLOCK_M * BLOCK_M, q_end), m_free)
+        doc_rows = DOC + b * T
     for g in range(split * n_heads, (split + 1) * n_heads):
         h = hk * GROUP + g
         q_src = Q if ROWS_TMA else Q + b * sq_b + h * sq_h
@@ -229,11 +275,18 @@ def _dkdv_kernel(
         lse2_ptr = LSE2 + (b * H_Q + h) * T
         delta_ptr = SDELTA + (b * H_Q + h) * T
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
-            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
-                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA, EVEN)
-        for m0 in range(m_free, T, BLOCK_M):
-            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, 0, m0, offs_n, T, sq_t,
-                                sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_rows, tok, b, h, 0, m0, offs_n,
+                                T, sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, True, PRECISION, ROWS_TMA,
+                                EVEN)
+        for m0 in range(m_free, m_doc, BLOCK_M):
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, None, None, b, h, 0, m0, offs_n, T,
+                                sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False, PRECISION, ROWS_TMA,
+                                EVEN)
+        if DOC is not None:
+            for m0 in range(m_doc, q_end, BLOCK_M):
+                dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_rows, tok, b, h, 0, m0,
+                                    offs_n, T, sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, BLOCK_M, False,
+                                    PRECISION, ROWS_TMA, EVEN)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
@@ -245,7 +298,7 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, DQ,
+    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, DQ, DOC,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -253,7 +306,7 @@ def _dq_kernel(
     sp_page, sp_off, sp_h,
     ss_b, ss_p,
     sdq_b, sdq_h, sdq_t,
-    T, past_lo, past_hi, qk_scale, scale,
+    T, past_lo, past_hi, chunk_start, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr, PAGED_TMA: tl.constexpr,
@@ -279,7 +332,21 @@ def _dq_kernel(
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
     past_whole = past_lo + ((past_hi - past_lo) // BLOCK_N) * BLOCK_N
-    for lo in range(past_lo, past_whole, BLOCK_N):
+    whole_lo = past_lo
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:  # packed documents: the forward's skipping and masking
+        key_lo, doc_first, doc_last = _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
+        whole_lo, masked_end = doc_tiles(past_lo, doc_first, doc_last, past_whole, BLOCK_N)
+        for lo in range(whole_lo, masked_end, BLOCK_N):
+            k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,
+                           D_PAD, BLOCK_N, PAGED_TMA)
+            v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,
+                           D_PAD, BLOCK_N, PAGED_TMA)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, lo + offs_n[None, :] >= key_lo[:, None], PRECISION)
+        whole_lo = masked_end
+    for lo in range(whole_lo, past_whole, BLOCK_N):
         k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
         v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
@@ -290,12 +357,17 @@ def _dq_kernel(
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+        seen = valid[None, :]
+        if DOC is not None:
+            seen = seen & (lo + offs_n[None, :] >= key_lo[:, None])
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION)
 
     if CHUNK:
+        if DOC is not None:  # the chunk's keys count from its start
+            key_lo, doc_first, doc_last = key_lo - chunk_start, doc_first - chunk_start, doc_last - chunk_start
         dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                        m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, qk_scale,
-                       HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
+                       key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :]
     dq = dq * scale
@@ -345,6 +417,7 @@ def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: tor
 def launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
     scale: float, tiles: Tiles, chunk: bool, out: torch.Tensor, lse: torch.Tensor, carry: bool,
+    doc_start: torch.Tensor | None = None, chunk_start: int = 0,
 ) -> None:
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
@@ -352,18 +425,33 @@ def launch_forward(
     descs = pool_descriptors(store, past_lo, tiles.block_n)
     with on_device_of(q):
         _fwd_kernel[grid](
-            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, out, lse,
+            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, out, lse, _rows(doc_start),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             store.k.stride(0), store.k.stride(1), store.k.stride(2),
             slots.stride(0), slots.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            t, past_lo, past_hi, scale * 1.4426950408889634,
+            t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
             CARRY=carry, PAGED_TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+
+
+def _rows(doc_start: torch.Tensor | None) -> torch.Tensor | None:
+    """Document starts (B, T) as the kernels index them: int32, one row after the other."""
+    return None if doc_start is None else doc_start.to(torch.int32).contiguous()
+
+
+def _queries_seeing(doc_start: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """(2, B, n) int32: per key tile of tokens [first, last] (each (n,)), how many of the chunk's first
+    queries have their document start at or before its first key, and at or before its last (starts grow
+    along a sequence: sorted rows, so a search; on the device, no wait for it)."""
+    rows = _rows(doc_start)
+    keys = torch.stack([first, last]).to(torch.int32)[:, None, :].expand(2, rows.shape[0], -1)
+    return torch.stack([torch.searchsorted(rows, keys[i].contiguous(), right=True, out_int32=True)
+                        for i in range(2)])
 
 
 def _check_grads(store: LayerStore) -> None:
@@ -390,11 +478,11 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def launch_dkdv(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse2: torch.Tensor,
     sdelta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    tiles: KernelTiles, chunk: bool,
+    tiles: KernelTiles, chunk: bool, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
     ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
-    lse2, sdelta: the chunk's row terms (``softmax_row_terms``)."""
+    lse2, sdelta: the chunk's row terms (``softmax_row_terms``); doc_start: the queries' document starts."""
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -415,10 +503,19 @@ def launch_dkdv(
     if n_past_tiles + n_chunk_tiles == 0:
         return None
     rows = query_descriptors(kt.block_m, q, dout)
+    q_seen = None
+    if doc_start is not None:
+        tile = torch.arange(n_past_tiles + n_chunk_tiles, device=q.device)
+        first = torch.where(tile < n_past_tiles, past_lo + tile * kt.block_n,
+                            chunk_start + (tile - n_past_tiles) // split * kt.block_n)
+        last = torch.where(tile < n_past_tiles, (first + kt.block_n).clamp(max=past_hi),
+                           (first + kt.block_n).clamp(max=chunk_start + t)) - 1
+        q_seen = _queries_seeing(doc_start, first, last)
     with on_device_of(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
-            lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, grad_slots, dk_out, dv_out,
+            lse2, sdelta, store.k, store.v, store.dk, store.dv, slots, grad_slots, dk_out, dv_out, _rows(doc_start),
+            q_seen,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -444,14 +541,14 @@ def launch_dkdv(
 def launch_dq(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, scale: float, tiles: Tiles,
-    chunk: bool, dq: torch.Tensor, accumulate: bool,
+    chunk: bool, dq: torch.Tensor, accumulate: bool, doc_start: torch.Tensor | None = None, chunk_start: int = 0,
 ) -> None:
     b, hq, t, d = q.shape
     slots = store.table.slots.to(torch.int32)
     descs = pool_descriptors(store, past_lo, tiles.block_n)
     with on_device_of(q):
         _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
-            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq,
+            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq, _rows(doc_start),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -459,7 +556,7 @@ def launch_dq(
             store.k.stride(0), store.k.stride(1), store.k.stride(2),
             slots.stride(0), slots.stride(1),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            t, past_lo, past_hi, scale * 1.4426950408889634, scale,
+            t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634, scale,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
             ACCUMULATE=accumulate, PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
@@ -474,13 +571,13 @@ def launch_dq(
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    tiles: Tiles,
+    tiles: Tiles, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    past_end = _warp_specialized_past(q, store, start)
+    past_end = _warp_specialized_past(q, store, start, doc_start)
     if past_end:
         # The chunk's own keys and the past's last partial tile first, then the whole past tiles in the
         # warp-specialised kernel, which carries that state on and writes the output.
@@ -490,13 +587,15 @@ def _forward(
         launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
         past_attention_sm90.forward_past(q, store, scale, state, out, past_end=past_end)
         return out, lse
-    launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False)
+    launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False, doc_start=doc_start,
+                   chunk_start=start)
     return out, lse
 
 
-def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int) -> int:
+def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_start: torch.Tensor | None) -> int:
     """Where the past's whole tiles end when the warp-specialised kernels run them; 0 when they do not."""
-    if not is_sm90(q):
+    if not is_sm90(q) or doc_start is not None:
+        # The Gluon kernels know no documents: packed documents run the kernels here on sm_90 too.
         return 0
     from . import past_attention_sm90
 
@@ -507,6 +606,7 @@ def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int) -> in
 def _backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     _check_grads(store)
@@ -515,10 +615,12 @@ def _backward(
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    past_end = _warp_specialized_past(q, store, start)
+    past_end = _warp_specialized_past(q, store, start, doc_start)
     if not past_end:
-        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True)
-        launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False)
+        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True,
+                             doc_start=doc_start)
+        launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False,
+                  doc_start=doc_start, chunk_start=start)
         return dq, dk, dv
     # As in _forward: the whole past tiles in the warp-specialised kernels, the chunk and the past's partial
     # tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon kernel continues).
@@ -536,40 +638,46 @@ def _backward(
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H_q, T, D), k/v (B, H_kv, T, D) at tokens [start, start + T) over the stored past [0, start).
+    """q (B, H_q, T, D), k/v (B, H_kv, T, D) at tokens [start, start + T) over the stored past [0, start);
+    doc_start: None, or (B, T) int32 each query's document start (earlier keys unseen).
 
     Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
     """
-    return _forward(q, k, v, store, start, scale, default_tiles(q.shape[-1], q.dtype).fwd)
+    return _forward(q, k, v, store, start, scale, default_tiles(q.shape[-1], q.dtype).fwd, doc_start)
 
 
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, store: LayerStore, start: int, scale: float,
+    lse: torch.Tensor, store: LayerStore, start: int, scale: float, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dq (like q) and the chunk's dk, dv (like k, v): its own share plus what later chunks stored.
 
-    Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place.
+    Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place. doc_start: as in
+    ``attention_forward``.
     """
-    return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype))
+    return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype), doc_start)
 
 
 def forward_state(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
     scale: float, chunk: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    doc_start: torch.Tensor | None = None, chunk_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend q to the stored keys [past_lo, past_hi) and, with ``chunk``, causally to k, v, continuing the
     online softmax ``state`` = (out (B, H_q, T, D) float32, lse (B, H_q, T) float32), updated in place;
-    None starts a new one. Returns the state."""
+    None starts a new one; doc_start: None, or (B, T) int32 each query's document start, the chunk being at
+    tokens [chunk_start, chunk_start + T). Returns the state."""
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     carry = state is not None
     if not carry:
         state = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
                  torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
     tiles = default_tiles(q.shape[-1], q.dtype).fwd
-    launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry)
+    launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry, doc_start=doc_start,
+                   chunk_start=chunk_start)
     return state
 
 
@@ -581,15 +689,16 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def backward_part(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    chunk: bool, dq: torch.Tensor,
+    chunk: bool, dq: torch.Tensor, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Gradients through the stored keys [past_lo, past_hi) (added into store.dk/dv) and, with ``chunk``,
     the chunk's own (returned, plus the store's rows [chunk_start, chunk_start + T)); dQ of those keys is
-    added into dq (B, H_q, T, D) float32."""
+    added into dq (B, H_q, T, D) float32. doc_start: as in ``forward_state``."""
     _check_grads(store)
     q, k, v, dout = (last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(q.shape[-1], q.dtype)
     grads = launch_dkdv(dout, q, k, v, *softmax_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
-                        tiles, chunk)
-    launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True)
+                        tiles, chunk, doc_start)
+    launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True,
+              doc_start=doc_start, chunk_start=chunk_start)
     return grads

@@ -118,10 +118,12 @@ class HostPageStreamer(Protocol):
     def write(self, store: LayerStore, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
 
-    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float):
-        """The attention backend's forward over ``store``'s pages, streamed segment by segment."""
+    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None):
+        """The attention backend's forward over ``store``'s pages, streamed segment by segment (doc_start:
+        each query's document start, or None)."""
 
-    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float):
+    def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float,
+                 doc_start=None):
         """The backend's backward over the streamed pages, their gradients added back into host memory."""
 
 

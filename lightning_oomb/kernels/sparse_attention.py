@@ -136,7 +136,8 @@ def _sparse_fwd_kernel(
 
     # The chunk, causally, as the dense kernel.
     acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
-                               m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
+                               m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, None, 0, 0, HEAD_DIM, D_PAD, BLOCK_N,
+                               PRECISION)
 
     out = acc / l_i[:, None]
     store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
@@ -189,7 +190,7 @@ def _sparse_dq_kernel(
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
     dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
-                   m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
+                   m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, None, 0, 0, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
 
     store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
                 (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
@@ -260,7 +261,7 @@ def _page_dkdv_kernel(
             lse2_ptr = LSE2 + (b * H_Q + h) * T + t0
             delta_ptr = SDELTA + (b * H_Q + h) * T + t0
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, b, h, t0, m0, offs_n,
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, None, None, b, h, t0, m0, offs_n,
                                 tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
                                 BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]

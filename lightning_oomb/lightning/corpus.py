@@ -258,10 +258,12 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_
 
 class PackedSequences(Dataset):
     """Sequences ``rows`` of ``seq_len`` tokens cut from one token stream; labels are the inputs (the model
-    shifts them)."""
+    shifts them). With ``eos`` (document masking), also ``position_ids`` that restart at 0 after every EOS
+    token (and at the sequence start): each document then attends only within itself (docs/architecture.md,
+    "Packed documents")."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, rows: torch.Tensor):
-        self.tokens, self.seq_len, self.rows = tokens, seq_len, rows
+    def __init__(self, tokens: torch.Tensor, seq_len: int, rows: torch.Tensor, eos: int | None = None):
+        self.tokens, self.seq_len, self.rows, self.eos = tokens, seq_len, rows, eos
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -269,7 +271,14 @@ class PackedSequences(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         start = int(self.rows[i]) * self.seq_len
         ids = self.tokens[start : start + self.seq_len].long()
-        return {"input_ids": ids, "labels": ids.clone()}
+        item = {"input_ids": ids, "labels": ids.clone()}
+        if self.eos is not None:
+            token = torch.arange(len(ids))
+            starts = torch.zeros(len(ids), dtype=torch.bool)
+            starts[0] = True
+            starts[1:] = ids[:-1] == self.eos
+            item["position_ids"] = token - torch.where(starts, token, 0).cummax(0).values
+        return item
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
@@ -358,9 +367,13 @@ class TextCorpusDataModule(LightningDataModule):
         val_fraction: the share of sequences held out for validation (at least one when > 0).
         seed: the split and the shuffling of each epoch (the order of epoch e is drawn from seed and e).
         add_bos: also start each document with the tokenizer's BOS token.
+        document_masking: each batch also holds ``position_ids`` that restart at 0 after every EOS, so that
+            each document attends only within itself and is not predicted from the one before (the
+            convention of transformers' DataCollatorWithFlattening; docs/architecture.md, "Packed documents").
+            False: attention crosses document borders inside a sequence.
 
     Documents are joined into one stream, each followed by EOS, and cut into consecutive sequences; the tail
-    shorter than ``seq_len`` is dropped. Attention crosses document borders inside a sequence. The data
+    shorter than ``seq_len`` is dropped. The data
     position (epoch and batches consumed) is part of Lightning's checkpoints, so a resumed run continues
     with the batch the interrupted one would have trained next.
     """
@@ -375,6 +388,7 @@ class TextCorpusDataModule(LightningDataModule):
         val_fraction: float = 0.01,
         seed: int = 0,
         add_bos: bool = False,
+        document_masking: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -388,6 +402,7 @@ class TextCorpusDataModule(LightningDataModule):
         self.tokenizer_path = tokenizer
         self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
         self.val_fraction, self.seed, self.add_bos = val_fraction, seed, add_bos
+        self.document_masking = document_masking
         # A tokenizer given here is loaded now, so that a directory without one fails before any model loads.
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.train_set: PackedSequences | None = None
@@ -470,8 +485,9 @@ class TextCorpusDataModule(LightningDataModule):
         tokens = tokens[: sequences * self.seq_len]
         order = torch.randperm(sequences, generator=epoch_generator(self.seed, -1))
         val_rows, train_rows = order[:n_val].sort().values, order[n_val:].sort().values
-        self.train_set = PackedSequences(tokens, self.seq_len, train_rows)
-        self.val_set = PackedSequences(tokens, self.seq_len, val_rows) if n_val else None
+        eos = self.tokenizer.eos_token_id if self.document_masking else None
+        self.train_set = PackedSequences(tokens, self.seq_len, train_rows, eos)
+        self.val_set = PackedSequences(tokens, self.seq_len, val_rows, eos) if n_val else None
         rank_zero_info(self.describe())
 
     def describe(self) -> str:
@@ -481,7 +497,8 @@ class TextCorpusDataModule(LightningDataModule):
         return (
             f"corpus: {len(self.files)} files, {self.num_documents:,} documents, {self.num_tokens:,} tokens -> "
             f"{len(self.train_set):,} training and {val:,} validation sequences of {self.seq_len:,} tokens "
-            "(attention crosses document borders inside a sequence)"
+            + ("(each document attends within itself)" if self.document_masking
+               else "(attention crosses document borders inside a sequence)")
         )
 
     # -- loaders ---------------------------------------------------------------------------------------

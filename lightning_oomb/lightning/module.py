@@ -292,7 +292,8 @@ class CausalLMModule(LightningModule):
 
     @override
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"],
+                          position_ids=batch.get("position_ids")).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -300,8 +301,11 @@ class CausalLMModule(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         ids, labels = batch["input_ids"], batch["labels"]
         n = self.hparams.answer_tokens
-        out = self.model(input_ids=ids, labels=labels, logits_to_keep=n + 1 if n else 0)
+        position_ids = batch.get("position_ids")
+        out = self.model(input_ids=ids, labels=labels, position_ids=position_ids, logits_to_keep=n + 1 if n else 0)
         valid = (labels[:, 1:] != -100).sum()
+        if position_ids is not None:  # a document's last token predicts nothing (core/documents.py)
+            valid -= (position_ids[:, 1:] == 0).logical_and(labels[:, 1:] != -100).sum()
         self.val_loss.update(out.loss.detach(), weight=valid)
         if n:
             self.val_acc.update(out.logits[:, :-1].argmax(-1), ids[:, -n:])

@@ -1,0 +1,50 @@
+"""Packed documents: sequences made of several documents, each attending only within itself.
+
+The convention is transformers' (``DataCollatorWithFlattening``): ``position_ids`` restart at 0 at the first
+token of every document of a row. Token t of a row then belongs to the document that starts at
+``doc_start[t] = t - position_ids[t]``; a query at t sees the keys [doc_start[t], t] (causal within its
+document), which is all the attention backends need (``core/attention.py``). The token before a document
+start does not predict it: its shifted label is ignored (docs/architecture.md, "Packed documents").
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def document_starts(position_ids: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """doc_start (B, L) int32 on input_ids' device: for every token, the position of its document's first
+    token; None when there are no position ids or they are 0..L-1 in every row (one document per row, the
+    unpacked step). Raises ValueError for position ids of another form."""
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise TypeError(f"position_ids must be an int64 or int32 tensor, got {got}")
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
+        )
+    pos = position_ids.long()
+    step = pos[:, 1:] - pos[:, :-1]
+    if bool((pos[:, 0] != 0).any()) or bool(((step != 1) & (pos[:, 1:] != 0)).any()):
+        raise ValueError(
+            "position_ids must start every row at 0 and count up by 1 within a document, restarting at 0 where "
+            "a document starts (as transformers' DataCollatorWithFlattening makes them)"
+        )
+    token = torch.arange(pos.shape[1], device=pos.device)
+    if bool((pos == token).all()):
+        return None
+    return (token - pos).to(device=input_ids.device, dtype=torch.int32)
+
+
+def ignore_across_borders(targets: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
+    """Shifted targets (B, L) with the label of the last token of every document but the row's last set to
+    -100: a document's first token is not predicted from the previous document."""
+    if doc_start is None:
+        return targets
+    starts = torch.zeros_like(targets, dtype=torch.bool)
+    starts[:, :-1] = doc_start[:, 1:] == torch.arange(1, targets.shape[1], device=targets.device)
+    return targets.masked_fill(starts, IGNORE_INDEX)

@@ -1,0 +1,145 @@
+"""Packed documents (position ids restarting at 0, lightning_oomb.core.documents), float32 on CPU.
+
+The oracle: every document run separately through plain transformers (full sequence, autograd), its loss
+summed over its own labels and divided by the label count of the whole batch. A packed step with document
+masking must give that loss and every parameter's gradient within 1e-5 (relative, norm-wise), for documents
+that start mid-chunk, mid-page and at a chunk border, of 1 and 2 tokens, batches with other packings per row.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.served import serve
+from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
+
+TOL = 1e-5
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
+# With chunks of 8 and pages of 4: starts at 7 (mid-chunk, mid-page), 16 (chunk border), 17 (mid-page, a
+# 1-token document), 18 (2 tokens), 20 (page border mid-chunk), 24 (chunk border), 45 tokens in all.
+LENGTHS = [7, 9, 1, 2, 5, 21]
+
+
+def packed_positions(*rows: list[int]) -> torch.Tensor:
+    """position_ids (len(rows), L) restarting at 0 for documents of the given lengths per row."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def separate_documents_grads(model, ids, position_ids, labels=None):
+    """Loss and gradients of each document on its own through transformers, normalised by the batch's
+    label count (the first token of a document is no label of the one before)."""
+    labels = ids if labels is None else labels
+    docs = []
+    for b in range(ids.shape[0]):
+        starts = (position_ids[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        docs += [(ids[b, s:e], labels[b, s:e]) for s, e in zip(starts[:-1], starts[1:])]
+    n_labels = sum(int((lab[1:] != -100).sum()) for _, lab in docs)
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for doc, lab in docs:
+        loss = model(input_ids=doc[None], labels=lab[None], num_items_in_batch=n_labels).loss
+        loss.backward()
+        total += loss.detach()
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def check_packed(model, ids, position_ids, labels=None, **kwargs):
+    want_loss, want = separate_documents_grads(model, ids, position_ids, labels)
+    loss = lightning_oomb.train_step(model, ids, labels, position_ids=position_ids, **kwargs)
+    assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
+    assert_grads_close(grads_of(model), want, TOL)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_packed_documents_match_separate_documents(family, backend):
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)))
+    check_packed(model, ids, packed_positions(LENGTHS), chunk_size=8, page_size=4, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_rows_with_other_borders_and_ignored_labels(backend):
+    model = tiny_model("qwen2")
+    position_ids = packed_positions([3, 10, 1, 16], [12, 2, 5, 11])  # 30 tokens per row
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    labels = ids.clone()
+    labels[0, 4:8] = -100
+    labels[1, 20:] = -100
+    check_packed(model, ids, position_ids, labels, chunk_size=8, page_size=4, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_not_dividing_chunk_and_layer_checkpoints(backend):
+    model = tiny_model("qwen3")
+    position_ids = packed_positions([5, 14, 2, 12])  # chunks of 10, pages of 7
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    check_packed(model, ids, position_ids, chunk_size=10, page_size=7, attention=backend, checkpoint_layers=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pages_in_host_memory(backend):
+    model = tiny_model("llama")
+    position_ids = packed_positions([9, 1, 17, 10])
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    check_packed(model, ids, position_ids, chunk_size=8, page_size=4, attention=backend, offload="host",
+                 segment_tokens=8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_loss_and_served_forward(backend):
+    model = tiny_model("qwen2")
+    position_ids = packed_positions([6, 19, 2], [13, 14])
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    want_loss, want = separate_documents_grads(model, ids, position_ids)
+    config = ChunkConfig(chunk_size=8, page_size=4, attention=backend)
+    loss = lightning_oomb.eval_loss(model, ids, position_ids=position_ids, chunk_size=8, page_size=4,
+                                    attention=backend)
+    assert rel_err(loss, want_loss) <= TOL
+    with serve(model, config):
+        served = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
+    served.backward()
+    assert rel_err(served.detach(), want_loss) <= TOL
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+def test_one_document_per_row_is_the_unpacked_step_bitwise():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 21))
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, attention="reference")
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    same = lightning_oomb.train_step(model, ids, position_ids=packed_positions([21], [21]), chunk_size=8,
+                                     page_size=4, attention="reference")
+    assert torch.equal(loss, same)
+    assert all(torch.equal(g, want[n]) for n, g in grads_of(model).items())
+
+
+@pytest.mark.parametrize("position_ids, match", [
+    (torch.arange(20)[None], "shape of input_ids"),
+    (torch.arange(1, 21)[None].expand(2, -1), "start every row at 0"),
+    (torch.cat([torch.arange(10), torch.arange(3, 13)])[None].expand(2, -1), "restarting at 0"),
+    (torch.cat([torch.arange(10), torch.arange(10, 0, -1)])[None].expand(2, -1), "count up by 1"),
+    (torch.zeros(2, 20), "int64 or int32"),
+])
+def test_position_ids_of_another_form_are_refused(position_ids, match):
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 20))
+    with pytest.raises((ValueError, TypeError), match=match):
+        lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
+
+
+def test_sparse_attention_refuses_packed_documents():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with pytest.raises(NotImplementedError, match="sparse attention does not take packed documents"):
+        lightning_oomb.train_step(model, ids, position_ids=packed_positions([8, 12]), chunk_size=8, page_size=4,
+                                  sparse=dict(budget_pages=2, sink_pages=1, local_pages=1))
