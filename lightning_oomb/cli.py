@@ -292,7 +292,10 @@ def argument_error_line(error: ArgumentError) -> str:
     if option and class_path:
         module, _, name = class_path.group(1).rpartition(".")
         try:
-            accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+            cls = getattr(importlib.import_module(module), name)
+            # A strategy's options are spread over the classes it is built from (OOMBStrategyMixin, Lightning's).
+            inits = [c.__init__ for c in cls.__mro__ if "__init__" in vars(c)]
+            accepted = [p for init in inits for p in inspect.signature(init).parameters]
         except (ImportError, AttributeError, ValueError):
             accepted = []
         close = difflib.get_close_matches(option.group(1), accepted, n=1)
