@@ -46,7 +46,8 @@ def average_gradients(params: list[nn.Parameter], device: torch.device) -> None:
             p.grad = torch.zeros_like(p)
     params = [p for p in params if p.grad is not None]
     world = dist.get_world_size()
-    bucket = torch.empty(BUCKET_BYTES // 4, dtype=torch.float32, device=device)
+    total = sum(p.numel() for p in params)
+    bucket = torch.empty(min(BUCKET_BYTES // 4, total), dtype=torch.float32, device=device)
     pieces: list[tuple[torch.Tensor, int, int]] = []  # (flat gradient, start, end) of what the bucket holds
     used = 0
 
