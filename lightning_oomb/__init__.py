@@ -1,16 +1,16 @@
 """lightning_oomb: exact chunk-recurrent training of transformers causal LMs on very long contexts.
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
-(``OOMBStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``, ``TextCorpusDataModule``)
-loads on first use.
+(``OOMBStrategy``, ``OOMBDDPStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``,
+``TextCorpusDataModule``) loads on first use.
 """
 
 from .core import ChunkConfig, SparseConfig, eval_loss, train_step
 from .core.served import serve
 
 _LIGHTNING = (
-    "OOMBStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule", "TextCorpusDataModule",
-    "SparseAttentionMixin", "SparseCausalLMModule",
+    "OOMBStrategy", "OOMBDDPStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule",
+    "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
 )
 
 __all__ = ["ChunkConfig", "SparseConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]

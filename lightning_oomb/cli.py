@@ -30,7 +30,7 @@ from .integrations.transformers import find_causal_lm
 from .lightning import CausalLMModule
 from .lightning.callback import PagedKVCallback
 from .lightning.checkpoint import AtomicCheckpointIO
-from .lightning.strategy import OOMBStrategy
+from .lightning.strategy import OOMBStrategy, OOMBStrategyMixin
 
 
 
@@ -72,7 +72,8 @@ class OOMBCLI(LightningCLI):
             )
         # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
         strategy = config.get("trainer", {}).get("strategy")
-        if str(getattr(strategy, "class_path", "")).endswith("OOMBStrategy") and strategy.get("init_args"):
+        class_path = str(getattr(strategy, "class_path", ""))
+        if class_path.endswith(("OOMBStrategy", "OOMBDDPStrategy")) and strategy.get("init_args"):
             names = {f.name for f in dataclasses.fields(ChunkConfig)}
             options = {k: v for k, v in vars(strategy.init_args).items() if k in names}
             try:
@@ -96,7 +97,7 @@ class OOMBCLI(LightningCLI):
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
-        if isinstance(strategy, OOMBStrategy):
+        if isinstance(strategy, OOMBStrategyMixin):
             # The plan of the step as placed is printed by the callback that places it, at fit start.
             callback = next((cb for cb in self.trainer.callbacks if isinstance(cb, PagedKVCallback)), None)
             if callback is None:
@@ -130,7 +131,7 @@ class OOMBCLI(LightningCLI):
             return
         item = example[0]
         ids = item["input_ids"][None].to(module.device)
-        config = trainer.strategy.chunk_config if isinstance(trainer.strategy, OOMBStrategy) else None
+        config = trainer.strategy.chunk_config if isinstance(trainer.strategy, OOMBStrategyMixin) else None
         model = find_causal_lm(module)
         with torch.no_grad(), serve(model, config) if config else contextlib.nullcontext():
             logits = model(input_ids=ids, labels=item["labels"][None].to(module.device), logits_to_keep=n + 1).logits
@@ -291,7 +292,10 @@ def argument_error_line(error: ArgumentError) -> str:
     if option and class_path:
         module, _, name = class_path.group(1).rpartition(".")
         try:
-            accepted = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+            cls = getattr(importlib.import_module(module), name)
+            # A strategy's options are spread over the classes it is built from (OOMBStrategyMixin, Lightning's).
+            inits = [c.__init__ for c in cls.__mro__ if "__init__" in vars(c)]
+            accepted = [p for init in inits for p in inspect.signature(init).parameters]
         except (ImportError, AttributeError, ValueError):
             accepted = []
         close = difflib.get_close_matches(option.group(1), accepted, n=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -79,6 +79,7 @@ def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
+    agree: Callable[[list[int]], list[int]] = lambda values: values,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -104,6 +105,9 @@ def place_step(
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
     for stage 2), else in pinned host memory. ``optimizer`` ("adamw", "sgd", "none") is only for the plan
     the placement carries.
+
+    ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
+    (``core.ranks``), so that every rank, placing the same step against the same memory, decides alike.
     """
     page = config.page_size
     sparse = config.sparse is not None
@@ -189,6 +193,7 @@ def place_step(
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
     host_free = budget - process - HOST_GROWTH_BYTES  # room for pinned blocks
+    free, host_free = agree([free, host_free])
     missing = sum(p.numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
     shape = ModelShape.resolve(model)
     chunk_tokens = batch * min(config.chunk_size, seq_len)

@@ -30,6 +30,7 @@ from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool
 from .placement import Placement, optimizer_state, place_step
+from .ranks import Ranks
 from .sparse import select_pages, update_summaries
 
 
@@ -144,6 +145,9 @@ class ChunkedSequence:
     layer's gradient right there and keeps dL/dh for stage 2 (on the GPU, or in pinned host memory where the
     placement says), which then backpropagates the decoder only: the output layer runs once per chunk
     either way.
+
+    ranks: the data-parallel ranks this step agrees its batch shape, loss normaliser and placement with
+    (``core.ranks``); the default is one process.
     """
 
     def __init__(
@@ -158,9 +162,11 @@ class ChunkedSequence:
         stage_1_loss: bool = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         position_ids: torch.Tensor | None = None,
+        ranks: Ranks = Ranks(),
     ):
         self.stage_1_loss = stage_1_loss
         targets = _check_tokens(input_ids, labels)
+        ranks.check_batch(tuple(input_ids.shape), config.chunk_size, config.page_size)
         # Packed documents (core/documents.py): None, or each token's document start (B, L) int32.
         self.doc_start = document_starts(position_ids, input_ids)
         self._chunk_doc_start: torch.Tensor | None = None  # the current chunk's (B, T), contiguous
@@ -213,7 +219,7 @@ class ChunkedSequence:
         optimizer, pending = optimizer_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer, pending_gpu_bytes=pending,
-                                    host_grad_layers=held_layers)
+                                    host_grad_layers=held_layers, agree=ranks.least)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -230,9 +236,7 @@ class ChunkedSequence:
         per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
         per_chunk = per_chunk.sum((0, 2)).tolist()
         self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
-        valid = sum(per_chunk)
-        if num_items_in_batch is not None:
-            valid = int(num_items_in_batch)
+        valid = ranks.items(sum(per_chunk)) if num_items_in_batch is None else int(num_items_in_batch)
         if valid == 0:
             raise ValueError("every label is -100: there is no token to compute a loss on")
         self.n_valid = valid

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..integrations.transformers import causal_lm
 from .config import ChunkConfig
+from .ranks import Ranks
 from .schedule import ChunkedSequence, ChunkObserver, PoolProvider
 
 # Keyword arguments of a causal LM's forward that we accept when they ask for nothing we do not compute.
@@ -77,6 +78,7 @@ class Serving:
     max_calls: int | None = None
     observer: ChunkObserver | None = None
     optimizers: Sequence[torch.optim.Optimizer] = ()
+    ranks: Ranks = field(default_factory=Ranks)
     sequences: list[ChunkedSequence] = field(default_factory=list)
 
     def forward(
@@ -111,12 +113,14 @@ class Serving:
             position_ids = position_ids.expand_as(input_ids)  # one row for the batch, as transformers takes it
         if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+        train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
+        # Evaluation agrees nothing with other ranks: each reports the loss of its own batch.
         seq = ChunkedSequence(
             self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
             stage_1_loss=True, optimizers=self.optimizers, position_ids=position_ids,
+            ranks=self.ranks if train else Ranks(),
         )
         self.sequences.append(seq)
-        train = torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters())
         loss, logits = seq.fill(with_grads=train, keep_last=logits_to_keep)
         if train:
             anchor = next(p for p in self.model.parameters() if p.requires_grad)
@@ -138,11 +142,13 @@ def serve(
     max_calls: int | None = None,
     observer: ChunkObserver | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
+    ranks: Ranks = Ranks(),
 ) -> Iterator[Serving]:
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
 
     ``optimizers``: those that update the model after the step (the state their first update creates is
-    counted when the step is placed: ``placement.optimizer_state``).
+    counted when the step is placed: ``placement.optimizer_state``). ``ranks``: the data-parallel ranks a
+    training forward agrees with (``core.ranks``; evaluation forwards agree nothing).
 
     The instance's ``forward`` attribute is set for the block and removed after it (the class is untouched).
     Stage 2 runs when the returned loss is backpropagated, inside or after the block.
@@ -150,7 +156,7 @@ def serve(
     lm = causal_lm(model)
     if "forward" in lm.__dict__:
         raise RuntimeError(f"{type(lm).__name__}.forward is already overridden on this instance (nested serve?)")
-    serving = Serving(model, config, pools, max_calls, observer, optimizers)
+    serving = Serving(model, config, pools, max_calls, observer, optimizers, ranks)
     lm.forward = serving.forward
     try:
         yield serving

@@ -104,7 +104,8 @@ class PagedKVCallback(Callback):
         with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
             # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
             self.placement = place_step(model, *shape, config, self._device, stage_1_loss=True,
-                                        optimizer=optimizer, pending_gpu_bytes=pending)
+                                        optimizer=optimizer, pending_gpu_bytes=pending,
+                                        agree=trainer.strategy.ranks.least)
         spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
         pages = shape[0] * -(-shape[1] // self._page_size)
         started = time.perf_counter()

@@ -222,11 +222,11 @@ class CausalLMModule(LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Under OOMBStrategy, refuse a model the engine would not train exactly, before any step."""
+        """Under OOMBStrategy or OOMBDDPStrategy, refuse a model the engine would not train exactly, before any step."""
         from ..integrations.transformers import causal_lm, check_supported
-        from .strategy import OOMBStrategy
+        from .strategy import OOMBStrategyMixin
 
-        if not isinstance(self.trainer.strategy, OOMBStrategy):
+        if not isinstance(self.trainer.strategy, OOMBStrategyMixin):
             return
         lm = causal_lm(self.model)
         seq_len = getattr(self.trainer.datamodule, "seq_len", None) or getattr(lm.config, "max_position_embeddings", 1)

@@ -1,4 +1,7 @@
-"""OOMBStrategy: Lightning training with the chunk-recurrent schedule, around an unchanged LightningModule."""
+"""OOMBStrategy: Lightning training with the chunk-recurrent schedule, around an unchanged LightningModule.
+
+The body is ``OOMBStrategyMixin``, which the single-device ``OOMBStrategy`` and the data-parallel
+``OOMBDDPStrategy`` (``lightning/ddp.py``) put in front of Lightning's own strategy classes."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from ..core.config import ChunkConfig, SparseConfig
 from ..core.errors import SetupError
 from ..core.host_memory import host_budget, process_host_bytes
 from ..core.planner import HOST_GROWTH_BYTES
+from ..core.ranks import Ranks
 from ..core.served import Serving, serve
 from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
@@ -33,8 +37,9 @@ def _host_memory(value: int | str) -> int:
     return size
 
 
-class OOMBStrategy(SingleDeviceStrategy):
-    """Trains the transformers causal LM of a LightningModule with exact chunk-recurrent recomputation.
+class OOMBStrategyMixin:
+    """Trains the transformers causal LM of a LightningModule with exact chunk-recurrent recomputation; put in
+    front of a Lightning strategy class, to which the other keyword arguments go.
 
     The module's ``training_step`` stays as it is: its ``self.model(input_ids=..., labels=...)`` call runs
     stage 1 and returns the loss; ``backward`` on the loss Lightning hands back (scaled for gradient
@@ -59,10 +64,7 @@ class OOMBStrategy(SingleDeviceStrategy):
             process may hold in host memory in all, pinned pages included. None: what it holds at fit start
             plus what the machine has available, less max(8 GiB, 10% of its RAM). A run that cannot fit in it
             is refused at fit start with its plan.
-        device: the device to train on (default: the first CUDA device, else CPU).
     """
-
-    strategy_name = "oomb"
 
     def __init__(
         self,
@@ -78,14 +80,11 @@ class OOMBStrategy(SingleDeviceStrategy):
         keep_attention: int | None = None,
         keep_graphs: int | None = None,
         host_memory: int | str | None = None,
-        device: str | torch.device | None = None,
         **kwargs: Any,
     ):
-        if device is None:
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind.
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
-        super().__init__(device=device, **kwargs)
+        super().__init__(**kwargs)
         self.chunk_config = ChunkConfig(
             chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
             cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
@@ -101,7 +100,7 @@ class OOMBStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin.precision
         if precision not in SUPPORTED_PRECISION:
             raise SetupError(
-                f"OOMBStrategy supports precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}. "
+                f"{type(self).__name__} supports precision {', '.join(SUPPORTED_PRECISION)}; got {precision!r}. "
                 "float16 needs a gradient scaler that this strategy does not replay exactly: use bf16-mixed "
                 "or bf16-true"
             )
@@ -124,13 +123,18 @@ class OOMBStrategy(SingleDeviceStrategy):
         return host_budget(self.chunk_config.host_memory) - held - HOST_GROWTH_BYTES
 
     @property
+    def ranks(self) -> Ranks:
+        """The data-parallel ranks a training step agrees with (``core.ranks``): here one process."""
+        return Ranks()
+
+    @property
     def kv_callback(self) -> PagedKVCallback:
         return next(cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, PagedKVCallback))
 
     def _serve(self, max_calls: int | None):
         callback = self.kv_callback
         return serve(find_causal_lm(self.lightning_module), self.chunk_config, callback, max_calls, callback.observe,
-                     self.optimizers)
+                     self.optimizers, self.ranks)
 
     # -- steps ------------------------------------------------------------------------------------------
     @override
@@ -201,3 +205,20 @@ class OOMBStrategy(SingleDeviceStrategy):
         if self.lightning_module is not None:
             self.lightning_module.zero_grad(set_to_none=True)
         super().teardown()
+
+
+class OOMBStrategy(OOMBStrategyMixin, SingleDeviceStrategy):
+    """``OOMBStrategyMixin`` on one device.
+
+    Args:
+        device: the device to train on (default: the first CUDA device, else CPU).
+        The other arguments: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...) and
+        ``SingleDeviceStrategy``'s.
+    """
+
+    strategy_name = "oomb"
+
+    def __init__(self, device: str | torch.device | None = None, **kwargs: Any):
+        if device is None:
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        super().__init__(device=device, **kwargs)

@@ -1,0 +1,160 @@
+"""OOMBDDPStrategy: data parallel over several devices, each rank running the chunk-recurrent schedule on its own
+sequences (docs/architecture.md, "Several GPUs").
+
+torch's DistributedDataParallel cannot wrap the model: its reducer expects each parameter's gradient once per
+backward, and stage 2 runs one backward per chunk. The model stays unwrapped; the strategy broadcasts rank 0's
+weights at set-up and averages the gradients once, after stage 2, in float32 buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+from typing_extensions import override
+
+from ..core.host_memory import available_host_memory, host_headroom, process_host_bytes
+from ..core.ranks import DataParallelRanks
+from .strategy import OOMBStrategyMixin
+
+BUCKET_BYTES = 25 * 2**20  # float32 gradients per all-reduce: large enough to run at the link's bandwidth
+
+
+def broadcast_weights(module: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+def average_gradients(params: list[nn.Parameter], device: torch.device) -> None:
+    """Replace each ``param.grad`` by its mean over the ranks, through float32 buckets of BUCKET_BYTES (cut
+    across parameters, so that a large embedding needs no copy of its own size).
+
+    A parameter without a gradient here adds zeros, so that every rank issues the same all-reduces; it gets a
+    gradient where any rank has one and stays None where none has, as one process would leave it (an
+    optimizer skips such a parameter)."""
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(had)
+    for p, anywhere in zip(params, had.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    params = [p for p in params if p.grad is not None]
+    world = dist.get_world_size()
+    total = sum(p.numel() for p in params)
+    bucket = torch.empty(min(BUCKET_BYTES // 4, total), dtype=torch.float32, device=device)
+    pieces: list[tuple[torch.Tensor, int, int]] = []  # (flat gradient, start, end) of what the bucket holds
+    used = 0
+
+    def reduce() -> None:
+        flat = bucket[:used]
+        dist.all_reduce(flat)
+        flat.div_(world)
+        at = 0
+        for grad, start, end in pieces:
+            grad[start:end].copy_(flat[at : at + end - start])
+            at += end - start
+        pieces.clear()
+
+    for p in params:
+        grad = p.grad.view(-1)
+        start = 0
+        while start < grad.numel():
+            end = min(grad.numel(), start + bucket.numel() - used)
+            bucket[used : used + end - start].copy_(grad[start:end])
+            pieces.append((grad, start, end))
+            used += end - start
+            start = end
+            if used == bucket.numel():
+                reduce()
+                used = 0
+    if used:
+        reduce()
+
+
+class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
+    """``OOMBStrategyMixin`` on several devices, one process each, data parallel: every rank trains on its own
+    sequences and the ranks' gradients are averaged after stage 2, so that a step's update is one process's
+    update of all ranks' batches together (tests/test_ddp.py checks it against transformers).
+
+    Unlike DDPStrategy the model is not wrapped (its reducer would fire once per chunk): rank 0's weights are
+    broadcast at set-up and the gradients averaged once per optimizer step, in float32 buckets, after the
+    backward of the accumulation's last micro-batch (Lightning's ``accumulate_grad_batches`` skips the others)
+    and before Lightning clips them. Hooks see the averaged gradients from ``on_before_optimizer_step`` on;
+    ``on_after_backward`` runs before the average, on this rank's own.
+
+    Each rank's loss is normalised by the mean valid-label count per rank over all ranks' batches (one
+    all-reduce before stage 1): the rank losses average to the loss of the whole batch. Every rank's batch
+    must have the same shape (refused otherwise, on every rank, before anything waits). Each step is placed
+    against the least free memory of any rank, so every rank keeps the same of stage 1 for stage 2. The host
+    memory budget (``host_memory``, or what the machine has available) is divided among the ranks of a node.
+
+    Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...) and DDPStrategy's process arguments
+    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+    process_group_backend, timeout, start_method); DDPStrategy's options for the DDP wrapper and its
+    communication hooks do not apply.
+    """
+
+    strategy_name = "oomb_ddp"
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        wrapper = dict(self._ddp_kwargs, ddp_comm_state=self._ddp_comm_state, ddp_comm_hook=self._ddp_comm_hook,
+                       ddp_comm_wrapper=self._ddp_comm_wrapper, model_averaging_period=self._model_averaging_period)
+        unused = [name for name, value in wrapper.items() if value is not None]
+        if unused:
+            raise TypeError(f"OOMBDDPStrategy does not wrap the model in DistributedDataParallel, so "
+                            f"{', '.join(unused)} do not apply; remove them")
+        self._average_after_backward = True
+
+    @property
+    @override
+    def ranks(self) -> DataParallelRanks:
+        return DataParallelRanks(self.root_device)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # The ranks of a node share its host memory: each is placed against its share of the budget.
+        local = self.num_processes
+        if self.chunk_config.host_memory is not None:
+            budget = self.chunk_config.host_memory // local
+        else:
+            budget = process_host_bytes() + (available_host_memory() - host_headroom()) // local
+        self.chunk_config = dataclasses.replace(self.chunk_config, host_memory=budget)
+
+    @override
+    def configure_ddp(self) -> None:
+        broadcast_weights(self.model)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulation of micro-batches: their gradients are averaged after the last one's."""
+        self._average_after_backward = False
+        try:
+            yield
+        finally:
+            self._average_after_backward = True
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._average_after_backward:
+            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            average_gradients(params, self.root_device)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("oomb_ddp", "popen"), ("oomb_ddp_spawn", "spawn")):
+            strategy_registry.register(name, cls, description=f"{cls.__name__} with start_method {start_method!r}",
+                                       start_method=start_method, override=True)
+
+
+OOMBDDPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,169 @@
+"""OOMBDDPStrategy in real Lightning Trainers over 2 and 3 gloo processes on the CPU: the gradient averaged over
+the ranks is transformers' full-sequence gradient of all ranks' sequences together, and the weights after the
+steps are those of one process training on those batches (fp32, reference attention)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_oomb import OOMBDDPStrategy, OOMBStrategy
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.ranks import DataParallelRanks
+from lightning_oomb.core.schedule import ChunkedSequence
+from lightning_oomb.lightning.corpus import ResumableBatchSampler
+from test_strategy import UserModule, weights
+from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, rel_err, tiny_model
+
+SEQ, CHUNK, PAGE = 40, 16, 8
+TRAINER = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, num_sanity_val_steps=0)
+
+
+def sequences(n: int, seq_len: int = SEQ) -> list[dict[str, torch.Tensor]]:
+    """``n`` sequences with uneven valid-label counts; the second has none (its rank's batch in step 1)."""
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (seq_len,), generator=g)
+        labels = ids.clone()
+        labels[: 5 * (i % 4) + 3] = -100
+        if i == 1:
+            labels[:] = -100
+        items.append({"input_ids": ids, "labels": labels})
+    return items
+
+
+def stacked(items: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([i["input_ids"] for i in items]), torch.stack([i["labels"] for i in items])
+
+
+class RankRows(LightningDataModule):
+    """Step k's global batch is items k*world .. k*world + world - 1, rank r its r-th (the rank-aware sampler
+    TextCorpusDataModule uses, unshuffled)."""
+
+    def __init__(self, items):
+        super().__init__()
+        self.items = items
+
+    def train_dataloader(self):
+        sampler = ResumableBatchSampler(len(self.items), 1, seed=0, shuffle=False, rank=self.trainer.global_rank,
+                                        world_size=self.trainer.world_size)
+        return DataLoader(self.items, batch_sampler=sampler)
+
+
+class Record(Callback):
+    """Each rank saves its gradients as the first optimizer step sees them, and its weights at the end."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 0:
+            grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            torch.save(grads, self.out / f"grads{trainer.global_rank}.pt")
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(weights(pl_module), self.out / f"weights{trainer.global_rank}.pt")
+
+
+def fit_ddp(tmp_path, module, items, world, steps, strategy_kwargs=None, **trainer_kwargs):
+    """Fit over ``world`` spawned gloo processes, each its own rows of ``items`` (``RankRows``); returns rank 0's
+    (first gradients, final weights)."""
+    strategy = OOMBDDPStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference", start_method="spawn",
+                               **(strategy_kwargs or {}))
+    trainer = Trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[Record(tmp_path)],
+                      use_distributed_sampler=False, **TRAINER, **trainer_kwargs)
+    trainer.fit(module, datamodule=RankRows(items))
+    grads = [torch.load(tmp_path / f"grads{r}.pt") for r in range(world)]
+    final = [torch.load(tmp_path / f"weights{r}.pt") for r in range(world)]
+    for r in range(1, world):  # every rank takes the same steps
+        assert all(torch.equal(grads[r][n], grads[0][n]) for n in grads[0])
+        assert all(torch.equal(final[r][n], final[0][n]) for n in final[0])
+    return grads[0], final[0]
+
+
+def module_grads(model, items):
+    """transformers' full-sequence gradients of the batch ``items``, named as in UserModule."""
+    _, grads = full_sequence_grads(model, *stacked(items))
+    return {f"model.{n}": g for n, g in grads.items()}
+
+
+def test_adamw_steps_equal_one_process(tmp_path):
+    """Two AdamW steps on 2 ranks (rank 1's first batch has no valid label): the averaged gradient is
+    transformers' of both rows, the weights those of OOMBStrategy on one process with both rows per batch."""
+    items = sequences(4)
+    grads, got = fit_ddp(tmp_path, UserModule(tiny_model("qwen2"), lr=1e-2, optimizer="adamw"), items, 2, 2)
+    assert_grads_close(grads, module_grads(tiny_model("qwen2"), items[:2]), 1e-5)
+
+    one = UserModule(tiny_model("qwen2"), lr=1e-2, optimizer="adamw")
+    start = weights(one)
+    Trainer(devices=1, max_steps=2, strategy=OOMBStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference"),
+            **TRAINER).fit(one, DataLoader(items, batch_size=2))
+    want = weights(one)
+    assert all(rel_err(got[n], want[n]) <= 1e-5 for n in want)
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-5, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def test_three_ranks_layer_checkpointing_accumulation(tmp_path):
+    """3 ranks, layer checkpointing, 2 micro-batches per step: the gradient the optimizer sees is the mean of
+    transformers' gradients of the two micro-batches of 3 rows each."""
+    items = sequences(6)
+    grads, _ = fit_ddp(tmp_path, UserModule(tiny_model("qwen2-tied")), items, 3, 1,
+                       {"checkpoint_layers": True}, accumulate_grad_batches=2)
+    first, second = module_grads(tiny_model("qwen2-tied"), items[:3]), module_grads(tiny_model("qwen2-tied"), items[3:])
+    assert_grads_close(grads, {n: (first[n] + second[n]) / 2 for n in first}, 1e-5)
+
+
+def test_clipping_after_the_average(tmp_path):
+    """Clipped SGD steps on 2 ranks give plain one-process training's weights: the norm is taken over the
+    averaged gradient (clipping each rank's own would scale the updates differently)."""
+    items = sequences(4)
+    _, got = fit_ddp(tmp_path, UserModule(tiny_model("llama")), items, 2, 2, gradient_clip_val=0.05)
+    plain = UserModule(tiny_model("llama"))
+    start = weights(plain)
+    Trainer(devices=1, max_steps=2, gradient_clip_val=0.05, **TRAINER).fit(plain, DataLoader(items, batch_size=2))
+    want = weights(plain)
+    # As in test_strategy's clipping test: float32 rounding anywhere reaches every entry through the norm.
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-4, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def _mismatched_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ranks = DataParallelRanks(torch.device("cpu"))
+        assert ranks.least([10 + rank, 20 - rank]) == [10, 20 - world + 1]
+        ids, labels = stacked(sequences(1, SEQ - 8 * rank))
+        config = ChunkConfig(chunk_size=CHUNK, page_size=PAGE, attention="reference")
+        try:
+            ChunkedSequence(tiny_model("qwen2"), ids, labels, config, ranks=ranks)
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        with open(f"{out}{rank}", "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_sequence_lengths_refused_on_every_rank(tmp_path, world):
+    mp.spawn(_mismatched_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "error")), nprocs=world)
+    for rank in range(world):
+        message = (tmp_path / f"error{rank}").read_text()
+        assert message.startswith("data-parallel ranks must run batches of one shape") and "\n" not in message
+        assert "rank 1: 1x32 tokens" in message
+
+
+def test_registered_names():
+    for name, start_method in (("oomb_ddp", "popen"), ("oomb_ddp_spawn", "spawn")):
+        strategy = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False).strategy
+        assert isinstance(strategy, OOMBDDPStrategy) and strategy._start_method == start_method
+    with pytest.raises(TypeError, match="does not wrap the model"):
+        OOMBDDPStrategy(find_unused_parameters=True)
