@@ -143,3 +143,36 @@ def test_sparse_attention_refuses_packed_documents():
     with pytest.raises(NotImplementedError, match="sparse attention does not take packed documents"):
         lightning_oomb.train_step(model, ids, position_ids=packed_positions([8, 12]), chunk_size=8, page_size=4,
                                   sparse=dict(budget_pages=2, sink_pages=1, local_pages=1))
+
+
+def test_trainer_step_on_packed_documents_is_one_sgd_step_on_separate_documents():
+    """A LightningModule that passes position_ids to self.model under OOMBStrategy in a real Trainer: one SGD
+    step moves every weight as the gradient of the documents taken separately through transformers says."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_oomb import OOMBStrategy
+
+    class PackedModule(LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"],
+                              position_ids=batch["position_ids"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    model = tiny_model("qwen2")
+    position_ids = packed_positions(LENGTHS, [30, 15])
+    ids = torch.randint(0, VOCAB, position_ids.shape, generator=torch.Generator().manual_seed(3))
+    _, grads = separate_documents_grads(model, ids, position_ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n in grads}
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      strategy=OOMBStrategy(chunk_size=8, page_size=4, attention="reference"))
+    trainer.fit(PackedModule(model), DataLoader([{"input_ids": ids, "position_ids": position_ids}], batch_size=None))
+    moved = {n: (before[n] - p.detach()) / 0.5 for n, p in model.named_parameters() if n in before}
+    assert_grads_close(moved, grads, 1e-4)  # the update divided back by the learning rate: float32 rounding
