@@ -75,7 +75,9 @@ class OOMBCLI(LightningCLI):
         class_path = str(getattr(strategy, "class_path", ""))
         if class_path.endswith(("OOMBStrategy", "OOMBDDPStrategy")) and strategy.get("init_args"):
             names = {f.name for f in dataclasses.fields(ChunkConfig)}
-            options = {k: v for k, v in vars(strategy.init_args).items() if k in names}
+            # A nested option (sparse) is still a jsonargparse Namespace here: the strategy takes its dict.
+            options = {k: v.as_dict() if hasattr(v, "as_dict") else v
+                       for k, v in vars(strategy.init_args).items() if k in names}
             try:
                 OOMBStrategy(**options)  # checks its options; allocates nothing
             except SetupError as e:
