@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
                         help="the run's host memory budget with its unit, e.g. 112GiB (default: this machine's RAM less max(8 GiB, 10%%))")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="data-parallel GPUs of one machine (oomb_ddp), each with --batch sequences: memory per "
+                        "GPU, the host budget divided among them, the gradients' all-reduce in the step time")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help=f"dense bf16 matmul peak of the GPU in TFLOP/s (default {DEFAULT_MATMUL_TFLOPS:g}, H200)")
     return parser
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         offload=args.offload, chunk_size=args.chunk, batch=args.batch, page_size=args.page_size,
         precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
         grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
-        matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens,
+        matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
     )
     try:
         if args.max_context:

@@ -25,6 +25,7 @@ from .host_memory import host_headroom, machine_host_memory
 from .loss import piece_rows
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
 from .pages import HostGradStaging, movable_host_layers
+from .ranks import GRADIENT_BUCKET_BYTES
 from .units import GIB, human_count
 
 # -- assumptions, named so that the bench can calibrate them --------------------------------------------
@@ -51,6 +52,10 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/be
 # pages on the host (+3.7 s at 256K, +15.6 s at 512K; docs/benchmarks.md, eighth session).
 HOST_ADD_GBPS = 61.5
 HOST_ADD_HIDDEN_S = 5.4e-3
+# Data parallel (oomb_ddp): the bus bandwidth per rank of the gradients' all-reduce, in GB/s. Assumed, not
+# measured here (the several-GPU machines were not lent): about what NCCL reaches over NVLink on HGX H100/H200
+# nodes; calibrate with a measured step.
+ALL_REDUCE_GBPS = 350.0
 # Offload: the past streams through the GPU in segments of up to this many tokens per sequence (two in
 # flight, K, V, dK and dV of one layer each); longer segments mean fewer, larger copies and launches.
 OFFLOAD_SEGMENT_TOKENS = 65536
@@ -201,6 +206,7 @@ class StepTime:
     matmul_tflops: float
     recompute_attention_flops: float = 0.0
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
+    all_reduce_s: float = 0.0  # data parallel: averaging the gradients after stage 2 (all_reduce_seconds)
 
     @property
     def total_flops(self) -> float:
@@ -214,12 +220,13 @@ class StepTime:
     @property
     def predicted_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, plus
-        the host gradient layers' additions: fitted to measured steps, to be calibrated with
-        ``lightning-oomb bench`` on other machines."""
+        the host gradient layers' additions and the gradients' all-reduce: fitted to measured steps, to be
+        calibrated with ``lightning-oomb bench`` on other machines."""
         attention = self.attention_flops + self.recompute_attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
-        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY) + self.host_add_s
+        compute = linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
+        return compute + self.host_add_s + self.all_reduce_s
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -265,6 +272,13 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
         bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
         seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
     return seconds
+
+
+def all_reduce_seconds(trainable: int, devices: int, link_gbps: float = ALL_REDUCE_GBPS) -> float:
+    """Seconds to average ``trainable`` float32 gradients over ``devices`` ranks with a ring all-reduce, which
+    sends and receives 2 (devices - 1) / devices of the bytes per rank, at ``link_gbps`` GB/s per rank (its
+    bus bandwidth); oomb_ddp runs it after stage 2, behind no compute."""
+    return 2 * (devices - 1) / devices * 4 * trainable / (link_gbps * 1e9)
 
 
 def step_time(
@@ -348,6 +362,8 @@ class PlanConfig:
     stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy) and keeps
     every chunk's dL/dh for stage 2: in pinned host memory where ``loss_grads_on_host``, else on the GPU.
     host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
+    devices: data-parallel ranks (oomb_ddp), each running this step on its own ``batch`` sequences: memory is
+    per GPU (plus the gradients' all-reduce bucket), the time includes the all-reduce.
     """
 
     context: int
@@ -371,9 +387,10 @@ class PlanConfig:
     stage_1_loss: bool = False
     loss_grads_on_host: bool = False
     host_process_bytes: int | None = None
+    devices: int = 1
 
     def __post_init__(self):
-        for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens"):
+        for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -506,6 +523,8 @@ class Plan:
             f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
             f"{ckpt}, KV-gradients {_dtype_name(c.grad_dtype)}"
         )
+        if c.devices > 1:
+            head += f"; {c.devices} data-parallel ranks (oomb_ddp), memory per GPU"
         if c.offload:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
@@ -535,6 +554,8 @@ class Plan:
             f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
             "of the peak"
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
+            + (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {ALL_REDUCE_GBPS:g} GB/s"
+               if t.all_reduce_s else "")
             + ", calibrate with lightning-oomb bench)",
         ]
         if self.other_activation_bytes is not None:
@@ -618,6 +639,8 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
         matrices_and_biases = shape.matmul_params + shape.n_layers * shape.layer_bias_params
         gpu["bf16 weight copies (autocast cache)"] = 2 * matrices_and_biases
+    if c.devices > 1:
+        gpu["gradient all-reduce bucket (float32, oomb_ddp)"] = min(GRADIENT_BUCKET_BYTES, 4 * trainable)
     t = c.chunk_tokens
     ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
     gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
@@ -807,7 +830,9 @@ def _estimate(
         kept_chunks=config.kept_chunks,
         host_kept_chunks=config.host_kept_chunks,
     )
-    time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config))
+    trainable = shape.lora_params(config.lora_rank) if config.lora_rank else shape.total_params
+    time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
+                               all_reduce_s=all_reduce_seconds(trainable, config.devices))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
 
@@ -849,6 +874,7 @@ def plan(
     graph_chunks: int = 0,
     host_kept_chunks: int = 0,
     fused_ops: bool = True,
+    devices: int = 1,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -868,6 +894,8 @@ def plan(
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
     stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``.
+    devices: data-parallel ranks on one machine (oomb_ddp), each with ``batch`` sequences: the plan is one
+    rank's, whose host memory budget is ``host_memory`` divided among the ranks, as the strategy divides it.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     """
@@ -900,7 +928,9 @@ def plan(
         stage_1_loss=stage_1_loss,
         loss_grads_on_host=loss_grads_on_host,
         host_process_bytes=host_process_bytes,
+        devices=devices,
     )
+    host_memory //= base.devices  # each rank's share (OOMBDDPStrategy divides the budget alike)
 
     def estimate(config: PlanConfig) -> Plan:
         return _estimate(shape, config, gpu_memory, host_memory, machine)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+GRADIENT_BUCKET_BYTES = 25 * 2**20  # float32 gradients per all-reduce: large enough to run at the link's bandwidth
+
 
 class Ranks:
     """One process: nothing to agree on."""

@@ -19,11 +19,8 @@ from torch import nn
 from typing_extensions import override
 
 from ..core.host_memory import available_host_memory, host_headroom, process_host_bytes
-from ..core.ranks import DataParallelRanks
+from ..core.ranks import GRADIENT_BUCKET_BYTES, DataParallelRanks
 from .strategy import OOMBStrategyMixin
-
-BUCKET_BYTES = 25 * 2**20  # float32 gradients per all-reduce: large enough to run at the link's bandwidth
-
 
 def broadcast_weights(module: nn.Module) -> None:
     """Give every rank rank 0's parameters and buffers."""
@@ -33,7 +30,7 @@ def broadcast_weights(module: nn.Module) -> None:
 
 
 def average_gradients(params: list[nn.Parameter], device: torch.device) -> None:
-    """Replace each ``param.grad`` by its mean over the ranks, through float32 buckets of BUCKET_BYTES (cut
+    """Replace each ``param.grad`` by its mean over the ranks, through float32 buckets of GRADIENT_BUCKET_BYTES (cut
     across parameters, so that a large embedding needs no copy of its own size).
 
     A parameter without a gradient here adds zeros, so that every rank issues the same all-reduces; it gets a
@@ -47,7 +44,7 @@ def average_gradients(params: list[nn.Parameter], device: torch.device) -> None:
     params = [p for p in params if p.grad is not None]
     world = dist.get_world_size()
     total = sum(p.numel() for p in params)
-    bucket = torch.empty(min(BUCKET_BYTES // 4, total), dtype=torch.float32, device=device)
+    bucket = torch.empty(min(GRADIENT_BUCKET_BYTES // 4, total), dtype=torch.float32, device=device)
     pieces: list[tuple[torch.Tensor, int, int]] = []  # (flat gradient, start, end) of what the bucket holds
     used = 0
 
