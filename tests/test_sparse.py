@@ -274,17 +274,17 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
     made, calls = {}, []
     select, fwd, bwd = schedule.select_pages, sparse.attention_forward, sparse.attention_backward
 
-    def record_select(q, store, summaries, config, start):
-        made[(start, store.layer)] = selection = select(q, store, summaries, config, start)
+    def record_select(q, store, summaries, config, start, doc_start):
+        made[(start, store.layer)] = selection = select(q, store, summaries, config, start, doc_start)
         return selection
 
-    def record_fwd(q, k, v, store, start, scale, selection):
+    def record_fwd(q, k, v, store, start, scale, selection, doc_start):
         calls.append(("fwd", start, store.layer, selection))
-        return fwd(q, k, v, store, start, scale, selection)
+        return fwd(q, k, v, store, start, scale, selection, doc_start)
 
-    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection):
+    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start):
         calls.append(("bwd", start, store.layer, selection))
-        return bwd(dout, q, k, v, out, lse, store, start, scale, selection)
+        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start)
 
     monkeypatch.setattr(schedule, "select_pages", record_select)
     monkeypatch.setattr(sparse, "attention_forward", record_fwd)
