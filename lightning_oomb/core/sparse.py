@@ -29,9 +29,10 @@ attention").
 
 A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
 slots; the kernels go through the page table), sorted ascending, with H_sel = n_kv_heads (per head) or 1
-(shared) and K = min(P, budget_pages); -1 entries only with packed documents. ``ChunkedSequence`` makes it once per (chunk, layer) in stage 1,
-keeps it until that chunk's stage-2 backward is done, and hands the same tensor to the stage-2 forward and
-backward. Gradients do not flow through the selection: they are exact for the chosen pattern.
+(shared) and K = min(P, budget_pages); -1 entries only with packed documents. ``ChunkedSequence`` makes it
+once per (chunk, layer) in stage 1, keeps it until that chunk's stage-2 backward is done, and hands the same
+tensor to the stage-2 forward and backward. Gradients do not flow through the selection: they are exact for
+the chosen pattern.
 
 ``attention_forward`` / ``attention_backward`` here are the plain-PyTorch reference (the oracle of the
 Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contract of
