@@ -483,9 +483,12 @@ def test_bench_sparse_mode(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_kv_head", [True, False], ids=["per-head", "shared"])
 @pytest.mark.parametrize("start", [3000, 3072], ids=["partial-page", "whole-pages"])
-def test_bf16_gpu_against_fp32_reference(per_kv_head, start):
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "packed"])
+def test_bf16_gpu_against_fp32_reference(per_kv_head, start, documents):
     """bf16 at D=128, T=512, 24 past pages of 128 (start 3000: the last partial; 3072: all whole, which on
-    an H200 runs forward and dQ in the warp-specialised kernels), budget 6, GQA 7.
+    an H200 runs forward and dQ in the warp-specialised kernels), budget 6, GQA 7. Packed: documents from 0,
+    1000 (mid-page) and 3200 (in the chunk), selected by select_pages (sink pages from page 7; rows from 3200
+    see no past), in the Triton kernels (not the warp-specialised ones).
 
     Oracle: the fp32 reference on the same bf16 values. The kernel's error must stay within twice the error
     a bf16 computation cannot avoid (the bf16 reference's own, or rounding the fp32 result) plus 1e-3.
@@ -494,12 +497,20 @@ def test_bf16_gpu_against_fp32_reference(per_kv_head, start):
 
     p = make_problem(1, 2, 7, 128, 512, start, 128, torch.bfloat16, device="cuda")
     p32 = _fp32_copy(p)
-    sel = random_selection(1, 2 if per_kv_head else 1, 512, start, 128, 6, seed=3).cuda()
+    doc = None
+    if documents:
+        config = SparseConfig(budget_pages=6, sink_pages=1, local_pages=1, per_kv_head=per_kv_head)
+        summaries = tuple(s[1] for s in p.pool.summaries(config.score))
+        update_summaries(p.store, summaries, config.score, 0, start)
+        doc = doc_starts([[1000, 2200, start - 2688]], start, 512).cuda()
+        sel = select_pages(p.q, p.store, summaries, config, start, doc)
+    else:
+        sel = random_selection(1, 2 if per_kv_head else 1, 512, start, 128, 6, seed=3).cuda()
     if torch.cuda.get_device_capability() == (9, 0):
-        assert tri._warp_specialized_pages(p.q, p.store, start, sel, None) == (start % 128 == 0)
-    kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward)]
-    ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward)]
-    ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward)
+        assert tri._warp_specialized_pages(p.q, p.store, start, sel, doc) == (start % 128 == 0 and not documents)
+    kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)]
+    ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)]
+    ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward, doc)
     for name, a, b, want in zip(["out", "lse", *NAMES[1:]], kernel, ref_bf16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))
