@@ -128,13 +128,15 @@ def main() -> None:
             build(tri._dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
                   dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1, ROWS_TMA=tma, EVEN=tma,
                        **no_docs))
-        build(sparse._sparse_fwd_kernel, {"KD": pool(64), "VD": pool(64), "LSE": "*fp32", **i32, **scalars},
-              dict(SHAPE, **HEADS, SUB=2, BLOCK_M=64, BLOCK_N=64, PAGE_BLOCKS=2, PAGED_TMA=tma), num_warps=4)
-        build(sparse._sparse_dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, SUB=1, BLOCK_M=128, BLOCK_N=128, PAGE_BLOCKS=1, PAGED_TMA=tma))
-        build(sparse._page_dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
-              dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, TILE_BLOCKS=2, ROWS_TMA=tma, STAGED=tma,
-                   EVEN=tma))
+            doc = {k: v for k, v in no_docs.items() if k == "DOC"}
+            build(sparse._sparse_fwd_kernel, {"KD": pool(64), "VD": pool(64), "LSE": "*fp32", **i32, **scalars},
+                  dict(SHAPE, **HEADS, SUB=2, BLOCK_M=64, BLOCK_N=64, PAGE_BLOCKS=2, PAGED_TMA=tma, **doc),
+                  num_warps=4)
+            build(sparse._sparse_dq_kernel, {"KD": pool(128), "VD": pool(128), **f32, **i32, **scalars},
+                  dict(SHAPE, **HEADS, SUB=1, BLOCK_M=128, BLOCK_N=128, PAGE_BLOCKS=1, PAGED_TMA=tma, **doc))
+            build(sparse._page_dkdv_kernel, {"Q": rows, "DO": rows, **f32, **i32, **scalars},
+                  dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, TILE_BLOCKS=2, ROWS_TMA=tma, STAGED=tma,
+                       EVEN=tma, **doc))
         print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
 
 

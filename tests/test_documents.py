@@ -137,12 +137,17 @@ def test_position_ids_of_another_form_are_refused(position_ids, match):
         lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
 
 
-def test_sparse_attention_refuses_packed_documents():
+@pytest.mark.parametrize("backend, per_kv_head", [("reference", True), ("reference", False)]
+                         + [("triton", True)] * TRITON_ON_CPU)
+def test_sparse_with_a_budget_covering_every_page_is_exact(backend, per_kv_head):
+    """Sparse attention whose budget covers every page of the sequence sees exactly the dense pattern: the
+    packed step equals the separate documents (the selection's "no page" entries and the document masks of
+    the page loops)."""
     model = tiny_model("qwen2")
-    ids = torch.randint(0, VOCAB, (1, 20))
-    with pytest.raises(NotImplementedError, match="sparse attention does not take packed documents"):
-        lightning_oomb.train_step(model, ids, position_ids=packed_positions([8, 12]), chunk_size=8, page_size=4,
-                                  sparse=dict(budget_pages=2, sink_pages=1, local_pages=1))
+    position_ids = packed_positions(LENGTHS, [12, 2, 5, 26])
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    check_packed(model, ids, position_ids, chunk_size=8, page_size=4, attention=backend,
+                 sparse=dict(budget_pages=12, sink_pages=1, local_pages=1, per_kv_head=per_kv_head))
 
 
 def test_trainer_step_on_packed_documents_is_one_sgd_step_on_separate_documents():

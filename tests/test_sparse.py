@@ -32,8 +32,9 @@ def random_selection(batch, h_sel, t, start, page_size, budget, seed=0):
     return sel.view(batch, h_sel, n_tiles, k).sort(-1).values.int().to(DEVICE)
 
 
-def oracle(p, selection):
-    """Dense float64 attention with the selection's block mask: out, dq, dk, dv, and dK, dV of the past."""
+def oracle(p, selection, doc_start=None):
+    """Dense float64 attention with the selection's block mask (entries of -1: no page) and, with doc_start
+    (B, T), each query's document mask: out, dq, dk, dv, and dK, dV of the past."""
     b, hq, t, d = p.q.shape
     h = p.k.shape[1]
     g = hq // h
@@ -48,9 +49,11 @@ def oracle(p, selection):
     for bi in range(b):
         for hi in range(h):
             for i in range(t):
-                for page in sel[bi, hi, tile[i]]:
+                for page in sel[bi, hi, tile[i]][sel[bi, hi, tile[i]] >= 0]:
                     allowed[bi, hi, i, page * ps : min((page + 1) * ps, p.start)] = True
     allowed[..., p.start :] = torch.ones(t, t).tril().bool()
+    if doc_start is not None:
+        allowed &= (torch.arange(p.start + t) >= doc_start.cpu()[:, None, :, None].long())
     s = torch.einsum("bhgtd,bhnd->bhgtn", q.view(b, h, g, t, d), keys) * p.scale
     s = s.masked_fill(~allowed[:, :, None].to(s.device), float("-inf"))
     out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, d)
@@ -58,11 +61,11 @@ def oracle(p, selection):
     return out.detach(), *(x.grad for x in leaves)
 
 
-def run_op(p, selection, forward, backward):
+def run_op(p, selection, forward, backward, doc_start=None):
     saved = p.pool.dk.clone(), p.pool.dv.clone()
     before = p.store.read(0, p.start + p.q.shape[2], grads=True)
-    out, lse = forward(p.q, p.k, p.v, p.store, p.start, p.scale, selection)
-    dq, dk, dv = backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, selection)
+    out, lse = forward(p.q, p.k, p.v, p.store, p.start, p.scale, selection, doc_start)
+    dq, dk, dv = backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, selection, doc_start)
     after = p.store.read(0, p.start, grads=True)
     p.pool.dk.copy_(saved[0])
     p.pool.dv.copy_(saved[1])
@@ -162,6 +165,76 @@ def test_minmax_bounds_the_mean_query_logit():
     assert (bound[0, 0] >= logits[0].amax(-1) - 1e-6).all()
 
 
+# == packed documents =======================================================================================
+
+
+def doc_starts(lengths, start, t):
+    """Document starts (B, T) int32 of the chunk [start, start + t) of rows packed from documents of the given
+    lengths (one list per row)."""
+    rows = [torch.cat([torch.full((n,), sum(lens[:i])) for i, n in enumerate(lens)]) for lens in lengths]
+    return torch.stack(rows)[:, start:start + t].int()
+
+
+def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE):
+    """A random problem, its chunk's document starts and the selection select_pages makes with them."""
+    p = make_problem(b, h, g, d, t, start, ps, dtype, device=device)
+    summaries = tuple(s[1] for s in p.pool.summaries(config.score))
+    update_summaries(p.store, summaries, config.score, 0, start)
+    doc = doc_starts(lengths, start, t).to(p.q.device)
+    return p, doc, select_pages(p.q, p.store, summaries, config, start, doc)
+
+
+def test_selection_in_documents():
+    """Pages wholly before a tile's earliest document start are never chosen (-1 fills the list, sorted
+    first); sink pages are that document's first pages, local pages the last before the chunk; a tile that
+    sees at most the budget takes every page it sees; a tile whose documents all start in the chunk none."""
+    # Chunk [40, 52) of pages of 4 (10 past pages), tiles [40, 44), [44, 48), [48, 52).
+    # Row 0: documents at 0, 5, 30 (page 7, mid-page), 46 (in the chunk): tiles 0, 1 see pages 7..9 (3 <= budget
+    # 5), tile 2 only from 46 on: none. Row 1: one document at 0, another at 41: tile 0 sees all 10 pages.
+    config = SparseConfig(budget_pages=5, sink_pages=2, local_pages=1)
+    p, doc, sel = documents_problem(2, 2, 1, 8, 12, 40, 4, torch.float32, [[5, 25, 16, 6], [41, 11]], config,
+                                    device="cpu")
+    assert sel.shape == (2, 2, 3, 5)
+    assert (sel[0, :, 0] == torch.tensor([-1, -1, 7, 8, 9], dtype=torch.int32)).all()
+    assert (sel[0, :, 1] == sel[0, :, 0]).all() and (sel[0, :, 2] == -1).all()
+    assert (sel[1, :, 1:] == -1).all()
+    scores = sparse.page_scores(p.q, p.store, tuple(s[1] for s in p.pool.summaries("mean")), config, 40)
+    for row, sc in zip(sel[1, :, 0], scores[1, :, 0]):
+        assert row[:2].tolist() == [0, 1] and row[-1] == 9
+        assert set(row[2:4].tolist()) == set((sc[2:9].topk(2).indices + 2).tolist())
+    # Sinks at the document's first page, not the sequence's: documents at 0 and 9 (page 2, mid-page).
+    p, doc, sel = documents_problem(1, 1, 2, 8, 8, 40, 4, torch.float32, [[9, 39]], config, device="cpu")
+    assert (sel[..., :2] == torch.tensor([2, 3], dtype=torch.int32)).all() and (sel[..., -1] == 9).all()
+    assert (sel[..., 2:4] > 3).all() and (sel[..., 2:4] < 9).all()
+    # No past at all, and a shared list.
+    _, _, sel = documents_problem(1, 2, 1, 8, 8, 0, 4, torch.float32, [[3, 5]], config, device="cpu")
+    assert sel.shape == (1, 2, 2, 0)
+    shared = SparseConfig(budget_pages=5, sink_pages=2, local_pages=1, per_kv_head=False)
+    _, _, sel = documents_problem(2, 2, 1, 8, 12, 40, 4, torch.float32, [[5, 25, 16, 6], [41, 11]], shared,
+                                  device="cpu")
+    assert sel.shape == (2, 1, 3, 5) and (sel[0, 0, 0] == torch.tensor([-1, -1, 7, 8, 9], dtype=torch.int32)).all()
+
+
+# batch, n_kv, group, head_dim, T, start, page_size, budget, per_kv_head, document lengths per row
+DOC_CASES = {
+    # starts mid-page in the past (29), on a page (36), mid-page in the chunk (45): 64 tokens, chunk [41, 64)
+    "pages-of-5": (2, 2, 2, 16, 23, 41, 5, 3, True, [[29, 7, 9, 19], [3, 50, 11]]),
+    # whole pages of 32 (descriptor reads), a start mid-page in the past and one in the chunk
+    "whole-pages": (1, 1, 2, 16, 40, 96, 32, 2, True, [[10, 60, 50, 16]]),
+}
+
+
+@pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
+def test_reference_with_documents_matches_masked_dense(case):
+    b, h, g, d, t, start, ps, budget, per_head, lengths = DOC_CASES[case]
+    config = SparseConfig(budget_pages=budget, sink_pages=1, local_pages=1, per_kv_head=per_head)
+    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config, device="cpu")
+    assert (sel < 0).any()  # some tile has fewer pages than the budget
+    got = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)
+    want = oracle(p, sel, doc)
+    assert_matches([got[0], *got[2:]], want, 1e-5)
+
+
 # == the engine ============================================================================================
 
 
@@ -201,17 +274,17 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
     made, calls = {}, []
     select, fwd, bwd = schedule.select_pages, sparse.attention_forward, sparse.attention_backward
 
-    def record_select(q, store, summaries, config, start):
-        made[(start, store.layer)] = selection = select(q, store, summaries, config, start)
+    def record_select(q, store, summaries, config, start, doc_start):
+        made[(start, store.layer)] = selection = select(q, store, summaries, config, start, doc_start)
         return selection
 
-    def record_fwd(q, k, v, store, start, scale, selection):
+    def record_fwd(q, k, v, store, start, scale, selection, doc_start):
         calls.append(("fwd", start, store.layer, selection))
-        return fwd(q, k, v, store, start, scale, selection)
+        return fwd(q, k, v, store, start, scale, selection, doc_start)
 
-    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection):
+    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start):
         calls.append(("bwd", start, store.layer, selection))
-        return bwd(dout, q, k, v, out, lse, store, start, scale, selection)
+        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start)
 
     monkeypatch.setattr(schedule, "select_pages", record_select)
     monkeypatch.setattr(sparse, "attention_forward", record_fwd)
@@ -263,6 +336,17 @@ def test_kernels_match_reference(case, dtype):
     got = run_op(p, sel, tri.attention_forward, tri.attention_backward)
     want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
     assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
+
+
+@pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
+def test_kernels_match_reference_with_documents(case):
+    """Packed documents: -1 entries skipped, document masks in the page loops, the chunk and the page dK/dV."""
+    b, h, g, d, t, start, ps, budget, per_head, lengths = DOC_CASES[case]
+    config = SparseConfig(budget_pages=budget, sink_pages=1, local_pages=1, per_kv_head=per_head)
+    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config)
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)
+    assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
 
 
 def test_page_gradient_programs_start_with_the_most_chosen_pages():
@@ -399,9 +483,12 @@ def test_bench_sparse_mode(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_kv_head", [True, False], ids=["per-head", "shared"])
 @pytest.mark.parametrize("start", [3000, 3072], ids=["partial-page", "whole-pages"])
-def test_bf16_gpu_against_fp32_reference(per_kv_head, start):
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "packed"])
+def test_bf16_gpu_against_fp32_reference(per_kv_head, start, documents):
     """bf16 at D=128, T=512, 24 past pages of 128 (start 3000: the last partial; 3072: all whole, which on
-    an H200 runs forward and dQ in the warp-specialised kernels), budget 6, GQA 7.
+    an H200 runs forward and dQ in the warp-specialised kernels), budget 6, GQA 7. Packed: documents from 0,
+    1000 (mid-page) and 3200 (in the chunk), selected by select_pages (sink pages from page 7; rows from 3200
+    see no past), in the Triton kernels (not the warp-specialised ones).
 
     Oracle: the fp32 reference on the same bf16 values. The kernel's error must stay within twice the error
     a bf16 computation cannot avoid (the bf16 reference's own, or rounding the fp32 result) plus 1e-3.
@@ -410,12 +497,20 @@ def test_bf16_gpu_against_fp32_reference(per_kv_head, start):
 
     p = make_problem(1, 2, 7, 128, 512, start, 128, torch.bfloat16, device="cuda")
     p32 = _fp32_copy(p)
-    sel = random_selection(1, 2 if per_kv_head else 1, 512, start, 128, 6, seed=3).cuda()
+    doc = None
+    if documents:
+        config = SparseConfig(budget_pages=6, sink_pages=1, local_pages=1, per_kv_head=per_kv_head)
+        summaries = tuple(s[1] for s in p.pool.summaries(config.score))
+        update_summaries(p.store, summaries, config.score, 0, start)
+        doc = doc_starts([[1000, 2200, start - 2688]], start, 512).cuda()
+        sel = select_pages(p.q, p.store, summaries, config, start, doc)
+    else:
+        sel = random_selection(1, 2 if per_kv_head else 1, 512, start, 128, 6, seed=3).cuda()
     if torch.cuda.get_device_capability() == (9, 0):
-        assert tri._warp_specialized_pages(p.q, p.store, start, sel) == (start % 128 == 0)
-    kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward)]
-    ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward)]
-    ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward)
+        assert tri._warp_specialized_pages(p.q, p.store, start, sel, doc) == (start % 128 == 0 and not documents)
+    kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)]
+    ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)]
+    ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward, doc)
     for name, a, b, want in zip(["out", "lse", *NAMES[1:]], kernel, ref_bf16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))

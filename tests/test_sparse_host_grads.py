@@ -33,14 +33,20 @@ def _step(model, ids, **kwargs):
     return loss, grads
 
 
-@pytest.mark.parametrize("attention", ["reference", "triton"])
-def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention):
+@pytest.mark.parametrize("attention, packed", [("reference", False), ("triton", False), ("triton", True)])
+def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention, packed):
+    """packed: documents of 2, 12, 7 and 10, 11 tokens (pages staged for the host with -1 entries and
+    document masks, rows that see no past)."""
     model = tiny_model("qwen2")
     ids = torch.randint(0, VOCAB, (2, 21))  # the last chunk's past (16 tokens, 6 pages) exceeds the budget
-    want_loss, want = _step(model, ids, attention=attention, offload="gpu")
+    docs = {}
+    if packed:
+        docs["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                                            for lengths in ([2, 12, 7], [10, 11])])
+    want_loss, want = _step(model, ids, attention=attention, offload="gpu", **docs)
     model.zero_grad(set_to_none=True)
     loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, attention=attention,
-                                     offload="host")
+                                     offload="host", **docs)
     pool = cached_pool(model)
     assert pool.placement == "gpu" and pool.host_grad_layers == 2 and pool.dk.shape[0] == 0
     assert pool.host_grads_moved == []  # a batch of two keeps its host pages

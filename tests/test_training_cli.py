@@ -346,9 +346,6 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "negative learning rate": (["--model.learning_rate", "-1"], "model.learning_rate must be > 0, got -1.0"),
         "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
         "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),
-        "sparse on packed documents": (["--trainer.strategy.init_args.sparse", '{"budget_pages": 8}',
-                                        "--data.init_args.document_masking", "true"],
-                                       "sparse attention does not take packed documents yet"),
     }
 
 

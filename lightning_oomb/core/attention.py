@@ -9,8 +9,8 @@ sparse=True)``), whose ``attention_forward``/``attention_backward`` take the sel
 
 Packed documents (``core.documents``): ``doc_start`` (B, T) int32 gives every query of the chunk the token
 position where its document starts; the query attends to the keys [doc_start, its own position] only. Dense
-backends take it (None: one document, every past key visible); sparse backends do not (the schedule refuses
-sparse attention over packed documents).
+and sparse backends take it (None: one document, every past key visible); a sparse selection made with it
+(``core.sparse.select_pages``) holds only pages of the tiles' documents, -1 for no page.
 
 A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
 streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time.
@@ -72,15 +72,17 @@ class SparseAttentionBackend(Protocol):
     """What the engine calls for page-level sparse attention: ``core.sparse`` (plain PyTorch) and
     ``kernels.sparse_attention`` (Triton). As ``AttentionBackend``'s two entry points, with the chunk's page
     selection (B, H_sel, n_tiles, K) int32 (``core.sparse.select_pages``) as the last argument: the past is
-    only the selected pages of each query tile."""
+    only the selected pages of each query tile (entries of -1: no page). doc_start as ``AttentionBackend``'s."""
 
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
-                          start: int, scale: float, selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          start: int, scale: float, selection: torch.Tensor,
+                          doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse)."""
 
     def attention_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int, scale: float,
-                           selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           selection: torch.Tensor,
+                           doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq, dk, dv) as the dense backward; adds the selected pages' dK, dV into the gradient pages."""
 
 
@@ -120,7 +122,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, sele
     if store.streamer is not None:
         return store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
     if selection is not None:
-        return backend.attention_forward(q, k, v, store, start, scale, selection)
+        return backend.attention_forward(q, k, v, store, start, scale, selection, doc_start)
     return backend.attention_forward(q, k, v, store, start, scale, doc_start)
 
 
@@ -146,7 +148,7 @@ class ChunkAttention(torch.autograd.Function):
         if ctx.store.streamer is not None:
             dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args, ctx.doc_start)
         elif ctx.selection is not None:
-            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection)
+            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection, ctx.doc_start)
         else:
             dq, dk, dv = ctx.backend.attention_backward(*args, ctx.doc_start)
         return dq, dk, dv, None, None, None, None, None, None, None
@@ -162,7 +164,7 @@ def chunk_attention(
     selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
     sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
     used instead of computing them again. doc_start: None, or (B, T) int32, each query's document start
-    (packed documents; dense only).
+    (packed documents).
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start)

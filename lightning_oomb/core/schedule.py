@@ -170,11 +170,6 @@ class ChunkedSequence:
         # Packed documents (core/documents.py): None, or each token's document start (B, L) int32.
         self.doc_start = document_starts(position_ids, input_ids)
         self._chunk_doc_start: torch.Tensor | None = None  # the current chunk's (B, T), contiguous
-        if self.doc_start is not None and config.sparse is not None:
-            raise NotImplementedError(
-                "sparse attention does not take packed documents yet (position_ids restarting at 0): its page "
-                "selection would cross document borders; train packed documents with dense attention (sparse=None)"
-            )
         self.targets = ignore_across_borders(targets, self.doc_start)
         self.observer = observer
         self.model = model
@@ -271,7 +266,7 @@ class ChunkedSequence:
             if sparse is not None and fill:
                 summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
                 # Select from the past's summaries, then add this chunk's keys for the chunks after it.
-                selection = select_pages(q, store, summaries, sparse, self._start)
+                selection = select_pages(q, store, summaries, sparse, self._start, self._chunk_doc_start)
                 update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
                 if self._with_grads:
                     self.selections[key] = selection

@@ -20,11 +20,19 @@ Scores, from per-page key summaries of post-RoPE keys (written as stage 1 fills 
   the page's keys: an upper bound of q_bar . k over the page's keys, i.e. of the tile's average logit.
 Equal scores are resolved by torch.topk; the selection is then sorted ascending by page number.
 
+Packed documents (``doc_start``, core/documents.py): a tile selects only among the past pages that overlap
+its rows' documents, from the page of its earliest document start on (none when that start is in the
+chunk); its sink pages are that document's first pages, its local pages the last before the chunk, and the
+"all of them" rule counts the pages it may see. Entries it cannot fill are -1 (no page, sorted first). Each
+query row then sees only keys at or after its own document start (docs/architecture.md, "Page-level sparse
+attention").
+
 A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
 slots; the kernels go through the page table), sorted ascending, with H_sel = n_kv_heads (per head) or 1
-(shared) and K = min(P, budget_pages). ``ChunkedSequence`` makes it once per (chunk, layer) in stage 1,
-keeps it until that chunk's stage-2 backward is done, and hands the same tensor to the stage-2 forward and
-backward. Gradients do not flow through the selection: they are exact for the chosen pattern.
+(shared) and K = min(P, budget_pages); -1 entries only with packed documents. ``ChunkedSequence`` makes it
+once per (chunk, layer) in stage 1, keeps it until that chunk's stage-2 backward is done, and hands the same
+tensor to the stage-2 forward and backward. Gradients do not flow through the selection: they are exact for
+the chosen pattern.
 
 ``attention_forward`` / ``attention_backward`` here are the plain-PyTorch reference (the oracle of the
 Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contract of
@@ -113,15 +121,21 @@ def page_scores(
 
 
 def select_pages(
-    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int
+    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int,
+    doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T): see the module notes."""
+    """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T): see the module notes.
+
+    doc_start: None, or (B, T) int32 each query's document start (packed documents): a tile then selects
+    among the past pages from that of its earliest document start on, and entries it cannot fill are -1."""
     ps = store.page_size
     n_past = -(-start // ps)
     b, hq, t, _ = q.shape
     n_tiles = -(-t // ps)
     h_sel = summaries[0].shape[1] if config.per_kv_head else 1
     device = q.device
+    if doc_start is not None:
+        return _select_in_documents(q, store, summaries, config, start, doc_start, h_sel)
     if n_past <= config.budget_pages:
         return torch.arange(n_past, dtype=torch.int32, device=device).expand(b, h_sel, n_tiles, n_past).contiguous()
     scores = page_scores(q, store, summaries, config, start)
@@ -143,59 +157,106 @@ def select_pages(
     return torch.cat([always, chosen], dim=-1).sort(dim=-1).values.contiguous()
 
 
+def _select_in_documents(
+    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int,
+    doc_start: torch.Tensor, h_sel: int,
+) -> torch.Tensor:
+    """``select_pages`` over packed documents, per tile on the device (no host sync): the pages a tile may see
+    are [first, P) with first the page of its earliest document start (its first row's: starts only grow),
+    none when that start is in the chunk. A tile that sees at most K of them takes them all, its other entries
+    -1 (sorted first); else its sink pages are the first ``sink_pages`` of [first, P), its local pages the
+    last ``local_pages``, and the top-scored of the pages between."""
+    ps = store.page_size
+    n_past = -(-start // ps)
+    b, _, t, _ = q.shape
+    k = min(n_past, config.budget_pages)
+    device = q.device
+    earliest = doc_start[:, ::ps].long()  # (B, n_tiles)
+    first = torch.where(earliest < start, earliest // ps, n_past)[:, None, :, None]  # (B, 1, n_tiles, 1)
+    # Seeing at most K pages: the last K pages, of which those before `first` are no page.
+    last_k = torch.arange(n_past - k, n_past, device=device)
+    dense = torch.where(last_k >= first, last_k, -1)
+    if n_past <= config.budget_pages:
+        return dense.expand(b, h_sel, -1, k).to(torch.int32).contiguous()
+    scores = page_scores(q, store, summaries, config, start)  # (B, H_sel, n_tiles, P)
+    page = torch.arange(n_past, device=device)
+    # Seeing more than K >= sink + local pages: sink and local ranges are disjoint and inside [first, P).
+    local_start = n_past - config.local_pages
+    sink = first + torch.arange(config.sink_pages, device=device)
+    local = torch.arange(local_start, n_past, device=device).expand(*first.shape[:3], config.local_pages)
+    always = torch.cat([sink, local], dim=-1)
+    top = config.budget_pages - config.sink_pages - config.local_pages
+    if top:
+        free = (page >= first + config.sink_pages) & (page < local_start)
+        chosen = scores.masked_fill(~free, float("-inf")).topk(top, dim=-1).indices
+        sparse = torch.cat([always.expand(b, h_sel, -1, -1), chosen], dim=-1).sort(dim=-1).values
+    else:
+        sparse = always.expand(b, h_sel, -1, -1)
+    sees_all = (n_past - first) <= k
+    return torch.where(sees_all, dense, sparse).expand(b, h_sel, -1, k).to(torch.int32).contiguous()
+
+
 # == reference attention over a selection ===================================================================
 
 
 def _page_rows(slots: torch.Tensor, pages: torch.Tensor, start: int, ps: int):
-    """Pool rows (B, H_kv, K*ps) of the tokens of pages (B, H_kv, K) under page table ``slots``, and which of
-    them lie before ``start`` (valid; the others are clamped to a valid row)."""
+    """Pool rows (B, H_kv, K*ps) of the tokens of pages (B, H_kv, K) under page table ``slots``, which of
+    them are of a page (not -1) and lie before ``start`` (valid; the others are clamped to a valid row), and
+    the tokens (B, H_kv, K*ps)."""
     tok = (pages.long()[..., None] * ps + torch.arange(ps, device=pages.device)).flatten(-2)
-    valid = tok < start
-    tok = tok.clamp_max(start - 1)
+    valid = (tok < start) & (tok >= 0)
+    tok = tok.clamp(0, start - 1)
     b = torch.arange(pages.shape[0], device=pages.device)[:, None, None]
-    return slots[b, tok // ps].long() * ps + tok % ps, valid
+    return slots[b, tok // ps].long() * ps + tok % ps, valid, tok
 
 
 def _gather_pages(store: LayerStore, pages: torch.Tensor, start: int):
     """K, V of the selected pages: pages (B, H_kv, K) logical pages -> (k, v) (B, H_kv, K*ps, D) in float32
-    (zero where not valid), valid (B, H_kv, K*ps)."""
-    rows, valid = _page_rows(store.table.slots, pages, start, store.page_size)
+    (zero where not valid), valid and the tokens (B, H_kv, K*ps)."""
+    rows, valid, tok = _page_rows(store.table.slots, pages, start, store.page_size)
     heads = torch.arange(pages.shape[1], device=pages.device)[None, :, None]
     a, c = store.k, store.v
     ka = a.view(-1, *a.shape[2:])[rows, heads].float()
     va = c.view(-1, *c.shape[2:])[rows, heads].float()
     zero = torch.zeros((), device=ka.device)
-    return torch.where(valid[..., None], ka, zero), torch.where(valid[..., None], va, zero), valid
+    return torch.where(valid[..., None], ka, zero), torch.where(valid[..., None], va, zero), valid, tok
 
 
-def _tile_keys(q, k, v, store, start, selection, i):
+def _tile_keys(q, k, v, store, start, selection, i, doc_start):
     """Keys of query tile i: its selected past pages then the chunk's keys [0, hi), with the mask, and the
-    rows of the past pages' gradients."""
+    rows of the past pages' gradients. doc_start: None, or (B, T) the queries' document starts (token
+    positions): keys before a query's start are masked for it."""
     ps = store.page_size
     t = q.shape[2]
     h = k.shape[1]
     lo, hi = i * ps, min((i + 1) * ps, t)
     if start > 0:
         pages = selection[:, :, i].expand(q.shape[0], h, selection.shape[-1])
-        kp, vp, valid = _gather_pages(store, pages, start)
-        grad_rows, _ = _page_rows(store.grad_slots, pages, start, ps)
+        kp, vp, valid, tok = _gather_pages(store, pages, start)
+        grad_rows, _, _ = _page_rows(store.grad_slots, pages, start, ps)
     else:
         kp = vp = k.new_zeros(q.shape[0], h, 0, k.shape[-1], dtype=torch.float32)
         grad_rows = valid = None
+        tok = torch.zeros(q.shape[0], h, 0, dtype=torch.long, device=q.device)
     kc, vc = k[:, :, :hi].float(), v[:, :, :hi].float()
     causal = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
     past_ok = valid[:, :, None, None, :] if valid is not None else kp.new_ones(1, 1, 1, 1, 0, dtype=torch.bool)
     mask = torch.cat(
         [past_ok.expand(q.shape[0], h, 1, hi - lo, -1), causal.expand(q.shape[0], h, 1, hi - lo, hi)], dim=-1
     )
+    if doc_start is not None:
+        # Every key's token position against every query's document start: (B, H_kv, 1, rows, keys).
+        keys = torch.cat([tok, (start + torch.arange(hi, device=q.device)).expand(q.shape[0], h, hi)], dim=-1)
+        mask = mask & (keys[:, :, None, None, :] >= doc_start[:, None, None, lo:hi, None])
     return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, grad_rows, valid
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    selection: torch.Tensor,
+    selection: torch.Tensor, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log)."""
+    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
+    doc_start: None, or (B, T) int32 each query's document start (packed documents)."""
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -203,7 +264,7 @@ def attention_forward(
     out = torch.empty(b, h, g, t, v.shape[-1], device=q.device)
     lse = torch.empty(b, h, g, t, device=q.device)
     for i in range(-(-t // store.page_size)):
-        lo, hi, kt, vt, mask, _, _ = _tile_keys(q, k, v, store, start, selection, i)
+        lo, hi, kt, vt, mask, _, _ = _tile_keys(q, k, v, store, start, selection, i, doc_start)
         s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
@@ -216,7 +277,7 @@ def attention_forward(
 
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    store: LayerStore, start: int, scale: float, selection: torch.Tensor,
+    store: LayerStore, start: int, scale: float, selection: torch.Tensor, doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the sparse chunk attention.
 
@@ -237,7 +298,7 @@ def attention_backward(
     fdk, fdv = store.dk.view(-1, *store.dk.shape[2:]), store.dv.view(-1, *store.dv.shape[2:])
     heads = torch.arange(h, device=q.device)[None, :, None]
     for i in range(-(-t // store.page_size)):
-        lo, hi, kt, vt, mask, rows, valid = _tile_keys(q, k, v, store, start, selection, i)
+        lo, hi, kt, vt, mask, rows, valid = _tile_keys(q, k, v, store, start, selection, i, doc_start)
         s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
         p = torch.exp(s - lse_g[:, :, :, lo:hi, None]).masked_fill(~mask, 0.0)
         do = dog[:, :, :, lo:hi]

@@ -159,6 +159,15 @@ def dkdv_step(
 
 
 @triton.jit
+def doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M: tl.constexpr):
+    """The document starts (token positions) of query rows offs_m of sequence b (DOC: (B, T) int32), and the
+    least and greatest of the tile's: starts only grow along a sequence, so its first and last row's."""
+    row = DOC + b * T
+    key_lo = tl.load(row + offs_m, mask=m_valid, other=0)
+    return key_lo, tl.load(row + m0), tl.load(row + tl.minimum(m0 + BLOCK_M, T) - 1)
+
+
+@triton.jit
 def doc_tiles(lo, key_first, key_last, bound, BLOCK_N: tl.constexpr):
     """Key tiles [lo + i * BLOCK_N, ...) below ``bound`` for queries whose document starts lie in
     [key_first, key_last] (counted like the keys): (first, masked_end). Tiles before ``first`` end before

@@ -45,9 +45,8 @@ import triton
 import triton.language as tl
 
 from .attention_blocks import (
-    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_tiles, dot_precision, dq_chunk, dq_step,
-    fwd_chunk,
-    fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
+    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, doc_tiles, dot_precision, dq_chunk,
+    dq_step, fwd_chunk, fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
     pool_descriptors, pool_rows, query_descriptors, softmax_row_terms, store_tile,
 )
 from .launch import on_device_of
@@ -57,15 +56,6 @@ from .page_table import LayerStore
 # --------------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M: tl.constexpr):
-    """The document starts (token positions) of query rows offs_m of sequence b (DOC: (B, T) int32), and the
-    least and greatest of the tile's: starts only grow along a sequence, so its first and last row's."""
-    row = DOC + b * T
-    key_lo = tl.load(row + offs_m, mask=m_valid, other=0)
-    return key_lo, tl.load(row + m0), tl.load(row + tl.minimum(m0 + BLOCK_M, T) - 1)
 
 
 @triton.jit
@@ -120,7 +110,7 @@ def _fwd_kernel(
     doc_first = 0
     doc_last = 0
     if DOC is not None:
-        key_lo, doc_first, doc_last = _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
         whole_lo, masked_end = doc_tiles(past_lo, doc_first, doc_last, past_whole, BLOCK_N)
         for lo in range(whole_lo, masked_end, BLOCK_N):
             k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,
@@ -337,7 +327,7 @@ def _dq_kernel(
     doc_first = 0
     doc_last = 0
     if DOC is not None:  # packed documents: the forward's skipping and masking
-        key_lo, doc_first, doc_last = _doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, m0, offs_m, m_valid, BLOCK_M)
         whole_lo, masked_end = doc_tiles(past_lo, doc_first, doc_last, past_whole, BLOCK_N)
         for lo in range(whole_lo, masked_end, BLOCK_N):
             k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM,

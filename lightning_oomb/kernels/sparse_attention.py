@@ -4,6 +4,9 @@ Contract of :mod:`lightning_oomb.core.sparse` (the reference): the queries of th
 [start, start + T) are cut into query tiles of ``page_size`` tokens aligned to the chunk start; tile i of
 KV head h attends to the past pages ``selection[b, h or 0, i, :]`` (logical page numbers, past page p being
 tokens [p*ps, min((p+1)*ps, start))) and causally to the whole chunk. Pages are found through the page table.
+Packed documents (``doc_start`` (B, T) int32, None compiles the kernels without it): entries of -1 are no page
+(sorted first: the forward and dQ loops start after them, ``invert_selection`` drops them) and each query sees
+only keys at or after its document start (per-element masks in every loop; the chunk's as the dense kernels').
 
 Kernels (built from :mod:`lightning_oomb.kernels.attention_blocks`; the chunk's own keys run the dense launchers of
 :mod:`lightning_oomb.kernels.chunk_attention`):
@@ -43,7 +46,8 @@ import triton
 import triton.language as tl
 
 from .attention_blocks import (
-    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, dot_precision, dq_chunk, dq_step, fwd_chunk,
+    LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, dot_precision, dq_chunk, dq_step,
+    fwd_chunk,
     fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
     query_descriptors, softmax_row_terms, store_tile,
 )
@@ -71,28 +75,40 @@ def _query_block(pid, T, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl
 def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, kd, vd, hk, sp_page, sp_off, start, offs_n, offs_d,
                 PAGE_SIZE: tl.constexpr, PAGE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                 D_PAD: tl.constexpr, PAGED_TMA: tl.constexpr):
-    """K, V and the row mask of key block ``it`` of a tile's page list: block it % PAGE_BLOCKS of page
-    ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling page's chunk part) are masked.
+    """K, V, the row mask and the token positions of key block ``it`` of a tile's page list: block
+    it % PAGE_BLOCKS of page ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling page's
+    chunk part) are masked.
     PAGED_TMA (whole pages only, blocks that divide them): bulk copies through the pool descriptors kd, vd
     of KV head hk, and every row is valid; else gathered rows from kp, vp (pointing at head hk)."""
     page = tl.load(sel + (it // PAGE_BLOCKS) * ssel_k)
     slot = tl.load(slots + page * ss_p)
     n0 = (it % PAGE_BLOCKS) * BLOCK_N
+    tok = page * PAGE_SIZE + n0 + offs_n
     if PAGED_TMA:
         k = kd.load([slot * PAGE_SIZE + n0, hk, 0]).reshape(BLOCK_N, D_PAD)
         v = vd.load([slot * PAGE_SIZE + n0, hk, 0]).reshape(BLOCK_N, D_PAD)
         valid = offs_n >= 0
     else:
-        valid = (n0 + offs_n < PAGE_SIZE) & (page * PAGE_SIZE + n0 + offs_n < start)
+        valid = (n0 + offs_n < PAGE_SIZE) & (tok < start)
         rows = slot.to(tl.int64) * sp_page + (n0 + offs_n) * sp_off
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
-    return k, v, valid
+    return k, v, valid, tok
+
+
+@triton.jit
+def _first_page(sel, ssel_k, n_sel, BLOCK: tl.constexpr):
+    """How many entries of a page list are -1 (no page; sorted first): the index of its first page."""
+    n = tl.full([], 0, tl.int32)
+    for j0 in range(0, n_sel, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        n += tl.sum((tl.load(sel + j * ssel_k, mask=j < n_sel, other=0) < 0).to(tl.int32), 0)
+    return n
 
 
 @triton.jit
 def _sparse_fwd_kernel(
-    Q, K, V, KP, VP, KD, VD, SLOTS, SEL, OUT, LSE,
+    Q, K, V, KP, VP, KD, VD, SLOTS, SEL, OUT, LSE, DOC,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -126,18 +142,34 @@ def _sparse_fwd_kernel(
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    for it in range(0, n_sel * PAGE_BLOCKS):
-        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
-                                  start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
-        if PAGED_TMA:
+    first_it = 0
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:
+        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
+        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
+        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
+        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
+    for it in range(first_it, n_sel * PAGE_BLOCKS):
+        k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
+                                       sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
+                                       D_PAD, PAGED_TMA)
+        if DOC is not None:
+            seen = valid[None, :] & (tok[None, :] >= key_lo[:, None])
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
+        elif PAGED_TMA:
             acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
         else:
             acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
 
-    # The chunk, causally, as the dense kernel.
+    # The chunk, causally, as the dense kernel (document starts counted from the chunk start).
+    if DOC is not None:
+        key_lo, doc_first, doc_last = key_lo - start, doc_first - start, doc_last - start
     acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
-                               m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, None, 0, 0, HEAD_DIM, D_PAD, BLOCK_N,
-                               PRECISION)
+                               m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, key_lo, doc_first, doc_last, HEAD_DIM,
+                               D_PAD, BLOCK_N, PRECISION)
 
     out = acc / l_i[:, None]
     store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :],
@@ -147,7 +179,7 @@ def _sparse_fwd_kernel(
 
 @triton.jit
 def _sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, SEL, DQ,
+    Q, K, V, DO, LSE, DELTA, KP, VP, KD, VD, SLOTS, SEL, DQ, DOC,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
     sv_b, sv_h, sv_t,
@@ -181,16 +213,33 @@ def _sparse_dq_kernel(
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    for it in range(0, n_sel * PAGE_BLOCKS):
-        k, v, valid = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page, sp_off,
-                                  start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, PAGED_TMA)
-        if PAGED_TMA:
+    first_it = 0
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:
+        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
+        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
+        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
+        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
+    for it in range(first_it, n_sel * PAGE_BLOCKS):
+        k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
+                                       sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
+                                       D_PAD, PAGED_TMA)
+        if DOC is not None:
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :] & (tok[None, :] >= key_lo[:, None]),
+                         PRECISION)
+        elif PAGED_TMA:
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
         else:
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
 
+    if DOC is not None:  # as in the forward
+        key_lo, doc_first, doc_last = key_lo - start, doc_first - start, doc_last - start
     dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
-                   m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, None, 0, 0, HEAD_DIM, D_PAD, BLOCK_N, PRECISION)
+                   m0, m_end, T, offs_m, offs_n, offs_d, qk_scale, key_lo, doc_first, doc_last, HEAD_DIM, D_PAD,
+                   BLOCK_N, PRECISION)
 
     store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
                 (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
@@ -203,7 +252,7 @@ def _sparse_dq_kernel(
 
 @triton.jit
 def _page_dkdv_kernel(
-    Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GRAD_SLOTS, PAGES, TILES, TCOUNT,
+    Q, DO, LSE2, SDELTA, KP, VP, DKP, DVP, SLOTS, GRAD_SLOTS, PAGES, TILES, TCOUNT, DOC,
     staged_pages, n_bh,
     sq_b, sq_h, sq_t,
     sdo_b, sdo_h, sdo_t,
@@ -237,6 +286,8 @@ def _page_dkdv_kernel(
     # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D) float32 staging area (sg_h 0) that receives
     # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
     # Otherwise the page's gradient lives in its GRAD_SLOTS slot (a layer moved into dead pages has its own).
+    # DOC: None, or the chunk's queries' document starts (B, T) int32: keys before a query's start get no
+    # weight from it (a tile chose the page for its earliest document; its later rows may start after it).
     if STAGED:
         g_slot = (b * H_KV + hk) * staged_pages + idx
     else:
@@ -260,9 +311,14 @@ def _page_dkdv_kernel(
             do_src = DO if ROWS_TMA else DO + b * sdo_b + h * sdo_h + t0 * sdo_t
             lse2_ptr = LSE2 + (b * H_Q + h) * T + t0
             delta_ptr = SDELTA + (b * H_Q + h) * T + t0
+            doc_ptr = None
+            key_tok = None
+            if DOC is not None:
+                doc_ptr = DOC + b * T + t0
+                key_tok = page * PAGE_SIZE + n0 + offs_n
             m0 = (it % TILE_BLOCKS) * BLOCK_M
-            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, None, None, b, h, t0, m0, offs_n,
-                                tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
+            dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_ptr, key_tok, b, h, t0, m0,
+                                offs_n, tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
                                 BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
         if not STAGED:
@@ -281,13 +337,15 @@ def invert_selection(selection: torch.Tensor, n_kv: int, n_past: int):
     local pages, which every tile chooses, are its longest programs and must not start last.
 
     Returns pages (B, H_kv, NP), tiles (B, H_kv, NP, n_tiles), counts (B, H_kv, NP), all int32, with
-    NP = min(n_past, n_tiles * K); entries past a (sequence, head)'s distinct pages have count 0.
+    NP = min(n_past, n_tiles * K); entries past a (sequence, head)'s distinct pages have count 0. Entries of
+    -1 (no page, packed documents) choose nothing.
     """
     b, _, n_tiles, k = selection.shape
     sel = selection.long().expand(b, n_kv, n_tiles, k)
-    chosen = torch.zeros(b, n_kv, n_tiles, n_past, dtype=torch.bool, device=selection.device)
-    chosen.scatter_(-1, sel, True)
-    chosen = chosen.transpose(2, 3)  # (B, H, P, n_tiles)
+    # -1 lands in an extra column, dropped.
+    chosen = torch.zeros(b, n_kv, n_tiles, n_past + 1, dtype=torch.bool, device=selection.device)
+    chosen.scatter_(-1, sel % (n_past + 1), True)
+    chosen = chosen[..., :n_past].transpose(2, 3)  # (B, H, P, n_tiles)
     n_pages = min(n_past, n_tiles * k)
     counts = chosen.sum(-1)
     pages = torch.argsort(-counts, dim=-1, stable=True)[..., :n_pages]
@@ -340,9 +398,11 @@ def _whole_page_descriptors(store: LayerStore, start: int, block_n: int) -> tupl
     return pool_descriptors(store, 0, block_n) if start % store.page_size == 0 else None
 
 
-def _warp_specialized_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor) -> bool:
+def _warp_specialized_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor,
+                            doc_start: torch.Tensor | None) -> bool:
     """Whether the warp-specialised kernels run the selected pages (forward and dQ)."""
-    if not is_sm90(q):
+    if not is_sm90(q) or doc_start is not None:
+        # The Gluon kernels know no documents (nor -1 entries): packed documents run the kernels here.
         return False
     from . import past_attention_sm90
 
@@ -353,7 +413,13 @@ def _sub_blocks(page_size: int, block_m: int) -> int:
     return triton.cdiv(page_size, block_m)
 
 
-def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor, tiles: Tiles):
+def _doc_rows(doc_start: torch.Tensor | None) -> torch.Tensor | None:
+    """Document starts (B, T) as the kernels index them: int32, one row after the other."""
+    return None if doc_start is None else doc_start.to(torch.int32).contiguous()
+
+
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor, tiles: Tiles,
+             doc_start: torch.Tensor | None):
     check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
@@ -364,7 +430,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     ps = store.page_size
-    if _warp_specialized_pages(q, store, start, sel):
+    if _warp_specialized_pages(q, store, start, sel, doc_start):
         # The chunk's own keys in the dense kernel, then the selected pages in the warp-specialised one,
         # which carries that state on and writes the output.
         from . import past_attention_sm90
@@ -379,7 +445,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     descs = _whole_page_descriptors(store, start, tiles.block_n)
     with on_device_of(q):
         _sparse_fwd_kernel[grid](
-            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, out, lse,
+            q, k, v, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, out, lse, _doc_rows(doc_start),
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -397,10 +463,10 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
 
 
 def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, staging, start: int, scale: float,
-                      pt: Tiles):
+                      pt: Tiles, doc_rows: torch.Tensor | None):
     """The Triton page dK/dV kernel over ``inverted`` = invert_selection(...): into the gradient pages (at
     ``store.grad_slots``), or with ``staging`` = (dk, dv) float32 (B, H_kv, entries, PAGE_SIZE, D) into that
-    area alone."""
+    area alone. doc_rows: None, or the queries' document starts (B, T) int32 contiguous."""
     pages, tile_lists, counts = inverted
     b, hq, t, d = q.shape
     hkv = store.k.shape[2]
@@ -415,7 +481,8 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
         g_strides = (dkp.stride(3) * ps, dkp.stride(3), 0)
     _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
         *((q, dout) if rows is None else rows),
-        *row_terms, store.k, store.v, dkp, dvp, slots, grad_slots, pages, tile_lists, counts, staged_pages, b * hkv,
+        *row_terms, store.k, store.v, dkp, dvp, slots, grad_slots, pages, tile_lists, counts, doc_rows,
+        staged_pages, b * hkv,
         q.stride(0), q.stride(1), q.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         store.k.stride(0), store.k.stride(1), store.k.stride(2),
@@ -433,7 +500,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
 
 
 def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
-              tiles: KernelTiles, chunk_tiles: KernelTiles):
+              tiles: KernelTiles, chunk_tiles: KernelTiles, doc_start: torch.Tensor | None):
     check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
     if store.dk is None or store.dv is None:
@@ -455,15 +522,17 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_past = -(-start // ps)
     staging = store.grad_staging
+    doc_rows = _doc_rows(doc_start)
     if staging is not None:
         staging.wait_for_layer(store.layer)  # later chunks' shares of this layer are in its host pages
     with on_device_of(q):
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
-        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True)
+        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True,
+                             doc_start=doc_start)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
-        warp_specialized = _warp_specialized_pages(q, store, start, sel)
+        warp_specialized = _warp_specialized_pages(q, store, start, sel, doc_start)
         if warp_specialized:
             from . import past_attention_sm90
         if n_past > 0 and sel.shape[-1] > 0:
@@ -474,7 +543,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                                               staging=grads)
             else:
                 _launch_page_dkdv(dout, q, row_terms, store, slots, (pages, tile_lists, counts), grads, start,
-                                  scale, tiles.dkdv)
+                                  scale, tiles.dkdv, doc_rows)
             if staging is not None:
                 staging.add_into(store, pages, counts, start)
 
@@ -488,7 +557,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
         sub = _sub_blocks(ps, qt.block_m)
         descs = _whole_page_descriptors(store, start, qt.block_n)
         _sparse_dq_kernel[(triton.cdiv(t, ps) * sub, b * hq)](
-            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, dq,
+            q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, sel, dq, doc_rows,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -511,14 +580,18 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
 # --------------------------------------------------------------------------------------------------------
 
 
-def attention_forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor):
-    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log)."""
-    return _forward(q, k, v, store, start, scale, selection, default_tiles(q.shape[-1], q.dtype).fwd)
+def attention_forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
+                      doc_start: torch.Tensor | None = None):
+    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
+    doc_start: None, or (B, T) int32 each query's document start (packed documents; earlier keys unseen)."""
+    return _forward(q, k, v, store, start, scale, selection, default_tiles(q.shape[-1], q.dtype).fwd, doc_start)
 
 
-def attention_backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor):
+def attention_backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
+                       doc_start: torch.Tensor | None = None):
     """dq, and the chunk's dk, dv (its share plus what later chunks stored); adds the selected pages'
-    dK, dV into ``store.dk``/``store.dv`` (one program per page and KV head: deterministic)."""
+    dK, dV into ``store.dk``/``store.dv`` (one program per page and KV head: deterministic). doc_start: as
+    in ``attention_forward``."""
     d = q.shape[-1]
     return _backward(dout, q, k, v, out, lse, store, start, scale, selection,
-                     default_tiles(d, q.dtype), dense_tiles(d, q.dtype))
+                     default_tiles(d, q.dtype), dense_tiles(d, q.dtype), doc_start)

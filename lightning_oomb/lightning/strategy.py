@@ -108,11 +108,6 @@ class OOMBStrategyMixin:
         if module_sparse is not None:  # the module's sparse options (SparseAttentionMixin) take precedence
             self.chunk_config = dataclasses.replace(self.chunk_config, sparse=module_sparse)
         trainer = self.lightning_module.trainer
-        if self.chunk_config.sparse is not None and getattr(trainer.datamodule, "document_masking", False):
-            raise SetupError(
-                "sparse attention does not take packed documents yet (its page selection would cross document "
-                "borders): set the data module's document_masking false, or train densely (no budget_pages)"
-            )
         if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(PagedKVCallback())
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
