@@ -187,7 +187,8 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
     fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from the chunk
     start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
     straddle a start masked."""
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
+    diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
     whole_lo = 0
     if key_lo is not None:
         whole_lo, masked_end = doc_tiles(0, key_first, key_last, diag_lo, BLOCK_N)
@@ -218,7 +219,8 @@ def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, o
               key_lo, key_first, key_last,
               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``fwd_chunk``."""
-    diag_lo = ((m0 + 1) // BLOCK_N) * BLOCK_N
+    # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
+    diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
     whole_lo = 0
     if key_lo is not None:
         whole_lo, masked_end = doc_tiles(0, key_first, key_last, diag_lo, BLOCK_N)
