@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
     parser.add_argument("--sparse-budget", type=int, default=0, metavar="PAGES",
                         help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
-                        "other fields at their defaults); 0: dense. Sparse steps keep K/V on the GPU: --offload "
-                        "moves only KV-gradient pages (auto: of the fewest layers that fit; host: of all)")
+                        "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
+                        "auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all)")
     parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
@@ -106,8 +106,8 @@ def what_it_would_take(model: str, result, limit) -> str:
         f"What {c.context:,} tokens would take: with these options the longest context that fits here is {longest} "
         f"(lightning-oomb plan --max-context). {c.context:,} tokens store {_gib(stored)} GiB of K, V and their "
         f"gradients; this machine holds {limit.physical_tokens:,} tokens of them in all (GPU and host budget). "
-        "Past that: a host with more memory (dense steps stream every page from there; sparse steps keep K/V on "
-        "the GPU and only their KV-gradient pages on the host), or several GPUs (not built yet).", width=110)
+        "Past that: a host with more memory (dense steps stream every page from there; sparse steps keep the "
+        "pages of the layers that do not fit there, gathering the selected ones), or several GPUs.", width=110)
 
 
 def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
@@ -134,8 +134,8 @@ def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
     note = textwrap.fill(
         "The machine limit: the GPU memory a one-chunk step leaves free plus the host memory budget's room for "
         "pinned pages, over the bytes a token stores (K, V and their gradients, all layers). Dense steps past "
-        "the GPU stream every page from the host; sparse steps keep K/V on the GPU (only their KV-gradient "
-        "pages go to the host), so their context stops short of it.", width=110)
+        "the GPU stream every page from the host; sparse steps keep the KV-gradient pages, then the K/V pages, "
+        "of as many layers there as they need, gathering each chunk's selected pages.", width=110)
     return "\n".join([
         f"Longest context per step of {model} ({machine}; offload {args.offload}, chunk {args.chunk:,}, "
         f"{args.precision}, KV-gradients {args.grad_dtype}, batch {args.batch}):", "",

@@ -48,9 +48,11 @@ def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention, pac
     loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, attention=attention,
                                      offload="host", **docs)
     pool = cached_pool(model)
+    # offload="host": K/V pages too (tests/test_host_kv.py); the gradient path is this file's subject.
     assert pool.placement == "gpu" and pool.host_grad_layers == 2 and pool.dk.shape[0] == 0
+    assert pool.host_kv_layers == 2 and pool.k.shape[0] == 0
     assert pool.host_grads_moved == []  # a batch of two keeps its host pages
-    assert pool.host_nbytes == 2 * pool.host_dk.numel() * pool.host_dk.element_size()
+    assert pool.host_nbytes == 2 * (pool.host_dk.numel() + pool.host_k.numel()) * pool.host_dk.element_size()
     if attention == "triton":  # the staged additions round exactly as the in-place kernel does
         assert torch.equal(loss, want_loss)
         assert all(torch.equal(g, want[name]) for name, g in grads_of(model).items())

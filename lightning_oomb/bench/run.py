@@ -54,7 +54,7 @@ CSV_COLUMNS = (
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
-    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at",
+    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "host_kv_layers", "kv_pages_gathered",
 )
 
 
@@ -114,6 +114,10 @@ class PointResult:
     # oomb modes: dtype of the KV-gradient pages; sparse: layers whose gradient pages the step put on the host.
     grad_dtype: str = ""
     host_grad_layers: int | None = None
+    # sparse: layers whose K/V pages the step put on the host, and the pages it gathered from there (every
+    # attention call of the point's steps, warm-up included).
+    host_kv_layers: int | None = None
+    kv_pages_gathered: int | None = None
     # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
     kept_chunks: int | None = None
     graph_chunks: int | None = None
@@ -152,6 +156,8 @@ class PointResult:
             "h2d_s": "" if self.h2d_s is None else _num(self.h2d_s),
             "d2h_s": "" if self.d2h_s is None else _num(self.d2h_s),
             "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
+            "host_kv_layers": _blank_if_none(self.host_kv_layers),
+            "kv_pages_gathered": _blank_if_none(self.kv_pages_gathered),
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
             "host_kept_chunks": _blank_if_none(self.host_kept_chunks),
@@ -289,8 +295,8 @@ register_mode(BenchMode(
     _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True,
 ))
 register_mode(BenchMode(
-    "sparse-offload", "sparse, with every layer's KV-gradient pages in pinned host memory (K/V on the GPU): "
-    "what a host gradient layer costs",
+    "sparse-offload", "sparse, with every layer's KV-gradient and K/V pages in pinned host memory (the "
+    "selected pages gathered for each attention call): what a host layer costs",
     _sparse_offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True, offload=True,
 ))
 register_mode(BenchMode(
@@ -363,7 +369,7 @@ def measure(
                       page_size=config.page_size)
     result.floor_s = floor.floor_s
 
-    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0) -> None:
+    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0, host_kv_layers: int = 0) -> None:
         predicted = plan(
             shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
             lora_rank=config.lora_rank, optimizer="none",
@@ -373,6 +379,7 @@ def measure(
             segment_tokens=segment_tokens,
             grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
             graph_chunks=result.graph_chunks or 0, host_kept_chunks=result.host_kept_chunks or 0,
+            host_kv_layers=host_kv_layers,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -439,7 +446,10 @@ def measure(
     if mode.sparse and pool is not None:  # the placement the step chose (also when it ran out of memory)
         result.host_grad_layers = pool.host_grad_layers
         result.host_grads_moved_at = tuple(live for _, live in pool.host_grads_moved)
-        planned(host_grad_layers=pool.host_grad_layers)
+        result.host_kv_layers = pool.host_kv_layers
+        if pool.kv_staging is not None:
+            result.kv_pages_gathered = pool.kv_staging.pages_staged
+        planned(host_grad_layers=pool.host_grad_layers, host_kv_layers=pool.host_kv_layers)
     del input_ids, pool
     _drop_cached_pool(model)
     _free_memory(model, device)
@@ -466,6 +476,8 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
     head = f"[{index}/{total}] {r.mode:<9} L={r.context:>9,}"
     if r.host_grad_layers:
         head += f"  (KV-gradient pages of {r.host_grad_layers} layers on the host"
+        if r.host_kv_layers:
+            head += f", K/V pages of {r.host_kv_layers} ({r.kv_pages_gathered:,} pages gathered)"
         if r.host_grads_moved_at:
             moved = r.host_grads_moved_at
             head += f", {len(moved)} moved to the GPU in stage 2 at {moved[0]:,}-{moved[-1]:,} live tokens"

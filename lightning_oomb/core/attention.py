@@ -13,7 +13,9 @@ and sparse backends take it (None: one document, every past key visible); a spar
 (``core.sparse.select_pages``) holds only pages of the tiles' documents, -1 for no page.
 
 A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
-streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time.
+streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time. A sparse
+layer whose K/V pages live in host memory (``store.kv_stager`` set) has the pages its chunk selected
+gathered to the GPU for each call (``core.pages.HostKVStaging``).
 """
 
 from __future__ import annotations
@@ -118,7 +120,14 @@ def resolve_backend(
     return triton_attention
 
 
+def _staged(store: LayerStore, selection: torch.Tensor | None, start: int) -> LayerStore:
+    # A host K/V layer's selected pages, gathered for this call only: stage 2's backward gathers them again
+    # rather than holding every layer's staging from the chunk's forward to its backward.
+    return store if store.kv_stager is None else store.kv_stager.stage(store, selection, start)
+
+
 def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start):
+    store = _staged(store, selection, start)
     if store.streamer is not None:
         return store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
     if selection is not None:
@@ -144,9 +153,10 @@ class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        args = (dout.contiguous(), q, k, v, out, lse, ctx.store, ctx.start, ctx.scale)
-        if ctx.store.streamer is not None:
-            dq, dk, dv = ctx.store.streamer.backward(ctx.backend, *args, ctx.doc_start)
+        store = _staged(ctx.store, ctx.selection, ctx.start)
+        args = (dout.contiguous(), q, k, v, out, lse, store, ctx.start, ctx.scale)
+        if store.streamer is not None:
+            dq, dk, dv = store.streamer.backward(ctx.backend, *args, ctx.doc_start)
         elif ctx.selection is not None:
             dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection, ctx.doc_start)
         else:

@@ -6,6 +6,7 @@ pinned host memory, host gradient layers moved into dead pages) is decided here,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,6 +147,58 @@ class HostGradStaging:
             self.stream.synchronize()
 
 
+class HostKVStaging:
+    """Brings the pages a sparse chunk selected of a host K/V layer to the GPU, for one attention call.
+
+    Per sequence, the union of the pages its query tiles and KV heads selected (every KV head of a page comes
+    with it: a page's K of all heads is one block) is copied from the host-mapped pinned pages into a GPU
+    staging area in one batched gather, and the layer's view is remapped onto it: the sparse kernels read it
+    as they read GPU pages. The union is found on the device (a bitmap over the past pages and its running
+    count), so the staging area is sized for the worst case, ``min(past pages, selected entries)`` pages per
+    sequence, and the host never waits. Gradients do not travel this way: the layer's gradient pages are its
+    own, wherever they live (``PagePool.host_grad_layers``). ``pages_staged`` counts the pages gathered (on the
+    device; reading it waits for the GPU).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._staged = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def pages_staged(self) -> int:
+        return int(self._staged)
+
+    def stage(self, store: LayerStore, selection: torch.Tensor, start: int) -> LayerStore:
+        """``store`` (a host K/V layer) with k, v (B * cap, page_size, H_kv, D) on the GPU holding the pages
+        ``selection`` (B, H_sel, n_tiles, K) names (-1: none), under a remapped page table; its gradient pages
+        stay ``store``'s, under their own table."""
+        from ..kernels.host_pages import copy_pages
+
+        slots = store.table.slots
+        batch = slots.shape[0]
+        n_past = -(-start // store.page_size)
+        picks = selection.reshape(batch, -1).long()
+        cap = max(1, min(n_past, picks.shape[1]))
+        hit = torch.zeros(batch, n_past + 1, dtype=torch.bool, device=slots.device)
+        hit.scatter_(1, picks + 1, True)  # column 0 collects the -1 entries
+        hit = hit[:, 1:]
+        staged = torch.arange(batch, device=slots.device)[:, None] * cap + hit.cumsum(1) - 1
+        remapped = torch.zeros_like(slots)
+        remapped[:, :n_past] = torch.where(hit, staged, 0).to(slots.dtype)
+        k = torch.empty((batch * cap, *store.k.shape[1:]), dtype=store.k.dtype, device=slots.device)
+        v = torch.empty_like(k)
+        if slots.device.type == "cuda":  # the GPU reads the host pages: one launch each, no host wait
+            src = torch.where(hit, slots[:, :n_past].long(), -1).view(-1)
+            for host, dst in ((store.k, k), (store.v, v)):
+                copy_pages(host, src, dst, staged.view(-1))
+        else:
+            src, dst = slots[:, :n_past][hit].long(), staged[hit]
+            k[dst], v[dst] = store.k[src], store.v[src]
+        self._staged += hit.sum()
+        return dataclasses.replace(store, k=k, v=v, table=PageTable(remapped, store.table.seq_len, store.page_size),
+                                   grad_table=store.grad_table or store.table, kv_stager=None)
+
+
 class PagePool:
     """Pages of K, V (and dK, dV when ``with_grads``) for all layers, allocated once.
 
@@ -166,6 +219,11 @@ class PagePool:
     every layer, and so are the GPU layers' gradient pages there: ``move_host_grads_to_gpu`` moves host
     layers' gradient pages into them as they die, so that from then on those layers' additions stay on the
     GPU.
+
+    host_kv_layers (placement "gpu", sparse attention only): the K/V pages of that many layers, spread evenly
+    over the depth (``host_kv_layer_ids``), live in pinned host memory (``host_k``, ``host_v``) too. A chunk
+    writes its K/V rows there from the GPU; each attention call gathers the pages its chunk selected into GPU
+    staging (``HostKVStaging``) and reads those. Page summaries and selections stay on the GPU.
     """
 
     def __init__(
@@ -179,6 +237,7 @@ class PagePool:
         segment_tokens: int | None = None,
         host_grad_layers: int = 0,
         host_limit: int | None = None,
+        host_kv_layers: int = 0,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -196,6 +255,11 @@ class PagePool:
                 f"host_grad_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' with gradient pages, "
                 f"got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
             )
+        if not 0 <= host_kv_layers <= spec.n_layers or (host_kv_layers and placement != "gpu"):
+            raise ValueError(
+                f"host_kv_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' (sparse attention), "
+                f"got {host_kv_layers} with placement {placement!r}"
+            )
         self.placement = placement
         # Every host block of the pool, counted; ``host_limit`` is what its placement left for them.
         self.host = HostLedger(host_limit)
@@ -204,9 +268,13 @@ class PagePool:
         self.host_layers = spread_layers(spec.n_layers, host_grad_layers)
         self.host_dk = self.host_dv = None
         self.grad_staging = None
+        self.host_kv_layers = host_kv_layers
+        self.host_kv_layer_ids = spread_layers(spec.n_layers, host_kv_layers)
+        self.host_k = self.host_v = None
+        self.kv_staging = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
         if placement == "gpu":
-            n, on_gpu = spec.n_layers, (spec.n_layers - host_grad_layers if with_grads else 0)
+            n, on_gpu = spec.n_layers - host_kv_layers, (spec.n_layers - host_grad_layers if with_grads else 0)
             if with_grads and spec.grad_dtype == spec.dtype:
                 # The GPU layers' dK, dV pages follow every layer's K, V pages in one tensor each, so that
                 # stage 2 can move host gradient layers into the dead pages of both (move_host_grads_to_gpu).
@@ -216,8 +284,8 @@ class PagePool:
                 self.k, self.dk = self._k_pages[:n], self._k_pages[n:].zero_()
                 self.v, self.dv = self._v_pages[:n], self._v_pages[n:].zero_()
             else:
-                self.k = self._k_pages = torch.empty(shape, dtype=spec.dtype, device=self.device)
-                self.v = self._v_pages = torch.empty(shape, dtype=spec.dtype, device=self.device)
+                self.k = self._k_pages = torch.empty((n, *shape[1:]), dtype=spec.dtype, device=self.device)
+                self.v = self._v_pages = torch.empty((n, *shape[1:]), dtype=spec.dtype, device=self.device)
                 grads = (on_gpu, *shape[1:])
                 self.dk = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
                 self.dv = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
@@ -228,6 +296,12 @@ class PagePool:
                 self.host_dk = pinned_empty(*grads)
                 self.host_dv = pinned_empty(*grads)
                 self.grad_staging = HostGradStaging(self.device)
+            if host_kv_layers:
+                pin = self.device.type == "cuda"
+                kv = ((host_kv_layers, *shape[1:]), spec.dtype, pin, self.host, "K/V pages")
+                self.host_k = pinned_empty(*kv)
+                self.host_v = pinned_empty(*kv)
+                self.kv_staging = HostKVStaging(self.device)
             self.streamer = None
         else:
             pin = self.device.type == "cuda"
@@ -315,7 +389,7 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
-        tensors = [self.k, self.v, self.dk, self.dv, self.host_dk, self.host_dv,
+        tensors = [self.k, self.v, self.dk, self.dv, self.host_dk, self.host_dv, self.host_k, self.host_v,
                    *(t for ts in self._summaries.values() for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -327,15 +401,16 @@ class PagePool:
         return self.host.total
 
     @property
-    def _host_grad_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.host_dk, self.host_dv) if t is not None)
+    def _host_page_nbytes(self) -> int:
+        pages = (self.host_dk, self.host_dv, self.host_k, self.host_v)
+        return sum(t.numel() * t.element_size() for t in pages if t is not None)
 
     @property
     def gpu_nbytes(self) -> int:
         """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
         if self.on_host:
             return self.streamer.nbytes
-        return self.nbytes - self._host_grad_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
+        return self.nbytes - self._host_page_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
 
     def allocate(self, batch: int, seq_len: int) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
@@ -436,6 +511,12 @@ class PagePool:
         self._moved[layer] = grad_slots
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
+        if layer in self.host_kv_layer_ids:
+            i = self.host_kv_layer_ids.index(layer)
+            k, v, stager = self.host_k[i], self.host_v[i], self.kv_staging
+        else:
+            i = layer - sum(h < layer for h in self.host_kv_layer_ids)
+            k, v, stager = self.k[i], self.v[i], None
         dk = dv = staging = grad_table = None
         if self.dk is not None:
             if layer in self._moved:
@@ -448,5 +529,4 @@ class PagePool:
             else:
                 i = layer - sum(h < layer for h in self.host_layers)
                 dk, dv = self.dk[i], self.dv[i]
-        return LayerStore(self.k[layer], self.v[layer], dk, dv, table, self.page_size, layer, self.streamer, staging,
-                          grad_table)
+        return LayerStore(k, v, dk, dv, table, self.page_size, layer, self.streamer, staging, grad_table, stager)

@@ -17,7 +17,7 @@ from .host_memory import host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
 from .planner import (
     FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
-    PLACEMENT_HEADROOM_SHARE, asked_graphs, host_kept_for_stage_2, kept_for_stage_2,
+    PLACEMENT_HEADROOM_SHARE, asked_graphs, host_kept_for_stage_2, host_layer_counts, kept_for_stage_2,
     loss_grad_bytes, Plan, plan, PlanError,
 )
 from .units import GIB
@@ -57,7 +57,9 @@ class Placement:
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
     computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
     memory where ``loss_grads_on_host``, else on the device. With the pages on the GPU, stage 1 may also keep
-    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory.
+    the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory. With sparse
+    attention, the K/V pages of ``host_kv_layers`` layers may live in pinned host memory too, of which each
+    attention call gathers the selected pages (``PagePool``).
 
     ``host_limit``: the pinned host bytes the host memory budget leaves beyond the process and its growth
     allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
@@ -72,6 +74,7 @@ class Placement:
     loss_grads_on_host: bool = False
     host_kept_chunks: int = 0
     host_limit: int | None = None
+    host_kv_layers: int = 0
     plan: "Plan | None" = field(default=None, compare=False, repr=False)
 
 
@@ -79,14 +82,15 @@ def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
-    agree: Callable[[list[int]], list[int]] = lambda values: values,
+    agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
     ``config`` is the step's ChunkConfig; its ``offload`` is "gpu", "host" or "auto" (the GPU when the step
-    fits there, the host when it fits only there). With sparse attention K/V always stay on the GPU and the
-    host holds KV-gradient pages: of every layer with "host", of the fewest layers that make the step fit
-    with "auto". On CUDA compares what the step allocates (pages or their staging, one chunk's activations,
+    fits there, the host when it fits only there). With sparse attention the host holds KV-gradient pages
+    and then K/V pages, layer by layer: of every layer with "host", of the fewest layers that make the step
+    fit with "auto" (``host_layer_counts``; ``host_grad_layers`` and ``host_kv_layers``, when given: those
+    of a pool every step must use). On CUDA compares what the step allocates (pages or their staging, one chunk's activations,
     the loss pieces, parameter gradients not yet allocated, ``pending_gpu_bytes`` the run allocates later,
     such as optimizer state its first update creates) with the device's free memory plus
     ``reusable_gpu_bytes`` (a pool the step would reuse or replace). Host memory has one budget
@@ -146,20 +150,22 @@ def place_step(
     else:
         precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
 
-    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, **placed: Any) -> Plan:
+    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, host_kv_layers: int = 0,
+                  **placed: Any) -> Plan:
         return plan(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
             lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
             checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
             host_memory=budget, offload=offload, segment_tokens=segment, sparse=config.sparse,
             host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
-            host_process_bytes=process, **placed,
+            host_process_bytes=process, host_kv_layers=host_kv_layers, **placed,
         )
 
     def placed(placement: Placement) -> Placement:
         """``placement`` with its pinned-byte limit and the plan of the step as placed."""
         result = step_plan(
-            placement.where == "host", placement.segment_tokens, placement.host_grad_layers, optimizer=optimizer,
+            placement.where == "host", placement.segment_tokens, placement.host_grad_layers,
+            placement.host_kv_layers, optimizer=optimizer,
             kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
             host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
             loss_grads_on_host=placement.loss_grads_on_host,
@@ -185,7 +191,7 @@ def place_step(
         if sparse:
             n_layers = ModelShape.resolve(model).n_layers
             layers = n_layers if config.offload == "host" else 0
-            return placed(Placement("gpu", segment, batch, layers, kept, graphs))
+            return placed(Placement("gpu", segment, batch, layers, kept, graphs, host_kv_layers=layers))
         if config.offload == "host":
             return placed(Placement("host", segment, batch))
         return placed(Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs))
@@ -216,11 +222,12 @@ def place_step(
         )
 
     if sparse:
-        counts = {"gpu": [0], "auto": range(shape.n_layers + 1), "host": [shape.n_layers]}[config.offload]
+        every = shape.n_layers
+        counts = {"gpu": [(0, 0)], "auto": host_layer_counts(every), "host": [(every, every)]}[config.offload]
         if host_grad_layers is not None:
-            counts = [host_grad_layers]
-        for n in counts:
-            step = step_plan(False, page, n)
+            counts = [(host_grad_layers, host_kv_layers or 0)]
+        for n, m in counts:
+            step = step_plan(False, page, n, m)
             needed = needed_on_gpu(step)
             on_host = n > 0 or needed + loss_grads > free
             pinned = pinned_of(step) + (loss_grads if on_host else 0)
@@ -229,15 +236,14 @@ def place_step(
                 kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
                 host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
                 return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
-                                        loss_grads_on_host=on_host, host_kept_chunks=host_kept))
-        where = {"gpu": "on the GPU", "auto": "with the KV-gradient pages of every layer in host memory",
-                 "host": "with the KV-gradient pages in host memory"}[config.offload]
+                                        loss_grads_on_host=on_host, host_kept_chunks=host_kept, host_kv_layers=m))
+        where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
+                 "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
         gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
                     f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
         raise PlanError(
-            f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it. "
-            "Sparse attention keeps K/V pages on the GPU"
-            + (": offload='auto' moves gradient pages to the host." if config.offload == "gpu" else ".")
+            f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it."
+            + (" offload='auto' moves pages to the host, layer by layer." if config.offload == "gpu" else "")
             + f"\n\n{step}"
         )
 

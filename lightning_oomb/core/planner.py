@@ -52,6 +52,11 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/be
 # pages on the host (+3.7 s at 256K, +15.6 s at 512K; docs/benchmarks.md, eighth session).
 HOST_ADD_GBPS = 61.5
 HOST_ADD_HIDDEN_S = 5.4e-3
+# What host K/V layers (sparse) add: per host layer and attention call, the gather of the pages the chunk
+# selected (every KV head of each distinct page) over the bus at HOST_GATHER_GBPS, on the compute stream, none
+# of it hidden. Assumed (the GPU reading mapped pinned memory, about what the host additions reach), not yet
+# measured.
+HOST_GATHER_GBPS = 50.0
 # Data parallel (oomb_ddp): the bus bandwidth per rank of the gradients' all-reduce, in GB/s. Assumed, not
 # measured here (the several-GPU machines were not lent): about what NCCL reaches over NVLink on HGX H100/H200
 # nodes; calibrate with a measured step.
@@ -206,6 +211,7 @@ class StepTime:
     matmul_tflops: float
     recompute_attention_flops: float = 0.0
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
+    host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
     all_reduce_s: float = 0.0  # data parallel: averaging the gradients after stage 2 (all_reduce_seconds)
 
     @property
@@ -226,7 +232,7 @@ class StepTime:
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
         compute = linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
-        return compute + self.host_add_s + self.all_reduce_s
+        return compute + self.host_add_s + self.host_gather_s + self.all_reduce_s
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -249,7 +255,7 @@ def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
-    page_layers = 2 * shape.n_layers - c.host_grad_layers  # PagePool.page_layers
+    page_layers = 2 * shape.n_layers - c.host_grad_layers - c.host_kv_layers  # PagePool.page_layers
     on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
@@ -272,6 +278,28 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
         bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
         seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
     return seconds
+
+
+def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, heads: int) -> float:
+    """Distinct past pages a chunk's selections touch over ``heads`` selecting KV heads (each page's K of every
+    head travels together), in expectation, each of the ``n_tiles * heads`` (tile, head) pairs picking its
+    top-k pages at random (``expected_selected_pages``)."""
+    return expected_selected_pages(n_past, sparse, n_tiles * heads)
+
+
+def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Seconds the host K/V layers' gathers add to a step of ``c`` (HOST_GATHER_GBPS): per chunk and host
+    layer, one gather in stage 1 and two in stage 2 (forward and backward; three with layer checkpointing)."""
+    if not c.host_kv_layers:
+        return 0.0
+    sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
+    heads = shape.n_kv_heads if sparse.per_kv_head else 1
+    page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.n_layers  # K and V
+    calls = 4 if c.checkpoint_layers else 3
+    pages = sum(expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
+                for start in range(0, c.context, c.chunk_size))
+    return pages * c.batch * page_bytes * calls * c.host_kv_layers / (HOST_GATHER_GBPS * 1e9)
 
 
 def all_reduce_seconds(trainable: int, devices: int, link_gbps: float = ALL_REDUCE_GBPS) -> float:
@@ -352,8 +380,9 @@ class PlanConfig:
     offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
     ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
     True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
-    of that many layers in pinned host memory, added into from the GPU after each sparse backward; K/V
-    stay on the GPU. kept_chunks: attention outputs of that many chunks kept on the GPU from stage 1 for
+    of that many layers in pinned host memory, added into from the GPU after each sparse backward.
+    host_kv_layers (sparse only): the K/V pages of that many layers in pinned host memory too, of which each
+    attention call gathers the pages its chunk selected. kept_chunks: attention outputs of that many chunks kept on the GPU from stage 1 for
     stage 2 (which then skips their attention forward). graph_chunks: autograd graphs of the last that many
     chunks kept from stage 1 (stage 2 then skips their forward; the graph of the last costs nothing extra,
     and those chunks need no kept attention outputs). host_kept_chunks: attention outputs of the first that
@@ -388,6 +417,7 @@ class PlanConfig:
     loss_grads_on_host: bool = False
     host_process_bytes: int | None = None
     devices: int = 1
+    host_kv_layers: int = 0
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices"):
@@ -404,8 +434,12 @@ class PlanConfig:
             raise ValueError(f"matmul_tflops must be > 0, got {self.matmul_tflops}")
         if self.grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"grad_dtype must be torch.float32 or torch.bfloat16, got {self.grad_dtype}")
-        if self.host_grad_layers < 0:
-            raise ValueError(f"host_grad_layers must be >= 0, got {self.host_grad_layers}")
+        if self.host_grad_layers < 0 or self.host_kv_layers < 0:
+            raise ValueError(f"host_grad_layers and host_kv_layers must be >= 0, got {self.host_grad_layers}, "
+                             f"{self.host_kv_layers}")
+        if self.host_kv_layers and not self.sparse:
+            raise ValueError("host_kv_layers (K/V pages in host memory, selected pages gathered) is for sparse "
+                             "attention; dense steps stream every page with offload")
         if min(self.kept_chunks, self.graph_chunks, self.host_kept_chunks) < 0:
             raise ValueError(f"kept_chunks, graph_chunks and host_kept_chunks must be >= 0, got {self.kept_chunks}, "
                              f"{self.graph_chunks}, {self.host_kept_chunks}")
@@ -416,8 +450,8 @@ class PlanConfig:
             )
         if self.sparse and self.offload:
             raise ValueError(
-                "sparse attention does not stream its pages (offload): it keeps K/V on the GPU and can keep the "
-                "gradient pages of some layers in host memory instead (host_grad_layers)"
+                "sparse attention does not stream its pages (offload): it keeps the KV-gradient and K/V pages of "
+                "some layers in host memory instead (host_grad_layers, host_kv_layers)"
             )
 
     @property
@@ -529,6 +563,8 @@ class Plan:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
+        if c.host_kv_layers:
+            head += f"; K/V pages of {c.host_kv_layers} of {s.n_layers} layers in pinned host memory"
         if not c.fused_ops:
             head += "; transformers' own RMSNorm/RoPE/SwiGLU"
         if isinstance(c.sparse, SparseConfig):
@@ -554,6 +590,8 @@ class Plan:
             f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
             "of the peak"
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
+            + (f", plus {_duration(t.host_gather_s)} gathering the host K/V layers' selected pages at "
+               f"{HOST_GATHER_GBPS:g} GB/s" if t.host_gather_s else "")
             + (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {ALL_REDUCE_GBPS:g} GB/s"
                if t.all_reduce_s else "")
             + ", calibrate with lightning-oomb bench)",
@@ -685,7 +723,27 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         host[f"pinned {kv_name}"] = kv_bytes
         host[f"pinned {grad_name}"] = grad_bytes
     else:
-        gpu[kv_name] = kv_bytes
+        n_kv_host = c.host_kv_layers
+        if n_kv_host > shape.n_layers:
+            raise ValueError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
+        if n_kv_host:
+            kv_layer = kv_bytes // shape.n_layers
+            gpu[f"{kv_name}, {shape.n_layers - n_kv_host} of {shape.n_layers} layers"] = kv_layer * (
+                shape.n_layers - n_kv_host)
+            host[f"pinned {kv_name}, {n_kv_host} layers (selected pages gathered)"] = kv_layer * n_kv_host
+            # One attention call's gather: per sequence, every past page a selection can name (core.pages
+            # HostKVStaging sizes it for the worst case, on the device).
+            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
+            staged = past_pages
+            if isinstance(c.sparse, SparseConfig):
+                heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
+                staged = min(past_pages, heads * n_tiles * min(past_pages, c.sparse.budget_pages))
+            per_token = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
+            gpu["host K/V layers: staging of a chunk's selected pages (one layer)"] = (
+                max(1, staged) * c.batch * c.page_size * per_token)
+        else:
+            gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers
         if n_host > shape.n_layers:
             raise ValueError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
@@ -832,6 +890,7 @@ def _estimate(
     )
     trainable = shape.lora_params(config.lora_rank) if config.lora_rank else shape.total_params
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
+                               host_gather_s=host_gather_seconds(shape, config),
                                all_reduce_s=all_reduce_seconds(trainable, config.devices))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
@@ -875,6 +934,7 @@ def plan(
     host_kept_chunks: int = 0,
     fused_ops: bool = True,
     devices: int = 1,
+    host_kv_layers: int = 0,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -889,7 +949,9 @@ def plan(
     ``segment_tokens`` tokens per sequence (dense attention).
     host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, added into from the GPU
     after each sparse backward; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
-    for dense attention).
+    for dense attention), then, with every layer's there, the fewest layers' K/V pages too.
+    host_kv_layers (sparse): K/V pages of that many layers in pinned host memory, the selected pages gathered
+    for each attention call.
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
@@ -929,6 +991,7 @@ def plan(
         loss_grads_on_host=loss_grads_on_host,
         host_process_bytes=host_process_bytes,
         devices=devices,
+        host_kv_layers=host_kv_layers,
     )
     host_memory //= base.devices  # each rank's share (OOMBDDPStrategy divides the budget alike)
 
@@ -954,17 +1017,21 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
                 **kwargs: Any) -> Plan:
     """``plan`` with the pages placed as a training step with ``offload`` ("auto", "gpu", "host") would place
     them: dense steps stream every page from the host ("host", or "auto" when it fits only there); sparse
-    steps keep K/V on the GPU and put KV-gradient pages of all layers ("host") or of the fewest that fit
-    ("auto") in host memory. Other keyword arguments go to ``plan``."""
+    steps put the KV-gradient and K/V pages of every layer ("host") in host memory, or the fewest layers'
+    pages that fit ("auto": gradient pages first, then K/V pages). Other keyword arguments go to ``plan``."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     sparse = SparseConfig.coerce(sparse)
     if sparse is not None:
-        layers = {"gpu": 0, "auto": None, "host": ModelShape.resolve(model).n_layers}[offload]
-        result = plan(model, context, sparse=sparse, host_grad_layers=layers, **kwargs)
-        if result.config.host_grad_layers and offload == "auto":
+        n_layers = ModelShape.resolve(model).n_layers
+        layers = {"gpu": 0, "auto": None, "host": n_layers}[offload]
+        result = plan(model, context, sparse=sparse, host_grad_layers=layers,
+                      host_kv_layers=n_layers if offload == "host" else 0, **kwargs)
+        c = result.config
+        if c.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
-                                f"{result.config.host_grad_layers} layers in pinned host memory")
+                                f"{c.host_grad_layers} layers in pinned host memory"
+                                + (f", and the K/V pages of {c.host_kv_layers}" if c.host_kv_layers else ""))
         return _kept_for_stage_2(result)
     result = plan(model, context, offload=offload == "host", **kwargs)
     if offload == "auto" and not result.fits:
@@ -984,7 +1051,7 @@ class ContextLimit:
     one-chunk plan that does not fit). ``physical_tokens``: the machine's limit for any placement: the GPU
     memory the one-chunk step leaves free plus the host memory budget's room for pinned pages, over the
     bytes a token stores (K, V and their gradients over all layers; the dL/dh a served step keeps is left
-    out). Sparse steps keep K/V on the GPU, so their context stops short of it. ``bytes_per_token``: that
+    out). ``bytes_per_token``: that
     divisor, the bytes one token of the batch stores."""
 
     context: int
@@ -1046,7 +1113,7 @@ def _kept_for_stage_2(result: Plan) -> Plan:
     keep_attention=None) in what this plan leaves free, as place_step decides it: their memory and the
     stage-2 work they save, said in a note."""
     c = result.config
-    if c.offload or c.host_grad_layers or not result.fits:
+    if c.offload or c.host_grad_layers or c.host_kv_layers or not result.fits:
         return result
     kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
     if not (kept or graphs):
@@ -1063,11 +1130,18 @@ def _kept_for_stage_2(result: Plan) -> Plan:
     return placed
 
 
+def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
+    """(host gradient layers, host K/V layers) in the order a sparse step moves pages to the host: the
+    KV-gradient pages first, layer by layer, then, with all of those there, the K/V pages."""
+    return [(n, 0) for n in range(n_layers + 1)] + [(n_layers, m) for m in range(1, n_layers + 1)]
+
+
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
-    """The plan of ``config`` with the fewest layers' KV-gradient pages in host memory (sparse) that fits on
-    the GPU with ``place_step``'s reserve, or with all of them when none does."""
-    for n in range(shape.n_layers + 1):
-        result = estimate(dataclasses.replace(config, host_grad_layers=n))
+    """The plan of ``config`` with the fewest pages in host memory (sparse: KV-gradient pages of layers, then
+    their K/V pages, ``host_layer_counts``) that fits on the GPU with ``place_step``'s reserve, or with all of
+    them when none does."""
+    for n, m in host_layer_counts(shape.n_layers):
+        result = estimate(dataclasses.replace(config, host_grad_layers=n, host_kv_layers=m))
         if result.peak_gpu_bytes <= result.usable_gpu_bytes:
             return result
     return result
@@ -1106,9 +1180,11 @@ def _suggestions(result: Plan, estimate) -> list[Suggestion]:
                                     "--grad-dtype bfloat16", "grad_dtype=torch.bfloat16"))
         if c.sparse:
             hosted = fewest_host_grad_layers(c, result.shape, estimate)
-            if hosted.config.host_grad_layers != c.host_grad_layers:
+            h = hosted.config
+            if (h.host_grad_layers, h.host_kv_layers) != (c.host_grad_layers, c.host_kv_layers):
                 found.append(Suggestion(
-                    f"KV-gradient pages of {hosted.config.host_grad_layers} layers in pinned host memory", hosted,
+                    f"KV-gradient pages of {h.host_grad_layers} layers in pinned host memory"
+                    + (f", K/V pages of {h.host_kv_layers}" if h.host_kv_layers else ""), hosted,
                     "--offload auto", "offload='auto'"))
         elif not c.offload:
             found.append(Suggestion("K/V and KV-gradient pages in pinned host memory, streamed",
@@ -1128,7 +1204,7 @@ def _suggestions(result: Plan, estimate) -> list[Suggestion]:
     if t.attention_flops > t.linear_flops and not c.sparse:
         config = SparseConfig()
         sparse = estimate(dataclasses.replace(c, sparse=config, offload=False))
-        if c.offload:  # sparse keeps K/V on the GPU; host memory holds gradient pages where needed
+        if c.offload:  # sparse moves the fewest layers' pages to host memory, gradient pages first
             sparse = fewest_host_grad_layers(sparse.config, result.shape, estimate)
         found.append(Suggestion(
             f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per query",

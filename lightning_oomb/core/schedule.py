@@ -45,8 +45,8 @@ ChunkObserver = Callable[[int, int, int, int], None]
 
 # (spec, pages needed, with_grads, placement) -> a pool with at least that many pages of that spec, placed
 # so. A provider may also have ``held_bytes()``: (GPU bytes, host bytes) of a pool it already holds, which
-# the step reuses or replaces, and ``host_grad_layers()``: the host gradient layers of a pool every step
-# must use (None: the step chooses).
+# the step reuses or replaces, and ``host_grad_layers()``, ``host_kv_layers()``: the host gradient and host
+# K/V layers of a pool every step must use (None: the step chooses).
 PoolProvider = Callable[[StoreSpec, int, bool, Placement], PagePool]
 
 _model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
@@ -65,6 +65,7 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             and (pool.with_grads or not with_grads)
             and pool.placement == placement.where
             and (not with_grads or _holds_host_grad_layers(pool.host_grad_layers, placement.host_grad_layers))
+            and pool.host_kv_layers == placement.host_kv_layers
             and (not pool.on_host or pool.streamer.half_pages * page_size >= placement.batch * placement.segment_tokens)
         )
         if not fits:
@@ -95,7 +96,7 @@ def new_pool(
     segment = placement.batch * placement.segment_tokens if placement.where == "host" else None
     return PagePool(spec, pages, page_size, device, with_grads=with_grads, placement=placement.where,
                     segment_tokens=segment, host_grad_layers=placement.host_grad_layers if with_grads else 0,
-                    host_limit=placement.host_limit)
+                    host_limit=placement.host_limit, host_kv_layers=placement.host_kv_layers)
 
 
 def pool_bytes(pool: PagePool) -> tuple[int, int]:
@@ -211,10 +212,11 @@ class ChunkedSequence:
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
+        held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
         optimizer, pending = optimizer_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer, pending_gpu_bytes=pending,
-                                    host_grad_layers=held_layers, agree=ranks.least)
+                                    host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -242,6 +244,12 @@ class ChunkedSequence:
                 f"gradient pages in host memory ({self.placement.host_grad_layers} layers) need sparse attention "
                 f"with attention='triton' or 'auto' on CUDA, got attention={config.attention!r}, "
                 f"sparse={config.sparse!r}"
+            )
+        if self.placement.host_kv_layers and config.sparse is None:
+            # Dense attention reads every past page: host pages go through the streamed tier instead.
+            raise ValueError(
+                f"K/V pages of {self.placement.host_kv_layers} layers in host memory need sparse attention; "
+                "dense steps keep pages in host memory with offload='host'"
             )
         self.pool: PagePool | None = None
         self.table = None

@@ -4,10 +4,11 @@ The KV-gradient pages of a pool's host layers (``PagePool(host_grad_layers=N)``)
 address space. The sparse backward leaves a chunk's share of the selected pages' gradients in a GPU
 staging area; ``add_staged_pages`` adds it into the host pages from a few persistent programs on a side
 stream, so the bus traffic overlaps the layers computed meanwhile instead of stalling the attention kernel
-(lightning_oomb.core.pages.HostGradStaging). Two more accesses need the GPU, not the CPU, so that nothing
-waits for the host inside a step: reading a chunk's own stored gradient rows (a torch gather would need the
-row indices on the host), and copying a layer's pages into GPU slots when stage 2 moves it there
-(``copy_pages``). (The copy engine zeroes the pages a batch takes: ``HostGradStaging.zero_pages``.)
+(lightning_oomb.core.pages.HostGradStaging). More accesses need the GPU, not the CPU, so that nothing
+waits for the host inside a step: reading a chunk's own stored gradient rows and writing its K/V rows into
+host K/V pages (a torch gather or scatter would need the row indices on the host), copying a layer's pages
+into GPU slots when stage 2 moves it there, and gathering the pages a sparse chunk selected of a host K/V
+layer (``copy_pages``). (The copy engine zeroes the pages a batch takes: ``HostGradStaging.zero_pages``.)
 """
 
 from __future__ import annotations
@@ -52,12 +53,24 @@ def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page
 @triton.jit
 def _copy_pages_kernel(SRC, SRC_SLOTS, DST, DST_SLOTS, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
-    src = SRC + tl.load(SRC_SLOTS + i).to(tl.int64) * PAGE_ELEMS
-    dst = DST + tl.load(DST_SLOTS + i).to(tl.int64) * PAGE_ELEMS
+    src_slot = tl.load(SRC_SLOTS + i).to(tl.int64)
+    if src_slot >= 0:
+        src = SRC + src_slot * PAGE_ELEMS
+        dst = DST + tl.load(DST_SLOTS + i).to(tl.int64) * PAGE_ELEMS
+        offs = tl.arange(0, BLOCK)
+        for j in range(0, PAGE_ELEMS, BLOCK):
+            mask = j + offs < PAGE_ELEMS
+            tl.store(dst + j + offs, tl.load(src + j + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _write_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    row = tl.load(ROWS + i).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    for j in range(0, PAGE_ELEMS, BLOCK):
-        mask = j + offs < PAGE_ELEMS
-        tl.store(dst + j + offs, tl.load(src + j + offs, mask=mask), mask=mask)
+    for j in range(0, ROW_ELEMS, BLOCK):
+        mask = j + offs < ROW_ELEMS
+        tl.store(DST + row * ROW_ELEMS + j + offs, tl.load(SRC + i * ROW_ELEMS + j + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -73,7 +86,8 @@ def _read_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constex
 def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """dst[dst_slots[i]] = src[src_slots[i]] on the slots' device: src, dst (n_pages, *page) with contiguous
     pages of one shape and dtype, either of them pinned host memory mapped for that CUDA device (or, in
-    Triton's interpreter, CPU tensors); src_slots, dst_slots (n,) int."""
+    Triton's interpreter, CPU tensors); src_slots, dst_slots (n,) int; entries whose source slot is negative
+    copy nothing (a fixed-length list made on the GPU: no host wait for how many pages travel)."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_pages needs contiguous pages of one shape and dtype on both sides")
     if src_slots.shape != dst_slots.shape:
@@ -84,6 +98,20 @@ def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, ds
     with on_device_of(src_slots):
         _copy_pages_kernel[(src_slots.numel(),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(),
                                                  PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
+
+
+def write_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[rows] = src`` on ``rows``' device: dst (n_rows, *row) with contiguous rows, in pinned host memory
+    mapped for that CUDA device (or, in Triton's interpreter, a CPU tensor); rows int (any shape); src
+    (*rows.shape, *row) in dst's dtype."""
+    if not dst.is_contiguous() or src.dtype != dst.dtype or src.shape != (*rows.shape, *dst.shape[1:]):
+        raise ValueError("write_rows needs contiguous rows of dst's dtype and one source row per row index")
+    flat = rows.reshape(-1)
+    if flat.numel():
+        row_elems = dst[0].numel()
+        with on_device_of(rows):
+            block = triton.next_power_of_2(min(row_elems, 1024))
+            _write_rows_kernel[(flat.numel(),)](src.contiguous(), flat, dst, ROW_ELEMS=row_elems, BLOCK=block)
 
 
 def read_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,9 @@ class LayerStore:
     ``streamer`` is set when the tensors live in host memory: attention then streams them through the GPU
     (lightning_oomb.core.offload) with ``layer`` naming this layer there. ``grad_table`` is set when the
     gradient pages have their own slots (a host gradient layer moved into dead K/V pages,
-    ``PagePool.move_host_grads_to_gpu``): dk, dv are then indexed by it, k, v by ``table``.
+    ``PagePool.move_host_grads_to_gpu``): dk, dv are then indexed by it, k, v by ``table``. ``kv_stager`` is
+    set when k, v live in pinned host memory and attention is sparse: attention first brings the pages a
+    chunk selected to the GPU through it (``core.pages.HostKVStaging``) and reads those.
     """
 
     k: torch.Tensor
@@ -72,6 +74,7 @@ class LayerStore:
     streamer: HostPageStreamer | None = None
     grad_staging: HostGradAdder | None = None
     grad_table: PageTable | None = None
+    kv_stager: HostKVStager | None = None
 
     @property
     def grad_slots(self) -> torch.Tensor:
@@ -91,14 +94,21 @@ class LayerStore:
             self.streamer.write(self, k, v, start)
             return
         rows = self.table.rows(start, start + k.shape[2])
-        self._flat(self.k)[rows] = k.transpose(1, 2).to(self.k.dtype)
-        self._flat(self.v)[rows] = v.transpose(1, 2).to(self.v.dtype)
+        k, v = k.transpose(1, 2).to(self.k.dtype), v.transpose(1, 2).to(self.v.dtype)
+        if self.k.device != rows.device:  # host K/V pages mapped for the GPU (PagePool(host_kv_layers=...))
+            from .host_pages import write_rows
+
+            write_rows(self._flat(self.k), rows, k)
+            write_rows(self._flat(self.v), rows, v)
+            return
+        self._flat(self.k)[rows] = k
+        self._flat(self.v)[rows] = v
 
     def read(self, start: int, end: int, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
         rows = (self.grad_table or self.table).rows(start, end) if grads else self.table.rows(start, end)
         a, b = (self.dk, self.dv) if grads else (self.k, self.v)
-        if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=...))
+        if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=/host_kv_layers=))
             from .host_pages import read_rows
 
             return read_rows(self._flat(a), rows).transpose(1, 2), read_rows(self._flat(b), rows).transpose(1, 2)
@@ -139,3 +149,11 @@ class HostGradAdder(Protocol):
 
     def add_into(self, store: LayerStore, pages: torch.Tensor, counts: torch.Tensor, start: int) -> None:
         """Add the buffers last handed out into ``store``'s gradient pages in host memory."""
+
+
+class HostKVStager(Protocol):
+    """Brings the K/V pages a sparse chunk selected of a host K/V layer to the GPU (``core.pages.HostKVStaging``)."""
+
+    def stage(self, store: LayerStore, selection: torch.Tensor, start: int) -> LayerStore:
+        """A view of ``store`` whose k, v hold the pages ``selection`` (B, H_sel, n_tiles, K) names, on the GPU,
+        under a remapped page table; its gradient pages are ``store``'s, under their own table."""

@@ -141,6 +141,10 @@ class PagedKVCallback(Callback):
         """KV-gradient layers in host memory of the pool every step uses (None before there is one)."""
         return None if self.pool is None else self.pool.host_grad_layers
 
+    def host_kv_layers(self) -> int | None:
+        """K/V layers in host memory of the pool every step uses (None before there is one)."""
+        return None if self.pool is None else self.pool.host_kv_layers
+
     def observe(self, stage: int, index: int, start: int, end: int) -> None:
         """The engine's chunk observer: records memory after each chunk of a traced step."""
         if self._trace is not None:

@@ -1,0 +1,232 @@
+"""Sparse steps with K/V pages in host memory (``PagePool(host_kv_layers=N)``): each attention call gathers
+the pages its chunk selected into GPU staging under a remapped page table (``core.pages.HostKVStaging``).
+
+On a CPU device the "host" pages are ordinary memory, so these tests hold the gather and its bookkeeping to
+the all-GPU step bit for bit (the staged pages are copies, the kernels read the same values in the same
+order); the GPU test at the end checks the host-mapped gather itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_oomb
+from lightning_oomb.core.config import ChunkConfig, SparseConfig
+from lightning_oomb.core.pages import PagePool
+from lightning_oomb.core.placement import Placement
+from lightning_oomb.core.planner import PlanConfig, host_gather_seconds, plan_placed
+from lightning_oomb.core.model_shape import ModelShape
+from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
+from lightning_oomb.core.sparse import select_pages
+from lightning_oomb.kernels.page_table import StoreSpec
+from tiny_models import VOCAB, grads_of, tiny_model
+
+SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
+
+
+def _step(model, ids, **kwargs):
+    model.zero_grad(set_to_none=True)
+    release_cached_pool(model)
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, **kwargs)
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def _assert_same(got, want):
+    loss, grads = got
+    want_loss, want_grads = want
+    assert torch.equal(loss, want_loss)
+    for name, g in grads.items():
+        assert torch.equal(g, want_grads[name]), name
+
+
+@pytest.mark.parametrize("packed, checkpoint", [(False, False), (True, True)])
+def test_every_layer_on_the_host_gives_the_gpu_gradient_bitwise(packed, checkpoint):
+    """offload='host': K/V and KV-gradient pages of every layer on the host. Batch 2, pages of 3 tokens that
+    cut chunks of 8 every way, -100 labels; packed: documents of 2, 12, 7 and 10, 11 tokens (-1 entries).
+    The Triton kernels over host pages: tests/test_sparse_host_grads.py (offload='host', packed or not)."""
+    attention = "reference"
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 21))  # the last chunk's past (16 tokens, 6 pages) exceeds the budget
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    options = dict(attention=attention, labels=labels, checkpoint_layers=checkpoint)
+    if packed:
+        options["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                                               for lengths in ([2, 12, 7], [10, 11])])
+    want = _step(model, ids, offload="gpu", **options)
+    got = _step(model, ids, offload="host", **options)
+    pool = cached_pool(model)
+    assert (pool.host_kv_layers, pool.host_grad_layers) == (2, 2) and pool.k.shape[0] == 0
+    assert pool.host_nbytes == sum(t.numel() * t.element_size()
+                                   for t in (pool.host_k, pool.host_v, pool.host_dk, pool.host_dv))
+    assert pool.kv_staging.pages_staged > 0
+    _assert_same(got, want)
+
+
+def _split_step(model, ids, config: ChunkConfig, grad_layers: int, kv_layers: int):
+    """One step through a pool with ``grad_layers`` host gradient and ``kv_layers`` host K/V layers."""
+    pools = {}
+
+    def provide(spec, pages, with_grads, placement):
+        if "pool" not in pools:
+            placed = Placement("gpu", 8, 1, grad_layers, host_kv_layers=kv_layers)
+            pools["pool"] = new_pool(spec, pages + 5, config.page_size, torch.device("cpu"), with_grads, placed)
+            if kv_layers:  # what a previous step left: every page a chunk reads must have been written
+                pools["pool"].host_k.fill_(float("nan"))
+                pools["pool"].host_v.fill_(float("nan"))
+        return pools["pool"]
+
+    model.zero_grad(set_to_none=True)
+    seq = ChunkedSequence(model, ids, config=config, pools=provide)
+    seq.fill()
+    loss = seq.backward()
+    return (loss, grads_of(model)), pools["pool"]
+
+
+@pytest.mark.parametrize("grad_layers, kv_layers", [(0, 2), (4, 1)])
+def test_some_layers_on_the_host_give_the_gpu_gradient_bitwise(grad_layers, kv_layers):
+    """K/V of some layers on the host with their gradient pages on the GPU, and K/V of one layer on the host
+    with every gradient layer there, moved in stage 2 into the dead pages of the GPU K/V layers (batch 1)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    ids = torch.randint(0, VOCAB, (1, 30))
+    config = ChunkConfig(chunk_size=6, page_size=3, attention="reference", sparse=SPARSE)
+    want, _ = _split_step(model, ids, config, 0, 0)
+    got, pool = _split_step(model, ids, config, grad_layers, kv_layers)
+    assert pool.host_kv_layer_ids == ([1, 3] if kv_layers == 2 else [2])
+    assert pool.k.shape[0] == 4 - kv_layers
+    if grad_layers:
+        assert pool.host_grads_moved  # the moves used the GPU K/V layers' dead pages
+    _assert_same(got, want)
+
+
+def test_gather_brings_the_union_of_the_selection_under_a_remapped_table():
+    """Pages of every sequence's selection, once each whatever the number of tiles and heads naming them; the
+    remapped table reads the host pages' values; the count is what the selection implies."""
+    torch.manual_seed(0)
+    spec = StoreSpec(n_layers=1, n_kv_heads=2, head_dim=4, dtype=torch.float32)
+    pool = PagePool(spec, 24, 3, "cpu", host_kv_layers=1, host_grad_layers=1)
+    table = pool.allocate(2, 33)  # 11 pages per sequence
+    pool.host_k.normal_()
+    pool.host_v.normal_()
+    store = pool.layer(0, table)
+    selection = torch.tensor([[[[0, 4, 7], [-1, 4, 9]], [[0, 1, 7], [-1, -1, 2]]],
+                              [[[3, 5, 8], [3, 5, 8]], [[0, 5, 6], [-1, 0, 8]]]], dtype=torch.int32)
+    staged = store.kv_stager.stage(store, selection, start=30)  # 10 past pages
+    for b in range(2):
+        picked = sorted({int(p) for p in selection[b].flatten() if p >= 0})
+        for page in picked:
+            host_slot, staged_slot = table.slots[b, page], staged.table.slots[b, page]
+            assert torch.equal(staged.k[staged_slot], pool.host_k[0, host_slot])
+            assert torch.equal(staged.v[staged_slot], pool.host_v[0, host_slot])
+    assert pool.kv_staging.pages_staged == 6 + 5  # {0, 1, 2, 4, 7, 9} and {0, 3, 5, 6, 8}
+    assert staged.grad_slots.data_ptr() == table.slots.data_ptr()  # gradients go to the layer's own pages
+    assert staged.kv_stager is None and store.kv_stager is pool.kv_staging
+
+
+def test_gpu_side_page_copies_skip_negative_slots_and_write_rows():
+    """The kernels a CUDA step uses on host-mapped pages, in Triton's interpreter: the gather's fixed-length
+    page list (-1: stays), and a chunk's K/V rows written into host pages."""
+    from lightning_oomb.kernels.host_pages import copy_pages, write_rows
+
+    torch.manual_seed(2)
+    src, dst = torch.randn(5, 3, 2, 4), torch.zeros(4, 3, 2, 4)
+    copy_pages(src, torch.tensor([4, -1, 0, -1]), dst, torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[0])
+    assert not dst[1].any() and not dst[3].any()
+    rows = torch.tensor([[7, 2], [0, 11]])
+    values = torch.randn(2, 2, 2, 4)
+    pages = torch.zeros(12, 2, 4)
+    write_rows(pages, rows, values)
+    want = torch.zeros(12, 2, 4)
+    want[rows.reshape(-1)] = values.reshape(-1, 2, 4)
+    assert torch.equal(pages, want)
+
+
+def test_selection_over_host_pages_equals_the_selection_over_gpu_pages():
+    """Page summaries stay on the GPU, written from the chunk's keys read back from the host pages."""
+    torch.manual_seed(1)
+    spec = StoreSpec(n_layers=1, n_kv_heads=2, head_dim=4, dtype=torch.float32)
+    stores = []
+    for kv_layers in (0, 1):
+        pool = PagePool(spec, 12, 3, "cpu", host_kv_layers=kv_layers)
+        table = pool.allocate(1, 30)
+        stores.append((pool, pool.layer(0, table)))
+    k, v, q = torch.randn(1, 2, 30, 4), torch.randn(1, 2, 30, 4), torch.randn(1, 4, 6, 4)
+    from lightning_oomb.core.sparse import update_summaries
+
+    chosen = []
+    for pool, store in stores:
+        store.write(k, v, 0)
+        summaries = tuple(s[0] for s in pool.summaries("mean"))
+        update_summaries(store, summaries, "mean", 0, 24)
+        chosen.append(select_pages(q, store, summaries, SPARSE, 24))
+    assert torch.equal(*chosen)
+
+
+def test_host_kv_layers_are_refused_where_they_cannot_work(monkeypatch):
+    spec = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="host_kv_layers"):
+        PagePool(spec, 4, 2, "cpu", placement="host", segment_tokens=4, host_kv_layers=1)
+    with pytest.raises(ValueError, match="host_kv_layers"):
+        PagePool(spec, 4, 2, "cpu", host_kv_layers=3)
+    # A dense step placed with host K/V layers (only a pool every step must use could ask for it) is refused
+    # before any page is taken.
+    import lightning_oomb.core.schedule as schedule
+
+    monkeypatch.setattr(schedule, "place_step", lambda *args, **kwargs: Placement("gpu", 8, 1, host_kv_layers=2))
+    with pytest.raises(ValueError, match="need sparse attention"):
+        ChunkedSequence(tiny_model("qwen2"), torch.randint(0, VOCAB, (1, 16)), config=ChunkConfig(chunk_size=8))
+
+
+def test_planner_moves_gradient_pages_first_then_kv_pages():
+    """offload='auto' on an H200 (140 GiB, 112 GiB host budget): Qwen2.5-7B sparse, bf16 KV-gradients, no
+    optimizer, layer checkpointing. 1M keeps 7 layers' gradient pages on the host, 1.75M all of them; without
+    layer checkpointing 1.75M needs K/V pages of 4 layers there too (and then the host budget is 4 GiB
+    short). With 'host' every page is there; past the point where one gather's staging stops growing
+    (every tile's selection distinct), the GPU grows by the page summaries and selections only."""
+    common = dict(optimizer="none", grad_dtype=torch.bfloat16, sparse=SparseConfig(budget_pages=64),
+                  gpu_memory=140 * 2**30, host_memory=112 * 2**30, checkpoint_layers=True)
+    one = plan_placed("qwen2.5-7b", 1 << 20, **common)
+    assert one.fits and (one.config.host_grad_layers, one.config.host_kv_layers) == (7, 0)
+    long = plan_placed("qwen2.5-7b", 1_835_008, **common)
+    assert long.fits and (long.config.host_grad_layers, long.config.host_kv_layers) == (28, 0)
+    eager = plan_placed("qwen2.5-7b", 1_835_008, **{**common, "checkpoint_layers": False})
+    assert (eager.config.host_grad_layers, eager.config.host_kv_layers) == (28, 4)
+    assert any(k.startswith("pinned K/V pages") for k in eager.host_lines)
+    assert eager.time.host_gather_s > 0 and "gathering the host K/V layers" in str(eager)
+    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **{**common, "host_memory": 1 << 41})
+                  for n in (1 << 20, 1 << 21))
+    assert (small.config.host_kv_layers, big.config.host_kv_layers) == (28, 28)
+    assert big.gpu_lines[next(k for k in big.gpu_lines if k.startswith("K/V pages"))] == 0
+    per_10k = (big.peak_gpu_bytes - small.peak_gpu_bytes) / (1 << 20) * 10_000
+    assert per_10k < 7e6  # 28 layers x 4 KV heads: a float32 mean key and 64 int32 entries per page
+
+
+def test_gather_time_counts_every_attention_call():
+    shape = ModelShape.resolve("qwen2.5-7b")
+    c = PlanConfig(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=1,
+                   grad_dtype=torch.bfloat16)
+    one = host_gather_seconds(shape, c)
+    assert host_gather_seconds(shape, PlanConfig(**{**c.__dict__, "host_kv_layers": 4})) == pytest.approx(4 * one)
+    assert host_gather_seconds(shape, PlanConfig(**{**c.__dict__, "checkpoint_layers": True})) == pytest.approx(
+        4 / 3 * one)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_host_kv_pages_give_the_gpu_gradient():
+    model = tiny_model("qwen2", dtype=torch.bfloat16).cuda()
+    ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    sparse = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    options = dict(chunk_size=64, page_size=16, sparse=sparse, grad_dtype=torch.bfloat16)
+    results = []
+    for offload in ("gpu", "host"):
+        model.zero_grad(set_to_none=True)
+        release_cached_pool(model)
+        loss = lightning_oomb.train_step(model, ids, offload=offload, **options)
+        results.append((loss, grads_of(model)))
+    assert cached_pool(model).host_kv_layers == 2
+    _assert_same(results[1], results[0])
