@@ -28,7 +28,7 @@ SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
 def _step(model, ids, **kwargs):
     model.zero_grad(set_to_none=True)
     release_cached_pool(model)
-    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, sparse=SPARSE, **kwargs)
+    loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3, **{"sparse": SPARSE, **kwargs})
     grads = grads_of(model)
     model.zero_grad(set_to_none=True)
     return loss, grads
@@ -230,3 +230,42 @@ def test_gpu_host_kv_pages_give_the_gpu_gradient():
         results.append((loss, grads_of(model)))
     assert cached_pool(model).host_kv_layers == 2
     _assert_same(results[1], results[0])
+
+
+def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
+    """SparseConfig(per_query_tile=False): every tile of a chunk gets the selection of the chunk's mean query,
+    so a host K/V layer gathers at most budget pages per KV head for it; the gradient over host pages equals
+    the GPU pages' bitwise, and with a budget covering every page it is the dense gradient."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    per_chunk = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=False)
+    q = torch.randn(1, 4, 8, 4)
+    spec = StoreSpec(n_layers=1, n_kv_heads=2, head_dim=4, dtype=torch.float32)
+    pool = PagePool(spec, 20, 3, "cpu")
+    store = pool.layer(0, pool.allocate(1, 40))
+    store.write(torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), 0)
+    summaries = tuple(s[0] for s in pool.summaries("mean"))
+    from lightning_oomb.core.sparse import update_summaries
+
+    update_summaries(store, summaries, "mean", 0, 32)
+    chosen = select_pages(q, store, summaries, per_chunk, 32)
+    assert chosen.shape == (1, 2, 3, 3) and all(torch.equal(chosen[:, :, i], chosen[:, :, 0]) for i in range(3))
+    want = _step(model, ids, offload="gpu", sparse=per_chunk)
+    got = _step(model, ids, offload="host", sparse=per_chunk)
+    _assert_same(got, want)
+    # 5 chunks of 8: the past of chunks 1..4 has 3, 6, 8, 11 pages; 3 attention calls per chunk and layer.
+    calls = 3 * 2  # per chunk: stage 1, stage 2's forward and backward; 2 layers
+    assert cached_pool(model).kv_staging.pages_staged <= calls * sum(min(p, 2 * 3) for p in (3, 6, 8, 11))
+    covering = SparseConfig(budget_pages=16, sink_pages=1, local_pages=1, per_query_tile=False)
+    dense = _step(model, ids, sparse=None)
+    loss, grads = _step(model, ids, sparse=covering)
+    assert torch.allclose(loss, dense[0], rtol=1e-6)
+    for name, g in grads.items():
+        assert torch.allclose(g, dense[1][name], rtol=1e-5, atol=1e-7), name
+    with pytest.raises(ValueError, match="per_query_tile"):
+        _step(model, ids, sparse=per_chunk, position_ids=torch.cat([torch.arange(20), torch.arange(20)])[None])
+    shape = ModelShape.resolve("qwen2.5-7b")
+    c = PlanConfig(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=4,
+                   grad_dtype=torch.bfloat16)
+    bounded = PlanConfig(**{**c.__dict__, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)})
+    assert host_gather_seconds(shape, bounded) < host_gather_seconds(shape, c) / 10

@@ -9,8 +9,12 @@ tokens so that the past has many pages) through a Lightning Trainer with OOMBStr
 
 1. on --sequences held-out sequences, compares the full parameter gradient of the sparse model
    (``train_step(..., sparse=...)``) with the dense one for every budget of --budgets pages, both scores
-   ("mean", "minmax") and both selections (per KV head, shared): cosine similarity and relative error
+   ("mean", "minmax") and three selections (per query tile and KV head, per query tile shared by the KV
+   heads, per chunk and KV head: ``per_query_tile=False``): cosine similarity and relative error
    ||g_sparse - g_dense|| / ||g_dense|| of the gradient of all parameters as one vector, and of the loss;
+   and the distinct past pages one attention call of a chunk reads (the union over its tiles and KV heads:
+   what a layer with K/V pages in host memory gathers; the sparse steps run with ``offload="host"``, which
+   gives the same gradient bit for bit);
 2. trains the same model from the same initialisation with sparse attention (``SparseCausalLMModule``,
    --train-budget pages) on the same data, and reports both models' held-out retrieval accuracy.
 
@@ -31,6 +35,7 @@ from lightning.pytorch import Trainer
 
 from .. import train_step
 from ..core.config import SparseConfig
+from ..core.schedule import cached_pool, release_cached_pool
 from ..lightning import OOMBStrategy, PasskeyDataModule
 from ..lightning.module import CausalLMModule
 from ..lightning.sparse import SparseCausalLMModule
@@ -48,11 +53,17 @@ def _train(module, data: PasskeyDataModule, steps: int, chunk_size: int, page_si
     return float(trainer.validate(module, datamodule=data, verbose=False)[0]["val/retrieval_acc"])
 
 
-def _gradient(model, ids, labels, chunk_size: int, page_size: int, sparse) -> tuple[torch.Tensor, float]:
+def _gradient(model, ids, labels, chunk_size: int, page_size: int, sparse) -> tuple[torch.Tensor, float, float]:
+    """(the gradient of all parameters, float64; the loss; past pages gathered per attention call, sparse)."""
     model.zero_grad(set_to_none=True)
-    loss = train_step(model, ids, labels, chunk_size=chunk_size, page_size=page_size, sparse=sparse)
+    release_cached_pool(model)
+    loss = train_step(model, ids, labels, chunk_size=chunk_size, page_size=page_size, sparse=sparse,
+                      offload="host" if sparse else "gpu")
     flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return flat.double(), float(loss)  # float64: cosines of ~1 - 1e-6 must not round past 1
+    staging = cached_pool(model).kv_staging
+    per_call = staging.pages_staged / staging.calls if staging is not None and staging.calls else 0.0
+    release_cached_pool(model)
+    return flat.double(), float(loss), per_call  # float64: cosines of ~1 - 1e-6 must not round past 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,22 +104,25 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     dense_grads = [_gradient(model, b["input_ids"][None], b["labels"][None], chunk_size, args.page_size, None)
                    for b in batch]
+    selections = {"per KV head": dict(per_kv_head=True), "shared": dict(per_kv_head=False),
+                  "per chunk, per KV head": dict(per_kv_head=True, per_query_tile=False)}
     for budget in (int(x) for x in args.budgets.split(",")):
         for score in ("mean", "minmax"):
-            for per_kv_head in (True, False):
-                sparse = SparseConfig(budget_pages=budget, score=score, per_kv_head=per_kv_head)
-                cos, err, loss_err = [], [], []
-                for b, (g_dense, l_dense) in zip(batch, dense_grads):
-                    g, loss = _gradient(model, b["input_ids"][None], b["labels"][None], chunk_size, args.page_size,
-                                        sparse)
+            for name, selection in selections.items():
+                sparse = SparseConfig(budget_pages=budget, score=score, **selection)
+                cos, err, loss_err, gathered = [], [], [], []
+                for b, (g_dense, l_dense, _) in zip(batch, dense_grads):
+                    g, loss, per_call = _gradient(model, b["input_ids"][None], b["labels"][None], chunk_size,
+                                                  args.page_size, sparse)
                     cos.append(float(torch.nn.functional.cosine_similarity(g, g_dense, dim=0)))
                     err.append(float((g - g_dense).norm() / g_dense.norm()))
                     loss_err.append(abs(loss - l_dense) / abs(l_dense))
+                    gathered.append(per_call)
                 n = len(cos)
-                rows.append((budget, score, "per KV head" if per_kv_head else "shared", sum(cos) / n, min(cos),
-                             sum(err) / n, max(err), sum(loss_err) / n))
-                print(f"  budget {budget:4d} {score:6s} {rows[-1][2]:11s} cosine {rows[-1][3]:.5f} "
-                      f"rel. error {rows[-1][5]:.4f}", flush=True)
+                rows.append((budget, score, name, sum(cos) / n, min(cos), sum(err) / n, max(err),
+                             sum(loss_err) / n, sum(gathered) / n))
+                print(f"  budget {budget:4d} {score:6s} {name:22s} cosine {rows[-1][3]:.5f} "
+                      f"rel. error {rows[-1][5]:.4f} pages per call {rows[-1][8]:.1f}", flush=True)
 
     print(f"training the sparse model (budget {args.train_budget} pages)", flush=True)
     torch.manual_seed(cfg.get("seed_everything", 0))
@@ -119,9 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     seq_len = data_args["seq_len"]
     pages = seq_len // args.page_size
     table = ["| budget (pages) | score | selection | cosine (mean) | cosine (min) | rel. error (mean) "
-             "| rel. error (max) | loss rel. error |", "|---:|---|---|---:|---:|---:|---:|---:|"]
-    table += [f"| {b} | {s} | {h} | {c:.5f} | {cmin:.5f} | {e:.4f} | {emax:.4f} | {le:.2e} |"
-              for b, s, h, c, cmin, e, emax, le in rows]
+             "| rel. error (max) | loss rel. error | past pages per attention call |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {b} | {s} | {h} | {c:.5f} | {cmin:.5f} | {e:.4f} | {emax:.4f} | {le:.2e} | {g:.1f} |"
+              for b, s, h, c, cmin, e, emax, le, g in rows]
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -136,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{(seq_len - chunk_size) // args.page_size}), sink 1 page, local window 4 pages; float32, reference attention\n"
         f"- wall time: {time.perf_counter() - started:.0f} s\n\n"
         f"Gradient of all parameters, sparse against dense, over {args.sequences} held-out sequences of the dense-trained "
-        f"model:\n\n" + "\n".join(table) + "\n\n"
+        f"model; the last column is the mean over a step's attention calls of the distinct past pages the chunk's "
+        f"selections name (what a layer with K/V pages in host memory gathers for the call):\n\n"
+        + "\n".join(table) + "\n\n"
         f"Held-out retrieval accuracy ({len(held_out.val_set)} sequences): dense-trained {dense_acc:.2f}, "
         f"sparse-trained (budget {args.train_budget} pages, score {args.train_score}, per KV head) {sparse_acc:.2f}.\n"
     )

@@ -32,6 +32,11 @@ class SparseConfig:
     score: "mean" (query . mean key of the page) or "minmax" (Quest's upper bound with per-page min/max).
     per_kv_head: True selects pages per (query tile, KV head); False one selection per query tile for all
         heads.
+    per_query_tile: True selects pages per query tile of ``page_size`` queries; False one selection per
+        chunk, by the mean query of all its tiles, that every tile attends to: a chunk then reads at most
+        ``budget_pages`` distinct past pages per KV head, which bounds what layers with K/V pages in host
+        memory gather for it (docs/architecture.md, "Host K/V pages for sparse steps"). Not with packed
+        documents.
     """
 
     budget_pages: int = 64
@@ -39,6 +44,7 @@ class SparseConfig:
     local_pages: int = 4
     score: SparseScore = "mean"
     per_kv_head: bool = True
+    per_query_tile: bool = True
 
     def __post_init__(self):
         for name, low in (("budget_pages", 1), ("sink_pages", 0), ("local_pages", 0)):
@@ -52,8 +58,9 @@ class SparseConfig:
             )
         if self.score not in SPARSE_SCORES:
             raise SetupError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
-        if not isinstance(self.per_kv_head, bool):
-            raise SetupError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
+        for name in ("per_kv_head", "per_query_tile"):
+            if not isinstance(getattr(self, name), bool):
+                raise SetupError(f"SparseConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
     def coerce(cls, value: "SparseConfig | dict | None") -> "SparseConfig | None":

@@ -157,12 +157,13 @@ class HostKVStaging:
     count), so the staging area is sized for the worst case, ``min(past pages, selected entries)`` pages per
     sequence, and the host never waits. Gradients do not travel this way: the layer's gradient pages are its
     own, wherever they live (``PagePool.host_grad_layers``). ``pages_staged`` counts the pages gathered (on the
-    device; reading it waits for the GPU).
+    device; reading it waits for the GPU), ``calls`` the attention calls that gathered.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._staged = torch.zeros((), dtype=torch.int64, device=device)
+        self.calls = 0
 
     @property
     def pages_staged(self) -> int:
@@ -195,6 +196,7 @@ class HostKVStaging:
             src, dst = slots[:, :n_past][hit].long(), staged[hit]
             k[dst], v[dst] = store.k[src], store.v[src]
         self._staged += hit.sum()
+        self.calls += 1
         return dataclasses.replace(store, k=k, v=v, table=PageTable(remapped, store.table.seq_len, store.page_size),
                                    grad_table=store.grad_table or store.table, kv_stager=None)
 

@@ -270,7 +270,7 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
     if not c.host_grad_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
-    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     page_bytes = c.page_size * shape.head_dim * _itemsize(c.grad_dtype)
     seconds = 0.0
     for start, layers in zip(range(0, c.context, c.chunk_size), host_layers_left(shape, c)):
@@ -293,7 +293,7 @@ def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
     if not c.host_kv_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
-    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size)
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     heads = shape.n_kv_heads if sparse.per_kv_head else 1
     page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.n_layers  # K and V
     calls = 4 if c.checkpoint_layers else 3
@@ -572,6 +572,7 @@ class Plan:
             head += (
                 f"; sparse attention: {sp.budget_pages} pages per query tile ({sp.sink_pages} sink, "
                 f"{sp.local_pages} local), score {sp.score}, {'per KV head' if sp.per_kv_head else 'shared'}"
+                + ("" if sp.per_query_tile else ", one selection per chunk")
             )
         width = max(len(k) for k in [*self.gpu_lines, *self.host_lines]) + 2
         cpu = self.device == "cpu"

@@ -11,6 +11,8 @@ attended are:
 - all P of them when P <= budget_pages (dense);
 - else the first ``sink_pages`` pages, the last ``local_pages`` pages, and the top
   (budget_pages - sink_pages - local_pages) of the other pages by score.
+With ``per_query_tile=False`` the chunk's mean query makes one such selection that every tile uses: a chunk
+reads at most ``budget_pages`` distinct past pages per KV head.
 
 Scores, from per-page key summaries of post-RoPE keys (written as stage 1 fills the store):
 - "mean": q_bar . mean_key(page), where q_bar is the mean of the tile's queries over its tokens and over the
@@ -41,6 +43,8 @@ Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contrac
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -127,8 +131,18 @@ def select_pages(
     """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T): see the module notes.
 
     doc_start: None, or (B, T) int32 each query's document start (packed documents): a tile then selects
-    among the past pages from that of its earliest document start on, and entries it cannot fill are -1."""
+    among the past pages from that of its earliest document start on, and entries it cannot fill are -1.
+    With ``config.per_query_tile`` False one selection, made for the chunk's mean query, serves every tile."""
     ps = store.page_size
+    if not config.per_query_tile:
+        if doc_start is not None:
+            raise ValueError("SparseConfig(per_query_tile=False) selects one page set per chunk, which packed "
+                             "documents cannot share; use per_query_tile=True with position_ids")
+        n_tiles = -(-q.shape[2] // ps)
+        # The chunk's mean query as one tile of all its rows: the mean of the tiles' means, weighted by rows.
+        whole = q.float().mean(2, keepdim=True).expand(-1, -1, ps, -1)
+        one = select_pages(whole, store, summaries, dataclasses.replace(config, per_query_tile=True), start)
+        return one.expand(-1, -1, n_tiles, -1).contiguous()
     n_past = -(-start // ps)
     b, hq, t, _ = q.shape
     n_tiles = -(-t // ps)

@@ -2,7 +2,7 @@
 
     class MyModule(SparseAttentionMixin, LightningModule):
         def __init__(self, ..., budget_pages=64, sink_pages=1, local_pages=4, sparse_score="mean",
-                     per_kv_head=True):
+                     per_kv_head=True, per_query_tile=True):
             super().__init__()
             self.save_hyperparameters()
 
@@ -26,6 +26,7 @@ SPARSE_HPARAMS = {
     "local_pages": "local_pages",
     "sparse_score": "score",
     "per_kv_head": "per_kv_head",
+    "per_query_tile": "per_query_tile",
 }
 
 
@@ -33,7 +34,7 @@ class SparseAttentionMixin:
     """Gives a LightningModule ``sparse_config``, read from its hyperparameters (see the module notes).
 
     Hyperparameters read: ``budget_pages`` (None: dense), ``sink_pages``, ``local_pages``, ``sparse_score``
-    ("mean" | "minmax"), ``per_kv_head``; missing ones take ``SparseConfig``'s defaults.
+    ("mean" | "minmax"), ``per_kv_head``, ``per_query_tile``; missing ones take ``SparseConfig``'s defaults.
     """
 
     @property
@@ -47,7 +48,8 @@ class SparseAttentionMixin:
 class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
     """``CausalLMModule`` trained with page-level sparse attention.
 
-    Args (besides CausalLMModule's): budget_pages, sink_pages, local_pages, sparse_score, per_kv_head: the
+    Args (besides CausalLMModule's): budget_pages, sink_pages, local_pages, sparse_score, per_kv_head,
+        per_query_tile: the
     fields of ``lightning_oomb.SparseConfig`` (``sparse_score`` is its ``score``); budget_pages=None is dense.
     """
 
@@ -70,10 +72,11 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         local_pages: int = 4,
         sparse_score: str = "mean",
         per_kv_head: bool = True,
+        per_query_tile: bool = True,
     ):
         if budget_pages is not None:  # refuse bad options before loading a model
             SparseConfig(budget_pages=budget_pages, sink_pages=sink_pages, local_pages=local_pages, score=sparse_score,
-                         per_kv_head=per_kv_head)
+                         per_kv_head=per_kv_head, per_query_tile=per_query_tile)
         super().__init__(
             pretrained=pretrained, config=config, dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
             lora_target_modules=lora_target_modules, learning_rate=learning_rate, weight_decay=weight_decay,
