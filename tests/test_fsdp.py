@@ -73,8 +73,9 @@ class Record(Callback):
             torch.save(final, f"{self.out}-weights.pt")
 
 
-def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=None, **trainer_kwargs):
-    module = UserModule(tiny_model(family), lr=1e-2, optimizer="adamw")
+def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=None, optimizer="adamw",
+         **trainer_kwargs):
+    module = UserModule(tiny_model(family), lr=1e-2 if optimizer == "adamw" else 0.5, optimizer=optimizer)
     strategy = OOMBModelParallelStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference", **strategy_kwargs)
     trainer_kwargs = {**TRAINER, **trainer_kwargs}
     trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=steps, callbacks=[Record(out), *callbacks],
@@ -89,6 +90,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
     _fit(f"{out}/zero2", "qwen2", ITEMS[:4], 2, {})
     _fit(f"{out}/zero3", "qwen2-tied", ITEMS[:2], 1, {"sharding": "zero3", "checkpoint_layers": True})
     _fit(f"{out}/zero1", "llama", ITEMS[:4], 1, {"sharding": "zero1"}, accumulate_grad_batches=2)
+    _fit(f"{out}/clipped", "llama", ITEMS[:4], 2, {}, optimizer="sgd", gradient_clip_val=0.05)
     # Resume: one step, a checkpoint (one file, through AtomicCheckpointIO), a fresh module and Trainer that
     # restore it and take the second step on the second batch: zero2's two steps.
     saved = ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=1)
@@ -141,6 +143,16 @@ def test_zero1_accumulation(runs):
     assert runs("zero1", "calls") == {"all_gather_single": 2 * LAYERS, "reduce_scatter_single": LAYERS}
     first, second = module_grads(tiny_model("llama"), ITEMS[:2]), module_grads(tiny_model("llama"), ITEMS[2:4])
     assert_grads_close(runs("zero1", "grads"), {n: (first[n] + second[n]) / 2 for n in first}, 1e-5)
+
+
+def test_clipping_takes_the_norm_over_sharded_and_whole_gradients(runs):
+    """Clipped SGD steps give plain one-process training's weights (as test_ddp's clipping test)."""
+    plain = UserModule(tiny_model("llama"))
+    start = weights(plain)
+    Trainer(devices=1, max_steps=2, gradient_clip_val=0.05, **TRAINER).fit(plain, DataLoader(ITEMS[:4], batch_size=2))
+    got, want = runs("clipped", "weights"), weights(plain)
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-4, f"update of {worst[1]} differs by {worst[0]:.2e}"
 
 
 def test_resume_from_checkpoint_takes_the_same_step(runs):

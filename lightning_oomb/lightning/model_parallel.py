@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,35 @@ def shard_decoder_layers(lm: nn.Module, mesh: DeviceMesh, reshard_after_forward:
                 ignored_params={p for p in decoder.parameters() if id(p) not in sharded})
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient, to scale in place: a DTensor's shard, or the whole tensor."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over gradients of which some are sharded DTensors and the others
+    whole and equal on every rank, which torch's cannot mix; returns the total norm (float32 scalar)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # a shard's norm: summed over ranks
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        _local(grad).mul_(scale.to(grad.dtype))
+    return total
+
+
+def clip_grad_value(params: Iterable[nn.Parameter], clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over sharded and whole gradients alike."""
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).clamp_(-clip_value, clip_value)
+
+
 class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
     """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks with the decoder layers sharded by
     FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh): each rank trains on
@@ -67,7 +96,8 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
     ``configure_model`` that already applied ``fully_shard`` is respected, as long as the embeddings, final
     norm and output layer stay unsharded (refused otherwise: see the module docstring for why). Those stay
     whole on every rank: broadcast from rank 0 at set-up, their gradients averaged after stage 2 as oomb_ddp
-    averages (after the accumulation's last micro-batch, before clipping).
+    averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
+    gradients, sharded and whole (``clip_grad_norm``).
 
     sharding:
         "zero2" (default): the layers' weights are gathered in stage 1's first chunk and kept until stage 2's
@@ -154,6 +184,11 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips through the precision plugin (chosen by the Trainer's precision flag), whose torch
+        # clipping cannot mix sharded and whole gradients: this plugin instance clips with the functions above.
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm(plugin.main_params(optimizer), clip_val)
+        plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value(plugin.main_params(optimizer), clip_val)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
