@@ -99,6 +99,7 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
     averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
     gradients, sharded and whole (``clip_grad_norm``).
 
+    data_parallel_size: "auto" (default): every process of the run; an int must be that number.
     sharding:
         "zero2" (default): the layers' weights are gathered in stage 1's first chunk and kept until stage 2's
             last (``reshard_after_forward=False``, and no reshard after backward until then); each chunk's
@@ -117,7 +118,8 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
     Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
     so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
     the concatenated batch. Batches must have one shape on all ranks; the host memory budget is divided
-    among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (``start_method`` "popen").
+    among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the script again for
+    each rank); there is no spawn variant.
 
     Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...), the above, and
     ``ModelParallelStrategy``'s process_group_backend and timeout.
