@@ -1,7 +1,7 @@
 """lightning_oomb: exact chunk-recurrent training of transformers causal LMs on very long contexts.
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
-(``OOMBStrategy``, ``OOMBDDPStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``,
+(``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``,
 ``TextCorpusDataModule``) loads on first use.
 """
 
@@ -9,7 +9,7 @@ from .core import ChunkConfig, SparseConfig, eval_loss, train_step
 from .core.served import serve
 
 _LIGHTNING = (
-    "OOMBStrategy", "OOMBDDPStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule",
+    "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule",
     "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
 )
 

@@ -107,6 +107,25 @@ def test_served_step_training_only_the_output_layer_runs_the_decoder_once(monkey
     assert_grads_close(grads_of(model), {"lm_head.weight": want["lm_head.weight"]}, TOL)
 
 
+def test_before_chunk_hook_runs_before_every_chunk_and_changes_no_bit():
+    """The hook a sharded strategy uses sees stage 1's chunks in order and stage 2's in reverse, each before the
+    chunk's observer; the gradients are bitwise those of a step without it."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 29))
+    config = lightning_oomb.ChunkConfig(chunk_size=8, page_size=4, attention="reference")
+    with lightning_oomb.serve(model, config):
+        model(input_ids=ids, labels=ids).loss.backward()
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    calls = []
+    with lightning_oomb.serve(model, config, observer=lambda stage, index, *_: calls.append(("after", stage, index)),
+                              before_chunk=lambda stage, index: calls.append(("before", stage, index))):
+        model(input_ids=ids, labels=ids).loss.backward()
+    order = [(1, i) for i in range(4)] + [(2, i) for i in reversed(range(4))]
+    assert calls == [(when, *chunk) for chunk in order for when in ("before", "after")]
+    assert all(torch.equal(g, want[n]) for n, g in grads_of(model).items())
+
+
 def test_labels_differ_from_inputs():
     model = tiny_model("qwen3")
     ids = torch.randint(0, VOCAB, (2, 24))

@@ -43,6 +43,11 @@ class _LastKVStored(Exception):
 # Called after every chunk of both stages with (stage 1 or 2, chunk index, start, end): memory traces.
 ChunkObserver = Callable[[int, int, int, int], None]
 
+# Called before every chunk of both stages with (stage 1 or 2, chunk index); stage 2 runs the indices down to 0.
+# A sharded strategy decides there what its collectives do around the chunk (lightning/model_parallel.py keeps
+# the gathered weights until stage 2's last chunk).
+ChunkHook = Callable[[int, int], None]
+
 # (spec, pages needed, with_grads, placement) -> a pool with at least that many pages of that spec, placed
 # so. A provider may also have ``held_bytes()``: (GPU bytes, host bytes) of a pool it already holds, which
 # the step reuses or replaces, and ``host_grad_layers()``, ``host_kv_layers()``: the host gradient and host
@@ -148,7 +153,8 @@ class ChunkedSequence:
     either way.
 
     ranks: the data-parallel ranks this step agrees its batch shape, loss normaliser and placement with
-    (``core.ranks``); the default is one process.
+    (``core.ranks``); the default is one process. before_chunk: called before each chunk of both stages
+    (``ChunkHook``), before anything of the chunk runs.
     """
 
     def __init__(
@@ -164,8 +170,10 @@ class ChunkedSequence:
         optimizers: Sequence[torch.optim.Optimizer] = (),
         position_ids: torch.Tensor | None = None,
         ranks: Ranks = Ranks(),
+        before_chunk: ChunkHook | None = None,
     ):
         self.stage_1_loss = stage_1_loss
+        self.before_chunk = before_chunk
         targets = _check_tokens(input_ids, labels)
         ranks.check_batch(tuple(input_ids.shape), config.chunk_size, config.page_size)
         # Packed documents (core/documents.py): None, or each token's document start (B, L) int32.
@@ -377,6 +385,8 @@ class ChunkedSequence:
         first_kept = self.input_ids.shape[1] - keep_last
         with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
             for index, (start, end) in enumerate(self.chunks):
+                if self.before_chunk is not None:
+                    self.before_chunk(1, index)
                 self._chunk = index
                 keeps_graph = self._keeps_graph(index)
                 self._hidden_needed = keeps_graph or self.stage_1_loss or (keep_last > 0 and end > first_kept)
@@ -406,6 +416,8 @@ class ChunkedSequence:
         try:
             with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers, self.fused_ops):
                 for index in reversed(range(len(self.chunks))):
+                    if self.before_chunk is not None:
+                        self.before_chunk(2, index)
                     start, end = self.chunks[index]
                     self._chunk = index
                     if not self.config.cross_chunk_gradients:

@@ -19,7 +19,7 @@ from torch import nn
 from ..integrations.transformers import causal_lm
 from .config import ChunkConfig
 from .ranks import Ranks
-from .schedule import ChunkedSequence, ChunkObserver, PoolProvider
+from .schedule import ChunkedSequence, ChunkHook, ChunkObserver, PoolProvider
 
 # Keyword arguments of a causal LM's forward that we accept when they ask for nothing we do not compute.
 _IGNORED_WHEN_FALSY = ("use_cache", "output_attentions", "output_hidden_states", "inputs_embeds", "cache", "past_key_values")
@@ -79,6 +79,7 @@ class Serving:
     observer: ChunkObserver | None = None
     optimizers: Sequence[torch.optim.Optimizer] = ()
     ranks: Ranks = field(default_factory=Ranks)
+    before_chunk: ChunkHook | None = None
     sequences: list[ChunkedSequence] = field(default_factory=list)
 
     def forward(
@@ -118,7 +119,7 @@ class Serving:
         seq = ChunkedSequence(
             self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
             stage_1_loss=True, optimizers=self.optimizers, position_ids=position_ids,
-            ranks=self.ranks if train else Ranks(),
+            ranks=self.ranks if train else Ranks(), before_chunk=self.before_chunk,
         )
         self.sequences.append(seq)
         loss, logits = seq.fill(with_grads=train, keep_last=logits_to_keep)
@@ -143,12 +144,14 @@ def serve(
     observer: ChunkObserver | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     ranks: Ranks = Ranks(),
+    before_chunk: ChunkHook | None = None,
 ) -> Iterator[Serving]:
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
 
     ``optimizers``: those that update the model after the step (the state their first update creates is
     counted when the step is placed: ``placement.optimizer_state``). ``ranks``: the data-parallel ranks a
-    training forward agrees with (``core.ranks``; evaluation forwards agree nothing).
+    training forward agrees with (``core.ranks``; evaluation forwards agree nothing). ``before_chunk``: the
+    engine's hook before each chunk of both stages (``schedule.ChunkHook``), for training and evaluation.
 
     The instance's ``forward`` attribute is set for the block and removed after it (the class is untouched).
     Stage 2 runs when the returned loss is backpropagated, inside or after the block.
@@ -156,7 +159,7 @@ def serve(
     lm = causal_lm(model)
     if "forward" in lm.__dict__:
         raise RuntimeError(f"{type(lm).__name__}.forward is already overridden on this instance (nested serve?)")
-    serving = Serving(model, config, pools, max_calls, observer, optimizers, ranks)
+    serving = Serving(model, config, pools, max_calls, observer, optimizers, ranks, before_chunk)
     lm.forward = serving.forward
     try:
         yield serving

@@ -1,5 +1,6 @@
 """The Lightning layer: strategies, callback, ready module and data, built on the core engine. Importing it
-registers the strategy names "oomb_ddp" and "oomb_ddp_spawn" with Lightning (``Trainer(strategy="oomb_ddp")``)."""
+registers the strategy names "oomb_ddp", "oomb_ddp_spawn" and "oomb_model_parallel" with Lightning
+(``Trainer(strategy="oomb_ddp")``)."""
 
 from ..core.errors import SetupError
 from .callback import PagedKVCallback
@@ -7,6 +8,7 @@ from .checkpoint import AtomicCheckpointIO
 from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
 from .ddp import OOMBDDPStrategy
+from .model_parallel import OOMBModelParallelStrategy
 from .module import CausalLMModule
 from .sparse import SparseAttentionMixin, SparseCausalLMModule
 from .strategy import OOMBStrategy
@@ -16,6 +18,7 @@ __all__ = [
     "CausalLMModule",
     "CorpusError",
     "OOMBDDPStrategy",
+    "OOMBModelParallelStrategy",
     "OOMBStrategy",
     "PagedKVCallback",
     "PasskeyDataModule",

@@ -8,7 +8,6 @@ weights at set-up and averages the gradients once, after stage 2, in float32 buc
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -18,7 +17,6 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-from ..core.host_memory import available_host_memory, host_headroom, process_host_bytes
 from ..core.ranks import GRADIENT_BUCKET_BYTES, DataParallelRanks
 from .strategy import OOMBStrategyMixin
 
@@ -117,13 +115,7 @@ class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # The ranks of a node share its host memory: each is placed against its share of the budget.
-        local = self.num_processes
-        if self.chunk_config.host_memory is not None:
-            budget = self.chunk_config.host_memory // local
-        else:
-            budget = process_host_bytes() + (available_host_memory() - host_headroom()) // local
-        self.chunk_config = dataclasses.replace(self.chunk_config, host_memory=budget)
+        self._share_host_budget(self.num_processes)
 
     @override
     def configure_ddp(self) -> None:

@@ -1,7 +1,8 @@
 """OOMBStrategy: Lightning training with the chunk-recurrent schedule, around an unchanged LightningModule.
 
-The body is ``OOMBStrategyMixin``, which the single-device ``OOMBStrategy`` and the data-parallel
-``OOMBDDPStrategy`` (``lightning/ddp.py``) put in front of Lightning's own strategy classes."""
+The body is ``OOMBStrategyMixin``, which the single-device ``OOMBStrategy``, the data-parallel
+``OOMBDDPStrategy`` (``lightning/ddp.py``) and the sharded ``OOMBModelParallelStrategy``
+(``lightning/model_parallel.py``) put in front of Lightning's own strategy classes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing_extensions import override
 
 from ..core.config import ChunkConfig, SparseConfig
 from ..core.errors import SetupError
-from ..core.host_memory import host_budget, process_host_bytes
+from ..core.host_memory import available_host_memory, host_budget, host_headroom, process_host_bytes
 from ..core.planner import HOST_GROWTH_BYTES
 from ..core.ranks import Ranks
+from ..core.schedule import ChunkHook
 from ..core.served import Serving, serve
 from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
@@ -82,9 +84,11 @@ class OOMBStrategyMixin:
         host_memory: int | str | None = None,
         **kwargs: Any,
     ):
-        # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind.
-        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
+        # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind. Set after
+        # the base's __init__, since ModelParallelStrategy's takes no checkpoint_io.
+        checkpoint_io = kwargs.pop("checkpoint_io", None)
         super().__init__(**kwargs)
+        self.checkpoint_io = AtomicCheckpointIO() if checkpoint_io is None else checkpoint_io
         self.chunk_config = ChunkConfig(
             chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
             cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
@@ -128,13 +132,27 @@ class OOMBStrategyMixin:
         return Ranks()
 
     @property
+    def before_chunk(self) -> ChunkHook | None:
+        """The engine's hook before each chunk of both stages (``core.schedule.ChunkHook``): none here."""
+        return None
+
+    def _share_host_budget(self, local_ranks: int) -> None:
+        """The ranks of a node share its host memory: each is placed against its share of the budget
+        (``host_memory``, or what the machine has available less the headroom)."""
+        if self.chunk_config.host_memory is not None:
+            budget = self.chunk_config.host_memory // local_ranks
+        else:
+            budget = process_host_bytes() + (available_host_memory() - host_headroom()) // local_ranks
+        self.chunk_config = dataclasses.replace(self.chunk_config, host_memory=budget)
+
+    @property
     def kv_callback(self) -> PagedKVCallback:
         return next(cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, PagedKVCallback))
 
     def _serve(self, max_calls: int | None):
         callback = self.kv_callback
         return serve(find_causal_lm(self.lightning_module), self.chunk_config, callback, max_calls, callback.observe,
-                     self.optimizers, self.ranks)
+                     self.optimizers, self.ranks, self.before_chunk)
 
     # -- steps ------------------------------------------------------------------------------------------
     @override

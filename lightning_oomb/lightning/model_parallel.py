@@ -1,0 +1,248 @@
+"""OOMBModelParallelStrategy: data parallel with the decoder layers' weights, gradients and optimizer state
+sharded over the ranks by FSDP2 (docs/architecture.md, "Several GPUs").
+
+The engine calls the decoder and reads the output layer's weight itself, chunk by chunk; it never runs the
+causal LM's own forward. FSDP2 gathers a module's weights in that module's forward hooks, so a sharded root
+(embeddings, final norm, output layer) would never be gathered: the embedding would meet a sharded DTensor
+weight, and the output layer's gradient, which the engine hands to autograd after the last chunk
+(``core/loss.py: HeadGradients``), would arrive after FSDP's last reduce-scatter of the step and be lost.
+So only the decoder layers are sharded (``fully_shard`` each, and the decoder on top of them as the root of
+their FSDP group, its own weights left out); the embeddings, final norm and output layer stay whole on every
+rank, like oomb_ddp's weights: broadcast from rank 0 at set-up and averaged once after stage 2.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from ..core.errors import SetupError
+from ..core.ranks import DataParallelRanks
+from ..core.schedule import ChunkHook
+from ..integrations.transformers import find_causal_lm
+from .ddp import average_gradients
+from .strategy import OOMBStrategyMixin
+
+SHARDING = ("zero1", "zero2", "zero3")
+
+
+def shard_decoder_layers(lm: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
+    """``fully_shard`` each decoder layer of the causal LM ``lm`` over ``mesh``, then the decoder as their root
+    with its own weights (embeddings, final norm) left whole; the output layer is outside the decoder.
+
+    Gradients are reduced in float32 whatever the weights' dtype, as oomb_ddp's buckets are."""
+    decoder = lm.get_decoder()
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    sharded = {id(p) for layer in decoder.layers for p in layer.parameters()}
+    # The decoder as root: one FSDP group for all layers (one post-backward callback per backward, prefetching
+    # from layer to layer) whose forward the engine does run, unlike the causal LM's.
+    fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                ignored_params={p for p in decoder.parameters() if id(p) not in sharded})
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient, to scale in place: a DTensor's shard, or the whole tensor."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over gradients of which some are sharded DTensors and the others
+    whole and equal on every rank, which torch's cannot mix; returns the total norm (float32 scalar)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # a shard's norm: summed over ranks
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        _local(grad).mul_(scale.to(grad.dtype))
+    return total
+
+
+def clip_grad_value(params: Iterable[nn.Parameter], clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` over sharded and whole gradients alike."""
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).clamp_(-clip_value, clip_value)
+
+
+class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
+    """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks with the decoder layers sharded by
+    FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh): each rank trains on
+    its own sequences, holds 1/N of the decoder layers' weights, gradients and optimizer state, and a step's
+    update is one process's update of all ranks' batches together (tests/test_fsdp.py checks it against
+    transformers).
+
+    The strategy shards an unchanged module itself (each decoder layer, see ``shard_decoder_layers``); a
+    ``configure_model`` that already applied ``fully_shard`` is respected, as long as the embeddings, final
+    norm and output layer stay unsharded (refused otherwise: see the module docstring for why). Those stay
+    whole on every rank: broadcast from rank 0 at set-up, their gradients averaged after stage 2 as oomb_ddp
+    averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
+    gradients, sharded and whole (``clip_grad_norm``).
+
+    data_parallel_size: "auto" (default): every process of the run; an int must be that number.
+    sharding:
+        "zero2" (default): the layers' weights are gathered in stage 1's first chunk and kept until stage 2's
+            last (``reshard_after_forward=False``, and no reshard after backward until then); each chunk's
+            gradients are reduce-scattered into the sharded gradients. Per rank: whole weights during the step,
+            sharded gradients and optimizer state.
+        "zero3": weights gathered for each chunk's forward and again for its backward, resharded after each
+            (``reshard_after_forward=True``): 1/N of the weights at rest, for models whose weights do not fit.
+        "zero1": gathered as zero2, but the gradients are summed unsharded over the chunks (and micro-batches)
+            and reduce-scattered once, after the last: whole gradients during the step (float32 for bfloat16
+            weights), one reduce-scatter per optimizer step instead of one per chunk.
+    tensor_parallel_size: 1; tensor parallelism over KV heads is not built yet (refused).
+    save_distributed_checkpoint: False only: checkpoints are gathered on rank 0 and written as one file through
+        ``AtomicCheckpointIO`` (atomic, in the background). Lightning's sharded checkpoint folders bypass the
+        checkpoint IO and are rewritten in place, so a kill during a save would leave a torn one: not built.
+
+    Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
+    so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
+    the concatenated batch. Batches must have one shape on all ranks; the host memory budget is divided
+    among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the script again for
+    each rank); there is no spawn variant.
+
+    Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...), the above, and
+    ``ModelParallelStrategy``'s process_group_backend and timeout.
+    """
+
+    strategy_name = "oomb_model_parallel"
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: int = 1,
+        sharding: str = "zero2",
+        save_distributed_checkpoint: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not built yet; use "
+                             "tensor_parallel_size=1 (every rank data parallel, the decoder layers sharded)")
+        if sharding not in SHARDING:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
+        if save_distributed_checkpoint:
+            raise ValueError("save_distributed_checkpoint=True: sharded checkpoint folders are not built (a kill "
+                             "during a save would leave a torn one); use False, one file written atomically by rank 0")
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+                         save_distributed_checkpoint=False, process_group_backend=process_group_backend,
+                         timeout=timeout, **kwargs)
+        self.sharding = sharding
+        self._average_after_backward = True
+        self._fsdp_modules: list[FSDPModule] = []
+        self._replicated: list[nn.Parameter] = []
+
+    @property
+    @override
+    def ranks(self) -> DataParallelRanks:
+        return DataParallelRanks(self.root_device)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # Lightning's "auto" is one rank per node (with TP inside a node)
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+        self._share_host_budget(self.num_processes)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """ModelParallelStrategy.setup, except that a module without ``configure_model`` (or whose
+        ``configure_model`` applied no ``fully_shard``) is sharded here rather than refused."""
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        lm = find_causal_lm(self.lightning_module)
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            shard_decoder_layers(lm, self.device_mesh["data_parallel"], reshard_after_forward=self.sharding == "zero3")
+        self._check_root_unsharded(lm)
+        self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        self._replicated = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
+        with torch.no_grad():  # the whole weights must agree on every rank; the shards are each rank's own
+            for tensor in [*self._replicated, *self.model.buffers()]:
+                dist.broadcast(tensor, src=0)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning clips through the precision plugin (chosen by the Trainer's precision flag), whose torch
+        # clipping cannot mix sharded and whole gradients: this plugin instance clips with the functions above.
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm(plugin.main_params(optimizer), clip_val)
+        plugin.clip_grad_by_value = lambda optimizer, clip_val: clip_grad_value(plugin.main_params(optimizer), clip_val)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @staticmethod
+    def _check_root_unsharded(lm: nn.Module) -> None:
+        in_layers = {id(p) for layer in lm.get_decoder().layers for p in layer.parameters()}
+        outside = [n for n, p in lm.named_parameters() if isinstance(p, DTensor) and id(p) not in in_layers]
+        if outside:
+            raise SetupError(f"{outside[0]} is sharded, but the embeddings, final norm and output layer must stay "
+                             "whole (the engine never runs their FSDP hooks): fully_shard only the decoder layers "
+                             "in configure_model, or leave the sharding to OOMBModelParallelStrategy")
+
+    # -- collectives around the step ----------------------------------------------------------------------
+    @property
+    @override
+    def before_chunk(self) -> ChunkHook | None:
+        return None if self.sharding == "zero3" else self._keep_gathered
+
+    def _keep_gathered(self, stage: int, index: int) -> None:
+        """zero2 and zero1: the layers gathered in stage 1 stay so until stage 2's last chunk (index 0), whose
+        backward reshards them. zero2 reduce-scatters every chunk's gradients; zero1 sums them unsharded and
+        reduce-scatters once, after the last chunk of the accumulation's last micro-batch."""
+        if stage != 2:
+            return
+        last = index == 0
+        for module in self._fsdp_modules:
+            module.set_reshard_after_backward(last, recurse=False)
+            if self.sharding == "zero1":
+                module.set_requires_gradient_sync(last and self._average_after_backward, recurse=False)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulation of micro-batches: the whole weights' gradients are averaged after the last
+        one's, and so are the layers' under zero1 (zero2 and zero3 reduce-scatter them after every chunk)."""
+        self._average_after_backward = False
+        try:
+            yield
+        finally:
+            self._average_after_backward = True
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._average_after_backward:
+            average_gradients([p for p in self._replicated if p.requires_grad], self.root_device)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=f"{cls.__name__}: FSDP2-sharded decoder "
+                                   "layers, data parallel", override=True)
+
+
+OOMBModelParallelStrategy.register_strategies(StrategyRegistry)

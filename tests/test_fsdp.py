@@ -1,0 +1,170 @@
+"""OOMBModelParallelStrategy (FSDP2-sharded decoder layers) in real Lightning Trainers over 2 gloo processes on
+the CPU: the gradient averaged over the ranks is transformers' full-sequence gradient of both ranks' sequences
+together, and AdamW's weights are those of one process training on those batches (fp32, reference attention).
+
+The two processes are started once for the module, as torchrun would start them (``LOCAL_RANK`` and the rendezvous
+in the environment, so that Lightning launches nothing), and run every Trainer of the tests one after the other:
+starting processes costs far more than these tiny steps."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy
+from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
+from test_strategy import UserModule, weights
+from tiny_models import rel_err, tiny_model, assert_grads_close
+
+WORLD = 2
+ITEMS = sequences(6)  # rank 1's first batch has no valid label, the others uneven counts
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient as one process holds it (gathered from its shards: a collective)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+# FSDP2's all-gathers and reduce-scatters so far in this process, by the torch.distributed function it calls.
+CALLS = {"all_gather_single": 0, "reduce_scatter_single": 0}
+
+
+def _count_fsdp_collectives() -> None:
+    for name in CALLS:
+        collective = getattr(dist, name)
+
+        def counted(*args, _name=name, _collective=collective, **kwargs):
+            CALLS[_name] += 1
+            return _collective(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+class Record(Callback):
+    """Rank 0 saves the whole gradients as the first optimizer step sees them, with the count of FSDP's
+    collectives in that step, and the whole weights at the end; every rank takes part in the gathers."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self.before = dict(CALLS)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        calls = {name: CALLS[name] - self.before[name] for name in CALLS}
+        grads = {n: _whole(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+        if trainer.global_step == 0 and trainer.global_rank == 0:
+            torch.save(grads, f"{self.out}-grads.pt")
+            torch.save(calls, f"{self.out}-calls.pt")
+
+    def on_train_end(self, trainer, pl_module):
+        final = {n: _whole(p) for n, p in pl_module.named_parameters() if p.requires_grad}
+        if trainer.global_rank == 0:
+            torch.save(final, f"{self.out}-weights.pt")
+
+
+def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=None, optimizer="adamw",
+         **trainer_kwargs):
+    module = UserModule(tiny_model(family), lr=1e-2 if optimizer == "adamw" else 0.5, optimizer=optimizer)
+    strategy = OOMBModelParallelStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference", **strategy_kwargs)
+    trainer_kwargs = {**TRAINER, **trainer_kwargs}
+    trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=steps, callbacks=[Record(out), *callbacks],
+                      use_distributed_sampler=False, **trainer_kwargs)
+    trainer.fit(module, datamodule=RankRows(items), ckpt_path=ckpt_path)
+
+
+def _ranks(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    _count_fsdp_collectives()
+    _fit(f"{out}/zero2", "qwen2", ITEMS[:4], 2, {})
+    _fit(f"{out}/zero3", "qwen2-tied", ITEMS[:2], 1, {"sharding": "zero3", "checkpoint_layers": True})
+    _fit(f"{out}/zero1", "llama", ITEMS[:4], 1, {"sharding": "zero1"}, accumulate_grad_batches=2)
+    _fit(f"{out}/clipped", "llama", ITEMS[:4], 2, {}, optimizer="sgd", gradient_clip_val=0.05)
+    # Resume: one step, a checkpoint (one file, through AtomicCheckpointIO), a fresh module and Trainer that
+    # restore it and take the second step on the second batch: zero2's two steps.
+    saved = ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=1)
+    _fit(f"{out}/first", "qwen2", ITEMS[:2], 1, {}, callbacks=[saved], enable_checkpointing=True)
+    _fit(f"{out}/resumed", "qwen2", ITEMS[2:4], 2, {}, ckpt_path=saved.best_model_path or saved.last_model_path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
+    return lambda name, what: torch.load(out / f"{name}-{what}.pt")
+
+
+def one_process_adamw(family, items, steps):
+    """Weights after ``steps`` AdamW steps of OOMBStrategy on one process, ``WORLD`` rows per batch."""
+    module = UserModule(tiny_model(family), lr=1e-2, optimizer="adamw")
+    Trainer(devices=1, max_steps=steps, strategy=OOMBStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference"),
+            **TRAINER).fit(module, DataLoader(items, batch_size=WORLD))
+    return weights(module)
+
+
+LAYERS, CHUNKS = 2, -(-len(ITEMS[0]["input_ids"]) // CHUNK)  # tiny_model's decoder layers, chunks per sequence
+
+
+def test_zero2_adamw_steps_equal_one_process(runs):
+    """zero2 (the default): rank 1's first batch has no valid label; the averaged gradient is transformers' of
+    both rows, and two AdamW steps give the weights of one process with both rows per batch. Each layer is
+    gathered once in the step and its gradients reduce-scattered after every chunk."""
+    assert runs("zero2", "calls") == {"all_gather_single": LAYERS, "reduce_scatter_single": LAYERS * CHUNKS}
+    assert_grads_close(runs("zero2", "grads"), module_grads(tiny_model("qwen2"), ITEMS[:2]), 1e-5)
+    got, want = runs("zero2", "weights"), one_process_adamw("qwen2", ITEMS[:4], 2)
+    start = weights(UserModule(tiny_model("qwen2")))
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-5, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def test_zero3_layer_checkpointing_tied_embeddings(runs):
+    """zero3 gathers the layers again for the chunks' forwards and backwards."""
+    assert runs("zero3", "calls")["all_gather_single"] > 2 * LAYERS * CHUNKS
+    assert_grads_close(runs("zero3", "grads"), module_grads(tiny_model("qwen2-tied"), ITEMS[:2]), 1e-5)
+
+
+def test_zero1_accumulation(runs):
+    """zero1 sums the layers' gradients over the chunks of 2 micro-batches and reduces them once: the mean of
+    transformers' gradients of the two micro-batches of 2 rows each."""
+    assert runs("zero1", "calls") == {"all_gather_single": 2 * LAYERS, "reduce_scatter_single": LAYERS}
+    first, second = module_grads(tiny_model("llama"), ITEMS[:2]), module_grads(tiny_model("llama"), ITEMS[2:4])
+    assert_grads_close(runs("zero1", "grads"), {n: (first[n] + second[n]) / 2 for n in first}, 1e-5)
+
+
+def test_clipping_takes_the_norm_over_sharded_and_whole_gradients(runs):
+    """Clipped SGD steps give plain one-process training's weights (as test_ddp's clipping test)."""
+    plain = UserModule(tiny_model("llama"))
+    start = weights(plain)
+    Trainer(devices=1, max_steps=2, gradient_clip_val=0.05, **TRAINER).fit(plain, DataLoader(ITEMS[:4], batch_size=2))
+    got, want = runs("clipped", "weights"), weights(plain)
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-4, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def test_resume_from_checkpoint_takes_the_same_step(runs):
+    got, want = runs("resumed", "weights"), runs("zero2", "weights")
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_registered_name_and_refusals():
+    strategy = Trainer(accelerator="cpu", devices=2, strategy="oomb_model_parallel", logger=False).strategy
+    assert isinstance(strategy, OOMBModelParallelStrategy) and strategy.sharding == "zero2"
+    for kwargs, match in (({"tensor_parallel_size": 2}, "tensor parallelism is not built yet"),
+                          ({"sharding": "zero4"}, "sharding must be one of zero1, zero2, zero3"),
+                          ({"save_distributed_checkpoint": True}, "sharded checkpoint folders are not built")):
+        with pytest.raises(ValueError, match=match):
+            OOMBModelParallelStrategy(**kwargs)
