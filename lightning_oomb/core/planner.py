@@ -212,6 +212,7 @@ class StepTime:
     recompute_attention_flops: float = 0.0
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
+    host_gather_bytes: float = 0.0  # ... and the bytes those gathers move (host_gather_bytes)
     all_reduce_s: float = 0.0  # data parallel: averaging the gradients after stage 2 (all_reduce_seconds)
 
     @property
@@ -287,9 +288,10 @@ def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, head
     return expected_selected_pages(n_past, sparse, n_tiles * heads)
 
 
-def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
-    """Seconds the host K/V layers' gathers add to a step of ``c`` (HOST_GATHER_GBPS): per chunk and host
-    layer, one gather in stage 1 and two in stage 2 (forward and backward; three with layer checkpointing)."""
+def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Bytes the host K/V layers' gathers move over the bus in a step of ``c``, in expectation: per chunk and
+    host layer, one gather in stage 1 and two in stage 2 (forward and backward; three with layer
+    checkpointing), each of the union of the chunk's selected pages (``expected_union_pages``)."""
     if not c.host_kv_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
@@ -299,7 +301,12 @@ def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
     calls = 4 if c.checkpoint_layers else 3
     pages = sum(expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
                 for start in range(0, c.context, c.chunk_size))
-    return pages * c.batch * page_bytes * calls * c.host_kv_layers / (HOST_GATHER_GBPS * 1e9)
+    return pages * c.batch * page_bytes * calls * c.host_kv_layers
+
+
+def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Seconds the host K/V layers' gathers add to a step of ``c``: ``host_gather_bytes`` at HOST_GATHER_GBPS."""
+    return host_gather_bytes(shape, c) / (HOST_GATHER_GBPS * 1e9)
 
 
 def all_reduce_seconds(trainable: int, devices: int, link_gbps: float = ALL_REDUCE_GBPS) -> float:
@@ -591,8 +598,8 @@ class Plan:
             f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
             "of the peak"
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
-            + (f", plus {_duration(t.host_gather_s)} gathering the host K/V layers' selected pages at "
-               f"{HOST_GATHER_GBPS:g} GB/s" if t.host_gather_s else "")
+            + (f", plus {_duration(t.host_gather_s)} gathering the host K/V layers' selected pages "
+               f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s)" if t.host_gather_s else "")
             + (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {ALL_REDUCE_GBPS:g} GB/s"
                if t.all_reduce_s else "")
             + ", calibrate with lightning-oomb bench)",
@@ -892,6 +899,7 @@ def _estimate(
     trainable = shape.lora_params(config.lora_rank) if config.lora_rank else shape.total_params
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
                                host_gather_s=host_gather_seconds(shape, config),
+                               host_gather_bytes=host_gather_bytes(shape, config),
                                all_reduce_s=all_reduce_seconds(trainable, config.devices))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
@@ -999,11 +1007,14 @@ def plan(
     def estimate(config: PlanConfig) -> Plan:
         return _estimate(shape, config, gpu_memory, host_memory, machine)
 
-    if host_grad_layers is None and base.sparse:
-        base = fewest_host_grad_layers(base, shape, estimate).config
+    def placed(config: PlanConfig) -> Plan:
+        # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
+        if host_grad_layers is None and config.sparse:
+            return fewest_host_grad_layers(config, shape, estimate)
+        return estimate(config)
 
-    result = estimate(base)
-    other = estimate(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
+    result = placed(base)
+    other = placed(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
     if checkpoint_layers is None and not result.fits:
         result, other = other, result
         result.checkpoint_auto = True
