@@ -269,3 +269,28 @@ def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
                    grad_dtype=torch.bfloat16)
     bounded = PlanConfig(**{**c.__dict__, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)})
     assert host_gather_seconds(shape, bounded) < host_gather_seconds(shape, c) / 10
+
+
+def test_triton_kernels_read_one_list_per_chunk_as_its_copy_per_tile():
+    """The per-chunk selection is a stride-0 view over the tiles; the Triton kernels (interpreter) read it as
+    they read the same lists copied for every tile."""
+    from lightning_oomb.kernels import sparse_attention
+
+    torch.manual_seed(3)
+    spec = StoreSpec(n_layers=1, n_kv_heads=2, head_dim=16, dtype=torch.float32)
+    results = []
+    for contiguous in (False, True):
+        pool = PagePool(spec, 12, 4, "cpu")
+        store = pool.layer(0, pool.allocate(1, 40))
+        torch.manual_seed(3)
+        store.k.normal_()
+        store.v.normal_()
+        q, k, v, dout = (torch.randn(1, h, 8, 16) for h in (4, 2, 2, 4))
+        one = torch.tensor([[[[0, 5, 7]], [[1, 2, 7]]]], dtype=torch.int32)  # (B, H_kv, 1, K); start 32: 8 pages
+        selection = one.expand(-1, -1, 2, -1)
+        if contiguous:
+            selection = selection.contiguous()
+        out, lse = sparse_attention.attention_forward(q, k, v, store, 32, 0.25, selection)
+        grads = sparse_attention.attention_backward(dout, q, k, v, out, lse, store, 32, 0.25, selection)
+        results.append((out, lse, *grads, store.dk.clone(), store.dv.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

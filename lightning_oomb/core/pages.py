@@ -178,6 +178,8 @@ class HostKVStaging:
         slots = store.table.slots
         batch = slots.shape[0]
         n_past = -(-start // store.page_size)
+        if selection.stride(2) == 0:  # one list for every tile (SparseConfig.per_query_tile=False)
+            selection = selection[:, :, :1]
         picks = selection.reshape(batch, -1).long()
         cap = max(1, min(n_past, picks.shape[1]))
         hit = torch.zeros(batch, n_past + 1, dtype=torch.bool, device=slots.device)

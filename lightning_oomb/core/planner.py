@@ -746,7 +746,8 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
             staged = past_pages
             if isinstance(c.sparse, SparseConfig):
                 heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
-                staged = min(past_pages, heads * n_tiles * min(past_pages, c.sparse.budget_pages))
+                lists = n_tiles if c.sparse.per_query_tile else 1
+                staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
             per_token = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
             gpu["host K/V layers: staging of a chunk's selected pages (one layer)"] = (
                 max(1, staged) * c.batch * c.page_size * per_token)
@@ -778,9 +779,11 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
         pages = c.stored_tokens // c.page_size
         per_page = shape.n_layers * shape.n_kv_heads * shape.head_dim
         summaries = pages * per_page * (4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype))
-        # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile.
+        # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile (or
+        # chunk, per_query_tile=False).
         heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
-        selections = 4 * shape.n_layers * heads * pages * min(c.sparse.budget_pages, pages)
+        lists = pages if c.sparse.per_query_tile else c.batch * c.n_chunks
+        selections = 4 * shape.n_layers * heads * lists * min(c.sparse.budget_pages, pages)
         gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
     graphs = min(c.graph_chunks, c.n_chunks)
     kept = min(c.kept_chunks, c.n_chunks - graphs)

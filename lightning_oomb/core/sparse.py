@@ -30,7 +30,8 @@ query row then sees only keys at or after its own document start (docs/architect
 attention").
 
 A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
-slots; the kernels go through the page table), sorted ascending, with H_sel = n_kv_heads (per head) or 1
+slots; the kernels go through the page table; a stride-0 view over the tiles with ``per_query_tile=False``),
+sorted ascending, with H_sel = n_kv_heads (per head) or 1
 (shared) and K = min(P, budget_pages); -1 entries only with packed documents. ``ChunkedSequence`` makes it
 once per (chunk, layer) in stage 1, keeps it until that chunk's stage-2 backward is done, and hands the same
 tensor to the stage-2 forward and backward. Gradients do not flow through the selection: they are exact for
@@ -142,7 +143,7 @@ def select_pages(
         # The chunk's mean query as one tile of all its rows: the mean of the tiles' means, weighted by rows.
         whole = q.float().mean(2, keepdim=True).expand(-1, -1, ps, -1)
         one = select_pages(whole, store, summaries, dataclasses.replace(config, per_query_tile=True), start)
-        return one.expand(-1, -1, n_tiles, -1).contiguous()
+        return one.expand(-1, -1, n_tiles, -1)  # a view: stage 2 keeps one list per chunk, not per tile
     n_past = -(-start // ps)
     b, hq, t, _ = q.shape
     n_tiles = -(-t // ps)
