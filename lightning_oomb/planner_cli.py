@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
                         help="the run's host memory budget with its unit, e.g. 112GiB (default: this machine's RAM less max(8 GiB, 10%%))")
+    parser.add_argument("--document-length", type=argparse_type(parse_tokens), default=None, metavar="TOKENS",
+                        help="sequences packed from documents of this many tokens, e.g. 32K (position ids "
+                        "restarting every TOKENS): attention within documents only; default one document per sequence")
     parser.add_argument("--devices", type=int, default=1,
                         help="data-parallel GPUs of one machine (oomb_ddp), each with --batch sequences: memory per "
                         "GPU, the host budget divided among them, the gradients' all-reduce in the step time")
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
         grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
         matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
+        document_length=args.document_length,
     )
     try:
         if args.max_context:

@@ -167,3 +167,36 @@ def test_progress_line_names_what_stage_1_kept_and_where():
     assert "on the GPU" not in line
     nothing_kept = dataclasses.replace(r, graph_chunks=0, host_kept_chunks=0)
     assert "kept from stage 1" not in bench.progress_line(1, 2, nothing_kept, 1.0)
+
+
+def test_packed_documents_option(tmp_path, capsys):
+    """--document-length 32: position ids restart every 32 tokens in the oomb modes' steps (the loss is that of
+    the documents taken separately), recorded in the CSV; the floor counts attention within documents only.
+    The baseline, which cannot take them, is refused in one line."""
+    out = tmp_path / "out"
+    model_path = str(tiny_config(tmp_path))
+    argv = ["bench", "--model", model_path, "--lengths", "128", "--modes", "oomb,offload", "--repeats", "1",
+            "--warmup", "0", "--chunk", "32", "--page-size", "8", "--document-length", "32", "--out", str(out)]
+    assert cli_main(argv) == 0
+    _, rows = read_rows(out / "results.csv")
+    assert [(r["mode"], r["status"], r["document_length"]) for r in rows] == [("oomb", "ok", "32"), ("offload", "ok", "32")]
+    assert "documents of 32 tokens" in (out / "results.md").read_text()
+
+    config = bench.BenchConfig(model=model_path, seed=0)
+    model = bench.build_model(config, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(config.seed + 128)
+    ids = torch.randint(0, TINY_QWEN2["vocab_size"], (1, 128), generator=generator)
+    with torch.no_grad():  # four documents of 32 tokens, 31 labels each
+        separate = sum(model(input_ids=doc[None], labels=doc[None]).loss for doc in ids[0].split(32)) / 4
+    for r in rows:
+        assert math.isclose(float(r["loss"]), separate.item(), rel_tol=1e-5)
+    shape = bench.ModelShape.resolve(model_path)
+    unpacked = bench.step_time(shape, 128, chunk_size=32).attention_flops
+    assert bench.step_time(shape, 128, chunk_size=32, document_length=32).attention_flops == unpacked / 4
+    assert math.isclose(float(rows[0]["floor_s"]), bench.step_time(shape, 128, chunk_size=32, document_length=32).floor_s,
+                        rel_tol=1e-5)
+
+    with pytest.raises(SystemExit) as refused:
+        cli_main(argv[:6] + ["baseline,oomb"] + argv[7:])
+    assert refused.value.code == 2
+    assert "would attend across their borders" in capsys.readouterr().err

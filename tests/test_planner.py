@@ -193,6 +193,53 @@ def test_step_time_reproduces_the_design_floors():
     assert lora.linear_flops < step_time(shape, 32 << 10).linear_flops
 
 
+@pytest.mark.parametrize("context, chunk, document, attended", [
+    (200, 16, 37, 10**9), (200, 16, 16, 10**9), (200, 16, 5, 10**9), (200, 16, 1, 10**9), (200, 16, 200, 10**9),
+    (200, 16, 37, 20), (203, 32, 50, 24),
+])
+def test_packed_attention_pairs_count_each_query_within_its_document(context, chunk, document, attended):
+    """The planner's (query, key) pairs of packed documents against a count query by query: a query sees its
+    document's keys before the chunk (at most ``attended`` of them) and, causally, its document's keys of the
+    chunk (the diagonal counted as half a pair, as the unpacked formula does)."""
+    from lightning_oomb.core.planner import _chunk_pairs
+
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        doc = [t - t % document for t in range(start, start + n)]
+        counted = sum(min(max(0, start - d), attended) + t - max(start, d) + 0.5
+                      for t, d in zip(range(start, start + n), doc))
+        assert _chunk_pairs(start, n, attended, document) == pytest.approx(counted, rel=1e-12), start
+
+
+def test_packed_step_costs_its_documents_attention():
+    """1M tokens packed from 32K documents: the attention of 32 separate 32K steps, the linear layers of 1M
+    tokens; one document as long as the sequence is the unpacked step exactly. The plan and its CLI say it."""
+    shape = ModelShape.from_name("qwen2.5-7b")
+    packed = step_time(shape, 1 << 20, document_length=32 << 10)
+    one = step_time(shape, 32 << 10)
+    assert packed.attention_flops == pytest.approx(32 * one.attention_flops, rel=1e-12)
+    assert packed.linear_flops == pytest.approx(32 * one.linear_flops, rel=1e-12)
+    for sparse in (None, SparseConfig(budget_pages=64)):
+        unpacked = step_time(shape, 300_000, chunk_size=3000, sparse=sparse, page_size=100)
+        assert step_time(shape, 300_000, chunk_size=3000, sparse=sparse, page_size=100,
+                         document_length=300_000) == unpacked
+    assert plan(shape, 1 << 20, document_length=32 << 10, **H200).time.attention_flops == packed.attention_flops
+    with pytest.raises(ValueError, match="document_length"):
+        plan(shape, 1 << 20, document_length=0, **H200)
+
+
+def test_cli_plans_a_packed_step(capsys):
+    common = ["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-memory", "140GiB", "--host-memory", "500GiB",
+              "--checkpoint-layers", "on"]
+    assert cli_main(common) == 0
+    dense = capsys.readouterr().out
+    assert cli_main(common + ["--document-length", "32K"]) == 0
+    packed = capsys.readouterr().out
+    assert "packed from documents of 32,768 tokens" in packed and "packed" not in dense
+    flops = [out.split("Step FLOPs ")[1].split()[0] for out in (dense, packed)]
+    assert float(flops[1]) < float(flops[0])
+
+
 def test_host_gradient_layers_time_reproduces_the_steps_it_was_fitted_to():
     """Every layer's gradient pages on the host cost whole H200 steps +3.7 s at 256K and +15.6 s at 512K
     (docs/benchmarks.md, measured before stage 2 moved host layers to the GPU: here kept graphs of every chunk

@@ -2,6 +2,7 @@
 
     lightning-oomb bench --model qwen2.5-7b --lengths 16k,32k,64k,128k --modes baseline,oomb \\
         [--chunk 4096] [--lora 16] [--repeats 3] [--warmup 1] [--out DIR] [--attention auto] [--checkpoint-layers]
+        [--document-length 32K]
 
 One randomly initialised model of the given shape (bf16 on CUDA, float32 on CPU) is built once and every
 mode runs on it at every length: warm-up steps, then ``--repeats`` timed steps (median reported). A step is
@@ -11,7 +12,11 @@ a forward and backward with gradients zeroed before it (set_to_none) and no opti
 - oomb: ``lightning_oomb.train_step`` (chunk-recurrent, exact gradient);
 - sparse: ``train_step`` with page-level sparse attention, ``SparseConfig(budget_pages=--budget-pages)``
   (the other SparseConfig fields at their defaults). Its floor counts the sparse attention FLOPs.
-Later modes join through ``register_mode``. An out-of-memory point is recorded as "OOM" and the sweep goes
+Later modes join through ``register_mode``. ``--document-length D`` packs every sequence from documents of
+D tokens (position ids restarting every D tokens, the last document shorter), given to the lightning_oomb
+modes' ``train_step``: attention stays within each document; the floor and the plan count that attention
+only. The baseline cannot take them (its SDPA attention would cross the borders): bench it at D tokens
+instead. An out-of-memory point is recorded as "OOM" and the sweep goes
 on. Written to --out: results.csv, results.md (machine, date, command line, table) and results.png (step
 time and peak GPU memory against context length, log-log, with the FLOP floor of docs/planner.md, "Time").
 
@@ -54,7 +59,8 @@ CSV_COLUMNS = (
     "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
-    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "host_kv_layers", "kv_pages_gathered",
+    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "document_length", "host_kv_layers",
+    "kv_pages_gathered",
 )
 
 
@@ -79,6 +85,8 @@ class BenchConfig:
     # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
     add_launch: str = ""
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
+    # Packed documents: each sequence made of documents of this many tokens; None: one per sequence.
+    document_length: int | None = None
     out: Path = Path("bench-results")
     device: str = "auto"
     seed: int = 0
@@ -128,6 +136,8 @@ class PointResult:
     alloc_retries: int | None = None
     # sparse with host gradient layers: live tokens of stage 2 when each of them moved into dead K/V pages.
     host_grads_moved_at: tuple[int, ...] = ()
+    # Packed documents of this many tokens per sequence (--document-length); None: one document.
+    document_length: int | None = None
 
     @property
     def floor_fraction(self) -> float:
@@ -163,6 +173,7 @@ class PointResult:
             "host_kept_chunks": _blank_if_none(self.host_kept_chunks),
             "alloc_retries": _blank_if_none(self.alloc_retries),
             "host_grads_moved_at": ";".join(str(t) for t in self.host_grads_moved_at),
+            "document_length": _blank_if_none(self.document_length),
         }
 
 
@@ -182,7 +193,8 @@ class BenchMode:
     """A way to train one step. ``step`` adds gradients to the parameters and returns the loss.
 
     ``setup``/``teardown`` run once around the mode's sweep (they must leave the model as they found it);
-    ``planned`` says whether ``lightning_oomb.core.planner`` models this mode's memory.
+    ``planned`` says whether ``lightning_oomb.core.planner`` models this mode's memory; ``documents`` whether
+    its step packs documents when the config asks (``packed_position_ids``).
     """
 
     name: str
@@ -193,6 +205,7 @@ class BenchMode:
     planned: bool = False
     sparse: bool = False
     offload: bool = False
+    documents: bool = False
 
     def sparse_config(self, config: "BenchConfig"):
         from ..core.config import SparseConfig
@@ -250,29 +263,35 @@ def _step_options(config: BenchConfig, sparse=None, offload: str = "auto") -> di
     )
 
 
-def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+def packed_position_ids(input_ids: torch.Tensor, document_length: int | None) -> torch.Tensor | None:
+    """position_ids (B, L) on input_ids' device restarting at 0 every ``document_length`` tokens (packed
+    documents, transformers' convention); None for None (one document per sequence)."""
+    if document_length is None:
+        return None
+    return (torch.arange(input_ids.shape[1], device=input_ids.device) % document_length).expand_as(input_ids)
+
+
+def _train_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig, **options) -> torch.Tensor:
     from .. import train_step
 
-    return train_step(model, input_ids, **_step_options(config))
+    return train_step(model, input_ids, position_ids=packed_position_ids(input_ids, config.document_length),
+                      **_step_options(config, **options))
+
+
+def _oomb_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
+    return _train_step(model, input_ids, config)
 
 
 def _sparse_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
-    from .. import train_step
-
-    return train_step(model, input_ids, **_step_options(config, sparse=MODES["sparse"].sparse_config(config)))
+    return _train_step(model, input_ids, config, sparse=MODES["sparse"].sparse_config(config))
 
 
 def _sparse_offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
-    from .. import train_step
-
-    sparse = MODES["sparse-offload"].sparse_config(config)
-    return train_step(model, input_ids, **_step_options(config, sparse=sparse, offload="host"))
+    return _train_step(model, input_ids, config, sparse=MODES["sparse-offload"].sparse_config(config), offload="host")
 
 
 def _offload_step(model: nn.Module, input_ids: torch.Tensor, config: BenchConfig) -> torch.Tensor:
-    from .. import train_step
-
-    return train_step(model, input_ids, **_step_options(config, offload="host"))
+    return _train_step(model, input_ids, config, offload="host")
 
 
 def _drop_cached_pool(model: nn.Module, config: BenchConfig | None = None) -> None:
@@ -288,20 +307,21 @@ register_mode(BenchMode(
 ))
 register_mode(BenchMode(
     "oomb", "lightning_oomb.train_step (chunk-recurrent, exact gradient)",
-    _oomb_step, _drop_cached_pool, _drop_cached_pool, planned=True,
+    _oomb_step, _drop_cached_pool, _drop_cached_pool, planned=True, documents=True,
 ))
 register_mode(BenchMode(
     "sparse", "lightning_oomb.train_step with page-level sparse attention (--budget-pages pages per query tile)",
-    _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True,
+    _sparse_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True, documents=True,
 ))
 register_mode(BenchMode(
     "sparse-offload", "sparse, with every layer's KV-gradient and K/V pages in pinned host memory (the "
     "selected pages gathered for each attention call): what a host layer costs",
     _sparse_offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, sparse=True, offload=True,
+    documents=True,
 ))
 register_mode(BenchMode(
     "offload", "lightning_oomb.train_step with every K/V and KV-gradient page in pinned host memory, streamed",
-    _offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, offload=True,
+    _offload_step, _drop_cached_pool, _drop_cached_pool, planned=True, offload=True, documents=True,
 ))
 
 
@@ -360,13 +380,13 @@ def measure(
 
     dtype = next(model.parameters()).dtype
     result = PointResult(mode.name, context, config.batch, config.chunk_size, config.lora_rank,
-                         str(dtype).removeprefix("torch."))
+                         str(dtype).removeprefix("torch."), document_length=config.document_length)
     if mode.planned:  # the lightning_oomb modes
         result.grad_dtype = config.grad_dtype
     sparse = mode.sparse_config(config)
     floor = step_time(shape, context, batch=config.batch, chunk_size=config.chunk_size,
                       lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops, sparse=sparse,
-                      page_size=config.page_size)
+                      page_size=config.page_size, document_length=config.document_length)
     result.floor_s = floor.floor_s
 
     def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0, host_kv_layers: int = 0) -> None:
@@ -379,7 +399,7 @@ def measure(
             segment_tokens=segment_tokens,
             grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
             graph_chunks=result.graph_chunks or 0, host_kept_chunks=result.host_kept_chunks or 0,
-            host_kv_layers=host_kv_layers,
+            host_kv_layers=host_kv_layers, document_length=config.document_length,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -509,11 +529,26 @@ def _print_now(line: str) -> None:
     print(line, flush=True)  # progress must show while a long sweep runs, also when piped to a file
 
 
-def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[PointResult]:
-    """The sweep: every mode of ``config.modes`` at every length, on one model."""
+def check_modes(config: BenchConfig) -> None:
+    """Refuse modes that do not exist, or that cannot pack documents when ``config`` asks for them."""
     unknown = [m for m in config.modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; available: {', '.join(MODES)}")
+    if config.document_length is not None:
+        if config.document_length < 1:
+            raise ValueError(f"--document-length must be >= 1 token, got {config.document_length}")
+        unpacked = [m for m in config.modes if not MODES[m].documents]
+        if unpacked:
+            packing = ", ".join(m for m in MODES if MODES[m].documents)
+            raise ValueError(
+                f"--document-length packs documents in the modes {packing} only: {', '.join(unpacked)} would attend "
+                "across their borders (bench it at the document length instead)"
+            )
+
+
+def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[PointResult]:
+    """The sweep: every mode of ``config.modes`` at every length, on one model."""
+    check_modes(config)
     device = _device(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = ModelShape.resolve(config.model)
@@ -577,6 +612,9 @@ def write_outputs(results: list[PointResult], config: BenchConfig, command: str,
         f"{config.warmup} warm-up + {config.repeats} timed steps (median), "
         f"FLOP floor at {config.matmul_tflops:g} TFLOP/s"
     )
+    if config.document_length is not None:
+        settings += (f", sequences packed from documents of {config.document_length:,} tokens (position ids "
+                     "restarting at 0 for each)")
     modes = "\n".join(f"- `{m}`: {MODES[m].description}" for m in config.modes)
     paths["md"].write_text(
         f"# lightning-oomb bench\n\n- machine: {machine}\n- date: {date}\n- command: `{command}`\n"
@@ -677,6 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: kernels.host_pages.ADD_LAUNCH)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help="matmul peak in TFLOP/s for the FLOP floor")
+    parser.add_argument("--document-length", type=argparse_type(parse_tokens), default=None, metavar="TOKENS",
+                        help="pack each sequence from documents of this many tokens, e.g. 32K (position ids "
+                             "restarting every TOKENS; lightning_oomb modes only); default one document per sequence")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cuda:1, cpu")
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -690,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
         checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
-        add_launch=args.add_launch, matmul_tflops=args.matmul_tflops, out=args.out, device=args.device, seed=args.seed,
+        add_launch=args.add_launch, matmul_tflops=args.matmul_tflops, document_length=args.document_length,
+        out=args.out, device=args.device, seed=args.seed,
     )
     if config.add_launch:
         try:
@@ -702,9 +744,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{name} must be >= 1")
     if config.warmup < 0:
         parser.error("--warmup must be >= 0")
-    unknown = [m for m in config.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown mode(s) {', '.join(unknown)}; available: {', '.join(MODES)}")
+    try:
+        check_modes(config)
+    except ValueError as error:
+        parser.error(str(error))
     try:
         load_config_dict(config.model)
     except FileNotFoundError as error:

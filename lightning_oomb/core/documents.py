@@ -40,6 +40,15 @@ def document_starts(position_ids: torch.Tensor | None, input_ids: torch.Tensor) 
     return (token - pos).to(device=input_ids.device, dtype=torch.int32)
 
 
+def chunk_first_keys(position_ids: torch.Tensor, starts: list[int]) -> dict[int, int]:
+    """For each chunk start s of ``starts``: the earliest document start among the chunk's queries over all
+    rows, before which none of them attends to a key (a host value: one read of position ids per step, none
+    when they are on the CPU, as a data loader gives them). position_ids: as ``document_starts`` accepted."""
+    s = torch.tensor(starts, dtype=torch.long, device=position_ids.device)
+    # Document starts only grow along a row: a chunk's earliest is that of its first token.
+    return dict(zip(starts, (s - position_ids[:, s].long()).amin(0).tolist()))
+
+
 def ignore_across_borders(targets: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:
     """Shifted targets (B, L) with the label of the last token of every document but the row's last set to
     -100: a document's first token is not predicted from the previous document."""

@@ -15,6 +15,11 @@ Ordering is by CUDA events only: no host synchronisation inside a step, no Pytho
 on the host are never zeroed: a step's first backward pass over a layer (the last chunk's, whose past is
 every other token) starts its staged gradients from zero and writes every page back.
 
+Packed documents: the segments wholly before a chunk's earliest document start (a host value per chunk,
+``PagePool.allocate(first_keys=...)``) are neither copied nor computed, forward or backward. A backward pass
+then writes back only the gradient pages from its first segment on, so each layer remembers from which token
+its host gradient pages hold this step's sums; below it they are staged as zeros, as on the first pass.
+
 On a CPU device the same code runs with synchronous copies and no events, which is how it is tested.
 """
 
@@ -144,7 +149,8 @@ class Streamer:
         return sum(b.numel() * b.element_size() for b in bufs if b is not None)
 
     # -- a step's lifetime (called by PagePool.allocate / free) -------------------------------------------
-    def begin(self, table: PageTable) -> None:
+    def begin(self, table: PageTable, first_keys: dict[int, int] | None = None) -> None:
+        """first_keys (packed documents): per chunk start, the first key its queries see; None: token 0."""
         batch, n_pages = table.slots.shape
         per_seq = self.half_pages // batch
         if per_seq < 1:
@@ -162,7 +168,11 @@ class Streamer:
             seg_tokens=per_seq * self.page_size,
             seg_view=LayerStore(self.k, self.v, self.dk, self.dv,
                                 PageTable(seg_slots.int(), table.seq_len, table.page_size), self.page_size),
-            fresh=set(range(self.spec.n_layers)) if self.with_grads else set(),
+            first_keys=first_keys or {},
+            # Per layer: the token from which its host gradient pages of the past hold this step's sums (written
+            # by the backward passes so far, every one from its first segment to its chunk); below, an earlier
+            # step's. Absent: no pass yet. Later passes read only below their chunk's end, where this holds.
+            grads_from={},
             runs={},
             chunk_views={},
             # (direction, layer, start, chunk-grad turn) whose first segments are already on their way in.
@@ -201,9 +211,17 @@ class Streamer:
             self._step["runs"][key] = runs
         return runs
 
-    def _segments(self, start: int) -> list[tuple[int, int]]:
+    def _segments(self, start: int) -> list[tuple[int, int, int]]:
+        """The past of the chunk at ``start`` that its queries see, as segments (index, lo, hi): segment i holds
+        tokens [i * n, (i + 1) * n) of every sequence, in staging half i % 2. Those wholly before the chunk's
+        first key (packed documents) are left out."""
         n = self._step["seg_tokens"]
-        return [(lo, min(lo + n, start)) for lo in range(0, start, n)]
+        first_key = self._step["first_keys"].get(start, 0)
+        first = first_key // n if first_key < start else -(-start // n)
+        return [(i, i * n, min((i + 1) * n, start)) for i in range(first, -(-start // n))]
+
+    def _grads_from(self, layer: int) -> int:
+        return self._step["grads_from"].get(layer, self._step["table"].seq_len)
 
     def _chunk_rows(self, t: int) -> int:
         """Staging rows per sequence for one chunk of t tokens starting anywhere in a page."""
@@ -279,19 +297,21 @@ class Streamer:
         """First staging row of sequence b's share of staging half ``half``."""
         return lambda b: half * self.half_pages * self.page_size + b * self._step["seg_tokens"]
 
-    def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool, fresh: bool) -> None:
-        """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2."""
+    def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool) -> None:
+        """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2; with
+        ``grads`` its dK, dV too, those of tokens no backward pass of this step has written yet as zeros."""
         half = index % 2
-        names = ("k", "v", "dk", "dv") if grads and not fresh else ("k", "v")
-        pairs = [(self._host[name][layer], getattr(self, name)) for name in names]
+        written = max(lo, self._grads_from(layer)) if grads else hi  # dK, dV copied from here on
         nbytes = 0
         with self.streams.on("h2d", [self._consumed[half], self._last_d2h]):
-            if grads and fresh:
+            if grads and written > lo:
                 rows = slice(half * self.half_pages, (half + 1) * self.half_pages)
                 self.dk[rows].zero_()
                 self.dv[rows].zero_()
-            for host, staged in pairs:
-                nbytes += self._copy(host, staged, self._segment_base(half), lo, hi, to_host=False)
+            for name, (t0, t1) in (("k", (lo, hi)), ("v", (lo, hi)), ("dk", (written, hi)), ("dv", (written, hi))):
+                if t0 < t1:
+                    nbytes += self._copy(self._host[name][layer], getattr(self, name), self._segment_base(half), t0,
+                                         t1, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._loaded[half], "h2d")
 
@@ -309,38 +329,39 @@ class Streamer:
         self.streams.record(self._written[half], "d2h")
         self._last_d2h = self._written[half]
 
-    def _load_chunk_grads(self, layer: int, start: int, t: int, fresh: bool) -> int:
-        """Stage the gradient later chunks stored for tokens [start, start + t) of ``layer`` (zero on a fresh
-        layer) into the next of the two incoming buffers; returns that buffer's turn."""
+    def _load_chunk_grads(self, layer: int, start: int, t: int) -> int:
+        """Stage the gradient later chunks stored for tokens [start, start + t) of ``layer`` (zero where no
+        backward pass has written one yet) into the next of the two incoming buffers; returns that buffer's turn."""
         batch = len(self._step["slots"])
         self._ensure_chunk_buffers(batch, t)
         turn = self._in_turn
         self._in_turn ^= 1
         rows = self._chunk_rows(t)
         first = (start // self.page_size) * self.page_size
+        written = max(start, self._grads_from(layer))
         nbytes = 0
         with self.streams.on("h2d", [self._in_consumed[turn], self._last_d2h]):
-            if fresh:
+            if written > start:
                 self._in_dk[turn].zero_()
                 self._in_dv[turn].zero_()
-            else:
+            if written < start + t:
                 for name in ("dk", "dv"):
                     nbytes += self._copy(self._host[name][layer], getattr(self, "_in_" + name)[turn],
-                                         lambda b: b * rows + (start - first), start, start + t, to_host=False)
+                                         lambda b: b * rows + (written - first), written, start + t, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._in_loaded[turn], "h2d")
         return turn
 
-    def _first_loads(self, direction: str, layer: int, start: int, t: int, fresh: bool) -> int | None:
+    def _first_loads(self, direction: str, layer: int, start: int, t: int) -> int | None:
         """Issue the loads a call over ``layer`` starts with (its first two segments, and backward the chunk's
         stored gradients), unless the previous call already sent them ahead; returns the chunk-grad turn."""
         ahead, self._step["ahead"] = self._step["ahead"], None
         if ahead is not None and ahead[:3] == (direction, layer, start):
             return ahead[3]
         grads = direction == "backward"
-        for i, (lo, hi) in enumerate(self._segments(start)[:2]):
-            self._load(layer, i, lo, hi, grads, fresh)
-        return self._load_chunk_grads(layer, start, t, fresh) if grads else None
+        for index, lo, hi in self._segments(start)[:2]:
+            self._load(layer, index, lo, hi, grads)
+        return self._load_chunk_grads(layer, start, t) if grads else None
 
     def _send_ahead(self, direction: str, layer: int, start: int, t: int) -> None:
         """Start the next layer's first loads now, so that they run behind the rest of this layer's work
@@ -349,8 +370,7 @@ class Streamer:
         nxt = layer + 1 if direction == "forward" else layer - 1
         if not 0 <= nxt < self.spec.n_layers:
             return
-        fresh = nxt in self._step["fresh"]
-        turn = self._first_loads(direction, nxt, start, t, fresh)
+        turn = self._first_loads(direction, nxt, start, t)
         self._step["ahead"] = (direction, nxt, start, turn)
 
     # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
@@ -358,15 +378,15 @@ class Streamer:
         """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
         segments = self._segments(start)
         view = self._step["seg_view"]
-        self._first_loads("forward", store.layer, start, q.shape[2], fresh=False)
+        self._first_loads("forward", store.layer, start, q.shape[2])
         state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True, doc_start=doc_start, chunk_start=start)
-        for i, (lo, hi) in enumerate(segments):
-            half = i % 2
+        for i, (index, lo, hi) in enumerate(segments):
+            half = index % 2
             self.streams.compute_waits(self._loaded[half])
             backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state, doc_start=doc_start)
             self.streams.record(self._consumed[half])
             if i + 2 < len(segments):
-                self._load(store.layer, i + 2, *segments[i + 2], grads=False, fresh=False)
+                self._load(store.layer, *segments[i + 2], grads=False)
         self._send_ahead("forward", store.layer, start, q.shape[2])
         out, lse = state
         return out.to(q.dtype), lse
@@ -375,26 +395,27 @@ class Streamer:
                  doc_start=None):
         """``backend.attention_backward`` over a host-resident past: (dq, dk, dv) of the chunk; the past's
         dK, dV are added into the host gradient pages."""
-        fresh = store.layer in self._step["fresh"]
-        self._step["fresh"].discard(store.layer)
         segments = self._segments(start)
         view = self._step["seg_view"]
         t = q.shape[2]
-        turn = self._first_loads("backward", store.layer, start, t, fresh)
+        turn = self._first_loads("backward", store.layer, start, t)
         delta = backend.backward_delta(out, dout)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         self.streams.compute_waits(self._in_loaded[turn])
         chunk_view = self._chunk_view(start, t, turn)
         dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq, doc_start)
         self.streams.record(self._in_consumed[turn])
-        for i, (lo, hi) in enumerate(segments):
-            half = i % 2
+        for i, (index, lo, hi) in enumerate(segments):
+            half = index % 2
             self.streams.compute_waits(self._loaded[half])
             backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq, doc_start)
             self.streams.record(self._consumed[half])
-            self._write_back(store, i, lo, hi)
+            self._write_back(store, index, lo, hi)
             if i + 2 < len(segments):
-                self._load(store.layer, i + 2, *segments[i + 2], grads=True, fresh=fresh)
+                self._load(store.layer, *segments[i + 2], grads=True)
+        # This pass wrote back its segments, [first lo, start): later passes read below that, their chunks' end.
+        first_lo = segments[0][1] if segments else start
+        self._step["grads_from"][store.layer] = min(self._grads_from(store.layer), first_lo)
         self._send_ahead("backward", store.layer, start, t)
         return dq.to(q.dtype), dk, dv
 

@@ -416,8 +416,10 @@ class PagePool:
             return self.streamer.nbytes
         return self.nbytes - self._host_page_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
 
-    def allocate(self, batch: int, seq_len: int) -> PageTable:
-        """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero."""
+    def allocate(self, batch: int, seq_len: int, first_keys: dict[int, int] | None = None) -> PageTable:
+        """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero.
+        first_keys (packed documents): per chunk start, the first key the chunk's queries see
+        (``core.documents.chunk_first_keys``); a host pool's streams skip the segments before it."""
         n = -(-seq_len // self.page_size)
         if batch * n > len(self._free):
             raise RuntimeError(
@@ -434,7 +436,7 @@ class PagePool:
         self._dead_from = n
         self.host_grads_moved = []
         if self.on_host:
-            self.streamer.begin(table)
+            self.streamer.begin(table, first_keys)
         elif self.with_grads:
             idx = slots.view(-1).long()
             self.dk[:, idx] = 0

@@ -330,6 +330,7 @@ def step_time(
     graph_chunks: int = 0,
     kept_chunks: int = 0,
     host_kept_chunks: int = 0,
+    document_length: int | None = None,
 ) -> StepTime:
     """FLOP model (docs/planner.md, "Time") for one step of ``batch`` sequences of ``context`` tokens.
 
@@ -343,6 +344,10 @@ def step_time(
     sparse: each query attends to at most A past tokens (A = budget_pages * page_size for a SparseConfig,
     SPARSE_ATTENDED_TOKENS for True) plus its chunk causally: per chunk of n tokens after s past tokens,
     n * (min(s, A) + n / 2) pairs instead of n * (s + n / 2).
+    document_length D (packed documents, ``position_ids`` restarting every D tokens): a query sees its own
+    document's keys only, so a query t attends to t mod D + 1/2 keys on average (the unpacked step's t + 1/2)
+    and the past of a chunk's first document is at most s - D * (s // D) tokens; None: one document per
+    sequence.
     What stage 1 keeps is not computed again: the last ``graph_chunks`` chunks' stage-2 forward (linear and
     attention; none with layer checkpointing), the attention forward of the ``kept_chunks`` chunks before
     them and of the first ``host_kept_chunks`` chunks.
@@ -357,7 +362,7 @@ def step_time(
     attended = context
     if sparse:
         attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
-    chunk_pairs = [min(chunk_size, context - s) * (min(s, attended) + min(chunk_size, context - s) / 2)
+    chunk_pairs = [_chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
                    for s in range(0, context, chunk_size)]
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
@@ -375,6 +380,23 @@ def step_time(
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention)
+
+
+def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
+    """(query, key) pairs of the n queries of a chunk at ``start`` (counting the diagonal as half a pair, as
+    n * n / 2 does), each seeing at most ``attended`` keys before the chunk, within documents of
+    ``document_length`` tokens. The queries of the document the chunk starts in see its past and the chunk
+    causally; those of documents starting in the chunk only their document's first tokens."""
+    first_doc = start - start % document_length
+    head = min(first_doc + document_length, start + n) - start  # queries of the document the chunk starts in
+
+    def before(x: int) -> int:  # sum of t mod D over t < x: keys each query sees before itself
+        whole, rest = divmod(x, document_length)
+        return whole * document_length * (document_length - 1) // 2 + rest * (rest - 1) // 2
+
+    rest = n - head  # queries of documents starting in the chunk: t mod D + 1/2 keys each
+    later = before(start + n) - before(start + head) + rest / 2
+    return head * (min(start - first_doc, attended) + head / 2) + later
 
 
 # == the plan =============================================================================================
@@ -400,6 +422,9 @@ class PlanConfig:
     host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
     devices: data-parallel ranks (oomb_ddp), each running this step on its own ``batch`` sequences: memory is
     per GPU (plus the gradients' all-reduce bucket), the time includes the all-reduce.
+    document_length: packed documents of that many tokens (position ids restarting every document_length
+    tokens): attention FLOPs within documents only (``step_time``); None: one document per sequence. Memory
+    is the same either way.
     """
 
     context: int
@@ -425,12 +450,17 @@ class PlanConfig:
     host_process_bytes: int | None = None
     devices: int = 1
     host_kv_layers: int = 0
+    document_length: int | None = None
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.document_length is not None and (isinstance(self.document_length, bool)
+                                                 or not isinstance(self.document_length, int)
+                                                 or self.document_length < 1):
+            raise ValueError(f"document_length must be None or an integer >= 1, got {self.document_length!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         if self.optimizer not in OPTIMIZERS:
@@ -566,6 +596,8 @@ class Plan:
         )
         if c.devices > 1:
             head += f"; {c.devices} data-parallel ranks (oomb_ddp), memory per GPU"
+        if c.document_length is not None and c.document_length < c.context:
+            head += f"; packed from documents of {c.document_length:,} tokens"
         if c.offload:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
@@ -898,6 +930,7 @@ def _estimate(
         graph_chunks=config.graph_chunks,
         kept_chunks=config.kept_chunks,
         host_kept_chunks=config.host_kept_chunks,
+        document_length=config.document_length,
     )
     trainable = shape.lora_params(config.lora_rank) if config.lora_rank else shape.total_params
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
@@ -947,6 +980,7 @@ def plan(
     fused_ops: bool = True,
     devices: int = 1,
     host_kv_layers: int = 0,
+    document_length: int | None = None,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -972,6 +1006,7 @@ def plan(
     rank's, whose host memory budget is ``host_memory`` divided among the ranks, as the strategy divides it.
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
+    document_length: each sequence packed from documents of that many tokens (attention within them only).
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -1004,6 +1039,7 @@ def plan(
         host_process_bytes=host_process_bytes,
         devices=devices,
         host_kv_layers=host_kv_layers,
+        document_length=document_length,
     )
     host_memory //= base.devices  # each rank's share (OOMBDDPStrategy divides the budget alike)
 

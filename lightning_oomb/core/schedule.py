@@ -25,7 +25,7 @@ from ..integrations.transformers import bind, causal_lm, check_supported
 from ..kernels.page_table import StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig
-from .documents import IGNORE_INDEX, document_starts, ignore_across_borders
+from .documents import IGNORE_INDEX, chunk_first_keys, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool
@@ -209,6 +209,10 @@ class ChunkedSequence:
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
+        # Packed documents: per chunk start, the first key its queries see (host pages skip the segments before).
+        self.first_keys = None
+        if self.doc_start is not None:
+            self.first_keys = chunk_first_keys(position_ids, [s for s, _ in self.chunks])
         cfg = self.lm.config
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
@@ -320,7 +324,7 @@ class ChunkedSequence:
         pages = batch * -(-seq_len // self.config.page_size)
         self.pool = self.pools(spec, pages, self._with_grads, self.placement)
         self.pool.host.limit = self.placement.host_limit  # this step's room for pinned blocks
-        self.table = self.pool.allocate(batch, seq_len)
+        self.table = self.pool.allocate(batch, seq_len, self.first_keys)
 
     def _chunk_hidden(self, start: int, end: int) -> torch.Tensor:
         self._start = start
