@@ -122,9 +122,10 @@ def test_sparse_fidelity_report(tmp_path):
     sparse_fidelity.main(["--config", str(path), "--page-size", "16", "--budgets", "8,16", "--sequences", "1",
                           "--train-budget", "8", "--kv-heads", "2", "--out", str(out)])
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 16 ")]
-    assert len(rows) == 4  # two scores x two selections
-    for row in rows:  # the past has at most 12 pages: budget 16 attends to all of them
+    assert len(rows) == 6  # two scores x three selections
+    for row in rows:  # the past has at most 12 pages: budget 16 attends to all of them, which each call gathers
         assert float(row[5]) < 1e-5 and float(row[3]) > 1 - 1e-9
+        assert 0 < float(row[8]) <= 12
     assert "Held-out retrieval accuracy" in out.read_text()
 
 
