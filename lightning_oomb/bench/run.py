@@ -81,6 +81,8 @@ class BenchConfig:
     checkpoint_layers: bool = False
     grad_dtype: str = "float32"
     budget_pages: int = 64
+    # sparse: one page selection per query tile (True) or per chunk (SparseConfig.per_query_tile).
+    per_query_tile: bool = True
     # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
     # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
     add_launch: str = ""
@@ -210,7 +212,9 @@ class BenchMode:
     def sparse_config(self, config: "BenchConfig"):
         from ..core.config import SparseConfig
 
-        return SparseConfig(budget_pages=config.budget_pages) if self.sparse else None
+        if not self.sparse:
+            return None
+        return SparseConfig(budget_pages=config.budget_pages, per_query_tile=config.per_query_tile)
 
 
 MODES: dict[str, BenchMode] = {}
@@ -612,6 +616,9 @@ def write_outputs(results: list[PointResult], config: BenchConfig, command: str,
         f"{config.warmup} warm-up + {config.repeats} timed steps (median), "
         f"FLOP floor at {config.matmul_tflops:g} TFLOP/s"
     )
+    if any(MODES[m].sparse for m in config.modes):
+        settings += (f", sparse: {config.budget_pages} pages per "
+                     + ("query tile" if config.per_query_tile else "chunk (one selection for all its query tiles)"))
     if config.document_length is not None:
         settings += (f", sequences packed from documents of {config.document_length:,} tokens (position ids "
                      "restarting at 0 for each)")
@@ -710,6 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="oomb modes: dtype of the KV-gradient pages (default float32)")
     parser.add_argument("--budget-pages", type=int, default=64, help="sparse: past pages per query tile (default 64)")
+    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
+                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
+                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
     parser.add_argument("--add-launch", default="", metavar="PROGRAMSxROWSxWARPS",
                         help="sparse with host gradient layers: launch of the kernel adding their staged gradients "
                              "(default: kernels.host_pages.ADD_LAUNCH)")
@@ -731,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
         checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
-        add_launch=args.add_launch, matmul_tflops=args.matmul_tflops, document_length=args.document_length,
+        per_query_tile=args.selection == "tile", add_launch=args.add_launch, matmul_tflops=args.matmul_tflops,
+        document_length=args.document_length,
         out=args.out, device=args.device, seed=args.seed,
     )
     if config.add_launch:
