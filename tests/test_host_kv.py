@@ -66,6 +66,21 @@ def test_every_layer_on_the_host_gives_the_gpu_gradient_bitwise(packed, checkpoi
     _assert_same(got, want)
 
 
+def test_lora_with_every_page_on_the_host_gives_the_gpu_gradient_bitwise():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen2"), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                     target_modules=["q_proj", "k_proj", "v_proj"]))
+    with torch.no_grad():  # LoRA's B starts at zero; make the adapters matter
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, VOCAB, (2, 29))
+    want = _step(model, ids, offload="gpu", attention="reference")
+    got = _step(model, ids, offload="host", attention="reference")
+    assert cached_pool(model).host_kv_layers == 2 and want[1] and all("lora" in name for name in want[1])
+    _assert_same(got, want)
+
+
 def _split_step(model, ids, config: ChunkConfig, grad_layers: int, kv_layers: int):
     """One step through a pool with ``grad_layers`` host gradient and ``kv_layers`` host K/V layers."""
     pools = {}
