@@ -198,10 +198,16 @@ def test_selection_in_documents():
     assert (sel[0, :, 0] == torch.tensor([-1, -1, 7, 8, 9], dtype=torch.int32)).all()
     assert (sel[0, :, 1] == sel[0, :, 0]).all() and (sel[0, :, 2] == -1).all()
     assert (sel[1, :, 1:] == -1).all()
-    scores = sparse.page_scores(p.q, p.store, tuple(s[1] for s in p.pool.summaries("mean")), config, 40)
+    # Row 1's tile 0 is scored by its one row of the document that started before the chunk (40): the rows of
+    # the document at 41 see no past page, and whatever they hold leaves the selection as it is.
+    summaries = tuple(s[1] for s in p.pool.summaries("mean"))
+    scores = sparse.page_scores(p.q, p.store, summaries, config, 40, rows=doc < 40)
     for row, sc in zip(sel[1, :, 0], scores[1, :, 0]):
         assert row[:2].tolist() == [0, 1] and row[-1] == 9
         assert set(row[2:4].tolist()) == set((sc[2:9].topk(2).indices + 2).tolist())
+    later = p.q.clone()
+    later[1, :, 1:4] = torch.randn_like(later[1, :, 1:4]) * 100
+    assert torch.equal(select_pages(later, p.store, summaries, config, 40, doc), sel)
     # Sinks at the document's first page, not the sequence's: documents at 0 and 9 (page 2, mid-page).
     p, doc, sel = documents_problem(1, 1, 2, 8, 8, 40, 4, torch.float32, [[9, 39]], config, device="cpu")
     assert (sel[..., :2] == torch.tensor([2, 3], dtype=torch.int32)).all() and (sel[..., -1] == 9).all()

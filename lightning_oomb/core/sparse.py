@@ -25,8 +25,9 @@ Equal scores are resolved by torch.topk; the selection is then sorted ascending 
 Packed documents (``doc_start``, core/documents.py): a tile selects only among the past pages that overlap
 its rows' documents, from the page of its earliest document start on (none when that start is in the
 chunk); its sink pages are that document's first pages, its local pages the last before the chunk, and the
-"all of them" rule counts the pages it may see. Entries it cannot fill are -1 (no page, sorted first). Each
-query row then sees only keys at or after its own document start (docs/architecture.md, "Page-level sparse
+"all of them" rule counts the pages it may see. Entries it cannot fill are -1 (no page, sorted first). Its
+score is that of the mean of its rows whose document started before the chunk (the others see no past
+page). Each query row then sees only keys at or after its own document start (docs/architecture.md, "Page-level sparse
 attention").
 
 A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
@@ -90,11 +91,17 @@ def summary_shapes(score: str) -> int:
 # == selection ==============================================================================================
 
 
-def tile_queries(q: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Mean query of each tile: q (B, H_q, T, D) -> (B, H_q, n_tiles, D) in float32."""
+def tile_queries(q: torch.Tensor, page_size: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean query of each tile: q (B, H_q, T, D) -> (B, H_q, n_tiles, D) in float32; with ``rows`` (B, T)
+    bool, the mean over the rows it marks (a tile without any: zeros)."""
     b, hq, t, d = q.shape
     n = -(-t // page_size)
-    padded = torch.nn.functional.pad(q.float(), (0, 0, 0, n * page_size - t)).view(b, hq, n, page_size, d)
+    pad = n * page_size - t
+    if rows is not None:
+        weights = torch.nn.functional.pad(rows.float(), (0, pad)).view(b, 1, n, page_size, 1)
+        padded = torch.nn.functional.pad(q.float(), (0, 0, 0, pad)).view(b, hq, n, page_size, d)
+        return (padded * weights).sum(3) / weights.sum(3).clamp_min(1)
+    padded = torch.nn.functional.pad(q.float(), (0, 0, 0, pad)).view(b, hq, n, page_size, d)
     # Rows per tile, the last one partial; built on the device (writing a Python number into a CUDA tensor
     # would make the host wait, once per layer and chunk).
     counts = (t - page_size * torch.arange(n, device=q.device)).clamp(max=page_size).float()
@@ -102,14 +109,16 @@ def tile_queries(q: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def page_scores(
-    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int
+    q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scores (B, H_sel, n_tiles, P) of every past page for every query tile."""
+    """Scores (B, H_sel, n_tiles, P) of every past page for every query tile (from the mean of its ``rows``,
+    (B, T) bool, when given: ``tile_queries``)."""
     ps = store.page_size
     n_past = -(-start // ps)
     b, hq, t, d = q.shape
     h = summaries[0].shape[1]
-    qbar = tile_queries(q, ps).view(b, h, hq // h, -1, d).mean(2)  # (B, H_kv, n_tiles, D)
+    qbar = tile_queries(q, ps, rows).view(b, h, hq // h, -1, d).mean(2)  # (B, H_kv, n_tiles, D)
     slots = store.table.slots[:, :n_past].long()  # (B, P)
     if config.score == "mean":
         kbar = summaries[0][slots].float().transpose(1, 2)  # (B, H_kv, P, D)
@@ -193,7 +202,8 @@ def _select_in_documents(
     dense = torch.where(last_k >= first, last_k, -1)
     if n_past <= config.budget_pages:
         return dense.expand(b, h_sel, -1, k).to(torch.int32).contiguous()
-    scores = page_scores(q, store, summaries, config, start)  # (B, H_sel, n_tiles, P)
+    # Rows of a document that starts inside the chunk see no past page: the tile's score leaves them out.
+    scores = page_scores(q, store, summaries, config, start, rows=doc_start < start)  # (B, H_sel, n_tiles, P)
     page = torch.arange(n_past, device=device)
     # Seeing more than K >= sink + local pages: sink and local ranges are disjoint and inside [first, P).
     local_start = n_past - config.local_pages
