@@ -470,8 +470,8 @@ def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
 def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     """plan(devices=N) (oomb_ddp): each rank's GPU memory is the one-GPU step's plus the float32 bucket its
     gradients are averaged through; its host budget is the machine's divided among the ranks; the step adds a
-    ring all-reduce of the float32 gradients at ALL_REDUCE_GBPS."""
-    from lightning_oomb.core.planner import ALL_REDUCE_GBPS
+    ring all-reduce of the float32 gradients at COLLECTIVE_GBPS."""
+    from lightning_oomb.core.planner import COLLECTIVE_GBPS
     from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
     from lightning_oomb.core.units import GIB
 
@@ -481,7 +481,7 @@ def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     assert four.peak_gpu_bytes - one.peak_gpu_bytes == GRADIENT_BUCKET_BYTES
     assert four.host_memory == 500 * GIB // 4 and one.host_memory == 500 * GIB
     trainable = four.shape.total_params
-    want = 2 * 3 / 4 * 4 * trainable / (ALL_REDUCE_GBPS * 1e9)
+    want = 2 * 3 / 4 * 4 * trainable / (COLLECTIVE_GBPS * 1e9)
     assert four.time.all_reduce_s == pytest.approx(want) and one.time.all_reduce_s == 0
     assert four.time.predicted_s - one.time.predicted_s == pytest.approx(want)
     assert "4 data-parallel ranks (oomb_ddp), memory per GPU" in str(four)
