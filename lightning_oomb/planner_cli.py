@@ -17,7 +17,7 @@ import torch
 from .core.config import SparseConfig
 from .core.model_shape import PRECISIONS, builtin_names
 from .core.planner import (
-    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, _duration, _gib, max_context, plan_placed,
+    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, _duration, _gib, max_context, plan_placed,
 )
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
@@ -65,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sequences packed from documents of this many tokens, e.g. 32K (position ids "
                         "restarting every TOKENS): attention within documents only; default one document per sequence")
     parser.add_argument("--devices", type=int, default=1,
-                        help="data-parallel GPUs of one machine (oomb_ddp), each with --batch sequences: memory per "
-                        "GPU, the host budget divided among them, the gradients' all-reduce in the step time")
+                        help="data-parallel GPUs of one machine, each with --batch sequences: memory per GPU, the "
+                        "host budget divided among them, the collectives in the step time")
+    parser.add_argument("--sharding", choices=SHARDINGS, default="none",
+                        help="with --devices N: none plans an oomb_ddp rank (every weight whole); zero1, zero2, zero3 "
+                        "an oomb_model_parallel rank with that sharding of the decoder layers (default none)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help=f"dense bf16 matmul peak of the GPU in TFLOP/s (default {DEFAULT_MATMUL_TFLOPS:g}, H200)")
     return parser
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
         grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
         matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
-        document_length=args.document_length,
+        document_length=args.document_length, sharding=args.sharding,
     )
     try:
         if args.max_context:

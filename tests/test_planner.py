@@ -517,8 +517,8 @@ def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
 def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     """plan(devices=N) (oomb_ddp): each rank's GPU memory is the one-GPU step's plus the float32 bucket its
     gradients are averaged through; its host budget is the machine's divided among the ranks; the step adds a
-    ring all-reduce of the float32 gradients at ALL_REDUCE_GBPS."""
-    from lightning_oomb.core.planner import ALL_REDUCE_GBPS
+    ring all-reduce of the float32 gradients at COLLECTIVE_GBPS."""
+    from lightning_oomb.core.planner import COLLECTIVE_GBPS
     from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
     from lightning_oomb.core.units import GIB
 
@@ -528,9 +528,96 @@ def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     assert four.peak_gpu_bytes - one.peak_gpu_bytes == GRADIENT_BUCKET_BYTES
     assert four.host_memory == 500 * GIB // 4 and one.host_memory == 500 * GIB
     trainable = four.shape.total_params
-    want = 2 * 3 / 4 * 4 * trainable / (ALL_REDUCE_GBPS * 1e9)
+    want = 2 * 3 / 4 * 4 * trainable / (COLLECTIVE_GBPS * 1e9)
     assert four.time.all_reduce_s == pytest.approx(want) and one.time.all_reduce_s == 0
     assert four.time.predicted_s - one.time.predicted_s == pytest.approx(want)
     assert "4 data-parallel ranks (oomb_ddp), memory per GPU" in str(four)
     with pytest.raises(ValueError, match="devices must be an integer >= 1"):
         plan("qwen2.5-7b", 131072, devices=0, **kwargs)
+
+
+# -- sharded data parallel (oomb_model_parallel) -----------------------------------------------------------
+
+# Qwen2.5-7B by hand: a decoder layer holds q, o (3584 x 3584), k, v (3584 x 512), the q/k/v biases, the MLP
+# (3 x 3584 x 18944) and two norms; the root the embedding and the untied output layer (152064 x 3584 each)
+# and the final norm.
+QWEN_LAYER = 2 * 3584 * 3584 + 2 * 3584 * 512 + (3584 + 2 * 512) + 3 * 3584 * 18944 + 2 * 3584
+QWEN_LAYERS = 28 * QWEN_LAYER
+QWEN_ROOT = 2 * 152064 * 3584 + 3584
+
+
+def _line(p, prefix: str) -> int:
+    (value,) = [v for k, v in p.gpu_lines.items() if k.startswith(prefix)]
+    return value
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
+def test_sharded_plan_is_one_rank_of_oomb_model_parallel(devices, sharding):
+    """Per GPU, bf16-true AdamW: the root (embeddings, final norm, output layer) whole with its float32 bucket;
+    the decoder layers' weights as 1/N shards plus what is gathered (zero1/zero2: all of them for the step,
+    zero3: two layers), their gradients 1/N in bf16 (zero1: whole, float32) plus one layer's reduce-scatter in
+    flight (bf16 and float32), their AdamW state 1/N. Every other line is the one-GPU step's."""
+    from lightning_oomb.core.planner import COLLECTIVE_GBPS
+    from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
+    from lightning_oomb.core.units import GIB
+
+    assert QWEN_LAYERS + QWEN_ROOT == 7_615_616_512
+    kwargs = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=500 * GIB, checkpoint_layers=False)
+    one = plan("qwen2.5-7b", 131072, **kwargs)
+    rank = plan("qwen2.5-7b", 131072, devices=devices, sharding=sharding, **kwargs)
+    n, bf16, fp32 = devices, 2, 4
+    want = {
+        "weights: root": bf16 * QWEN_ROOT,
+        "weights: decoder layers": bf16 * QWEN_LAYERS // n,
+        "gathered weights": bf16 * (2 * QWEN_LAYER if sharding == "zero3" else QWEN_LAYERS),
+        "gradients: root": bf16 * QWEN_ROOT,
+        "gradients: decoder layers": fp32 * QWEN_LAYERS if sharding == "zero1" else bf16 * QWEN_LAYERS // n,
+        "reduce-scatter in flight": (bf16 + fp32) * QWEN_LAYER,
+        "optimizer state: root": 2 * bf16 * QWEN_ROOT,
+        "optimizer state: decoder layers": 2 * bf16 * QWEN_LAYERS // n,
+        "gradient all-reduce bucket": GRADIENT_BUCKET_BYTES,
+    }
+    assert {prefix: _line(rank, prefix) for prefix in want} == want
+    whole = sum(_line(one, prefix) for prefix in ("weights", "gradients", "optimizer state"))
+    assert whole == (bf16 + bf16 + 2 * bf16) * (QWEN_LAYERS + QWEN_ROOT)  # weights, gradients, AdamW state
+    assert rank.peak_gpu_bytes == one.peak_gpu_bytes - whole + sum(want.values())
+    assert rank.host_memory == 500 * GIB // n
+    # Collectives (ring: (N-1)/N of the buffer per rank for a gather or reduce-scatter), none hidden.
+    chunks, share = 32, (n - 1) / n
+    gathers = {"zero1": 1, "zero2": 1, "zero3": 3 * chunks}[sharding]
+    reductions = 1 if sharding == "zero1" else chunks
+    layers_s = (gathers * share * bf16 * QWEN_LAYERS + reductions * share * fp32 * QWEN_LAYERS) / (COLLECTIVE_GBPS * 1e9)
+    assert rank.time.sharding_s == pytest.approx(layers_s)
+    assert rank.time.all_reduce_s == pytest.approx(2 * share * fp32 * QWEN_ROOT / (COLLECTIVE_GBPS * 1e9))
+    assert rank.time.predicted_s - one.time.predicted_s == pytest.approx(layers_s + rank.time.all_reduce_s)
+    text = str(rank)
+    assert f"{n} data-parallel ranks (oomb_model_parallel, sharding {sharding}" in text
+    assert f"{COLLECTIVE_GBPS:g} GB/s bus bandwidth assumed, none hidden behind the compute" in text
+    assert f"reduce-scatter of the decoder layers' gradients (float32): {reductions} x" in text
+
+
+def test_sharding_refused_without_ranks_and_when_unknown(capsys):
+    with pytest.raises(ValueError, match=r"sharding='zero2' shards the decoder layers .* give devices >= 2"):
+        plan("qwen2.5-7b", 4096, sharding="zero2", **H200)
+    with pytest.raises(ValueError, match="sharding must be one of none, zero1, zero2, zero3, got 'fsdp'"):
+        plan("qwen2.5-7b", 4096, devices=2, sharding="fsdp", **H200)
+    for args, message in ((["--sharding", "zero3"], "give devices >= 2 (--devices N)"),
+                          (["--devices", "2", "--sharding", "zero4"], "invalid choice: 'zero4'")):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["plan", "--model", "qwen2.5-7b", "--context", "4K", "--gpu-memory", "140GiB", *args])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and last.startswith("lightning-oomb plan: error: ") and message in last
+
+
+def test_cli_plans_a_sharded_rank_and_suggests_sharding(capsys):
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-memory", "140GiB",
+                     "--host-memory", "500GiB", "--devices", "2", "--sharding", "zero2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 data-parallel ranks (oomb_model_parallel, sharding zero2" in out
+    assert "gathered weights: decoder layers, whole for the step (bf16)" in out
+    # oomb_ddp on 80 GiB GPUs does not fit at 128K; sharding over 4 ranks does, and the plan says how to ask.
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "128K", "--gpu-memory", "80GiB",
+                     "--host-memory", "500GiB", "--devices", "4", "--checkpoint-layers", "off", "--offload", "gpu"])
+    out = capsys.readouterr().out
+    assert code == 1 and "(--sharding zero2): GPU" in out

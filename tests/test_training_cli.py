@@ -386,8 +386,17 @@ def test_unknown_yaml_key_is_named(assets, resumable, capsys):
 # == the example configs ===================================================================================
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu"])
+# The several-GPU examples: (strategy, its sharding) on 2 devices, each the one-GPU 128K YAML otherwise.
+SEVERAL_GPUS = {
+    "qwen2.5-7b-128k-ddp": ("lightning_oomb.OOMBDDPStrategy", None),
+    "qwen2.5-7b-128k-zero2": ("lightning_oomb.OOMBModelParallelStrategy", "zero2"),
+}
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu", *SEVERAL_GPUS])
 def test_example_configs_parse(name, capsys):
+    """Each example goes through the Lightning CLI's parser and its classes' signatures (--print_config: nothing
+    is instantiated, no fit runs)."""
     with pytest.raises(SystemExit) as info:
         main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
     assert info.value.code == 0
@@ -395,6 +404,29 @@ def test_example_configs_parse(name, capsys):
     assert printed["data"]["class_path"] == "lightning_oomb.TextCorpusDataModule"
     chunk = printed["trainer"]["strategy"]["init_args"]["chunk_size"]
     assert printed["data"]["init_args"]["seq_len"] % chunk == 0
+    if name in SEVERAL_GPUS:
+        strategy, sharding = SEVERAL_GPUS[name]
+        assert printed["trainer"]["strategy"]["class_path"] == strategy and printed["trainer"]["devices"] == 2
+        assert printed["trainer"]["strategy"]["init_args"].get("sharding") == sharding
+        # The strategy built as the CLI builds the Trainer's (its constructor, with its refusals, needs no process
+        # group), from every option the CLI resolved and passes, defaults included.
+        from typing import Union
+
+        from lightning.pytorch.cli import LightningArgumentParser
+        from lightning.pytorch.strategies import Strategy
+
+        parser = LightningArgumentParser()
+        parser.add_argument("--strategy", type=Union[str, Strategy])
+        namespace = parser.parse_object({"strategy": printed["trainer"]["strategy"]})
+        built = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(namespace).strategy
+        assert type(built).__name__ == strategy.rsplit(".", 1)[1] and getattr(built, "sharding", None) == sharding
+        one, several = (yaml.safe_load((ROOT / "examples" / f"{n}.yaml").read_text()) for n in ("qwen2.5-7b-128k", name))
+        for config in (one, several):
+            config["trainer"].pop("devices")
+            config["trainer"]["strategy"].pop("class_path")
+            config["trainer"]["strategy"]["init_args"].pop("sharding", None)
+            config["trainer"]["logger"]["init_args"].pop("name")
+        assert several == one
 
 
 def test_cpu_corpus_example_runs(tmp_path, monkeypatch):

@@ -168,12 +168,21 @@ class ModelShape:
         return n
 
     @property
+    def layer_params(self) -> int:
+        """All parameters of one decoder layer: matrices, biases, norms (what FSDP2 shards per layer)."""
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layer_matmul_params + self.layer_bias_params + norms
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: embedding, lm_head unless tied, final norm."""
+        embedding = self.vocab * self.hidden
+        return embedding + (0 if self.tied_embeddings else self.head_params) + self.hidden
+
+    @property
     def total_params(self) -> int:
         """All parameters: layers (matrices, biases, norms), embedding, lm_head unless tied, final norm."""
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        layers = self.n_layers * (self.layer_matmul_params + self.layer_bias_params + norms)
-        embedding = self.vocab * self.hidden
-        return layers + embedding + (0 if self.tied_embeddings else self.head_params) + self.hidden
+        return self.n_layers * self.layer_params + self.root_params
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection."""

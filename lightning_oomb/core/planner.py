@@ -57,10 +57,15 @@ HOST_ADD_HIDDEN_S = 5.4e-3
 # of it hidden. Assumed (the GPU reading mapped pinned memory, about what the host additions reach), not yet
 # measured.
 HOST_GATHER_GBPS = 50.0
-# Data parallel (oomb_ddp): the bus bandwidth per rank of the gradients' all-reduce, in GB/s. Assumed, not
-# measured here (the several-GPU machines were not lent): about what NCCL reaches over NVLink on HGX H100/H200
-# nodes; calibrate with a measured step.
-ALL_REDUCE_GBPS = 350.0
+# Several GPUs: the bus bandwidth per rank of NCCL's ring collectives (all-reduce, reduce-scatter, all-gather:
+# by NCCL's definition of bus bandwidth one number serves all three), in GB/s. Assumed, not measured here (the
+# several-GPU machines were not lent): about what NCCL reaches over NVLink on HGX H100/H200 nodes; calibrate
+# with a measured step. Every collective is counted as not overlapping the compute: an upper bound, since
+# FSDP2 runs its gathers and reduce-scatters on streams of their own.
+COLLECTIVE_GBPS = 350.0
+# zero3: decoder layers gathered at once: the one computing and the one FSDP2 prefetches (the next in forward,
+# the previous in backward).
+ZERO3_GATHERED_LAYERS = 2
 # Offload: the past streams through the GPU in segments of up to this many tokens per sequence (two in
 # flight, K, V, dK and dV of one layer each); longer segments mean fewer, larger copies and launches.
 OFFLOAD_SEGMENT_TOKENS = 65536
@@ -88,6 +93,16 @@ MIN_SUGGESTED_CHUNK = 256
 
 Optimizer = Literal["adamw", "sgd", "none"]
 OPTIMIZERS = ("adamw", "sgd", "none")
+# Several GPUs: "none" is oomb_ddp (every rank whole); the others are oomb_model_parallel's sharding of the
+# decoder layers (its class docstring says what each gathers and reduces per chunk).
+Sharding = Literal["none", "zero1", "zero2", "zero3"]
+SHARDINGS = ("none", "zero1", "zero2", "zero3")
+SHARDING_SUMMARY = {
+    "zero1": "layers' weights gathered once per step, gradients summed whole and reduce-scattered once",
+    "zero2": "layers' weights gathered once per step, gradients reduce-scattered after every chunk",
+    "zero3": "layers' weights gathered for every chunk's forward and backward, gradients reduce-scattered after "
+             "every chunk",
+}
 
 
 class PlanError(RuntimeError):
@@ -213,7 +228,8 @@ class StepTime:
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
     host_gather_bytes: float = 0.0  # ... and the bytes those gathers move (host_gather_bytes)
-    all_reduce_s: float = 0.0  # data parallel: averaging the gradients after stage 2 (all_reduce_seconds)
+    all_reduce_s: float = 0.0  # data parallel: averaging the whole gradients after stage 2 (step_collectives)
+    sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
 
     @property
     def total_flops(self) -> float:
@@ -227,13 +243,13 @@ class StepTime:
     @property
     def predicted_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, plus
-        the host gradient layers' additions and the gradients' all-reduce: fitted to measured steps, to be
-        calibrated with ``lightning-oomb bench`` on other machines."""
+        the host gradient layers' additions and the collectives (none hidden behind the compute): fitted to
+        measured steps, to be calibrated with ``lightning-oomb bench`` on other machines."""
         attention = self.attention_flops + self.recompute_attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
         compute = linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
-        return compute + self.host_add_s + self.host_gather_s + self.all_reduce_s
+        return compute + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -309,11 +325,59 @@ def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
     return host_gather_bytes(shape, c) / (HOST_GATHER_GBPS * 1e9)
 
 
-def all_reduce_seconds(trainable: int, devices: int, link_gbps: float = ALL_REDUCE_GBPS) -> float:
-    """Seconds to average ``trainable`` float32 gradients over ``devices`` ranks with a ring all-reduce, which
-    sends and receives 2 (devices - 1) / devices of the bytes per rank, at ``link_gbps`` GB/s per rank (its
-    bus bandwidth); oomb_ddp runs it after stage 2, behind no compute."""
-    return 2 * (devices - 1) / devices * 4 * trainable / (link_gbps * 1e9)
+@dataclass(frozen=True)
+class Collective:
+    """One collective a step issues on every rank, ``calls`` times per step, each moving ``bus_bytes`` over a
+    rank's link: a ring reduce-scatter or all-gather of a B-byte buffer (N - 1) / N x B, an all-reduce twice that.
+    ``kind``: "all-reduce", "all-gather" or "reduce-scatter"; ``seconds``: all calls at ``COLLECTIVE_GBPS``."""
+
+    kind: str
+    what: str
+    calls: int
+    bus_bytes: float
+
+    @property
+    def seconds(self) -> float:
+        return self.calls * self.bus_bytes / (COLLECTIVE_GBPS * 1e9)
+
+
+def trainable_split(shape: "ModelShape", lora_rank: int) -> tuple[int, int]:
+    """(trainable parameters inside the decoder layers, trainable parameters of the root: embeddings, final norm,
+    output layer). LoRA trains only adapters, which sit in the layers."""
+    if lora_rank:
+        return shape.lora_params(lora_rank), 0
+    return shape.n_layers * shape.layer_params, shape.root_params
+
+
+def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
+    """The collectives one step of ``c`` issues per rank. oomb_ddp (sharding "none"): the float32 all-reduce of
+    every gradient after stage 2. Sharding (oomb_model_parallel, as its class docstring says): the decoder
+    layers' weights all-gathered (zero1 and zero2: once per step, in stage 1's first chunk; zero3: for every
+    chunk's forward in both stages, less the stage-2 forwards that kept graphs skip, and again for its
+    backward), their gradients reduce-scattered in float32 (zero2 and zero3: after every chunk's backward;
+    zero1: once, after the last), and the root's gradients all-reduced in float32 after stage 2. None on one
+    device."""
+    n = c.devices
+    if n == 1:
+        return []
+    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
+    if c.sharding == "none":
+        return [Collective("all-reduce", "every gradient (float32)", 1, 2 * (n - 1) / n * 4 * (layer_trainable +
+                                                                                           root_trainable))]
+    share = (n - 1) / n
+    weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
+    param = PROFILES[c.precision].param
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
+    gathers = 3 * c.n_chunks - graphs if c.sharding == "zero3" else 1
+    found = [
+        Collective("all-gather", f"the decoder layers' weights ({'bf16' if param == 2 else 'fp32'})", gathers,
+                   share * weights * param),
+        Collective("reduce-scatter", "the decoder layers' gradients (float32)",
+                   1 if c.sharding == "zero1" else c.n_chunks, share * layer_trainable * 4),
+    ]
+    if root_trainable:
+        found.append(Collective("all-reduce", "the root's gradients (float32)", 1, 2 * (n - 1) / n * 4 * root_trainable))
+    return found
 
 
 def step_time(
@@ -420,8 +484,11 @@ class PlanConfig:
     stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy) and keeps
     every chunk's dL/dh for stage 2: in pinned host memory where ``loss_grads_on_host``, else on the GPU.
     host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
-    devices: data-parallel ranks (oomb_ddp), each running this step on its own ``batch`` sequences: memory is
-    per GPU (plus the gradients' all-reduce bucket), the time includes the all-reduce.
+    devices: data-parallel ranks, each running this step on its own ``batch`` sequences: memory is per GPU,
+    the time includes the collectives (``step_collectives``). sharding: "none": every rank whole (oomb_ddp,
+    plus the gradients' all-reduce bucket); "zero1", "zero2", "zero3": oomb_model_parallel's sharding of the
+    decoder layers' weights, gradients and optimizer state over the ``devices`` ranks (docs/planner.md,
+    "Several GPUs").
     document_length: packed documents of that many tokens (position ids restarting every document_length
     tokens): attention FLOPs within documents only (``step_time``); None: one document per sequence. Memory
     is the same either way.
@@ -451,6 +518,7 @@ class PlanConfig:
     devices: int = 1
     host_kv_layers: int = 0
     document_length: int | None = None
+    sharding: Sharding = "none"
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices"):
@@ -463,6 +531,11 @@ class PlanConfig:
             raise ValueError(f"document_length must be None or an integer >= 1, got {self.document_length!r}")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.sharding != "none" and self.devices == 1:
+            raise ValueError(f"sharding={self.sharding!r} shards the decoder layers over data-parallel ranks, and "
+                             "there is one device: give devices >= 2 (--devices N), or sharding 'none'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.precision not in PROFILES:
@@ -594,8 +667,11 @@ class Plan:
             f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
             f"{ckpt}, KV-gradients {_dtype_name(c.grad_dtype)}"
         )
-        if c.devices > 1:
+        if c.devices > 1 and c.sharding == "none":
             head += f"; {c.devices} data-parallel ranks (oomb_ddp), memory per GPU"
+        elif c.devices > 1:
+            head += (f"; {c.devices} data-parallel ranks (oomb_model_parallel, sharding {c.sharding}: "
+                     f"{SHARDING_SUMMARY[c.sharding]}), memory per GPU")
         if c.document_length is not None and c.document_length < c.context:
             head += f"; packed from documents of {c.document_length:,} tokens"
         if c.offload:
@@ -632,10 +708,15 @@ class Plan:
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {_duration(t.host_gather_s)} gathering the host K/V layers' selected pages "
                f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s)" if t.host_gather_s else "")
-            + (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {ALL_REDUCE_GBPS:g} GB/s"
-               if t.all_reduce_s else "")
+            + _collectives_time(t, c.sharding)
             + ", calibrate with lightning-oomb bench)",
         ]
+        collectives = step_collectives(s, c) if c.sharding != "none" else []
+        if collectives:
+            rows.append(f"Collectives per step and rank (ring, {COLLECTIVE_GBPS:g} GB/s bus bandwidth assumed, none "
+                        "hidden behind the compute):")
+            rows += [f"  {x.kind} of {x.what}: {x.calls} x {_gib(x.bus_bytes)} GiB, {_duration(x.seconds)}"
+                     for x in collectives]
         if self.other_activation_bytes is not None:
             other = "on" if not c.checkpoint_layers else "off"
             rows.append(f"Activations with layer checkpointing {other}: {_gib(self.other_activation_bytes)} GiB")
@@ -667,6 +748,17 @@ class Plan:
         if faster:
             rows += ["What would make it faster:", *(x.render(self.suggestion_style) for x in faster)]
         return "\n".join(rows)
+
+
+def _collectives_time(t: StepTime, sharding: str) -> str:
+    """What the collectives add to the predicted step time, in the words of the plan's time line."""
+    if sharding == "none":
+        return (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {COLLECTIVE_GBPS:g} GB/s"
+                if t.all_reduce_s else "")
+    text = f", plus {_duration(t.sharding_s)} for the decoder layers' all-gathers and reduce-scatters"
+    if t.all_reduce_s:
+        text += f" and {_duration(t.all_reduce_s)} for the root's all-reduce"
+    return text + f" at {COLLECTIVE_GBPS:g} GB/s"
 
 
 def _gib(n: float) -> str:
@@ -705,19 +797,22 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
     # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
     state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
-    gpu: dict[str, int] = {
-        f"weights ({param_dtype}, {human_count(all_params)} params)": all_params * p.param,
-        f"gradients ({param_dtype}, {human_count(trainable)} trainable)": trainable * p.param,
-        f"optimizer state ({c.optimizer}, {state_copies} x {param_dtype} per trainable)": (
-            state_copies * trainable * p.param
-        ),
-    }
+    if c.sharding == "none":
+        gpu: dict[str, int] = {
+            f"weights ({param_dtype}, {human_count(all_params)} params)": all_params * p.param,
+            f"gradients ({param_dtype}, {human_count(trainable)} trainable)": trainable * p.param,
+            f"optimizer state ({c.optimizer}, {state_copies} x {param_dtype} per trainable)": (
+                state_copies * trainable * p.param
+            ),
+        }
+    else:
+        gpu = _sharded_lines(shape, c, state_copies)
     if p.autocast_weight_copies:
         # Autocast's cast of every weight to bf16 lives for the whole autocast region (its cache), and
         # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
         matrices_and_biases = shape.matmul_params + shape.n_layers * shape.layer_bias_params
         gpu["bf16 weight copies (autocast cache)"] = 2 * matrices_and_biases
-    if c.devices > 1:
+    if c.devices > 1 and c.sharding == "none":
         gpu["gradient all-reduce bucket (float32, oomb_ddp)"] = min(GRADIENT_BUCKET_BYTES, 4 * trainable)
     t = c.chunk_tokens
     ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
@@ -836,6 +931,55 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     return gpu, host
 
 
+def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[str, int]:
+    """Weights, gradients and optimizer state on one GPU of oomb_model_parallel, by named line, in bytes.
+
+    The decoder layers are FSDP2-sharded: each rank keeps 1/N of their weights, and of their gradients and
+    optimizer state (in the weights' dtype) once reduced, each parameter's rows split evenly (FSDP2 pads
+    uneven rows; not counted). zero1 and zero2 gather the layers' weights whole in stage 1's first chunk and
+    keep them until stage 2's last (a buffer of their own, next to the shards); zero3 gathers
+    ZERO3_GATHERED_LAYERS layers at a time. zero1 sums each chunk's gradients whole in float32 (FSDP2's reduce
+    dtype) until one reduce-scatter after the last chunk. Each reduce-scatter holds, beyond the shards, one
+    layer's gradient as autograd made it and its float32 copy. The root (embeddings, final norm, output
+    layer) stays whole on every rank, its gradients averaged through oomb_ddp's float32 bucket. Line names
+    that start with "weights", "gradients" or "optimizer state" are what stays allocated between steps (what
+    ``place_step`` measures rather than plans)."""
+    p = PROFILES[c.precision]
+    dtype = "bf16" if p.param == 2 else "fp32"
+    n = c.devices
+    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
+    layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
+    per_layer = layer_weights // shape.n_layers
+    shard = f"1/{n} shard"
+    gpu = {
+        f"weights: root (embeddings, final norm, output layer; {dtype}, whole, "
+        f"{human_count(shape.root_params)} params)": shape.root_params * p.param,
+        f"weights: decoder layers, {shard} ({dtype}, {human_count(layer_weights // n)} params)":
+            -(-layer_weights // n) * p.param,
+    }
+    if c.sharding == "zero3":
+        layers = min(ZERO3_GATHERED_LAYERS, shape.n_layers)
+        gpu[f"gathered weights: {layers} of {shape.n_layers} decoder layers at a time ({dtype})"] = (
+            layers * per_layer * p.param)
+    else:
+        gpu[f"gathered weights: decoder layers, whole for the step ({dtype})"] = layer_weights * p.param
+    if root_trainable:
+        gpu[f"gradients: root ({dtype}, whole)"] = root_trainable * p.param
+    if c.sharding == "zero1":
+        gpu["gradients: decoder layers (float32, whole, summed over the chunks)"] = layer_trainable * 4
+    else:
+        gpu[f"gradients: decoder layers, {shard} ({dtype})"] = -(-layer_trainable // n) * p.param
+    gpu[f"reduce-scatter in flight: one layer's gradients ({dtype}) and their float32 copy"] = (
+        layer_trainable // shape.n_layers * (p.param + 4))
+    what = f"{c.optimizer}, {state_copies} x {dtype} per trainable"
+    if root_trainable:
+        gpu[f"optimizer state: root ({what}, whole)"] = state_copies * root_trainable * p.param
+    gpu[f"optimizer state: decoder layers, {shard} ({what})"] = state_copies * -(-layer_trainable // n) * p.param
+    if root_trainable:
+        gpu["gradient all-reduce bucket (float32, the root's)"] = min(GRADIENT_BUCKET_BYTES, 4 * root_trainable)
+    return gpu
+
+
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
     return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
@@ -932,11 +1076,12 @@ def _estimate(
         host_kept_chunks=config.host_kept_chunks,
         document_length=config.document_length,
     )
-    trainable = shape.lora_params(config.lora_rank) if config.lora_rank else shape.total_params
+    collectives = step_collectives(shape, config)
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
                                host_gather_s=host_gather_seconds(shape, config),
                                host_gather_bytes=host_gather_bytes(shape, config),
-                               all_reduce_s=all_reduce_seconds(trainable, config.devices))
+                               all_reduce_s=sum(x.seconds for x in collectives if x.kind == "all-reduce"),
+                               sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
 
@@ -981,6 +1126,7 @@ def plan(
     devices: int = 1,
     host_kv_layers: int = 0,
     document_length: int | None = None,
+    sharding: Sharding = "none",
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -1002,8 +1148,10 @@ def plan(
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
     stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``.
-    devices: data-parallel ranks on one machine (oomb_ddp), each with ``batch`` sequences: the plan is one
-    rank's, whose host memory budget is ``host_memory`` divided among the ranks, as the strategy divides it.
+    devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
+    host memory budget is ``host_memory`` divided among the ranks, as the strategies divide it.
+    sharding: with devices > 1, "none" plans an oomb_ddp rank (every weight whole); "zero1", "zero2", "zero3"
+    an oomb_model_parallel rank with that sharding of the decoder layers (docs/planner.md, "Several GPUs").
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     document_length: each sequence packed from documents of that many tokens (attention within them only).
@@ -1040,6 +1188,7 @@ def plan(
         devices=devices,
         host_kv_layers=host_kv_layers,
         document_length=document_length,
+        sharding=sharding,
     )
     host_memory //= base.devices  # each rank's share (OOMBDDPStrategy divides the budget alike)
 
@@ -1240,6 +1389,15 @@ def _suggestions(result: Plan, estimate) -> list[Suggestion]:
         elif not c.offload:
             found.append(Suggestion("K/V and KV-gradient pages in pinned host memory, streamed",
                                     estimate(dataclasses.replace(c, offload=True)), "--offload host", "offload='host'"))
+        stronger = SHARDINGS[SHARDINGS.index(c.sharding) + 1:] if c.devices > 1 else ()
+        stronger = [mode for mode in stronger if mode != "zero1"]  # zero1 holds every gradient whole, in float32
+        if stronger:
+            # The least sharding that fits (the more it shards, the more it gathers); else the most.
+            plans = (estimate(dataclasses.replace(c, sharding=mode)) for mode in stronger)
+            sharded = next((p for p in plans if p.fits), None) or estimate(dataclasses.replace(c, sharding="zero3"))
+            mode = sharded.config.sharding
+            found.append(Suggestion(f"oomb_model_parallel: the decoder layers sharded over the {c.devices} ranks, "
+                                    f"{mode}", sharded, f"--sharding {mode}", f"sharding={mode!r}"))
         if found and not any(x.plan.fits for x in found):
             combined = c
             for x in found:  # every change at once; of the chunk sizes the smallest

@@ -8,6 +8,7 @@ weights at set-up and averages the gradients once, after stage 2, in float32 buc
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ..core.ranks import GRADIENT_BUCKET_BYTES, DataParallelRanks
@@ -101,7 +103,10 @@ class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
         super().__init__(**kwargs)
         wrapper = dict(self._ddp_kwargs, ddp_comm_state=self._ddp_comm_state, ddp_comm_hook=self._ddp_comm_hook,
                        ddp_comm_wrapper=self._ddp_comm_wrapper, model_averaging_period=self._model_averaging_period)
-        unused = [name for name, value in wrapper.items() if value is not None]
+        # The Lightning CLI (jsonargparse) follows **kwargs down to DistributedDataParallel's signature and passes
+        # its defaults: a default asks for nothing.
+        defaults = {name: p.default for name, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()}
+        unused = [name for name, value in wrapper.items() if value is not None and value != defaults.get(name)]
         if unused:
             raise TypeError(f"OOMBDDPStrategy does not wrap the model in DistributedDataParallel, so "
                             f"{', '.join(unused)} do not apply; remove them")

@@ -85,10 +85,13 @@ class OOMBStrategyMixin:
         **kwargs: Any,
     ):
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind. Set after
-        # the base's __init__, since ModelParallelStrategy's takes no checkpoint_io.
-        checkpoint_io = kwargs.pop("checkpoint_io", None)
+        # the base's __init__, since ModelParallelStrategy's takes no checkpoint_io. An explicit None (what the
+        # Lightning CLI passes, having seen setdefault) stays None, so that a CheckpointIO among the Trainer's
+        # plugins is not refused as set twice; the CLI makes the default atomic itself.
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())
+        checkpoint_io = kwargs.pop("checkpoint_io")
         super().__init__(**kwargs)
-        self.checkpoint_io = AtomicCheckpointIO() if checkpoint_io is None else checkpoint_io
+        self.checkpoint_io = checkpoint_io
         self.chunk_config = ChunkConfig(
             chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
             cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
