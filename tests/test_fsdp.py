@@ -59,6 +59,8 @@ class Record(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx % trainer.accumulate_grad_batches == 0:
             self.before = dict(CALLS)
+        if batch_idx == 0 and trainer.global_rank == 0:  # what the placement reserves beyond the shards
+            torch.save(trainer.strategy.ranks.step_gpu_bytes, f"{self.out}-gathered.pt")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         calls = {name: CALLS[name] - self.before[name] for name in CALLS}
@@ -168,3 +170,17 @@ def test_registered_name_and_refusals():
                           ({"save_distributed_checkpoint": True}, "sharded checkpoint folders are not built")):
         with pytest.raises(ValueError, match=match):
             OOMBModelParallelStrategy(**kwargs)
+
+
+def test_placement_reserves_what_a_step_gathers(runs):
+    """The strategy hands the engine, through its ranks, the bytes a step allocates beyond the shards at rest:
+    the other rank's half of every decoder layer (zero2), of the two largest layers (zero3), and under zero1
+    also the whole float32 gradients it sums until the last chunk."""
+    def layer_bytes(family):
+        layers = tiny_model(family).get_decoder().layers
+        return [sum(4 * p.numel() for p in layer.parameters()) for layer in layers]
+
+    qwen2, llama = layer_bytes("qwen2"), layer_bytes("llama")
+    assert abs(runs("zero2", "gathered") - sum(qwen2) / WORLD) <= 0.02 * sum(qwen2)
+    assert abs(runs("zero3", "gathered") - sum(sorted(layer_bytes("qwen2-tied"))[-2:]) / WORLD) <= 0.02 * sum(qwen2)
+    assert abs(runs("zero1", "gathered") - sum(llama) / WORLD - sum(llama)) <= 0.02 * sum(llama)

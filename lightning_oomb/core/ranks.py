@@ -17,9 +17,12 @@ GRADIENT_BUCKET_BYTES = 25 * 2**20  # float32 gradients per all-reduce: large en
 
 
 class Ranks:
-    """One process: nothing to agree on."""
+    """One process: nothing to agree on. ``step_gpu_bytes``: GPU memory a step of this run allocates beyond
+    what the planner counts for one process (a sharded strategy's gathered weights and unsharded gradients),
+    which the placement reserves."""
 
     world_size = 1
+    step_gpu_bytes = 0
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         """Refuse a step whose (batch, seq_len) or chunking differs between ranks."""
@@ -41,9 +44,10 @@ class DataParallelRanks(Ranks):
     over the ranks (the strategy's all-reduce) are one process's gradient of all ranks' batches together, and
     each rank's loss, averaged over the ranks, is the loss of that whole batch."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, step_gpu_bytes: int = 0):
         self.device = device
         self.world_size = dist.get_world_size()
+        self.step_gpu_bytes = step_gpu_bytes
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         mine = torch.tensor([*shape, chunk_size, page_size], dtype=torch.int64, device=self.device)

@@ -227,7 +227,8 @@ class ChunkedSequence:
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
         optimizer, pending = optimizer_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
-                                    stage_1_loss=stage_1_loss, optimizer=optimizer, pending_gpu_bytes=pending,
+                                    stage_1_loss=stage_1_loss, optimizer=optimizer,
+                                    pending_gpu_bytes=pending + ranks.step_gpu_bytes,
                                     host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its

@@ -151,12 +151,26 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
         self.sharding = sharding
         self._average_after_backward = True
         self._fsdp_modules: list[FSDPModule] = []
+        self._step_gpu_bytes = 0
         self._replicated: list[nn.Parameter] = []
 
     @property
     @override
     def ranks(self) -> DataParallelRanks:
-        return DataParallelRanks(self.root_device)
+        return DataParallelRanks(self.root_device, self._step_gpu_bytes)
+
+    def _gathered_bytes(self) -> int:
+        """GPU bytes a step adds to the shards at rest, which the placement must leave free: the other ranks'
+        shards of the layers gathered (zero1, zero2: every layer for the whole step; zero3: the layer computing
+        and the one prefetched) and, under zero1, the whole float32 gradients summed until the last chunk."""
+        # The innermost FSDP modules (the layers): the decoder above them holds no sharded weight of its own.
+        layers = [[p for p in m.parameters() if isinstance(p, DTensor)] for m in self._fsdp_modules
+                  if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)]
+        per_layer = [sum((p.numel() - p.to_local().numel()) * p.element_size() for p in params) for params in layers]
+        gathered = sum(per_layer) if self.sharding != "zero3" else sum(sorted(per_layer)[-2:])
+        if self.sharding == "zero1":
+            gathered += sum(4 * p.numel() for params in layers for p in params if p.requires_grad)
+        return gathered
 
     @override
     def setup_environment(self) -> None:
@@ -178,6 +192,7 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
             shard_decoder_layers(lm, self.device_mesh["data_parallel"], reshard_after_forward=self.sharding == "zero3")
         self._check_root_unsharded(lm)
         self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        self._step_gpu_bytes = self._gathered_bytes()
         self._replicated = [p for p in self.model.parameters() if not isinstance(p, DTensor)]
         with torch.no_grad():  # the whole weights must agree on every rank; the shards are each rank's own
             for tensor in [*self._replicated, *self.model.buffers()]:
