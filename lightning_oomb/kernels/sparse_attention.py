@@ -107,25 +107,6 @@ def _first_page(sel, ssel_k, n_sel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_documents(DOC, sel, ssel_k, n_sel, b, T, m0, offs_m, m_valid, BLOCK_M: tl.constexpr,
-                     PAGE_BLOCKS: tl.constexpr):
-    """Packed documents of a query block (forward and dQ): (key_lo, doc_first, doc_last, first_it), its
-    rows' document starts (BLOCK_M,) and their least and greatest (token positions), and the page loop's
-    first iteration, past the list's -1 entries (no page, sorted first). Keys before a row's document start
-    are masked for it; a row may then see no past key, which the steps' masks keep in its empty state.
-    DOC None (unpacked): (None, 0, 0, 0), and the kernels compile as without documents."""
-    key_lo = None
-    doc_first = 0
-    doc_last = 0
-    first_it = 0
-    if DOC is not None:
-        # A short last tile's blocks may start past T: their first row is read at T - 1, in bounds.
-        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
-        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
-    return key_lo, doc_first, doc_last, first_it
-
-
-@triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, KP, VP, KD, VD, SLOTS, SEL, OUT, LSE, DOC,
     sq_b, sq_h, sq_t,
@@ -161,8 +142,16 @@ def _sparse_fwd_kernel(
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    key_lo, doc_first, doc_last, first_it = _block_documents(DOC, sel, ssel_k, n_sel, b, T, m0, offs_m, m_valid,
-                                                             BLOCK_M, PAGE_BLOCKS)
+    first_it = 0
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:
+        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
+        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
+        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
+        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
@@ -224,8 +213,16 @@ def _sparse_dq_kernel(
     sel = SEL + b * ssel_b + hk * ssel_h + tile * ssel_i
     kp = KP + hk * sp_h
     vp = VP + hk * sp_h
-    key_lo, doc_first, doc_last, first_it = _block_documents(DOC, sel, ssel_k, n_sel, b, T, m0, offs_m, m_valid,
-                                                             BLOCK_M, PAGE_BLOCKS)
+    first_it = 0
+    key_lo = None
+    doc_first = 0
+    doc_last = 0
+    if DOC is not None:
+        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
+        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
+        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
+        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
+        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
