@@ -74,7 +74,31 @@ def average_gradients(params: list[nn.Parameter], device: torch.device) -> None:
         reduce()
 
 
-class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
+class AveragedAfterBackward:
+    """For a data-parallel strategy: ``averaged_params()``' gradients are averaged over the ranks after each
+    backward, except inside Lightning's ``block_backward_sync`` (the micro-batches of an accumulation before
+    the last), where ``_average_after_backward`` is False."""
+
+    _average_after_backward = True
+
+    def averaged_params(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        self._average_after_backward = False
+        try:
+            yield
+        finally:
+            self._average_after_backward = True
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._average_after_backward:
+            average_gradients(self.averaged_params(), self.root_device)
+
+
+class OOMBDDPStrategy(AveragedAfterBackward, OOMBStrategyMixin, DDPStrategy):
     """``OOMBStrategyMixin`` on several devices, one process each, data parallel: every rank trains on its own
     sequences and the ranks' gradients are averaged after stage 2, so that a step's update is one process's
     update of all ranks' batches together (tests/test_ddp.py checks it against transformers).
@@ -110,7 +134,6 @@ class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
         if unused:
             raise TypeError(f"OOMBDDPStrategy does not wrap the model in DistributedDataParallel, so "
                             f"{', '.join(unused)} do not apply; remove them")
-        self._average_after_backward = True
 
     @property
     @override
@@ -126,22 +149,9 @@ class OOMBDDPStrategy(OOMBStrategyMixin, DDPStrategy):
     def configure_ddp(self) -> None:
         broadcast_weights(self.model)
 
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning's accumulation of micro-batches: their gradients are averaged after the last one's."""
-        self._average_after_backward = False
-        try:
-            yield
-        finally:
-            self._average_after_backward = True
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self._average_after_backward:
-            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            average_gradients(params, self.root_device)
+    def averaged_params(self) -> list[nn.Parameter]:
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
 
     @classmethod
     @override

@@ -13,9 +13,8 @@ rank, like oomb_ddp's weights: broadcast from rank 0 at set-up and averaged once
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ from ..core.errors import SetupError
 from ..core.ranks import DataParallelRanks
 from ..core.schedule import ChunkHook
 from ..integrations.transformers import find_causal_lm
-from .ddp import average_gradients
+from .ddp import AveragedAfterBackward
 from .strategy import OOMBStrategyMixin
 
 SHARDING = ("zero1", "zero2", "zero3")
@@ -85,7 +84,7 @@ def clip_grad_value(params: Iterable[nn.Parameter], clip_value: float) -> None:
             _local(p.grad).clamp_(-clip_value, clip_value)
 
 
-class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
+class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelParallelStrategy):
     """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks with the decoder layers sharded by
     FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh): each rank trains on
     its own sequences, holds 1/N of the decoder layers' weights, gradients and optimizer state, and a step's
@@ -149,7 +148,6 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
                          save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout, **kwargs)
         self.sharding = sharding
-        self._average_after_backward = True
         self._fsdp_modules: list[FSDPModule] = []
         self._step_gpu_bytes = 0
         self._replicated: list[nn.Parameter] = []
@@ -236,22 +234,11 @@ class OOMBModelParallelStrategy(OOMBStrategyMixin, ModelParallelStrategy):
             if self.sharding == "zero1":
                 module.set_requires_gradient_sync(last and self._average_after_backward, recurse=False)
 
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning's accumulation of micro-batches: the whole weights' gradients are averaged after the last
-        one's, and so are the layers' under zero1 (zero2 and zero3 reduce-scatter them after every chunk)."""
-        self._average_after_backward = False
-        try:
-            yield
-        finally:
-            self._average_after_backward = True
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self._average_after_backward:
-            average_gradients([p for p in self._replicated if p.requires_grad], self.root_device)
+    def averaged_params(self) -> list[nn.Parameter]:
+        """The whole weights' (after an accumulation's last micro-batch, as the layers' under zero1; zero2 and
+        zero3 reduce-scatter the layers' after every chunk)."""
+        return [p for p in self._replicated if p.requires_grad]
 
     @classmethod
     @override
