@@ -293,15 +293,14 @@ class PagePool:
                 grads = (on_gpu, *shape[1:])
                 self.dk = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
                 self.dv = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+            pin = self.device.type == "cuda"
             if host_grad_layers:
-                pin = self.device.type == "cuda"
                 # Zeroed page by page as batches take them (allocate), not here.
                 grads = ((host_grad_layers, *shape[1:]), spec.grad_dtype, pin, self.host, "KV-gradient pages")
                 self.host_dk = pinned_empty(*grads)
                 self.host_dv = pinned_empty(*grads)
                 self.grad_staging = HostGradStaging(self.device)
             if host_kv_layers:
-                pin = self.device.type == "cuda"
                 kv = ((host_kv_layers, *shape[1:]), spec.dtype, pin, self.host, "K/V pages")
                 self.host_k = pinned_empty(*kv)
                 self.host_v = pinned_empty(*kv)
