@@ -6,20 +6,15 @@ masking must give that loss and every parameter's gradient within 1e-5 (relative
 that start mid-chunk, mid-page and at a chunk border, of 1 and 2 tokens, batches with other packings per row.
 """
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.served import serve
-from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
+from tiny_models import BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
 
 TOL = 1e-5
-TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
 # With chunks of 8 and pages of 4: starts at 7 (mid-chunk, mid-page), 16 (chunk border), 17 (mid-page, a
 # 1-token document), 18 (2 tokens), 20 (page border mid-chunk), 24 (chunk border), 45 tokens in all.
 LENGTHS = [7, 9, 1, 2, 5, 21]

@@ -1,18 +1,12 @@
 """train_step / eval_loss against transformers' own full-sequence autograd, float32 on CPU."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import lightning_oomb
-from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
+from tiny_models import BACKENDS, VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
 
 TOL = 1e-5
-# CPU tensors: the Triton kernels run here only in Triton's interpreter (CPU machines; tests/conftest.py).
-TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
-BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
 
 
 def check_against_full(model, ids, labels=None, **kwargs):

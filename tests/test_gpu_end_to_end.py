@@ -150,13 +150,19 @@ def test_served_loss_gradients_kept_on_the_host_give_the_same_gradient(monkeypat
         assert torch.equal(results[True][1][name], grad), name
 
 
-def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits():
+def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits(monkeypatch):
     """Sparse bf16 step with pages of 128 and chunks on page borders (on an H200: the warp-specialised page
     kernels): every layer's gradient pages pinned on the host, where each chunk's share is staged and added
     from the GPU until stage 2 moves them into dead K/V pages, gives bitwise the gradient of all pages on the
-    GPU."""
+    GPU. The K/V pages stay on the GPU (offload="host" would move them too: test_host_kv.py)."""
+    import dataclasses
+
+    from lightning_oomb.core import schedule
     from lightning_oomb.core.schedule import cached_pool
 
+    place_step = schedule.place_step
+    monkeypatch.setattr(schedule, "place_step",
+                        lambda *args, **kwargs: dataclasses.replace(place_step(*args, **kwargs), host_kv_layers=0))
     torch.manual_seed(0)
     model = two_layer_bf16_qwen2()
     ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")

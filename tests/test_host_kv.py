@@ -20,7 +20,7 @@ from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import select_pages
 from lightning_oomb.kernels.page_table import StoreSpec
-from tiny_models import VOCAB, grads_of, tiny_model
+from tiny_models import VOCAB, grads_of, needs_interpreter, tiny_model
 
 SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
 
@@ -141,6 +141,7 @@ def test_gather_brings_the_union_of_the_selection_under_a_remapped_table():
     assert staged.kv_stager is None and store.kv_stager is pool.kv_staging
 
 
+@needs_interpreter
 def test_gpu_side_page_copies_skip_negative_slots_and_write_rows():
     """The kernels a CUDA step uses on host-mapped pages, in Triton's interpreter: the gather's fixed-length
     page list (-1: stays), and a chunk's K/V rows written into host pages."""
@@ -286,6 +287,7 @@ def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
     assert host_gather_seconds(shape, bounded) < host_gather_seconds(shape, c) / 10
 
 
+@needs_interpreter
 def test_triton_kernels_read_one_list_per_chunk_as_its_copy_per_tile():
     """The per-chunk selection is a stride-0 view over the tiles; the Triton kernels (interpreter) read it as
     they read the same lists copied for every tile."""

@@ -5,8 +5,6 @@ backward (float32, 1e-5), for both attention backends, over segment lengths that
 sequences in every way; the host pool's slots may be scattered.
 """
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -16,10 +14,9 @@ from lightning_oomb.core.pages import PagePool
 from lightning_oomb.core.placement import Placement, place_step
 from lightning_oomb.core.schedule import ChunkedSequence, new_pool
 from lightning_oomb.kernels.page_table import StoreSpec
-from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
+from tiny_models import BACKENDS, VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
 
 TOL = 1e-5
-BACKENDS = ["reference"] + (["triton"] if importlib.util.find_spec("triton") else [])
 
 
 def check_host_step(model, ids, labels=None, **kwargs):

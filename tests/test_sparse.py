@@ -17,7 +17,7 @@ from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.sparse import select_pages, update_summaries
 from lightning_oomb.kernels import sparse_attention as tri
 from test_triton_attention import DEVICE, make_problem
-from tiny_models import VOCAB, grads_of, rel_err, tiny_model
+from tiny_models import VOCAB, grads_of, needs_interpreter, rel_err, tiny_model
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -385,6 +385,7 @@ def test_kernel_autograd_wiring():
         assert rel_err(a, b) <= 1e-5
 
 
+@needs_interpreter
 @pytest.mark.parametrize("per_kv_head,score", [(True, "mean"), (False, "minmax")])
 def test_train_step_triton_matches_reference(per_kv_head, score):
     model = tiny_model("qwen2")

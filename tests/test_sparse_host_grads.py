@@ -19,7 +19,7 @@ from lightning_oomb.core.placement import Placement, place_step
 from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.kernels.page_table import StoreSpec
-from tiny_models import VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
+from tiny_models import VOCAB, assert_grads_close, grads_of, needs_interpreter, rel_err, tiny_model
 
 SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
 
@@ -33,7 +33,9 @@ def _step(model, ids, **kwargs):
     return loss, grads
 
 
-@pytest.mark.parametrize("attention, packed", [("reference", False), ("triton", False), ("triton", True)])
+@pytest.mark.parametrize("attention, packed", [
+    ("reference", False), pytest.param("triton", False, marks=needs_interpreter),
+    pytest.param("triton", True, marks=needs_interpreter)])
 def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention, packed):
     """packed: documents of 2, 12, 7 and 10, 11 tokens (pages staged for the host with -1 entries and
     document masks, rows that see no past)."""
@@ -60,6 +62,7 @@ def test_every_gradient_layer_on_the_host_gives_the_same_gradient(attention, pac
     assert_grads_close(grads_of(model), want, 1e-6)
 
 
+@needs_interpreter
 def test_add_staged_pages_adds_the_chosen_rows_only():
     """The side stream's addition: every distinct chosen (page, KV head), rows up to the chunk start."""
     from lightning_oomb.kernels.host_pages import AddLaunch, add_staged_pages
@@ -107,6 +110,7 @@ def _split_step(model, ids, host_layers: int, config: ChunkConfig, garbage: bool
     return loss, grads_of(model), pools["pool"]
 
 
+@needs_interpreter
 def test_host_layers_spread_over_the_depth_give_the_gpu_gradient_bitwise():
     """Layers 1 and 3 of 4 on the host (staged additions, Triton kernels in the interpreter), 0 and 2 not;
     stage 2 moves them into dead K/V pages one after another, as soon as those hold them."""
@@ -246,6 +250,7 @@ def test_zero_pages_zeroes_the_taken_slots_of_every_host_layer():
     assert (pages[:, zeroed] == 0).all() and (pages[:, ~zeroed] == 1).all()
 
 
+@needs_interpreter
 def test_host_page_kernels_in_the_interpreter():
     """The kernels that reach host pages from the GPU, run on CPU tensors in Triton's interpreter."""
     from lightning_oomb.kernels.host_pages import copy_pages, read_rows

@@ -8,8 +8,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBStrategy, PagedKVCallback
-from tiny_models import VOCAB, rel_err, tiny_model
-from test_engine import BACKENDS
+from tiny_models import BACKENDS, VOCAB, rel_err, tiny_model
 
 
 class UserModule(LightningModule):
@@ -125,6 +124,16 @@ def test_bf16_within_plain_bf16_error(precision):
         plain_err = rel_err(wp[n].float() - start[n], delta)
         served_err = rel_err(ws[n].float() - start[n], delta)
         assert served_err <= 2 * plain_err + 1e-3, (n, served_err, plain_err)
+
+
+def test_cpu_accelerator_on_a_gpu_machine_trains_on_the_cpu(monkeypatch):
+    """OOMBStrategy() made where CUDA is present defaults to cuda:0, and Trainer(accelerator="cpu") moves it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    strategy = OOMBStrategy(chunk_size=8)
+    monkeypatch.undo()
+    assert strategy.root_device == torch.device("cuda", 0)
+    fit(UserModule(tiny_model("qwen2")), strategy, max_steps=1)
+    assert strategy.root_device == torch.device("cpu")
 
 
 def test_16_mixed_refused():

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 101
+
+# Triton kernels run on CPU tensors only in Triton's interpreter (CPU machines; tests/conftest.py). On a GPU
+# machine those cases are skipped: the GPU tests run the kernels compiled.
+TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+needs_interpreter = pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU tensors: the interpreter only")
+BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096,

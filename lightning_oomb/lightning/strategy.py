@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
@@ -232,7 +233,8 @@ class OOMBStrategy(OOMBStrategyMixin, SingleDeviceStrategy):
     """``OOMBStrategyMixin`` on one device.
 
     Args:
-        device: the device to train on (default: the first CUDA device, else CPU).
+        device: the device to train on (default: the Trainer's accelerator's: the first CUDA device, or the CPU
+            with ``accelerator="cpu"`` or without CUDA).
         The other arguments: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...) and
         ``SingleDeviceStrategy``'s.
     """
@@ -240,6 +242,15 @@ class OOMBStrategy(OOMBStrategyMixin, SingleDeviceStrategy):
     strategy_name = "oomb"
 
     def __init__(self, device: str | torch.device | None = None, **kwargs: Any):
+        # Without a device the Trainer's accelerator decides at set-up (Trainer(accelerator="cpu") trains on the
+        # CPU of a GPU machine, as with Lightning's own strategies); until then the first CUDA device, if any.
+        self._device_from_accelerator = device is None
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         super().__init__(device=device, **kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._device_from_accelerator and isinstance(self.accelerator, CPUAccelerator):
+            self._root_device = torch.device("cpu")
+        super().setup_environment()
