@@ -81,6 +81,7 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     assert rows[1]["host_grads_moved_at"] == ""  # no K/V page on the GPU: no dead page to move gradients into
     assert math.isclose(float(rows[0]["loss"]), float(rows[1]["loss"]), rel_tol=1e-6)
     assert float(rows[1]["planned_host_gib"]) > 0
+    assert [float(r["pin_s"]) for r in rows] == [0, 0]  # the pool was made in the timed step, but nothing pins on a CPU
     # One selection per chunk: a chunk's calls gather at most budget pages per KV head.
     assert cli_main([*argv[:6], "sparse-offload", *argv[7:-1], str(tmp_path / "chunk"), "--selection", "chunk"]) == 0
     _, (per_chunk,) = read_rows(tmp_path / "chunk" / "results.csv")

@@ -60,7 +60,7 @@ CSV_COLUMNS = (
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
     "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "document_length", "host_kv_layers",
-    "kv_pages_gathered",
+    "kv_pages_gathered", "pin_s",
 )
 
 
@@ -128,6 +128,9 @@ class PointResult:
     # attention call of the point's steps, warm-up included).
     host_kv_layers: int | None = None
     kv_pages_gathered: int | None = None
+    # Seconds the timed steps spent page-locking host memory (a pool or host buffer made in them: every timed
+    # step with --warmup 0, which then carries this once-per-run cost).
+    pin_s: float | None = None
     # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
     kept_chunks: int | None = None
     graph_chunks: int | None = None
@@ -170,6 +173,7 @@ class PointResult:
             "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
             "host_kv_layers": _blank_if_none(self.host_kv_layers),
             "kv_pages_gathered": _blank_if_none(self.kv_pages_gathered),
+            "pin_s": "" if self.pin_s is None else _num(self.pin_s),
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
             "host_kept_chunks": _blank_if_none(self.host_kept_chunks),
@@ -434,6 +438,8 @@ def measure(
             planned(result.segment_tokens)
             pool.streamer.take_stats()  # the timed steps' traffic only
 
+        ledger = pool.host if pool is not None else None  # small: holds no tensor
+        pinned_before = ledger.pin_seconds if ledger is not None else 0.0
         pool = None  # a step that replaces the pool must be able to free it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -467,6 +473,8 @@ def measure(
         if device.type == "cuda":
             result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated(device))
     pool = cached_pool(model)
+    if pool is not None and result.status == "ok":
+        result.pin_s = pool.host.pin_seconds - (pinned_before if pool.host is ledger else 0.0)
     if mode.sparse and pool is not None:  # the placement the step chose (also when it ran out of memory)
         result.host_grad_layers = pool.host_grad_layers
         result.host_grads_moved_at = tuple(live for _, live in pool.host_grads_moved)
@@ -516,8 +524,11 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
     gpu = f"  peak GPU {r.peak_gpu_bytes / GIB:.2f} GiB" if r.peak_gpu_bytes is not None else ""
     if r.alloc_retries:
         gpu += f" ({r.alloc_retries} allocator retries)"
+    step = f"{r.step_time_s:.4g} s/step"
+    if r.pin_s and r.pin_s >= 0.05 * r.step_time_s:  # a pool made in the timed step (--warmup 0)
+        step += f" ({r.pin_s:.3g} s of it pinning host memory)"
     return (
-        f"{head}  {r.step_time_s:.4g} s/step  {r.tokens_per_s:,.0f} tok/s{gpu}  "
+        f"{head}  {step}  {r.tokens_per_s:,.0f} tok/s{gpu}  "
         f"host {r.peak_host_bytes / GIB:.2f} GiB  {r.floor_fraction:.1%} of floor  loss {r.loss:.3f}  "
         f"(elapsed {_elapsed(elapsed)})"
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -109,10 +110,12 @@ def host_budget(host_memory: int | None = None) -> int:
 @dataclass
 class HostLedger:
     """Pinned host bytes a page pool holds, by what holds them; ``limit`` (None: no limit) is what the
-    placement left for them. ``pinned_empty`` adds to it and refuses a block past the limit."""
+    placement left for them. ``pinned_empty`` adds to it and refuses a block past the limit, and adds the wall
+    seconds it spent page-locking to ``pin_seconds`` (faulting in tens of GiB takes tens of seconds)."""
 
     limit: int | None = None
     held: dict[str, int] = field(default_factory=dict)
+    pin_seconds: float = 0.0
 
     @property
     def total(self) -> int:
@@ -154,7 +157,10 @@ def pinned_empty(
         weakref.finalize(t, ledger.remove, what, nbytes)
     if pin and t.numel():
         cudart = torch.cuda.cudart()
+        start = time.perf_counter()
         err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if ledger is not None:
+            ledger.pin_seconds += time.perf_counter() - start
         if int(err) != 0:
             raise HostMemoryError(
                 f"could not pin {t.numel() * t.element_size() / GIB:.1f} GiB of host memory (CUDA error "
