@@ -15,7 +15,7 @@ import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.pages import PagePool
 from lightning_oomb.core.placement import Placement
-from lightning_oomb.core.planner import PlanConfig, host_gather_seconds, plan_placed
+from lightning_oomb.core.planner import PlanConfig, host_gather_bytes, host_gather_seconds, plan_placed
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import select_pages
@@ -285,6 +285,28 @@ def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
                    grad_dtype=torch.bfloat16)
     bounded = PlanConfig(**{**c.__dict__, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)})
     assert host_gather_seconds(shape, bounded) < host_gather_seconds(shape, c) / 10
+
+
+@pytest.mark.parametrize("checkpoint, host_kept, graphs", [(False, 0, 0), (True, 0, 0), (True, 2, 0), (False, 5, 0),
+                                                            (False, 1, 2)])
+def test_planned_gathers_are_the_gathers_a_step_makes(monkeypatch, checkpoint, host_kept, graphs):
+    """With a budget covering every past page the union is the whole past, so the planner's expected pages
+    are exact: one gather per attention call, 3 per chunk and layer (4 with layer checkpointing), 2 for a
+    chunk whose attention outputs or graph stage 1 kept (stage 2's forward and its recompute take those), and
+    none in stage 1 for the last layer of a chunk whose hidden state stage 1 does not need."""
+    from lightning_oomb.core import schedule
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 40))  # 5 chunks of 8, pages of 3
+    covering = SparseConfig(budget_pages=16, sink_pages=1, local_pages=1)
+    placed = Placement("gpu", 8, 1, 2, graph_chunks=graphs, host_kept_chunks=host_kept, host_kv_layers=2)
+    monkeypatch.setattr(schedule, "place_step", lambda *args, **kwargs: placed)
+    _step(model, ids, sparse=covering, checkpoint_layers=checkpoint)
+    shape = ModelShape.resolve(model)
+    c = PlanConfig(40, chunk_size=8, page_size=3, sparse=covering, checkpoint_layers=checkpoint, precision="32-true",
+                   host_grad_layers=2, host_kv_layers=2, graph_chunks=graphs, host_kept_chunks=host_kept)
+    page_bytes = 3 * shape.kv_bytes_per_token(torch.float32) // shape.n_layers
+    assert host_gather_bytes(shape, c) == cached_pool(model).kv_staging.pages_staged * page_bytes
 
 
 @needs_interpreter

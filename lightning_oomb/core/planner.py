@@ -24,7 +24,7 @@ from .config import OFFLOADS, SparseConfig
 from .host_memory import host_headroom, machine_host_memory
 from .loss import piece_rows
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
-from .pages import HostGradStaging, movable_host_layers
+from .pages import HostGradStaging, movable_host_layers, spread_layers
 from .ranks import GRADIENT_BUCKET_BYTES
 from .units import GIB, human_count
 
@@ -304,20 +304,43 @@ def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, head
     return expected_selected_pages(n_past, sparse, n_tiles * heads)
 
 
+def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: int, kept_chunks: int,
+                          host_kept_chunks: int) -> set[int]:
+    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it (again, in a layer
+    checkpoint's recompute too): the last ``graph_chunks`` (their whole graph; none with layer checkpointing),
+    the ``kept_chunks`` before them and the first ``host_kept_chunks`` (their outputs), as
+    ``ChunkedSequence`` places them."""
+    graphs = 0 if checkpoint_layers else min(graph_chunks, n_chunks)
+    kept = min(kept_chunks, n_chunks - graphs)
+    host_kept = min(host_kept_chunks, n_chunks - graphs - kept)
+    return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
+
+
 def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
     """Bytes the host K/V layers' gathers move over the bus in a step of ``c``, in expectation: per chunk and
-    host layer, one gather in stage 1 and two in stage 2 (forward and backward; three with layer
-    checkpointing), each of the union of the chunk's selected pages (``expected_union_pages``)."""
+    host layer, one gather for each attention call (stage 1's forward; stage 2's forward, its recompute
+    under layer checkpointing and the backward, less the forwards ``attention_kept_chunks`` spares), each of
+    the union of the chunk's selected pages (``expected_union_pages``). Stage 1 ends a chunk at the last
+    layer's K/V store unless it needs the chunk's hidden state (a kept graph, or the loss in stage 1), so
+    that layer's attention then runs in stage 2 only, kept chunk or not."""
     if not c.host_kv_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     heads = shape.n_kv_heads if sparse.per_kv_head else 1
     page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.n_layers  # K and V
-    calls = 4 if c.checkpoint_layers else 3
-    pages = sum(expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
-                for start in range(0, c.context, c.chunk_size))
-    return pages * c.batch * page_bytes * calls * c.host_kv_layers
+    n = c.n_chunks
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
+    last_on_host = shape.n_layers - 1 in spread_layers(shape.n_layers, c.host_kv_layers)
+    computed_calls = 4 if c.checkpoint_layers else 3
+    gathers = 0.0
+    for index, start in enumerate(range(0, c.context, c.chunk_size)):
+        calls = (2 if index in kept else computed_calls) * c.host_kv_layers
+        if last_on_host and not c.stage_1_loss and index < n - graphs:
+            calls += computed_calls - 1 - (2 if index in kept else computed_calls)
+        gathers += expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads) * calls
+    return gathers * c.batch * page_bytes
 
 
 def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
@@ -414,7 +437,8 @@ def step_time(
     sequence.
     What stage 1 keeps is not computed again: the last ``graph_chunks`` chunks' stage-2 forward (linear and
     attention; none with layer checkpointing), the attention forward of the ``kept_chunks`` chunks before
-    them and of the first ``host_kept_chunks`` chunks.
+    them and of the first ``host_kept_chunks`` chunks, in stage 2's forward and in the recompute of layer
+    checkpointing (``attention_kept_chunks``).
     """
     shape = ModelShape.resolve(model)
     tokens = batch * context
@@ -437,10 +461,12 @@ def step_time(
         recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + recompute_attention
     n = len(chunk_pairs)
     graphs = 0 if checkpoint_layers else min(graph_chunks, n)
-    kept = min(kept_chunks, n - graphs)
-    host_kept = min(host_kept_chunks, n - graphs - kept)
-    skipped = list(range(n - graphs - kept, n)) + list(range(host_kept))
-    attention -= per_pair * sum(chunk_pairs[i] for i in skipped)
+    spared = per_pair * sum(chunk_pairs[i] for i in attention_kept_chunks(n, checkpoint_layers, graph_chunks,
+                                                                          kept_chunks, host_kept_chunks))
+    attention -= spared
+    if checkpoint_layers:
+        recompute_attention -= spared
+        recompute -= spared
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention)
