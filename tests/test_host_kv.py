@@ -60,8 +60,9 @@ def test_every_layer_on_the_host_gives_the_gpu_gradient_bitwise(packed, checkpoi
     got = _step(model, ids, offload="host", **options)
     pool = cached_pool(model)
     assert (pool.host_kv_layers, pool.host_grad_layers) == (2, 2) and pool.k.shape[0] == 0
+    summaries = [pool.summaries("mean", layer)[0] for layer in (0, 1)]  # with the pages: the GPU holds none
     assert pool.host_nbytes == sum(t.numel() * t.element_size()
-                                   for t in (pool.host_k, pool.host_v, pool.host_dk, pool.host_dv))
+                                   for t in (pool.host_k, pool.host_v, pool.host_dk, pool.host_dv, *summaries))
     assert pool.kv_staging.pages_staged > 0
     _assert_same(got, want)
 
@@ -162,7 +163,8 @@ def test_gpu_side_page_copies_skip_negative_slots_and_write_rows():
 
 
 def test_selection_over_host_pages_equals_the_selection_over_gpu_pages():
-    """Page summaries stay on the GPU, written from the chunk's keys read back from the host pages."""
+    """A host K/V layer's page summaries live in host memory with its pages (counted there, not on the GPU),
+    written from the chunk's keys read back from the host pages: the same selection as GPU pages give."""
     torch.manual_seed(1)
     spec = StoreSpec(n_layers=1, n_kv_heads=2, head_dim=4, dtype=torch.float32)
     stores = []
@@ -176,10 +178,14 @@ def test_selection_over_host_pages_equals_the_selection_over_gpu_pages():
     chosen = []
     for pool, store in stores:
         store.write(k, v, 0)
-        summaries = tuple(s[0] for s in pool.summaries("mean"))
+        summaries = pool.summaries("mean", 0)
         update_summaries(store, summaries, "mean", 0, 24)
         chosen.append(select_pages(q, store, summaries, SPARSE, 24))
     assert torch.equal(*chosen)
+    gpu_pool, host_pool = (pool for pool, _ in stores)
+    summary_bytes = 12 * 2 * 4 * 4  # pages x KV heads x head_dim x float32
+    assert host_pool.host.held["page summaries"] == summary_bytes and "page summaries" not in gpu_pool.host.held
+    assert gpu_pool.gpu_nbytes - host_pool.gpu_nbytes == 2 * 12 * 3 * 2 * 4 * 4 + summary_bytes  # K, V and summaries
 
 
 def test_host_kv_layers_are_refused_where_they_cannot_work(monkeypatch):
@@ -201,8 +207,8 @@ def test_planner_moves_gradient_pages_first_then_kv_pages():
     """offload='auto' on an H200 (140 GiB, 112 GiB host budget): Qwen2.5-7B sparse, bf16 KV-gradients, no
     optimizer, layer checkpointing. 1M keeps 7 layers' gradient pages on the host, 1.75M all of them; without
     layer checkpointing 1.75M needs K/V pages of 4 layers there too (and then the host budget is 4 GiB
-    short). With 'host' every page is there; past the point where one gather's staging stops growing
-    (every tile's selection distinct), the GPU grows by the page summaries and selections only."""
+    short). With 'host' every page and its summary is there; past the point where one gather's staging stops
+    growing (every tile's selection distinct), the GPU grows by the selections only."""
     common = dict(optimizer="none", grad_dtype=torch.bfloat16, sparse=SparseConfig(budget_pages=64),
                   gpu_memory=140 * 2**30, host_memory=112 * 2**30, checkpoint_layers=True)
     one = plan_placed("qwen2.5-7b", 1 << 20, **common)
@@ -218,7 +224,10 @@ def test_planner_moves_gradient_pages_first_then_kv_pages():
     assert (small.config.host_kv_layers, big.config.host_kv_layers) == (28, 28)
     assert big.gpu_lines[next(k for k in big.gpu_lines if k.startswith("K/V pages"))] == 0
     per_10k = (big.peak_gpu_bytes - small.peak_gpu_bytes) / (1 << 20) * 10_000
-    assert per_10k < 7e6  # 28 layers x 4 KV heads: a float32 mean key and 64 int32 entries per page
+    assert 2.2e6 < per_10k < 2.4e6  # the selections: 28 layers x 4 KV heads x 64 int32 entries per query tile
+    per_chunk = {**common, "host_memory": 1 << 41, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)}
+    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **per_chunk) for n in (1 << 20, 1 << 21))
+    assert (big.peak_gpu_bytes - small.peak_gpu_bytes) / (1 << 20) * 10_000 < 0.1e6  # the summaries are on the host
 
 
 def test_gather_time_counts_every_attention_call():
@@ -260,7 +269,7 @@ def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
     pool = PagePool(spec, 20, 3, "cpu")
     store = pool.layer(0, pool.allocate(1, 40))
     store.write(torch.randn(1, 2, 32, 4), torch.randn(1, 2, 32, 4), 0)
-    summaries = tuple(s[0] for s in pool.summaries("mean"))
+    summaries = pool.summaries("mean", 0)
     from lightning_oomb.core.sparse import update_summaries
 
     update_summaries(store, summaries, "mean", 0, 32)

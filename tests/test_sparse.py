@@ -131,7 +131,7 @@ def test_selection_rules():
     p = make_problem(2, 2, 2, 8, 10, 37, 4, torch.float32, device="cpu")  # 10 past pages, the last partial
     pool, store = p.pool, p.store
     for score in ("mean", "minmax"):
-        summaries = tuple(s[1] for s in pool.summaries(score))
+        summaries = pool.summaries(score, 1)
         update_summaries(store, summaries, score, 0, p.start)
         config = SparseConfig(budget_pages=5, sink_pages=1, local_pages=2, score=score)
         sel = select_pages(p.q, store, summaries, config, p.start)
@@ -148,15 +148,15 @@ def test_selection_rules():
         assert (dense == torch.arange(10, dtype=torch.int32)).all()
     # The summaries themselves: mean of the past keys of page 9 (tokens 36..36), min/max of page 3.
     kp, _ = store.read(0, p.start)
-    mean = pool.summaries("mean")[0][1][p.store.table.slots[:, 9].long()]
+    mean = pool.summaries("mean", 1)[0][p.store.table.slots[:, 9].long()]
     assert torch.allclose(mean, kp[:, :, 36:37].mean(2).float())
-    lo, hi = (s[1][p.store.table.slots[:, 3].long()] for s in pool.summaries("minmax"))
+    lo, hi = (s[p.store.table.slots[:, 3].long()] for s in pool.summaries("minmax", 1))
     assert torch.equal(lo, kp[:, :, 12:16].amin(2)) and torch.equal(hi, kp[:, :, 12:16].amax(2))
 
 
 def test_minmax_bounds_the_mean_query_logit():
     p = make_problem(1, 1, 2, 8, 8, 24, 4, torch.float32, device="cpu")
-    summaries = tuple(s[1] for s in p.pool.summaries("minmax"))
+    summaries = p.pool.summaries("minmax", 1)
     update_summaries(p.store, summaries, "minmax", 0, p.start)
     bound = sparse.page_scores(p.q, p.store, summaries, SparseConfig(budget_pages=2, sink_pages=0, local_pages=0, score="minmax"), p.start)  # (1,1,2,6)
     qbar = sparse.tile_queries(p.q, 4).mean(1)  # (1, n_tiles, D)
@@ -178,7 +178,7 @@ def doc_starts(lengths, start, t):
 def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE):
     """A random problem, its chunk's document starts and the selection select_pages makes with them."""
     p = make_problem(b, h, g, d, t, start, ps, dtype, device=device)
-    summaries = tuple(s[1] for s in p.pool.summaries(config.score))
+    summaries = p.pool.summaries(config.score, 1)
     update_summaries(p.store, summaries, config.score, 0, start)
     doc = doc_starts(lengths, start, t).to(p.q.device)
     return p, doc, select_pages(p.q, p.store, summaries, config, start, doc)
@@ -200,7 +200,7 @@ def test_selection_in_documents():
     assert (sel[1, :, 1:] == -1).all()
     # Row 1's tile 0 is scored by its one row of the document that started before the chunk (40): the rows of
     # the document at 41 see no past page, and whatever they hold leaves the selection as it is.
-    summaries = tuple(s[1] for s in p.pool.summaries("mean"))
+    summaries = p.pool.summaries("mean", 1)
     scores = sparse.page_scores(p.q, p.store, summaries, config, 40, rows=doc < 40)
     for row, sc in zip(sel[1, :, 0], scores[1, :, 0]):
         assert row[:2].tolist() == [0, 1] and row[-1] == 9
@@ -507,7 +507,7 @@ def test_bf16_gpu_against_fp32_reference(per_kv_head, start, documents):
     doc = None
     if documents:
         config = SparseConfig(budget_pages=6, sink_pages=1, local_pages=1, per_kv_head=per_kv_head)
-        summaries = tuple(s[1] for s in p.pool.summaries(config.score))
+        summaries = p.pool.summaries(config.score, 1)
         update_summaries(p.store, summaries, config.score, 0, start)
         doc = doc_starts([[1000, 2200, start - 2688]], start, 512).cuda()
         sel = select_pages(p.q, p.store, summaries, config, start, doc)

@@ -227,7 +227,8 @@ class PagePool:
     host_kv_layers (placement "gpu", sparse attention only): the K/V pages of that many layers, spread evenly
     over the depth (``host_kv_layer_ids``), live in pinned host memory (``host_k``, ``host_v``) too. A chunk
     writes its K/V rows there from the GPU; each attention call gathers the pages its chunk selected into GPU
-    staging (``HostKVStaging``) and reads those. Page summaries and selections stay on the GPU.
+    staging (``HostKVStaging``) and reads those. Their page summaries live in pinned host memory too
+    (``summaries``); the selections stay on the GPU.
     """
 
     def __init__(
@@ -329,7 +330,8 @@ class PagePool:
         self._dead_slots: list[torch.Tensor] = []
         self._dead_from = 0
         self.host_grads_moved: list[tuple[int, int]] = []
-        self._summaries: dict[str, tuple[torch.Tensor, ...]] = {}
+        # score -> (summaries of the GPU layers, of the host K/V layers), each a tuple of (layers, num_pages, H, D).
+        self._summaries: dict[str, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self._host_kept: "HostKeptAttention | None" = None
 
     @property
@@ -342,22 +344,30 @@ class PagePool:
         when they share K's dtype, the GPU gradient layers' dK, dV."""
         return 0 if self.on_host else self._k_pages.shape[0]
 
-    def summaries(self, score: str) -> tuple[torch.Tensor, ...]:
-        """Per-page key summaries for sparse attention, each (n_layers, num_pages, n_kv_heads, head_dim):
-        (mean,) in float32 for score "mean", (min, max) in the K dtype for "minmax". Allocated on first use
-        (only sparse steps use them), sized with the pool (1/page_size of K's memory each)."""
+    def summaries(self, score: str, layer: int) -> tuple[torch.Tensor, ...]:
+        """``layer``'s per-page key summaries for sparse attention, each (num_pages, n_kv_heads, head_dim):
+        (mean,) in float32 for score "mean", (min, max) in the K dtype for "minmax". Those of the host K/V
+        layers live with their pages, in pinned host memory (read and written from the GPU: core.sparse), so
+        that the GPU holds no per-token memory of them. Allocated on first use (only sparse steps use them),
+        sized with the pool (1/page_size of K's memory each)."""
         if self.on_host:
             raise ValueError("sparse attention over host-resident pages is not available: use offload='gpu'")
+        if score not in ("mean", "minmax"):
+            raise ValueError(f"unknown sparse score {score!r}")
         if score not in self._summaries:
-            shape = (self.spec.n_layers, self.num_pages, self.spec.n_kv_heads, self.spec.head_dim)
-            if score == "mean":
-                made = (torch.zeros(shape, dtype=torch.float32, device=self.device),)
-            elif score == "minmax":
-                made = tuple(torch.zeros(shape, dtype=self.spec.dtype, device=self.device) for _ in range(2))
-            else:
-                raise ValueError(f"unknown sparse score {score!r}")
-            self._summaries[score] = made
-        return self._summaries[score]
+            dtype, count = (torch.float32, 1) if score == "mean" else (self.spec.dtype, 2)
+            shape = (self.num_pages, self.spec.n_kv_heads, self.spec.head_dim)
+            on_gpu = tuple(torch.zeros((self.spec.n_layers - self.host_kv_layers, *shape), dtype=dtype,
+                                       device=self.device) for _ in range(count))
+            on_host = tuple(
+                pinned_empty((self.host_kv_layers, *shape), dtype, self.device.type == "cuda", self.host,
+                             "page summaries").zero_() for _ in range(count)
+            ) if self.host_kv_layers else ()
+            self._summaries[score] = (on_gpu, on_host)
+        on_gpu, on_host = self._summaries[score]
+        if layer in self.host_kv_layer_ids:
+            return tuple(s[self.host_kv_layer_ids.index(layer)] for s in on_host)
+        return tuple(s[layer - sum(h < layer for h in self.host_kv_layer_ids)] for s in on_gpu)
 
     def host_kept_attention(self, n_chunks: int, out: torch.Tensor, lse: torch.Tensor) -> "HostKeptAttention":
         """Pinned host buffers for stage 1's attention outputs of ``n_chunks`` chunks, every layer, each like
@@ -393,7 +403,7 @@ class PagePool:
     def nbytes(self) -> int:
         """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
         tensors = [self.k, self.v, self.dk, self.dv, self.host_dk, self.host_dv, self.host_k, self.host_v,
-                   *(t for ts in self._summaries.values() for t in ts)]
+                   *(t for where in self._summaries.values() for ts in where for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -405,7 +415,8 @@ class PagePool:
 
     @property
     def _host_page_nbytes(self) -> int:
-        pages = (self.host_dk, self.host_dv, self.host_k, self.host_v)
+        summaries = (t for _, on_host in self._summaries.values() for t in on_host)
+        pages = (self.host_dk, self.host_dv, self.host_k, self.host_v, *summaries)
         return sum(t.numel() * t.element_size() for t in pages if t is not None)
 
     @property

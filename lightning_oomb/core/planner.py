@@ -930,8 +930,13 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
             gpu[grad_name] = grad_bytes
     if isinstance(c.sparse, SparseConfig):
         pages = c.stored_tokens // c.page_size
-        per_page = shape.n_layers * shape.n_kv_heads * shape.head_dim
-        summaries = pages * per_page * (4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype))
+        # A float32 mean key, or a min and max key, per page, layer and KV head; the host K/V layers' live with
+        # their pages in host memory.
+        summary_bytes = 4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype)
+        per_layer = pages * shape.n_kv_heads * shape.head_dim * summary_bytes
+        summaries = (shape.n_layers - c.host_kv_layers) * per_layer
+        if c.host_kv_layers:
+            host[f"pinned page summaries ({c.sparse.score}), {c.host_kv_layers} layers"] = c.host_kv_layers * per_layer
         # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile (or
         # chunk, per_query_tile=False).
         heads = shape.n_kv_heads if c.sparse.per_kv_head else 1

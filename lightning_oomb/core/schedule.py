@@ -285,7 +285,7 @@ class ChunkedSequence:
                     raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
                 store.write(k, v, self._start)
             if sparse is not None and fill:
-                summaries = tuple(s[layer_idx] for s in self.pool.summaries(sparse.score))
+                summaries = self.pool.summaries(sparse.score, layer_idx)
                 # Select from the past's summaries, then add this chunk's keys for the chunks after it.
                 selection = select_pages(q, store, summaries, sparse, self._start, self._chunk_doc_start)
                 update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
