@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
                         "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
                         "auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all)")
+    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
+                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
+                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
     parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_context:
             print(context_table(args.model, args, common))
             return 0
-        options = dict(sparse=SparseConfig(budget_pages=args.sparse_budget) if args.sparse_budget else None,
+        options = dict(sparse=_sparse(args.sparse_budget, args.selection) if args.sparse_budget else None,
                        lora_rank=args.lora, optimizer=args.optimizer, **common)
         result = plan_placed(args.model, args.context, **options)
         result.suggestion_style = "cli"
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     return 0 if result.fits else 1
+
+
+def _sparse(budget_pages: int, selection: str) -> SparseConfig:
+    return SparseConfig(budget_pages=budget_pages, per_query_tile=selection == "tile")
 
 
 def what_it_would_take(model: str, result, limit) -> str:
@@ -120,13 +127,14 @@ def what_it_would_take(model: str, result, limit) -> str:
 def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
     """The longest context of each common case, one row each, next to the machine's physical limit."""
     rank, budget = args.lora or 16, args.sparse_budget or 64
+    per = "" if args.selection == "tile" else ", one selection per chunk"
     cases = [
         (f"full training, {args.optimizer}", dict(optimizer=args.optimizer)),
         (f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")),
     ]
     rows = []
     for name, options in cases:
-        for attention, sparse in (("dense", None), (f"sparse {budget} pages", SparseConfig(budget_pages=budget))):
+        for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):
             limit = max_context(model, sparse=sparse, **options, **common)
             p = limit.plan
             fitted = f"{limit.context:,}" if limit.context else "none"

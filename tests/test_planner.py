@@ -514,6 +514,18 @@ def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
     assert "4,194,304 tokens store 448.00 GiB" in out
 
 
+def test_cli_plans_one_selection_per_chunk(capsys):
+    """--selection chunk (as the bench's): a host K/V layer then gathers at most budget pages per KV head."""
+    args = ["plan", "--model", "qwen2.5-7b", "--context", "1750000", "--gpu-memory", "140GiB", "--host-memory",
+            "112GiB", "--sparse-budget", "64", "--grad-dtype", "bfloat16", "--optimizer", "none"]
+    gathered = {}
+    for selection in ("tile", "chunk"):
+        assert cli_main([*args, "--selection", selection]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        gathered[selection] = float(out.split("layers' selected pages (")[1].split(" GB")[0])
+    assert gathered["chunk"] < gathered["tile"] / 10
+
+
 def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     """plan(devices=N) (oomb_ddp): each rank's GPU memory is the one-GPU step's plus the float32 bucket its
     gradients are averaged through; its host budget is the machine's divided among the ranks; the step adds a
