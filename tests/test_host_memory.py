@@ -64,8 +64,8 @@ def _resident_set() -> int:
 
 @pytest.mark.parametrize("offload,sparse", [("host", None), ("host", {"budget_pages": 2, "local_pages": 1})])
 def test_pool_host_bytes_equal_the_placed_plan(offload, sparse):
-    """Dense pages in host memory, and sparse K/V and KV-gradient pages of every layer there: the pool's ledger holds
-    what its tensors take, which is what the plan of the placed step lists as pinned."""
+    """Dense pages in host memory, and sparse K/V and KV-gradient pages (and page summaries) of every layer there:
+    the pool's ledger holds what its tensors take, which is what the plan of the placed step lists as pinned."""
     model = tiny_model("qwen2")
     ids = torch.randint(0, VOCAB, (2, 37))
     kwargs = dict(chunk_size=8, page_size=4, offload=offload, sparse=sparse, segment_tokens=8)
@@ -73,6 +73,7 @@ def test_pool_host_bytes_equal_the_placed_plan(offload, sparse):
     pool = cached_pool(model)
     host = [t for t in (pool.k, pool.v, pool.dk, pool.dv) if pool.on_host] + [pool.host_dk, pool.host_dv,
                                                                                 pool.host_k, pool.host_v]
+    host += [pool.summaries("mean", layer)[0] for layer in pool.host_kv_layer_ids]  # with their K/V pages
     assert pool.host.total == sum(t.numel() * t.element_size() for t in host if t is not None) > 0
     placement = place_step(model, 2, 37, ChunkConfig(**kwargs), torch.device("cpu"))
     assert pinned_lines(placement.plan) == pool.host.total
