@@ -158,12 +158,24 @@ class HostKVStaging:
     sequence, and the host never waits. Gradients do not travel this way: the layer's gradient pages are its
     own, wherever they live (``PagePool.host_grad_layers``). ``pages_staged`` counts the pages gathered (on the
     device; reading it waits for the GPU), ``calls`` the attention calls that gathered.
+
+    The last gather is kept until the next one (or ``forget``): the calls of one layer that follow each other
+    with the same selection (stage 2's forward of a layer and its backward, or the recompute of a layer
+    checkpoint and its backward) read the same pages, and host K/V pages do not change in stage 2. So at most
+    one layer's staging is alive, as before, and a checkpointed step gathers no more than one without.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._staged = torch.zeros((), dtype=torch.int64, device=device)
         self.calls = 0
+        # (layer, start, selection, k, v, remapped page table) of the last gather; the selection is held, so that
+        # the identity test below cannot meet a new tensor at a freed one's address.
+        self._last: tuple | None = None
+
+    def forget(self) -> None:
+        """Drop the kept gather (a step's end: its pages and selections are gone)."""
+        self._last = None
 
     @property
     def pages_staged(self) -> int:
@@ -175,6 +187,10 @@ class HostKVStaging:
         stay ``store``'s, under their own table."""
         from ..kernels.host_pages import copy_pages
 
+        last, asked = self._last, selection
+        if last is not None and last[0] == store.layer and last[1] == start and last[2] is asked:
+            return self._view(store, *last[3:])
+        self._last = None  # the old staging goes before the new one is made
         slots = store.table.slots
         batch = slots.shape[0]
         n_past = -(-start // store.page_size)
@@ -199,8 +215,14 @@ class HostKVStaging:
             k[dst], v[dst] = store.k[src], store.v[src]
         self._staged += hit.sum()
         self.calls += 1
-        return dataclasses.replace(store, k=k, v=v, table=PageTable(remapped, store.table.seq_len, store.page_size),
-                                   grad_table=store.grad_table or store.table, kv_stager=None)
+        table = PageTable(remapped, store.table.seq_len, store.page_size)
+        self._last = (store.layer, start, asked, k, v, table)
+        return self._view(store, k, v, table)
+
+    @staticmethod
+    def _view(store: LayerStore, k: torch.Tensor, v: torch.Tensor, table: PageTable) -> LayerStore:
+        return dataclasses.replace(store, k=k, v=v, table=table, grad_table=store.grad_table or store.table,
+                                   kv_stager=None)
 
 
 class PagePool:

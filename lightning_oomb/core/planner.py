@@ -316,13 +316,43 @@ def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: 
     return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
 
 
+def _host_layer_requests(host: list[int], last: int, stage: int, kind: str, skip_last: bool,
+                         checkpoint: bool) -> list[int]:
+    """The host K/V layers whose attention a chunk asks for, in order, in ``stage`` 1 or 2 of a step (what
+    ``ChunkedSequence`` runs). ``kind``: "graph" (stage 1 keeps its autograd graph: stage 2 runs only its
+    backward), "kept" (stage 2 takes its attention outputs from stage 1, in the forward and the recompute) or
+    "computed"; ``skip_last``: stage 1 ends the chunk at the last layer's K/V store (its hidden state unused)."""
+    computed_in_1 = [layer for layer in host if not (skip_last and layer == last)]
+    if stage == 1:
+        return computed_in_1
+    if kind == "graph":
+        return host[::-1]
+    stored = set(computed_in_1) if kind == "kept" else set()
+    forward = [layer for layer in host if layer not in stored]
+    backward = []
+    for layer in reversed(host):
+        if checkpoint and layer not in stored:
+            backward.append(layer)  # the layer checkpoint's recompute
+        backward.append(layer)
+    return forward + backward
+
+
+def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
+    """Gathers ``requests`` cost when a request for the layer gathered last (``held``, same chunk) reuses it
+    (``HostKVStaging`` keeps one); and the layer then held."""
+    count = 0
+    for layer in requests:
+        count += layer != held
+        held = layer
+    return count, held
+
+
 def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
-    """Bytes the host K/V layers' gathers move over the bus in a step of ``c``, in expectation: per chunk and
-    host layer, one gather for each attention call (stage 1's forward; stage 2's forward, its recompute
-    under layer checkpointing and the backward, less the forwards ``attention_kept_chunks`` spares), each of
-    the union of the chunk's selected pages (``expected_union_pages``). Stage 1 ends a chunk at the last
-    layer's K/V store unless it needs the chunk's hidden state (a kept graph, or the loss in stage 1), so
-    that layer's attention then runs in stage 2 only, kept chunk or not."""
+    """Bytes the host K/V layers' gathers move over the bus in a step of ``c``, in expectation: each gather moves
+    the union of the chunk's selected pages (``expected_union_pages``); a chunk gathers once per attention call
+    of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's forward, a layer checkpoint's
+    recompute and the backward, less the forwards ``attention_kept_chunks`` spares), except where a call
+    follows one of the same layer and chunk, which reuses its gather (``_gathers``)."""
     if not c.host_kv_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
@@ -332,13 +362,21 @@ def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
     n = c.n_chunks
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
     kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
-    last_on_host = shape.n_layers - 1 in spread_layers(shape.n_layers, c.host_kv_layers)
-    computed_calls = 4 if c.checkpoint_layers else 3
+    host, last = spread_layers(shape.n_layers, c.host_kv_layers), shape.n_layers - 1
+    per_kind: dict[tuple[str, bool], int] = {}
     gathers = 0.0
     for index, start in enumerate(range(0, c.context, c.chunk_size)):
-        calls = (2 if index in kept else computed_calls) * c.host_kv_layers
-        if last_on_host and not c.stage_1_loss and index < n - graphs:
-            calls += computed_calls - 1 - (2 if index in kept else computed_calls)
+        kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
+        skip_last = kind != "graph" and not c.stage_1_loss
+        stages = [_host_layer_requests(host, last, stage, kind, skip_last, c.checkpoint_layers) for stage in (1, 2)]
+        if index == n - 1:  # stage 2 starts with the chunk stage 1 ended with: its last gather may be reused
+            first, held = _gathers(stages[0], None)
+            calls = first + _gathers(stages[1], held)[0]
+        else:
+            key = (kind, skip_last)
+            if key not in per_kind:
+                per_kind[key] = sum(_gathers(requests, None)[0] for requests in stages)
+            calls = per_kind[key]
         gathers += expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads) * calls
     return gathers * c.batch * page_bytes
 

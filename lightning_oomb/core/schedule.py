@@ -463,6 +463,8 @@ class ChunkedSequence:
         self.selections.clear()
         self.kept.clear()
         self.graphs.clear()
+        if self.pool.kv_staging is not None:
+            self.pool.kv_staging.forget()
         self.loss_grads.clear()
         self.head_grads = None
         self._stage = "done"
