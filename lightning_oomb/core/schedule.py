@@ -460,11 +460,11 @@ class ChunkedSequence:
         if self.table is not None:
             self.pool.free(self.table)
             self.table = None
+            if self.pool.kv_staging is not None:  # a gather of the freed pages
+                self.pool.kv_staging.forget()
         self.selections.clear()
         self.kept.clear()
         self.graphs.clear()
-        if self.pool.kv_staging is not None:
-            self.pool.kv_staging.forget()
         self.loss_grads.clear()
         self.head_grads = None
         self._stage = "done"
