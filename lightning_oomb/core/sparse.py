@@ -50,31 +50,11 @@ import dataclasses
 
 import torch
 
-from ..kernels.page_table import LayerStore
+from ..kernels.page_table import LayerStore, gather_rows, scatter_rows
 from .config import SparseConfig
 
 
 # == page summaries ==========================================================================================
-
-
-def _summary_rows(summary: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``summary[slots]``: summary (num_pages, H, D) on the slots' device, or in pinned host memory (a host
-    K/V layer's), read from the GPU without a host wait."""
-    if summary.device == slots.device:
-        return summary[slots]
-    from ..kernels.host_pages import read_rows
-
-    return read_rows(summary, slots)
-
-
-def _write_summary_rows(summary: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``summary[slots] = values``, wherever ``summary`` lives (``_summary_rows``)."""
-    if summary.device == slots.device:
-        summary[slots] = values
-    else:
-        from ..kernels.host_pages import write_rows
-
-        write_rows(summary, slots, values.contiguous())
 
 
 def update_summaries(store: LayerStore, summaries: tuple[torch.Tensor, ...], score: str, start: int, end: int) -> None:
@@ -95,12 +75,12 @@ def update_summaries(store: LayerStore, summaries: tuple[torch.Tensor, ...], sco
     if score == "mean":
         count = valid.sum(3).clamp_min(1)
         mean = (k * valid).sum(3) / count  # (B, H, pages, D)
-        _write_summary_rows(summaries[0], slots, mean.transpose(1, 2).to(summaries[0].dtype))
+        scatter_rows(summaries[0], slots, mean.transpose(1, 2).to(summaries[0].dtype))
     else:
         lo = k.masked_fill(~valid, float("inf")).amin(3)
         hi = k.masked_fill(~valid, float("-inf")).amax(3)
-        _write_summary_rows(summaries[0], slots, lo.transpose(1, 2).to(summaries[0].dtype))
-        _write_summary_rows(summaries[1], slots, hi.transpose(1, 2).to(summaries[1].dtype))
+        scatter_rows(summaries[0], slots, lo.transpose(1, 2).to(summaries[0].dtype))
+        scatter_rows(summaries[1], slots, hi.transpose(1, 2).to(summaries[1].dtype))
 
 
 def summary_shapes(score: str) -> int:
@@ -141,11 +121,11 @@ def page_scores(
     qbar = tile_queries(q, ps, rows).view(b, h, hq // h, -1, d).mean(2)  # (B, H_kv, n_tiles, D)
     slots = store.table.slots[:, :n_past].long()  # (B, P)
     if config.score == "mean":
-        kbar = _summary_rows(summaries[0], slots).float().transpose(1, 2)  # (B, H_kv, P, D)
+        kbar = gather_rows(summaries[0], slots).float().transpose(1, 2)  # (B, H_kv, P, D)
         scores = torch.einsum("bhnd,bhpd->bhnp", qbar, kbar)
     else:
-        lo = _summary_rows(summaries[0], slots).float().transpose(1, 2)
-        hi = _summary_rows(summaries[1], slots).float().transpose(1, 2)
+        lo = gather_rows(summaries[0], slots).float().transpose(1, 2)
+        hi = gather_rows(summaries[1], slots).float().transpose(1, 2)
         scores = torch.einsum("bhnd,bhpd->bhnp", qbar.clamp_min(0), hi) + torch.einsum(
             "bhnd,bhpd->bhnp", qbar.clamp_max(0), lo
         )

@@ -16,6 +16,26 @@ from typing import Protocol
 import torch
 
 
+def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``src[rows]`` on ``rows``' device: src (n_rows, *row) there, or in pinned host memory mapped for it
+    (a ``PagePool``'s host pages), which the GPU reads without a host wait (``host_pages.read_rows``)."""
+    if src.device == rows.device:
+        return src[rows]
+    from .host_pages import read_rows
+
+    return read_rows(src, rows)
+
+
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``dst[rows] = values`` wherever ``dst`` lives (``gather_rows``; ``host_pages.write_rows``)."""
+    if dst.device == rows.device:
+        dst[rows] = values
+        return
+    from .host_pages import write_rows
+
+    write_rows(dst, rows, values)
+
+
 @dataclass(frozen=True)
 class StoreSpec:
     """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``."""
@@ -95,24 +115,15 @@ class LayerStore:
             return
         rows = self.table.rows(start, start + k.shape[2])
         k, v = k.transpose(1, 2).to(self.k.dtype), v.transpose(1, 2).to(self.v.dtype)
-        if self.k.device != rows.device:  # host K/V pages mapped for the GPU (PagePool(host_kv_layers=...))
-            from .host_pages import write_rows
-
-            write_rows(self._flat(self.k), rows, k)
-            write_rows(self._flat(self.v), rows, v)
-            return
-        self._flat(self.k)[rows] = k
-        self._flat(self.v)[rows] = v
+        scatter_rows(self._flat(self.k), rows, k)  # host K/V pages too (PagePool(host_kv_layers=...))
+        scatter_rows(self._flat(self.v), rows, v)
 
     def read(self, start: int, end: int, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
         rows = (self.grad_table or self.table).rows(start, end) if grads else self.table.rows(start, end)
         a, b = (self.dk, self.dv) if grads else (self.k, self.v)
-        if a.device != rows.device:  # host pages mapped for the GPU (PagePool(host_grad_layers=/host_kv_layers=))
-            from .host_pages import read_rows
-
-            return read_rows(self._flat(a), rows).transpose(1, 2), read_rows(self._flat(b), rows).transpose(1, 2)
-        return self._flat(a)[rows].transpose(1, 2), self._flat(b)[rows].transpose(1, 2)
+        # Host pages too (PagePool(host_grad_layers=/host_kv_layers=)).
+        return gather_rows(self._flat(a), rows).transpose(1, 2), gather_rows(self._flat(b), rows).transpose(1, 2)
 
     def accumulate_grads(self, dk: torch.Tensor, dv: torch.Tensor, start: int) -> None:
         """Add dK, dV (batch, n_kv_heads, n, head_dim) of tokens [start, start + n) into the gradient pages."""
