@@ -36,6 +36,14 @@ def spread_layers(n_layers: int, n: int) -> list[int]:
     return [(2 * i + 1) * n_layers // (2 * n) for i in range(n)]
 
 
+def _split_index(layer: int, host_layers: list[int]) -> tuple[bool, int]:
+    """Whether ``layer`` is one of ``host_layers`` (ascending), and its index among the layers that live where
+    it does: the host tensors hold the host layers in order, the GPU tensors the others."""
+    if layer in host_layers:
+        return True, host_layers.index(layer)
+    return False, layer - sum(h < layer for h in host_layers)
+
+
 class HostGradStaging:
     """Where the sparse backward of a host gradient layer leaves a chunk's share of its page gradients.
 
@@ -387,9 +395,8 @@ class PagePool:
             ) if self.host_kv_layers else ()
             self._summaries[score] = (on_gpu, on_host)
         on_gpu, on_host = self._summaries[score]
-        if layer in self.host_kv_layer_ids:
-            return tuple(s[self.host_kv_layer_ids.index(layer)] for s in on_host)
-        return tuple(s[layer - sum(h < layer for h in self.host_kv_layer_ids)] for s in on_gpu)
+        host, i = _split_index(layer, self.host_kv_layer_ids)
+        return tuple(s[i] for s in (on_host if host else on_gpu))
 
     def host_kept_attention(self, n_chunks: int, out: torch.Tensor, lse: torch.Tensor) -> "HostKeptAttention":
         """Pinned host buffers for stage 1's attention outputs of ``n_chunks`` chunks, every layer, each like
@@ -549,22 +556,15 @@ class PagePool:
         self._moved[layer] = grad_slots
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        if layer in self.host_kv_layer_ids:
-            i = self.host_kv_layer_ids.index(layer)
-            k, v, stager = self.host_k[i], self.host_v[i], self.kv_staging
-        else:
-            i = layer - sum(h < layer for h in self.host_kv_layer_ids)
-            k, v, stager = self.k[i], self.v[i], None
+        host, i = _split_index(layer, self.host_kv_layer_ids)
+        k, v, stager = (self.host_k[i], self.host_v[i], self.kv_staging) if host else (self.k[i], self.v[i], None)
         dk = dv = staging = grad_table = None
         if self.dk is not None:
             if layer in self._moved:
                 dk, dv = (pages.view(-1, *pages.shape[2:]) for pages in (self._k_pages, self._v_pages))
                 grad_table = PageTable(self._moved[layer], table.seq_len, table.page_size)
-            elif layer in self.host_layers:
-                i = self.host_layers.index(layer)
-                dk, dv = self.host_dk[i], self.host_dv[i]
-                staging = self.grad_staging
             else:
-                i = layer - sum(h < layer for h in self.host_layers)
-                dk, dv = self.dk[i], self.dv[i]
+                host, i = _split_index(layer, self.host_layers)
+                dk, dv = (self.host_dk[i], self.host_dv[i]) if host else (self.dk[i], self.dv[i])
+                staging = self.grad_staging if host else None
         return LayerStore(k, v, dk, dv, table, self.page_size, layer, self.streamer, staging, grad_table, stager)
