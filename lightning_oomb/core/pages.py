@@ -155,8 +155,23 @@ class HostGradStaging:
             self.stream.synchronize()
 
 
+def stage_2_gather_order(host_layers: list[int], stored: set[int], graph: bool, checkpoint: bool) -> list[int]:
+    """The host K/V layers whose attention a chunk's stage 2 calls, in order: the forward over the layers whose
+    attention stage 1 did not keep (``stored``), then the backward from the last layer down, each preceded by
+    its layer checkpoint's recompute; a chunk whose graph stage 1 kept (``graph``) runs only the backward."""
+    if graph:
+        return host_layers[::-1]
+    forward = [layer for layer in host_layers if layer not in stored]
+    backward = []
+    for layer in reversed(host_layers):
+        if checkpoint and layer not in stored:
+            backward.append(layer)  # the layer checkpoint's recompute
+        backward.append(layer)
+    return forward + backward
+
+
 class HostKVStaging:
-    """Brings the pages a sparse chunk selected of a host K/V layer to the GPU, for one attention call.
+    """Brings the pages a sparse chunk selected of a host K/V layer to the GPU, for its attention calls.
 
     Per sequence, the union of the pages its query tiles and KV heads selected (every KV head of a page comes
     with it: a page's K of all heads is one block) is copied from the host-mapped pinned pages into a GPU
@@ -164,41 +179,103 @@ class HostKVStaging:
     as they read GPU pages. The union is found on the device (a bitmap over the past pages and its running
     count), so the staging area is sized for the worst case, ``min(past pages, selected entries)`` pages per
     sequence, and the host never waits. Gradients do not travel this way: the layer's gradient pages are its
-    own, wherever they live (``PagePool.host_grad_layers``). ``pages_staged`` counts the pages gathered (on the
-    device; reading it waits for the GPU), ``calls`` the attention calls that gathered.
+    own, wherever they live (``PagePool.host_grad_layers``).
 
     The last gather is kept until the next one (or ``forget``): the calls of one layer that follow each other
     with the same selection (stage 2's forward of a layer and its backward, or the recompute of a layer
-    checkpoint and its backward) read the same pages, and host K/V pages do not change in stage 2. So at most
-    one layer's staging is alive, as before, and a checkpointed step gathers no more than one without.
+    checkpoint and its backward) read the same pages, and host K/V pages do not change in stage 2.
+
+    Stage 2 knows every selection of a chunk before it starts (stage 1 made them), so the engine announces
+    the chunk's calls (``expect``, in ``stage_2_gather_order``) and each gather runs on a side stream ahead
+    of its call: the next one starts when the previous one is taken, behind the compute in between. So at
+    most two layers' staging are alive, the one in use and the next. Stage 1 makes each selection just before
+    its call and gathers on the compute stream. A call the announcement did not foresee is gathered where it
+    is made (nothing is ever read from a gather of other pages: a gather serves only the layer, chunk and
+    selection tensor it was made for).
+
+    ``pages_staged`` counts the pages gathered (on the device; reading it waits for the GPU), ``calls`` the
+    gathers, ``prefetched`` those that ran ahead of their call; ``take_seconds`` the time the copies took.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._staged = torch.zeros((), dtype=torch.int64, device=device)
         self.calls = 0
-        # (layer, start, selection, k, v, remapped page table) of the last gather; the selection is held, so that
-        # the identity test below cannot meet a new tensor at a freed one's address.
+        self.prefetched = 0
+        # A gather: (layer, start, selection, k, v, remapped page table, event of its copies or None); the
+        # selection is held, so that the identity test cannot meet a new tensor at a freed one's address.
         self._last: tuple | None = None
+        self._ahead: tuple | None = None
+        self._expected: list[tuple[LayerStore, torch.Tensor]] = []
+        self._expected_start = -1
+        # CUDA: (begin, end) events of each gather's copies, on the compute stream (False) or ahead (True).
+        self._timed: dict[bool, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {False: [], True: []}
+        self._seconds = {False: 0.0, True: 0.0}  # of the gathers finished since take_seconds
 
     def forget(self) -> None:
-        """Drop the kept gather (a step's end: its pages and selections are gone)."""
-        self._last = None
+        """Drop the kept and announced gathers (a step's end: its pages and selections are gone)."""
+        self._drop(self._ahead)
+        self._last = self._ahead = None
+        self._expected = []
+
+    def _drop(self, gather: tuple | None) -> None:
+        if gather is not None and gather[-1] is not None:  # its copies must end before its memory is reused
+            torch.cuda.current_stream(self.device).wait_event(gather[-1])
 
     @property
     def pages_staged(self) -> int:
         return int(self._staged)
 
+    def expect(self, calls: list[tuple[LayerStore, torch.Tensor]], start: int) -> None:
+        """Announce a stage-2 chunk's calls at ``start``: (store, selection) of each host layer in the order
+        ``stage_2_gather_order`` gives, and start the first gather it needs (the last one made may serve the
+        first call: the end of stage 1 and the start of stage 2 are the same chunk)."""
+        self._drop(self._ahead)
+        self._ahead = None
+        expected = [call for i, call in enumerate(calls) if i == 0 or call[0].layer != calls[i - 1][0].layer]
+        if expected and self._serves(self._last, expected[0][0].layer, start, expected[0][1]):
+            expected.pop(0)
+        else:
+            self._last = None
+        self._expected, self._expected_start = expected, start
+        self._prefetch_next()
+
+    def _prefetch_next(self) -> None:
+        if self._expected and self._ahead is None:
+            store, selection = self._expected.pop(0)
+            self._ahead = self._gather(store, selection, self._expected_start, ahead=True)
+            self.prefetched += 1
+
+    @staticmethod
+    def _serves(gather: tuple | None, layer: int, start: int, selection: torch.Tensor) -> bool:
+        return gather is not None and gather[0] == layer and gather[1] == start and gather[2] is selection
+
     def stage(self, store: LayerStore, selection: torch.Tensor, start: int) -> LayerStore:
         """``store`` (a host K/V layer) with k, v (B * cap, page_size, H_kv, D) on the GPU holding the pages
         ``selection`` (B, H_sel, n_tiles, K) names (-1: none), under a remapped page table; its gradient pages
         stay ``store``'s, under their own table."""
+        if not self._serves(self._last, store.layer, start, selection):
+            self._last = None  # the old staging goes before the new one is made
+            if self._serves(self._ahead, store.layer, start, selection):
+                self._last, self._ahead = self._ahead, None
+                if self._last[-1] is not None:
+                    torch.cuda.current_stream(self.device).wait_event(self._last[-1])
+                self._prefetch_next()
+            else:  # not announced (stage 1), or the announcement went wrong: gather here, announce no more
+                self._drop(self._ahead)
+                self._ahead, self._expected = None, []
+                self._last = self._gather(store, selection, start, ahead=False)
+        return dataclasses.replace(store, k=self._last[3], v=self._last[4], table=self._last[5],
+                                   grad_table=store.grad_table or store.table, kv_stager=None)
+
+    def _gather(self, store: LayerStore, selection: torch.Tensor, start: int, ahead: bool) -> tuple:
+        # The union and the remapped table are found on the compute stream (small); on CUDA the copies run
+        # on the side stream when ``ahead`` (its tensors marked as used there), else where the call is made.
         from ..kernels.host_pages import copy_pages
 
-        last, asked = self._last, selection
-        if last is not None and last[0] == store.layer and last[1] == start and last[2] is asked:
-            return self._view(store, *last[3:])
-        self._last = None  # the old staging goes before the new one is made
+        asked = selection
         slots = store.table.slots
         batch = slots.shape[0]
         n_past = -(-start // store.page_size)
@@ -214,23 +291,50 @@ class HostKVStaging:
         remapped[:, :n_past] = torch.where(hit, staged, 0).to(slots.dtype)
         k = torch.empty((batch * cap, *store.k.shape[1:]), dtype=store.k.dtype, device=slots.device)
         v = torch.empty_like(k)
-        if slots.device.type == "cuda":  # the GPU reads the host pages: one launch each, no host wait
-            src = torch.where(hit, slots[:, :n_past].long(), -1).view(-1)
-            for host, dst in ((store.k, k), (store.v, v)):
-                copy_pages(host, src, dst, staged.view(-1))
-        else:
-            src, dst = slots[:, :n_past][hit].long(), staged[hit]
-            k[dst], v[dst] = store.k[src], store.v[src]
         self._staged += hit.sum()
         self.calls += 1
         table = PageTable(remapped, store.table.seq_len, store.page_size)
-        self._last = (store.layer, start, asked, k, v, table)
-        return self._view(store, k, v, table)
+        if not self.cuda:
+            src, dst = slots[:, :n_past][hit].long(), staged[hit]
+            k[dst], v[dst] = store.k[src], store.v[src]
+            return store.layer, start, asked, k, v, table, None
+        # The GPU reads the host pages: one launch each, no host wait.
+        src, dst = torch.where(hit, slots[:, :n_past].long(), -1).view(-1), staged.view(-1)
+        compute = torch.cuda.current_stream(self.device)
+        stream = self.stream if ahead else compute
+        if ahead:
+            stream.wait_stream(compute)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
+            for host, pages in ((store.k, k), (store.v, v)):
+                copy_pages(host, src, pages, dst)
+            end.record(stream)
+        self._settle()
+        self._timed[ahead].append((begin, end))
+        if not ahead:
+            return store.layer, start, asked, k, v, table, None
+        for t in (src, dst, k, v):
+            t.record_stream(stream)
+        return store.layer, start, asked, k, v, table, end
 
-    @staticmethod
-    def _view(store: LayerStore, k: torch.Tensor, v: torch.Tensor, table: PageTable) -> LayerStore:
-        return dataclasses.replace(store, k=k, v=v, table=table, grad_table=store.grad_table or store.table,
-                                   kv_stager=None)
+    def _settle(self) -> None:
+        # Fold the finished gathers' times into the sums, so that a long run holds few events.
+        for ahead, timed in self._timed.items():
+            while timed and timed[0][1].query():
+                begin, end = timed.pop(0)
+                self._seconds[ahead] += begin.elapsed_time(end) / 1e3
+
+    def take_seconds(self) -> tuple[float, float]:
+        """Seconds the gathers since the last call took on the compute stream (stage 1's) and on the side
+        stream (stage 2's, ahead of their calls); waits for them. (0, 0) on a CPU device."""
+        if not self.cuda:
+            return 0.0, 0.0
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+        self._settle()
+        seconds, self._seconds = (self._seconds[False], self._seconds[True]), {False: 0.0, True: 0.0}
+        return seconds
 
 
 class PagePool:

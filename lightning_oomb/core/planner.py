@@ -24,7 +24,7 @@ from .config import OFFLOADS, SparseConfig
 from .host_memory import host_headroom, machine_host_memory
 from .loss import piece_rows
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
-from .pages import HostGradStaging, movable_host_layers, spread_layers
+from .pages import HostGradStaging, movable_host_layers, spread_layers, stage_2_gather_order
 from .ranks import GRADIENT_BUCKET_BYTES
 from .units import GIB, human_count
 
@@ -53,9 +53,9 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/be
 HOST_ADD_GBPS = 61.5
 HOST_ADD_HIDDEN_S = 5.4e-3
 # What host K/V layers (sparse) add: per host layer and attention call, the gather of the pages the chunk
-# selected (every KV head of each distinct page) over the bus at HOST_GATHER_GBPS, on the compute stream, none
-# of it hidden. Assumed (the GPU reading mapped pinned memory, about what the host additions reach), not yet
-# measured.
+# selected (every KV head of each distinct page) over the bus at HOST_GATHER_GBPS; stage 1's on the compute
+# stream, stage 2's on a side stream behind the compute (host_gather_seconds). Assumed (the GPU reading mapped
+# pinned memory, about what the host additions reach), not yet measured.
 HOST_GATHER_GBPS = 50.0
 # Several GPUs: the bus bandwidth per rank of NCCL's ring collectives (all-reduce, reduce-scatter, all-gather:
 # by NCCL's definition of bus bandwidth one number serves all three), in GB/s. Assumed, not measured here (the
@@ -225,6 +225,7 @@ class StepTime:
     recompute_flops: float
     matmul_tflops: float
     recompute_attention_flops: float = 0.0
+    stage_1_flops: float = 0.0  # of the total: stage 1's forward of every chunk
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
     host_gather_bytes: float = 0.0  # ... and the bytes those gathers move (host_gather_bytes)
@@ -241,15 +242,19 @@ class StepTime:
         return self.total_flops / (self.matmul_tflops * 1e12)
 
     @property
-    def predicted_s(self) -> float:
-        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, plus
-        the host gradient layers' additions and the collectives (none hidden behind the compute): fitted to
-        measured steps, to be calibrated with ``lightning-oomb bench`` on other machines."""
+    def compute_s(self) -> float:
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak."""
         attention = self.attention_flops + self.recompute_attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
-        compute = linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
-        return compute + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
+        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
+
+    @property
+    def predicted_s(self) -> float:
+        """``compute_s`` plus the host gradient layers' additions, the host K/V gathers and the collectives that
+        do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
+        other machines."""
+        return self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -325,16 +330,7 @@ def _host_layer_requests(host: list[int], last: int, stage: int, kind: str, skip
     computed_in_1 = [layer for layer in host if not (skip_last and layer == last)]
     if stage == 1:
         return computed_in_1
-    if kind == "graph":
-        return host[::-1]
-    stored = set(computed_in_1) if kind == "kept" else set()
-    forward = [layer for layer in host if layer not in stored]
-    backward = []
-    for layer in reversed(host):
-        if checkpoint and layer not in stored:
-            backward.append(layer)  # the layer checkpoint's recompute
-        backward.append(layer)
-    return forward + backward
+    return stage_2_gather_order(host, set(computed_in_1) if kind == "kept" else set(), kind == "graph", checkpoint)
 
 
 def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
@@ -347,12 +343,12 @@ def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
     return count, held
 
 
-def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
-    """Bytes the host K/V layers' gathers move over the bus in a step of ``c``, in expectation: each gather moves
-    the union of the chunk's selected pages (``expected_union_pages``); a chunk gathers once per attention call
-    of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's forward, a layer checkpoint's
-    recompute and the backward, less the forwards ``attention_kept_chunks`` spares), except where a call
-    follows one of the same layer and chunk, which reuses its gather (``_gathers``)."""
+def host_gather_bytes(shape: "ModelShape", c: "PlanConfig", stages: tuple[int, ...] = (1, 2)) -> float:
+    """Bytes the host K/V layers' gathers of ``stages`` move over the bus in a step of ``c``, in expectation:
+    each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk gathers once
+    per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's forward, a layer
+    checkpoint's recompute and the backward, less the forwards ``attention_kept_chunks`` spares), except where
+    a call follows one of the same layer and chunk, which reuses its gather (``_gathers``)."""
     if not c.host_kv_layers:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
@@ -363,27 +359,29 @@ def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
     kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     host, last = spread_layers(shape.n_layers, c.host_kv_layers), shape.n_layers - 1
-    per_kind: dict[tuple[str, bool], int] = {}
+    per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = 0.0
     for index, start in enumerate(range(0, c.context, c.chunk_size)):
         kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
         skip_last = kind != "graph" and not c.stage_1_loss
-        stages = [_host_layer_requests(host, last, stage, kind, skip_last, c.checkpoint_layers) for stage in (1, 2)]
-        if index == n - 1:  # stage 2 starts with the chunk stage 1 ended with: its last gather may be reused
-            first, held = _gathers(stages[0], None)
-            calls = first + _gathers(stages[1], held)[0]
-        else:
-            key = (kind, skip_last)
-            if key not in per_kind:
-                per_kind[key] = sum(_gathers(requests, None)[0] for requests in stages)
-            calls = per_kind[key]
+        key = (kind, skip_last, index == n - 1)
+        if key not in per_kind:
+            requests = [_host_layer_requests(host, last, stage, kind, skip_last, c.checkpoint_layers)
+                        for stage in (1, 2)]
+            first, held = _gathers(requests[0], None)
+            # stage 2 starts with the chunk stage 1 ended with: its last gather may serve stage 2's first call
+            per_kind[key] = (first, _gathers(requests[1], held if index == n - 1 else None)[0])
+        calls = sum(count for stage, count in zip((1, 2), per_kind[key]) if stage in stages)
         gathers += expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads) * calls
     return gathers * c.batch * page_bytes
 
 
-def host_gather_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
-    """Seconds the host K/V layers' gathers add to a step of ``c``: ``host_gather_bytes`` at HOST_GATHER_GBPS."""
-    return host_gather_bytes(shape, c) / (HOST_GATHER_GBPS * 1e9)
+def host_gather_seconds(shape: "ModelShape", c: "PlanConfig", stage_2_compute_s: float = 0.0) -> float:
+    """Seconds the host K/V layers' gathers add to a step of ``c`` at HOST_GATHER_GBPS: stage 1's, each made
+    just after its selection, on the compute stream; stage 2's run on a side stream ahead of their calls
+    (``core.pages.HostKVStaging``), so only what outlasts stage 2's compute (``stage_2_compute_s``) shows."""
+    seconds = [host_gather_bytes(shape, c, (stage,)) / (HOST_GATHER_GBPS * 1e9) for stage in (1, 2)]
+    return seconds[0] + max(0.0, seconds[1] - stage_2_compute_s)
 
 
 @dataclass(frozen=True)
@@ -507,7 +505,8 @@ def step_time(
         recompute -= spared
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
-    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention)
+    stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
+    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention, stage_1_flops=stage_1)
 
 
 def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
@@ -770,8 +769,9 @@ class Plan:
             f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
             "of the peak"
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
-            + (f", plus {_duration(t.host_gather_s)} gathering the host K/V layers' selected pages "
-               f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s)" if t.host_gather_s else "")
+            + (f", plus {_duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
+               f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
+               if t.host_gather_bytes else "")
             + _collectives_time(t, c.sharding)
             + ", calibrate with lightning-oomb bench)",
         ]
@@ -940,8 +940,8 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
                 lists = n_tiles if c.sparse.per_query_tile else 1
                 staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
             per_token = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
-            gpu["host K/V layers: staging of a chunk's selected pages (one layer)"] = (
-                max(1, staged) * c.batch * c.page_size * per_token)
+            gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
+                "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
         else:
             gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers
@@ -1147,7 +1147,8 @@ def _estimate(
     )
     collectives = step_collectives(shape, config)
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
-                               host_gather_s=host_gather_seconds(shape, config),
+                               host_gather_s=host_gather_seconds(
+                                   shape, config, time.compute_s * (1 - time.stage_1_flops / time.total_flops)),
                                host_gather_bytes=host_gather_bytes(shape, config),
                                all_reduce_s=sum(x.seconds for x in collectives if x.kind == "all-reduce"),
                                sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"))

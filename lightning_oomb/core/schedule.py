@@ -28,7 +28,7 @@ from .config import ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_first_keys, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .pages import PagePool
+from .pages import PagePool, stage_2_gather_order
 from .placement import Placement, optimizer_state, place_step
 from .ranks import Ranks
 from .sparse import select_pages, update_summaries
@@ -431,6 +431,7 @@ class ChunkedSequence:
                         # Pages after this chunk are dead: host gradient layers move into them. Not while a
                         # graph from stage 1 waits: it holds its layers' stores as they were.
                         self.pool.move_host_grads_to_gpu(self.table, end)
+                    self._announce_gathers(index, start)
                     if index in self.graphs:
                         hidden, dhidden, loss = self.graphs.pop(index)
                     elif index in self.loss_grads:  # stage 1 computed the loss: the decoder's backward is left
@@ -454,6 +455,18 @@ class ChunkedSequence:
         finally:
             self.release()
         return total
+
+    def _announce_gathers(self, index: int, start: int) -> None:
+        # Stage 1 made every selection of the chunk: the host K/V layers' gathers can run ahead of their calls.
+        staging = self.pool.kv_staging
+        if staging is None:
+            return
+        host = self.pool.host_kv_layer_ids
+        saved = self.host_kept.saved if self.host_kept is not None else ()
+        stored = {layer for layer in host if (index, layer) in self.kept or (index, layer) in saved}
+        order = stage_2_gather_order(host, stored, index in self.graphs, self.config.checkpoint_layers)
+        staging.expect([(self.pool.layer(layer, self.table), self.selections[(index, layer)]) for layer in order],
+                       start)
 
     def release(self) -> None:
         """Give the pages back to the pool (idempotent)."""
