@@ -9,7 +9,7 @@
 #   3. one selection per query tile (the default) at 256K, every page on the host: an unbounded union.
 # 1M does not fit with every page on the host within the machine's 112 GiB budget.
 # Every point is one step, timed cold (no warm-up step: the CSV's pin_s is the share spent page-locking host
-# memory), so the whole fits one lease next to other work (about 7 minutes). Run it under setsid and read
+# memory), so the whole fits one lease next to other work (8 minutes at 8676b3d). Run it under setsid and read
 # $OUT/*/results.csv back (device README).
 #   bash docs/bench/host-kv-h200.sh OUT
 set -u

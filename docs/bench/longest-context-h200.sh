@@ -5,7 +5,7 @@
 #   1. full training at 1,835,008 tokens (1.75M; planned 5.3 min, KV-gradient pages of every layer on the host);
 #   2. LoRA rank 16 at 2,080,768 tokens (`lightning-oomb plan --max-context`'s LoRA row; 2,097,152 is 4 GiB over
 #      the host budget with whole layers moved).
-# One cold step each (--warmup 0; run after host-kv-h200.sh, the kernels are compiled): the CSV's pin_s is the share spent page-locking host memory. About 14 minutes:
+# One cold step each (--warmup 0; run after host-kv-h200.sh, the kernels are compiled): the CSV's pin_s is the share spent page-locking host memory. 12.3 minutes at 8676b3d:
 # run it under setsid and read $OUT/*/results.csv back (device README).
 #   bash docs/bench/longest-context-h200.sh OUT
 set -u

@@ -60,7 +60,7 @@ CSV_COLUMNS = (
     "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
     "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
     "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "document_length", "host_kv_layers",
-    "kv_pages_gathered", "kv_gather_s", "kv_gather_ahead_s", "pin_s",
+    "kv_pages_gathered", "kv_gather_s", "kv_gather_ahead_s", "grad_add_s", "pin_s",
 )
 
 
@@ -132,6 +132,9 @@ class PointResult:
     # 2's on the side stream, ahead of their calls (hidden behind the compute as far as the step time shows).
     kv_gather_s: float | None = None
     kv_gather_ahead_s: float | None = None
+    # sparse with host gradient layers: seconds the side stream spent adding the chunks' page gradients into
+    # the host pages (median step; hidden behind the compute as far as the step time shows).
+    grad_add_s: float | None = None
     # Seconds the timed steps spent page-locking host memory (a pool or host buffer made in them: every timed
     # step with --warmup 0, which then carries this once-per-run cost).
     pin_s: float | None = None
@@ -179,6 +182,7 @@ class PointResult:
             "kv_pages_gathered": _blank_if_none(self.kv_pages_gathered),
             "kv_gather_s": "" if self.kv_gather_s is None else _num(self.kv_gather_s),
             "kv_gather_ahead_s": "" if self.kv_gather_ahead_s is None else _num(self.kv_gather_ahead_s),
+            "grad_add_s": "" if self.grad_add_s is None else _num(self.grad_add_s),
             "pin_s": "" if self.pin_s is None else _num(self.pin_s),
             "kept_chunks": _blank_if_none(self.kept_chunks),
             "graph_chunks": _blank_if_none(self.graph_chunks),
@@ -443,8 +447,8 @@ def measure(
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
             planned(result.segment_tokens)
             pool.streamer.take_stats()  # the timed steps' traffic only
-        if pool is not None and pool.kv_staging is not None:
-            pool.kv_staging.take_seconds()  # the timed steps' gathers only
+        if pool is not None:  # the timed steps' gathers and additions only
+            _bus_seconds(pool)
 
         ledger = pool.host if pool is not None else None  # small: holds no tensor
         pinned_before = ledger.pin_seconds if ledger is not None else 0.0
@@ -453,7 +457,7 @@ def measure(
             torch.cuda.reset_peak_memory_stats(device)
             retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         reset_peak_process_host_bytes()
-        times, loss, gathers = [], None, []
+        times, loss, bus = [], None, []
         for _ in range(config.repeats):
             model.zero_grad(set_to_none=True)
             _sync(device)
@@ -463,12 +467,12 @@ def measure(
             times.append(time.perf_counter() - start)
             _take_stream_stats(model, result)
             step_pool = cached_pool(model)
-            if step_pool is not None and step_pool.kv_staging is not None:
-                gathers.append(step_pool.kv_staging.take_seconds())
+            if step_pool is not None:
+                bus.append(_bus_seconds(step_pool))
             step_pool = None
-        if gathers:
-            result.kv_gather_s = statistics.median(g[0] for g in gathers)
-            result.kv_gather_ahead_s = statistics.median(g[1] for g in gathers)
+        if bus and mode.sparse:
+            result.kv_gather_s, result.kv_gather_ahead_s, result.grad_add_s = (
+                statistics.median(seconds[i] for seconds in bus) for i in range(3))
         result.step_times_s = tuple(times)
         result.step_time_s = statistics.median(times)
         result.tokens_per_s = config.batch * context / result.step_time_s
@@ -501,6 +505,14 @@ def measure(
     _drop_cached_pool(model)
     _free_memory(model, device)
     return result
+
+
+def _bus_seconds(pool) -> tuple[float, float, float]:
+    """Seconds the host K/V gathers took on the compute stream and ahead on the side stream, and the host
+    gradient additions on theirs, since the last call (zero where the pool has none, or on a CPU)."""
+    gathers = pool.kv_staging
+    kv = (gathers.busy.take(), gathers.busy_ahead.take()) if gathers is not None else (0.0, 0.0)
+    return (*kv, pool.grad_staging.busy.take() if pool.grad_staging is not None else 0.0)
 
 
 def _take_stream_stats(model: nn.Module, result: PointResult) -> None:
@@ -544,6 +556,8 @@ def progress_line(index: int, total: int, r: PointResult, elapsed: float) -> str
         step += f" ({r.pin_s:.3g} s of it pinning host memory)"
     if r.kv_gather_ahead_s or r.kv_gather_s:
         step += f" (gathers {r.kv_gather_s:.3g} s on the compute stream, {r.kv_gather_ahead_s:.3g} s ahead)"
+    if r.grad_add_s:
+        step += f" (host gradient additions {r.grad_add_s:.3g} s on their stream)"
     return (
         f"{head}  {step}  {r.tokens_per_s:,.0f} tok/s{gpu}  "
         f"host {r.peak_host_bytes / GIB:.2f} GiB  {r.floor_fraction:.1%} of floor  loss {r.loss:.3f}  "

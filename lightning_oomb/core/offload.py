@@ -45,6 +45,32 @@ class CopyStats:
     d2h_s: float = 0.0
 
 
+class BusyTime:
+    """Seconds a CUDA stream spent on work bracketed by ``timed`` events; finished brackets are folded into a
+    sum as new ones come (``take`` waits for the rest), so that a long run holds few events."""
+
+    def __init__(self):
+        self._open: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._seconds = 0.0
+
+    def timed(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """(begin, end) events to record on the stream around the work (``end`` doubles as its done event)."""
+        while self._open and self._open[0][1].query():
+            begin, end = self._open.pop(0)
+            self._seconds += begin.elapsed_time(end) / 1e3
+        pair = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._open.append(pair)
+        return pair
+
+    def take(self) -> float:
+        """The seconds since the last ``take``; waits for the work still open."""
+        for begin, end in self._open:
+            end.synchronize()
+            self._seconds += begin.elapsed_time(end) / 1e3
+        self._open, seconds, self._seconds = [], self._seconds, 0.0
+        return seconds
+
+
 class _Streams:
     """The two copy streams and their events; on a CPU device every operation is a no-op (copies run
     synchronously where they are issued)."""
@@ -55,7 +81,7 @@ class _Streams:
         if self.cuda:
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
-        self._timed: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {"h2d": [], "d2h": []}
+        self._busy = {"h2d": BusyTime(), "d2h": BusyTime()}
 
     def event(self):
         return torch.cuda.Event() if self.cuda else None
@@ -70,12 +96,11 @@ class _Streams:
         for event in waits:
             if event is not None:
                 stream.wait_event(event)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin, end = self._busy[name].timed()
         with torch.cuda.stream(stream):
             begin.record(stream)
             yield
             end.record(stream)
-        self._timed[name].append((begin, end))
 
     def record(self, event, name: str | None = None) -> None:
         """Record ``event`` on copy stream ``name``, or on the compute (current) stream."""
@@ -92,9 +117,8 @@ class _Streams:
             return
         self.h2d.synchronize()
         self.d2h.synchronize()
-        stats.h2d_s += sum(a.elapsed_time(b) for a, b in self._timed["h2d"]) / 1e3
-        stats.d2h_s += sum(a.elapsed_time(b) for a, b in self._timed["d2h"]) / 1e3
-        self._timed = {"h2d": [], "d2h": []}
+        stats.h2d_s += self._busy["h2d"].take()
+        stats.d2h_s += self._busy["d2h"].take()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from ..kernels.page_table import LayerStore, PageTable, StoreSpec
 from .host_memory import HostLedger, pinned_empty
-from .offload import Streamer
+from .offload import BusyTime, Streamer
 
 if TYPE_CHECKING:
     from .kept_attention import HostKeptAttention
@@ -66,6 +66,7 @@ class HostGradStaging:
         self._read: list[torch.cuda.Event | None] = [None] * self.N_BUFFERS
         self._next = 0
         self._layer_added: dict[int, torch.cuda.Event] = {}
+        self.busy = BusyTime()  # the side stream's additions (not the zeroing)
 
     @staticmethod
     def nbytes_for(batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int) -> int:
@@ -105,12 +106,13 @@ class HostGradStaging:
             add_staged_pages(store.dk, store.dv, src_k, src_v, slots, pages, counts, start)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        begin, done = self.busy.timed()
         with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
             add_staged_pages(store.dk, store.dv, src_k, src_v, slots, pages, counts, start)
+            done.record(self.stream)
         for t in (slots, pages, counts):
             t.record_stream(self.stream)  # made on the compute stream, read here
-        done = torch.cuda.Event()
-        done.record(self.stream)
         self._read[i] = self._layer_added[store.layer] = done
 
     def zero_pages(self, host: tuple[torch.Tensor, ...], layers: list[int], slots: list[int]) -> None:
@@ -194,7 +196,8 @@ class HostKVStaging:
     selection tensor it was made for).
 
     ``pages_staged`` counts the pages gathered (on the device; reading it waits for the GPU), ``calls`` the
-    gathers, ``prefetched`` those that ran ahead of their call; ``take_seconds`` the time the copies took.
+    gathers, ``prefetched`` those that ran ahead of their call; ``busy`` and ``busy_ahead`` the time their copies
+    took on the compute stream and on the side stream.
     """
 
     def __init__(self, device: torch.device):
@@ -210,9 +213,8 @@ class HostKVStaging:
         self._ahead: tuple | None = None
         self._expected: list[tuple[LayerStore, torch.Tensor]] = []
         self._expected_start = -1
-        # CUDA: (begin, end) events of each gather's copies, on the compute stream (False) or ahead (True).
-        self._timed: dict[bool, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {False: [], True: []}
-        self._seconds = {False: 0.0, True: 0.0}  # of the gathers finished since take_seconds
+        # CUDA: the gathers' copies on the compute stream (stage 1) and ahead, on the side stream (stage 2).
+        self.busy, self.busy_ahead = BusyTime(), BusyTime()
 
     def forget(self) -> None:
         """Drop the kept and announced gathers (a step's end: its pages and selections are gone)."""
@@ -304,37 +306,17 @@ class HostKVStaging:
         stream = self.stream if ahead else compute
         if ahead:
             stream.wait_stream(compute)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin, end = (self.busy_ahead if ahead else self.busy).timed()
         with torch.cuda.stream(stream):
             begin.record(stream)
             for host, pages in ((store.k, k), (store.v, v)):
                 copy_pages(host, src, pages, dst)
             end.record(stream)
-        self._settle()
-        self._timed[ahead].append((begin, end))
         if not ahead:
             return store.layer, start, asked, k, v, table, None
         for t in (src, dst, k, v):
             t.record_stream(stream)
         return store.layer, start, asked, k, v, table, end
-
-    def _settle(self) -> None:
-        # Fold the finished gathers' times into the sums, so that a long run holds few events.
-        for ahead, timed in self._timed.items():
-            while timed and timed[0][1].query():
-                begin, end = timed.pop(0)
-                self._seconds[ahead] += begin.elapsed_time(end) / 1e3
-
-    def take_seconds(self) -> tuple[float, float]:
-        """Seconds the gathers since the last call took on the compute stream (stage 1's) and on the side
-        stream (stage 2's, ahead of their calls); waits for them. (0, 0) on a CPU device."""
-        if not self.cuda:
-            return 0.0, 0.0
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
-        self._settle()
-        seconds, self._seconds = (self._seconds[False], self._seconds[True]), {False: 0.0, True: 0.0}
-        return seconds
 
 
 class PagePool:

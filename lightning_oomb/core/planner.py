@@ -54,9 +54,9 @@ HOST_ADD_GBPS = 61.5
 HOST_ADD_HIDDEN_S = 5.4e-3
 # What host K/V layers (sparse) add: per host layer and attention call, the gather of the pages the chunk
 # selected (every KV head of each distinct page) over the bus at HOST_GATHER_GBPS; stage 1's on the compute
-# stream, stage 2's on a side stream behind the compute (host_gather_seconds). Assumed (the GPU reading mapped
-# pinned memory, about what the host additions reach), not yet measured.
-HOST_GATHER_GBPS = 50.0
+# stream, stage 2's on a side stream behind the compute (host_gather_seconds). Stage 1's gathers measured
+# 46.4-49.5 GB/s on the H200 (256K and 768K, one selection per chunk and per tile; docs/benchmarks.md).
+HOST_GATHER_GBPS = 48.0
 # Several GPUs: the bus bandwidth per rank of NCCL's ring collectives (all-reduce, reduce-scatter, all-gather:
 # by NCCL's definition of bus bandwidth one number serves all three), in GB/s. Assumed, not measured here (the
 # several-GPU machines were not lent): about what NCCL reaches over NVLink on HGX H100/H200 nodes; calibrate
