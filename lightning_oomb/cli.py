@@ -109,14 +109,15 @@ class OOMBCLI(LightningCLI):
 
     @override
     def after_fit(self) -> None:
+        # Every rank of a run on several devices comes here: the export and the validation gather from all.
         trainer, module = self.trainer, self.model
-        if not trainer.is_global_zero:
-            return
         if trainer.interrupted:
-            print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
+            if trainer.is_global_zero:
+                print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
             return
         if self._get(self.config, "export", True):
-            export_hf(module, self.datamodule, self._get(self.config, "export_dir") or default_export_dir(trainer))
+            export_hf(trainer, module, self.datamodule,
+                      self._get(self.config, "export_dir") or default_export_dir(trainer))
         self.report_held_out()
 
     def report_held_out(self) -> None:
@@ -124,7 +125,7 @@ class OOMBCLI(LightningCLI):
         if self.datamodule is not None and not _has_val_data(self.datamodule):
             return
         results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
-        if not results:
+        if not results or not trainer.is_global_zero:
             return
         print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(results[0].items())))
         example = getattr(self.datamodule, "val_set", None)
@@ -198,16 +199,29 @@ def default_export_dir(trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir) / "hf_export"
 
 
-def export_hf(module, datamodule, target) -> Path:
-    """Save the trained model (a LoRA adapter for peft models) and its tokenizer with save_pretrained.
+def export_hf(trainer, module, datamodule, target) -> Path:
+    """Save the trained model (a LoRA adapter for peft models) and its tokenizer with save_pretrained, from
+    global rank 0; every rank calls it (sharded weights are gathered whole from all of them first).
 
     The files are written to ``<target>.partial`` and moved into place when complete.
     """
+    from torch.distributed.tensor import DTensor
+
     target = Path(target)
+    model = module.model
+    state = None
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not trainer.is_global_zero:
+        return target
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model = module.model
-    model.save_pretrained(partial)
+    if state is None:
+        model.save_pretrained(partial)
+    else:
+        model.save_pretrained(partial, state_dict=state)
     tokenizer = getattr(datamodule, "tokenizer", None)
     pretrained = module.hparams.get("pretrained") if hasattr(module, "hparams") else None
     if tokenizer is None and pretrained:

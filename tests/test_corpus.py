@@ -176,18 +176,22 @@ def test_text_field_and_large_text_pieces(tmp_path, tokenizer_dir, monkeypatch):
 
 
 def test_resumable_sampler_order():
+    """Each pass that draws its last batch makes the next one the next epoch's permutation; a pass left early (a run
+    that stops mid-epoch) is drawn again. A resume skips the consumed batches once; one at an epoch's last batch
+    continues with the next epoch."""
     s = ResumableBatchSampler(11, 3, seed=5)
-    epoch0, epoch0_again = list(s), list(s)
-    assert epoch0 == epoch0_again and len(s) == 4 and sorted(sum(epoch0, [])) == list(range(11))
-    s.set_epoch(1)
+    epoch0 = list(s)
+    assert s.epoch == 0 and len(s) == 4 and sorted(sum(epoch0, [])) == list(range(11))
     epoch1 = list(s)
-    assert epoch1 != epoch0
+    assert s.epoch == 1 and epoch1 != epoch0
+    again = iter(s)
+    assert next(again) == list(s)[0]  # the earlier pass stopped after one batch: epoch 2 both times
+    assert s.epoch == 2
     s.resume(1, 2)
     assert len(s) == 4 and list(s) == epoch1[2:]
-    assert list(s) == epoch1  # the skip applies once
-    s.resume(0, 3)
-    s.set_epoch(1)  # the skip belongs to epoch 0 only
-    assert list(s) == epoch1
+    assert s.epoch == 1 and list(s) != epoch1  # the skip applies once; then epoch 2
+    s.resume(0, 4)  # the checkpoint saw epoch 0's last batch
+    assert list(s) == epoch1 and s.epoch == 1
 
 
 def test_resumable_sampler_gives_each_rank_its_share_of_the_global_batch():
@@ -198,9 +202,9 @@ def test_resumable_sampler_gives_each_rank_its_share_of_the_global_batch():
     ranks = [ResumableBatchSampler(20, batch, seed=5, rank=r, world_size=world) for r in range(world)]
     one = ResumableBatchSampler(20, batch * world, seed=5)
     assert [len(s) for s in ranks] == [3, 3, 3]
-    per_rank = [list(s) for s in ranks]
+    per_rank, whole = [list(s) for s in ranks], list(one)
     for step in range(3):
-        assert sum((per_rank[r][step] for r in range(world)), []) == list(one)[step]
+        assert sum((per_rank[r][step] for r in range(world)), []) == whole[step]
     for s in ranks:
         s.resume(0, 1)
     assert [list(s) for s in ranks] == [b[1:] for b in per_rank]
@@ -307,6 +311,17 @@ def test_seq_len_not_multiple_of_chunk(tmp_path, tokenizer_dir):
     assert "data.init_args.seq_len 40 is not a multiple of trainer.strategy.init_args.chunk_size 16" in msg
     assert "seq_len 32 or 48" in msg
     module([corpus], tokenizer_dir, seq_len=8).trainer = trainer  # shorter than a chunk: one chunk, fine
+
+
+def test_several_ranks_need_lightning_to_leave_the_sampler(tmp_path, tokenizer_dir):
+    from lightning.pytorch import Trainer
+
+    from lightning_oomb import OOMBDDPStrategy
+
+    corpus = write_corpus(tmp_path / "corpus", docs=20)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=OOMBDDPStrategy(chunk_size=16, page_size=8), logger=False)
+    msg = setup_error(module([corpus], tokenizer_dir, seq_len=16), trainer)
+    assert "set trainer.use_distributed_sampler false" in msg and "\n" not in msg
 
 
 def test_tokenizer_problems(tmp_path, tokenizer_dir):

@@ -41,7 +41,9 @@ class KillingCheckpointIO(AtomicCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
         if self.saves == self.kill_after_save:
             self.wait()  # the write runs on a background thread
-            os.kill(os.getpid(), signal.SIGKILL)
+            # The whole job, as a scheduler's preemption does: every rank of a data-parallel run is in this
+            # process group (fit_subprocess starts each run in a session of its own).
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def _write(self, checkpoint, f):
         if self.saves == self.kill_during_save:
@@ -110,7 +112,7 @@ def fit_subprocess(config: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     return subprocess.run(
         [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True,
     )
 
 
@@ -276,6 +278,37 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise(uninterrupted, assets, 
     assert_same_training_state(load(last), uninterrupted["last"])
 
 
+def test_data_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp_path):
+    """oomb_ddp through the CLI on 2 gloo processes (Lightning launches the second): every rank killed with
+    SIGKILL right after the step-2 checkpoint, then `--ckpt_path last` takes steps 3 and 4 to the weights,
+    optimizer state and data position of the run that was never stopped."""
+    def ddp_config(folder: Path) -> Path:
+        path = write_config(folder, assets)
+        config = yaml.safe_load(path.read_text())
+        config["trainer"].update(devices=2, max_steps=2 * EVERY, limit_val_batches=0, use_distributed_sampler=False)
+        config["trainer"]["strategy"]["class_path"] = "lightning_oomb.OOMBDDPStrategy"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    whole = fit_subprocess(ddp_config(tmp_path / "whole"), "--export", "false")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want = load(run_dir(tmp_path / "whole") / "checkpoints" / "last.ckpt")
+    config = ddp_config(tmp_path / "killed")
+    killed = fit_subprocess(config, "--export", "false", killer(kill_after_save=1))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir(tmp_path / "killed") / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == EVERY
+    resumed = fit_subprocess(config, "--export", "false", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = load(last)
+    assert got["global_step"] == want["global_step"] == 2 * EVERY
+    assert got["TextCorpusDataModule"] == want["TextCorpusDataModule"]  # killed at an epoch's end: 2 batches each
+    for name, tensor in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][name], tensor), f"{name} differs"
+    for a, b in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values()):
+        assert all(torch.equal(a[key], b[key]) for key in b)
+
+
 def test_sigkill_during_checkpoint_save_keeps_previous(uninterrupted, assets, tmp_path):
     config = write_config(tmp_path, assets)
     killed = fit_subprocess(config, killer(kill_during_save=2))  # halfway through writing the step-4 checkpoint
@@ -421,6 +454,7 @@ def test_example_configs_parse(name, capsys):
         built = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(namespace).strategy
         assert type(built).__name__ == strategy.rsplit(".", 1)[1] and getattr(built, "sharding", None) == sharding
         one, several = (yaml.safe_load((ROOT / "examples" / f"{n}.yaml").read_text()) for n in ("qwen2.5-7b-128k", name))
+        assert several["trainer"].pop("use_distributed_sampler") is False  # the corpus splits the ranks' data
         for config in (one, several):
             config["trainer"].pop("devices")
             config["trainer"]["strategy"].pop("class_path")

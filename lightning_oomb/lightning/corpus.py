@@ -289,6 +289,11 @@ class ResumableBatchSampler(Sampler[list[int]]):
     """Batches of a permutation drawn from ``seed`` and the epoch; ``resume(epoch, batches)`` skips the batches
     a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect.
 
+    The sampler counts its epochs itself: a pass that drew its last batch makes the next pass the next epoch
+    (Lightning sets the epoch of a loader's sampler, not of its batch sampler, and counts an epoch whose last
+    batch a checkpoint saw as completed twice when it resumes from it). ``epoch`` is the epoch being drawn, or
+    last drawn, until the next pass starts.
+
     Data parallel (``world_size`` > 1): every rank draws the same permutation; step b's global batch is its
     ``world_size * batch_size`` items from position ``b * world_size * batch_size`` on, and rank ``rank`` takes
     the ``rank``-th ``batch_size`` of them. An epoch is the whole global batches only, so every rank runs the
@@ -304,14 +309,14 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.num_items, self.batch_size, self.seed, self.shuffle = num_items, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
-        self._skip: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._skip = 0
+        self._finished = False  # the last pass ran to its end: the next one draws the next epoch
 
     def resume(self, epoch: int, batches: int) -> None:
-        self.epoch = epoch
-        self._skip = (epoch, batches)
+        """Continue from a checkpoint that had consumed ``batches`` batches of ``epoch``."""
+        if batches >= len(self):  # the checkpoint saw the epoch's last batch
+            epoch, batches = epoch + 1, 0
+        self.epoch, self._skip, self._finished = epoch, batches, False
 
     def __len__(self) -> int:
         if self.world_size == 1:
@@ -319,15 +324,18 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return self.num_items // (self.world_size * self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
-        skip = self._skip[1] if self._skip and self._skip[0] == epoch else 0
-        self._skip = None
+        if self._finished:
+            self.epoch += 1
+        self._finished = False
+        skip, self._skip = self._skip, 0
         order = (
-            torch.randperm(self.num_items, generator=epoch_generator(self.seed, epoch))
+            torch.randperm(self.num_items, generator=epoch_generator(self.seed, self.epoch))
             if self.shuffle
             else torch.arange(self.num_items)
         )
         for b in range(skip, len(self)):
+            # Lightning stops after ``len`` batches without asking for more: the last one ends the pass.
+            self._finished = b == len(self) - 1
             start = (b * self.world_size + self.rank) * self.batch_size
             yield order[start : start + self.batch_size].tolist()
 
@@ -432,6 +440,18 @@ class TextCorpusDataModule(LightningDataModule):
                 f"divides {self.seq_len})"
             )
 
+    @staticmethod
+    def _check_sampler(trainer) -> None:
+        # Lightning would put its DistributedSampler under the rank-aware batch sampler, and fail in a way that
+        # does not say which option to change.
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if getattr(trainer, "world_size", 1) > 1 and getattr(connector, "use_distributed_sampler", False):
+            raise CorpusError(
+                f"TextCorpusDataModule gives each of the {trainer.world_size} ranks its own sequences itself (and "
+                "resumes their position): set trainer.use_distributed_sampler false (Trainer(use_distributed_sampler"
+                "=False), or `use_distributed_sampler: false` under `trainer:` in the YAML)"
+            )
+
     def _model_pretrained(self, trainer) -> tuple[str | None, int | None]:
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
         if module is None:
@@ -449,6 +469,7 @@ class TextCorpusDataModule(LightningDataModule):
         trainer = self._trainer_or_none()
         if trainer is not None:
             self._check_chunking(trainer)
+            self._check_sampler(trainer)
         if self.train_set is not None:
             return
         pretrained, vocab_size = self._model_pretrained(trainer)
@@ -525,8 +546,9 @@ class TextCorpusDataModule(LightningDataModule):
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self._trainer_or_none()
         if trainer is not None and trainer.training:
-            if trainer.current_epoch != self._epoch:
-                self._epoch, self._consumed = trainer.current_epoch, 0
+            epoch = self._sampler.epoch  # the epoch drawn (not trainer.current_epoch: see the sampler)
+            if epoch != self._epoch:
+                self._epoch, self._consumed = epoch, 0
             self._consumed += 1
         return batch
 
