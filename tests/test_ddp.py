@@ -15,7 +15,7 @@ from lightning_oomb import OOMBDDPStrategy, OOMBStrategy
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
-from lightning_oomb.lightning.corpus import ResumableBatchSampler
+from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
 from test_strategy import UserModule, weights
 from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, rel_err, tiny_model
 
@@ -43,16 +43,16 @@ def stacked(items: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.T
 
 
 class RankRows(LightningDataModule):
-    """Step k's global batch is items k*world .. k*world + world - 1, rank r its r-th (the rank-aware sampler
-    TextCorpusDataModule uses, unshuffled)."""
+    """Step k's global batch is items k*world .. k*world + world - 1, data-parallel rank r its r-th (the rank-aware
+    sampler TextCorpusDataModule uses, unshuffled; the ranks of a tensor-parallel group take the same item)."""
 
     def __init__(self, items):
         super().__init__()
         self.items = items
 
     def train_dataloader(self):
-        sampler = ResumableBatchSampler(len(self.items), 1, seed=0, shuffle=False, rank=self.trainer.global_rank,
-                                        world_size=self.trainer.world_size)
+        rank, world = data_parallel_rank(self.trainer)
+        sampler = ResumableBatchSampler(len(self.items), 1, seed=0, shuffle=False, rank=rank, world_size=world)
         return DataLoader(self.items, batch_sampler=sampler)
 
 

@@ -21,12 +21,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy
+from lightning_oomb.core.errors import SetupError
+from lightning_oomb.lightning.model_parallel import check_tensor_parallel
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
 from test_strategy import UserModule, weights
 from tiny_models import rel_err, tiny_model, assert_grads_close
 
 WORLD = 2
 ITEMS = sequences(6)  # rank 1's first batch has no valid label, the others uneven counts
+TP = {"tensor_parallel_size": WORLD, "data_parallel_size": 1}
+TP_ITEMS = [ITEMS[0], ITEMS[2]]  # one row per step under TP: rows with valid labels
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -98,6 +102,9 @@ def _ranks(rank: int, port: int, out: str) -> None:
     saved = ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=1)
     _fit(f"{out}/first", "qwen2", ITEMS[:2], 1, {}, callbacks=[saved], enable_checkpointing=True)
     _fit(f"{out}/resumed", "qwen2", ITEMS[2:4], 2, {}, ckpt_path=saved.best_model_path or saved.last_model_path)
+    # Tensor parallel over the 2 processes (one data-parallel rank): both run the same row in each step.
+    _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
+    _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True})
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +117,11 @@ def runs(tmp_path_factory):
     return lambda name, what: torch.load(out / f"{name}-{what}.pt")
 
 
-def one_process_adamw(family, items, steps):
-    """Weights after ``steps`` AdamW steps of OOMBStrategy on one process, ``WORLD`` rows per batch."""
+def one_process_adamw(family, items, steps, rows=WORLD):
+    """Weights after ``steps`` AdamW steps of OOMBStrategy on one process, ``rows`` rows per batch."""
     module = UserModule(tiny_model(family), lr=1e-2, optimizer="adamw")
     Trainer(devices=1, max_steps=steps, strategy=OOMBStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference"),
-            **TRAINER).fit(module, DataLoader(items, batch_size=WORLD))
+            **TRAINER).fit(module, DataLoader(items, batch_size=rows))
     return weights(module)
 
 
@@ -162,10 +169,45 @@ def test_resume_from_checkpoint_takes_the_same_step(runs):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_tensor_parallel_adamw_steps_equal_one_process(runs):
+    """tensor_parallel_size=2: each rank computes attention for 1 of qwen2's 2 KV heads (its K/V pages hold that
+    one) and half the MLP; the gradient of every parameter, whole, is transformers' of the row both ranks ran,
+    and two AdamW steps give one process's weights. No FSDP collective runs (one data-parallel rank).
+
+    The updates are compared at 1e-3: o_proj's and down_proj's outputs are summed over the ranks in another order
+    than one process sums them (gradients ~1e-6 apart), and AdamW divides each element by its own magnitude, so
+    the elements of k_proj.bias whose gradients are ~1e-7 move by 3e-4 of that 16-element parameter's update.
+    The FSDP cases compute each gradient element as one process does, up to the sum over rows: within 1e-5."""
+    assert runs("tp", "calls") == {"all_gather_single": 0, "reduce_scatter_single": 0}
+    assert_grads_close(runs("tp", "grads"), module_grads(tiny_model("qwen2"), TP_ITEMS[:1]), 1e-5)
+    got, want = runs("tp", "weights"), one_process_adamw("qwen2", TP_ITEMS, 2, rows=1)
+    start = weights(UserModule(tiny_model("qwen2")))
+    worst = max((rel_err(got[n] - start[n], want[n] - start[n]), n) for n in want)
+    assert worst[0] <= 1e-3, f"update of {worst[1]} differs by {worst[0]:.2e}"
+
+
+def test_tensor_parallel_layer_checkpointing(runs):
+    assert_grads_close(runs("tp-checkpointed", "grads"), module_grads(tiny_model("llama"), TP_ITEMS[:1]), 1e-5)
+
+
+def test_tensor_parallel_refusals():
+    """Sizes that do not split the KV heads (qwen3's 3), LoRA, and FSDP over tensor-parallel layers: refused
+    before any work, each naming its fix."""
+    with pytest.raises(SetupError, match="does not divide num_key_value_heads=3"):
+        check_tensor_parallel(tiny_model("qwen3"), 2, lora=False)
+    with pytest.raises(SetupError, match="LoRA"):
+        check_tensor_parallel(tiny_model("qwen2"), 2, lora=True)
+    check_tensor_parallel(tiny_model("qwen2"), 2, lora=False)
+    strategy = OOMBModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    with pytest.raises(ValueError, match="FSDP over tensor-parallel layers is not built"):
+        strategy.setup_environment()
+
+
 def test_registered_name_and_refusals():
     strategy = Trainer(accelerator="cpu", devices=2, strategy="oomb_model_parallel", logger=False).strategy
     assert isinstance(strategy, OOMBModelParallelStrategy) and strategy.sharding == "zero2"
-    for kwargs, match in (({"tensor_parallel_size": 2}, "tensor parallelism is not built yet"),
+    for kwargs, match in (({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
                           ({"sharding": "zero4"}, "sharding must be one of zero1, zero2, zero3"),
                           ({"save_distributed_checkpoint": True}, "sharded checkpoint folders are not built")):
         with pytest.raises(ValueError, match=match):

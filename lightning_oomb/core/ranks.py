@@ -19,10 +19,12 @@ GRADIENT_BUCKET_BYTES = 25 * 2**20  # float32 gradients per all-reduce: large en
 class Ranks:
     """One process: nothing to agree on. ``step_gpu_bytes``: GPU memory a step of this run allocates beyond
     what the planner counts for one process (a sharded strategy's gathered weights and unsharded gradients),
-    which the placement reserves."""
+    which the placement reserves. ``kv_head_split``: the tensor-parallel size; each rank computes attention
+    for 1/kv_head_split of the KV heads (and their query heads), so its K/V pages hold only those."""
 
     world_size = 1
     step_gpu_bytes = 0
+    kv_head_split = 1
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         """Refuse a step whose (batch, seq_len) or chunking differs between ranks."""
@@ -42,12 +44,15 @@ class DataParallelRanks(Ranks):
 
     The loss of each rank is normalised by the mean valid-label count per rank, so that the gradients averaged
     over the ranks (the strategy's all-reduce) are one process's gradient of all ranks' batches together, and
-    each rank's loss, averaged over the ranks, is the loss of that whole batch."""
+    each rank's loss, averaged over the ranks, is the loss of that whole batch. Under tensor parallelism the
+    ranks of one tensor-parallel group run the same batch: the mean count per rank is still that of the data-
+    parallel batches, and their identical gradients of the whole weights average to themselves."""
 
-    def __init__(self, device: torch.device, step_gpu_bytes: int = 0):
+    def __init__(self, device: torch.device, step_gpu_bytes: int = 0, kv_head_split: int = 1):
         self.device = device
         self.world_size = dist.get_world_size()
         self.step_gpu_bytes = step_gpu_bytes
+        self.kv_head_split = kv_head_split
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         mine = torch.tensor([*shape, chunk_size, page_size], dtype=torch.int64, device=self.device)

@@ -217,7 +217,7 @@ class ChunkedSequence:
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
-            n_kv_heads=cfg.num_key_value_heads,
+            n_kv_heads=cfg.num_key_value_heads // ranks.kv_head_split,  # this rank's heads (tensor parallel)
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         )
         self.decoder = self.lm.get_decoder()

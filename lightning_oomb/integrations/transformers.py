@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -142,7 +143,8 @@ def _fused_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     down = module.down_proj
     gate, up = module.gate_proj(x), module.up_proj(x)
-    if getattr(down.__dict__.get("forward"), "func", None) is _accumulating_forward:  # our plain nn.Linear
+    ours = getattr(down.__dict__.get("forward"), "func", None) is _accumulating_forward  # our plain nn.Linear
+    if ours and not isinstance(down.weight, DTensor):  # not tensor parallel (see _accumulating_forward)
         return swiglu_linear(gate, up, down.weight, down.bias)
     return down(silu_mul(gate, up))
 
@@ -197,6 +199,10 @@ def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
 def _accumulating_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     from ..kernels.linear import accumulating_linear
 
+    # A tensor-parallel layer's weight is a DTensor shard at every call (an FSDP layer's is whole while it
+    # computes): nn.Linear's own computation, whose DTensor ops TP's input and output hooks around it expect.
+    if isinstance(module.weight, DTensor):
+        return nn.functional.linear(x, module.weight, module.bias)
     return accumulating_linear(x, module.weight, module.bias)
 
 

@@ -285,6 +285,16 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7919) % (2**63))
 
 
+def data_parallel_rank(trainer: Any) -> tuple[int, int]:
+    """(rank, size) of the data-parallel group ``trainer``'s process draws its batches as: the ranks of a tensor-
+    parallel group run the same batch (the strategy's ``distributed_sampler_kwargs``, as Lightning's own
+    DistributedSampler gets them); the global rank and world without such a strategy (or without a trainer)."""
+    kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None)
+    if kwargs:
+        return kwargs["rank"], kwargs["num_replicas"]
+    return getattr(trainer, "global_rank", 0), getattr(trainer, "world_size", 1)
+
+
 class ResumableBatchSampler(Sampler[list[int]]):
     """Batches of a permutation drawn from ``seed`` and the epoch; ``resume(epoch, batches)`` skips the batches
     a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect.
@@ -526,7 +536,7 @@ class TextCorpusDataModule(LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         trainer = self._trainer_or_none()
-        rank, world = getattr(trainer, "global_rank", 0), getattr(trainer, "world_size", 1)
+        rank, world = data_parallel_rank(trainer)
         self._sampler = ResumableBatchSampler(len(self.train_set), self.batch_size, self.seed, rank=rank,
                                               world_size=world)
         state = self._resume_from

@@ -9,6 +9,9 @@ weight, and the output layer's gradient, which the engine hands to autograd afte
 So only the decoder layers are sharded (``fully_shard`` each, and the decoder on top of them as the root of
 their FSDP group, its own weights left out); the embeddings, final norm and output layer stay whole on every
 rank, like oomb_ddp's weights: broadcast from rank 0 at set-up and averaged once after stage 2.
+
+With ``tensor_parallel_size`` > 1 the decoder layers are split by KV heads instead (torch's tensor parallelism,
+``parallelize_decoder_layers``), with one data-parallel rank; the engine's K/V pages hold each rank's heads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from typing_extensions import override
 
 from ..core.errors import SetupError
@@ -53,6 +57,39 @@ def shard_decoder_layers(lm: nn.Module, mesh: DeviceMesh, reshard_after_forward:
     # from layer to layer) whose forward the engine does run, unlike the causal LM's.
     fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                 ignored_params={p for p in decoder.parameters() if id(p) not in sharded})
+
+
+# Each decoder layer's tensor-parallel plan: the attention heads and the MLP's hidden units split over the ranks
+# (q/k/v and gate/up by output features, o and down by input features, whose outputs are summed over the ranks).
+TENSOR_PARALLEL_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def check_tensor_parallel(lm: nn.Module, size: int, lora: bool) -> None:
+    """Refuse, before any work, a model that ``size`` ranks cannot split by whole KV heads and hidden units."""
+    if size == 1:
+        return
+    if lora:
+        raise SetupError(f"tensor_parallel_size={size} with a LoRA (peft) model is not built; use "
+                         "tensor_parallel_size=1")
+    cfg = lm.config
+    counts = {"num_key_value_heads": cfg.num_key_value_heads, "num_attention_heads": cfg.num_attention_heads,
+              "intermediate_size": cfg.intermediate_size}
+    for name, count in counts.items():
+        if count % size:
+            raise SetupError(f"tensor_parallel_size={size} does not divide {name}={count}; use a divisor of "
+                             f"num_key_value_heads={cfg.num_key_value_heads} (each rank computes whole KV heads)")
+
+
+def parallelize_decoder_layers(lm: nn.Module, mesh: DeviceMesh) -> None:
+    """Split each decoder layer of the causal LM ``lm`` over the tensor-parallel ``mesh`` (TENSOR_PARALLEL_PLAN):
+    each rank computes attention for its H_q/T query and H_kv/T KV heads, (B, H/T, t, D), and 1/T of the MLP's
+    hidden units; the embeddings, norms and output layer stay whole on every rank."""
+    for layer in lm.get_decoder().layers:
+        parallelize_module(layer, mesh, TENSOR_PARALLEL_PLAN)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -109,7 +146,16 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         "zero1": gathered as zero2, but the gradients are summed unsharded over the chunks (and micro-batches)
             and reduce-scattered once, after the last: whole gradients during the step (float32 for bfloat16
             weights), one reduce-scatter per optimizer step instead of one per chunk.
-    tensor_parallel_size: 1; tensor parallelism over KV heads is not built yet (refused).
+    tensor_parallel_size: T (default 1) ranks split each decoder layer by KV heads (``parallelize_decoder_layers``,
+        torch's ColwiseParallel for q/k/v and gate/up, RowwiseParallel for o and down): each rank computes
+        attention for H_kv/T KV heads (and their query heads) and holds their K/V pages only, 1/T of the layers'
+        weights, gradients and optimizer state; the embeddings, norms and output layer stay whole. The T ranks of
+        a group run the same batch (Lightning's ``distributed_sampler_kwargs`` give the data-parallel rank). T
+        must divide num_key_value_heads, num_attention_heads and intermediate_size (refused otherwise, so T is
+        at most the number of KV heads); not built, so refused: LoRA (peft) models, and data_parallel_size > 1
+        together with T > 1 (FSDP over tensor-parallel layers), and a ``configure_model`` that applied
+        ``fully_shard`` with T > 1. ``sharding`` does not apply (nothing is sharded by FSDP). Gradient clipping
+        and checkpoints go through the same code as FSDP's DTensors but are not tested under T > 1 yet.
     save_distributed_checkpoint: False only: checkpoints are gathered on rank 0 and written as one file through
         ``AtomicCheckpointIO`` (atomic, in the background). Lightning's sharded checkpoint folders bypass the
         checkpoint IO and are rewritten in place, so a kill during a save would leave a torn one: not built.
@@ -136,15 +182,14 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ):
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not built yet; use "
-                             "tensor_parallel_size=1 (every rank data parallel, the decoder layers sharded)")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         if sharding not in SHARDING:
             raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
         if save_distributed_checkpoint:
             raise ValueError("save_distributed_checkpoint=True: sharded checkpoint folders are not built (a kill "
                              "during a save would leave a torn one); use False, one file written atomically by rank 0")
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=False, process_group_backend=process_group_backend,
                          timeout=timeout, **kwargs)
         self.sharding = sharding
@@ -155,7 +200,7 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     @property
     @override
     def ranks(self) -> DataParallelRanks:
-        return DataParallelRanks(self.root_device, self._step_gpu_bytes)
+        return DataParallelRanks(self.root_device, self._step_gpu_bytes, kv_head_split=self._tensor_parallel_size)
 
     def _gathered_bytes(self) -> int:
         """GPU bytes a step adds to the shards at rest, which the placement must leave free: the other ranks'
@@ -172,8 +217,13 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
 
     @override
     def setup_environment(self) -> None:
+        tensor = self._tensor_parallel_size
         if self._data_parallel_size == "auto":  # Lightning's "auto" is one rank per node (with TP inside a node)
-            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._data_parallel_size = self.num_nodes * self.num_processes // tensor
+        if tensor > 1 and self._data_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor} with data_parallel_size={self._data_parallel_size}: "
+                             "FSDP over tensor-parallel layers is not built; run tensor_parallel_size equal to the "
+                             "number of processes, or tensor_parallel_size=1")
         super().setup_environment()
         self._share_host_budget(self.num_processes)
 
@@ -186,7 +236,14 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         lm = find_causal_lm(self.lightning_module)
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+        tensor = self._tensor_parallel_size
+        check_tensor_parallel(lm, tensor, lora=any(hasattr(m, "peft_config") for m in self.model.modules()))
+        if tensor > 1 and any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            raise SetupError(f"tensor_parallel_size={tensor} with a configure_model that applied fully_shard: FSDP "
+                             "over tensor-parallel layers is not built; leave the model unsharded")
+        if tensor > 1:  # one data-parallel rank (refused otherwise in setup_environment): nothing to shard
+            parallelize_decoder_layers(lm, self.device_mesh["tensor_parallel"])
+        elif not any(isinstance(m, FSDPModule) for m in self.model.modules()):
             shard_decoder_layers(lm, self.device_mesh["data_parallel"], reshard_after_forward=self.sharding == "zero3")
         self._check_root_unsharded(lm)
         self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
@@ -244,7 +301,7 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=f"{cls.__name__}: FSDP2-sharded decoder "
-                                   "layers, data parallel", override=True)
+                                   "layers, data parallel, or tensor parallel over KV heads", override=True)
 
 
 OOMBModelParallelStrategy.register_strategies(StrategyRegistry)
