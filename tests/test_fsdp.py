@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy
+from lightning_oomb.cli import export_hf
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
@@ -87,13 +88,15 @@ def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=Non
     trainer = Trainer(devices=WORLD, strategy=strategy, max_steps=steps, callbacks=[Record(out), *callbacks],
                       use_distributed_sampler=False, **trainer_kwargs)
     trainer.fit(module, datamodule=RankRows(items), ckpt_path=ckpt_path)
+    return trainer, module
 
 
 def _ranks(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     _count_fsdp_collectives()
-    _fit(f"{out}/zero2", "qwen2", ITEMS[:4], 2, {})
+    trainer, module = _fit(f"{out}/zero2", "qwen2", ITEMS[:4], 2, {})
+    export_hf(trainer, module, None, f"{out}/zero2-export")  # the CLI's export: every rank gathers, rank 0 writes
     _fit(f"{out}/zero3", "qwen2-tied", ITEMS[:2], 1, {"sharding": "zero3", "checkpoint_layers": True})
     _fit(f"{out}/zero1", "llama", ITEMS[:4], 1, {"sharding": "zero1"}, accumulate_grad_batches=2)
     _fit(f"{out}/clipped", "llama", ITEMS[:4], 2, {}, optimizer="sgd", gradient_clip_val=0.05)
@@ -103,7 +106,8 @@ def _ranks(rank: int, port: int, out: str) -> None:
     _fit(f"{out}/first", "qwen2", ITEMS[:2], 1, {}, callbacks=[saved], enable_checkpointing=True)
     _fit(f"{out}/resumed", "qwen2", ITEMS[2:4], 2, {}, ckpt_path=saved.best_model_path or saved.last_model_path)
     # Tensor parallel over the 2 processes (one data-parallel rank): both run the same row in each step.
-    _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
+    trainer, module = _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
+    export_hf(trainer, module, None, f"{out}/tp-export")
     _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True})
 
 
@@ -114,7 +118,11 @@ def runs(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
-    return lambda name, what: torch.load(out / f"{name}-{what}.pt")
+
+    def load(name, what):
+        return out / f"{name}-export" if what == "export" else torch.load(out / f"{name}-{what}.pt")
+
+    return load
 
 
 def one_process_adamw(family, items, steps, rows=WORLD):
@@ -226,3 +234,14 @@ def test_placement_reserves_what_a_step_gathers(runs):
     assert abs(runs("zero2", "gathered") - sum(qwen2) / WORLD) <= 0.02 * sum(qwen2)
     assert abs(runs("zero3", "gathered") - sum(sorted(layer_bytes("qwen2-tied"))[-2:]) / WORLD) <= 0.02 * sum(qwen2)
     assert abs(runs("zero1", "gathered") - sum(llama) / WORLD - sum(llama)) <= 0.02 * sum(llama)
+
+
+def test_export_gathers_sharded_weights_whole(runs):
+    """The Hugging Face export after a sharded run (FSDP2 zero2; tensor parallel) holds the whole trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("zero2", "tp"):
+        model = AutoModelForCausalLM.from_pretrained(runs(name, "export"), local_files_only=True)
+        want = runs(name, "weights")
+        for n, p in model.state_dict().items():
+            assert torch.equal(p, want[f"model.{n}"]), (name, n)
