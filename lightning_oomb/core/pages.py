@@ -217,14 +217,10 @@ class HostKVStaging:
         self.busy, self.busy_ahead = BusyTime(), BusyTime()
 
     def forget(self) -> None:
-        """Drop the kept and announced gathers (a step's end: its pages and selections are gone)."""
-        self._drop(self._ahead)
+        """Drop the kept and announced gathers (a step's end: its pages and selections are gone). A gather
+        still copying keeps its memory until it ends: its tensors are marked as used on the side stream."""
         self._last = self._ahead = None
         self._expected = []
-
-    def _drop(self, gather: tuple | None) -> None:
-        if gather is not None and gather[-1] is not None:  # its copies must end before its memory is reused
-            torch.cuda.current_stream(self.device).wait_event(gather[-1])
 
     @property
     def pages_staged(self) -> int:
@@ -234,7 +230,6 @@ class HostKVStaging:
         """Announce a stage-2 chunk's calls at ``start``: (store, selection) of each host layer in the order
         ``stage_2_gather_order`` gives, and start the first gather it needs (the last one made may serve the
         first call: the end of stage 1 and the start of stage 2 are the same chunk)."""
-        self._drop(self._ahead)
         self._ahead = None
         expected = [call for i, call in enumerate(calls) if i == 0 or call[0].layer != calls[i - 1][0].layer]
         if expected and self._serves(self._last, expected[0][0].layer, start, expected[0][1]):
@@ -266,7 +261,6 @@ class HostKVStaging:
                     torch.cuda.current_stream(self.device).wait_event(self._last[-1])
                 self._prefetch_next()
             else:  # not announced (stage 1), or the announcement went wrong: gather here, announce no more
-                self._drop(self._ahead)
                 self._ahead, self._expected = None, []
                 self._last = self._gather(store, selection, start, ahead=False)
         return dataclasses.replace(store, k=self._last[3], v=self._last[4], table=self._last[5],

@@ -320,7 +320,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
         self._skip = 0
-        self._finished = False  # the last pass ran to its end: the next one draws the next epoch
+        self._finished = False  # the last pass drew its last batch: the next one draws the next epoch
 
     def resume(self, epoch: int, batches: int) -> None:
         """Continue from a checkpoint that had consumed ``batches`` batches of ``epoch``."""
