@@ -343,14 +343,15 @@ def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
     return count, held
 
 
-def host_gather_bytes(shape: "ModelShape", c: "PlanConfig", stages: tuple[int, ...] = (1, 2)) -> float:
-    """Bytes the host K/V layers' gathers of ``stages`` move over the bus in a step of ``c``, in expectation:
-    each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk gathers once
-    per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's forward, a layer
-    checkpoint's recompute and the backward, less the forwards ``attention_kept_chunks`` spares), except where
-    a call follows one of the same layer and chunk, which reuses its gather (``_gathers``)."""
+def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float, float]:
+    """Bytes the host K/V layers' gathers move over the bus in stage 1 and in stage 2 of a step of ``c``, in
+    expectation: each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk
+    gathers once per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's
+    forward, a layer checkpoint's recompute and the backward, less the forwards ``attention_kept_chunks``
+    spares), except where a call follows one of the same layer and chunk, which reuses its gather
+    (``_gathers``)."""
     if not c.host_kv_layers:
-        return 0.0
+        return 0.0, 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     heads = shape.n_kv_heads if sparse.per_kv_head else 1
@@ -360,7 +361,7 @@ def host_gather_bytes(shape: "ModelShape", c: "PlanConfig", stages: tuple[int, .
     kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     host, last = spread_layers(shape.n_layers, c.host_kv_layers), shape.n_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
-    gathers = 0.0
+    gathers = [0.0, 0.0]
     for index, start in enumerate(range(0, c.context, c.chunk_size)):
         kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
         skip_last = kind != "graph" and not c.stage_1_loss
@@ -371,17 +372,23 @@ def host_gather_bytes(shape: "ModelShape", c: "PlanConfig", stages: tuple[int, .
             first, held = _gathers(requests[0], None)
             # stage 2 starts with the chunk stage 1 ended with: its last gather may serve stage 2's first call
             per_kind[key] = (first, _gathers(requests[1], held if index == n - 1 else None)[0])
-        calls = sum(count for stage, count in zip((1, 2), per_kind[key]) if stage in stages)
-        gathers += expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads) * calls
-    return gathers * c.batch * page_bytes
+        union = expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
+        for stage, calls in enumerate(per_kind[key]):
+            gathers[stage] += union * calls
+    return gathers[0] * c.batch * page_bytes, gathers[1] * c.batch * page_bytes
+
+
+def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Bytes the host K/V layers' gathers move over the bus in a step of ``c`` (``host_gather_stage_bytes``)."""
+    return sum(host_gather_stage_bytes(shape, c))
 
 
 def host_gather_seconds(shape: "ModelShape", c: "PlanConfig", stage_2_compute_s: float = 0.0) -> float:
     """Seconds the host K/V layers' gathers add to a step of ``c`` at HOST_GATHER_GBPS: stage 1's, each made
     just after its selection, on the compute stream; stage 2's run on a side stream ahead of their calls
     (``core.pages.HostKVStaging``), so only what outlasts stage 2's compute (``stage_2_compute_s``) shows."""
-    seconds = [host_gather_bytes(shape, c, (stage,)) / (HOST_GATHER_GBPS * 1e9) for stage in (1, 2)]
-    return seconds[0] + max(0.0, seconds[1] - stage_2_compute_s)
+    stage_1, stage_2 = (b / (HOST_GATHER_GBPS * 1e9) for b in host_gather_stage_bytes(shape, c))
+    return stage_1 + max(0.0, stage_2 - stage_2_compute_s)
 
 
 @dataclass(frozen=True)
