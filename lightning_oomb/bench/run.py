@@ -449,6 +449,8 @@ def measure(
             pool.streamer.take_stats()  # the timed steps' traffic only
         if pool is not None:  # the timed steps' gathers and additions only
             _bus_seconds(pool)
+        staging = pool.kv_staging if pool is not None else None  # small: its gathers end with each step
+        gathered_before = staging.pages_staged if staging is not None else 0
 
         ledger = pool.host if pool is not None else None  # small: holds no tensor
         pinned_before = ledger.pin_seconds if ledger is not None else 0.0
@@ -498,8 +500,9 @@ def measure(
         result.host_grad_layers = pool.host_grad_layers
         result.host_grads_moved_at = tuple(live for _, live in pool.host_grads_moved)
         result.host_kv_layers = pool.host_kv_layers
-        if pool.kv_staging is not None:
-            result.kv_pages_gathered = pool.kv_staging.pages_staged
+        if pool.kv_staging is not None and result.status == "ok":  # per timed step, as the plan counts
+            before = gathered_before if pool.kv_staging is staging else 0
+            result.kv_pages_gathered = (pool.kv_staging.pages_staged - before) // config.repeats
         planned(host_grad_layers=pool.host_grad_layers, host_kv_layers=pool.host_kv_layers)
     del input_ids, pool
     _drop_cached_pool(model)
