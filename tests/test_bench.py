@@ -71,7 +71,7 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     out = tmp_path / "out"
     argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "256", "--modes", "sparse,sparse-offload",
             "--repeats", "1", "--warmup", "0", "--chunk", "64", "--page-size", "16", "--budget-pages", "6",
-            "--add-launch", "4x8x2", "--out", str(out)]
+            "--add-launch", "4x8x2", "--gather-programs", "2", "--out", str(out)]
     assert cli_main(argv) == 0
     _, rows = read_rows(out / "results.csv")
     assert [r["status"] for r in rows] == ["ok", "ok"]

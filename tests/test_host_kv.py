@@ -149,10 +149,12 @@ def test_gpu_side_page_copies_skip_negative_slots_and_write_rows():
     from lightning_oomb.kernels.host_pages import copy_pages, write_rows
 
     torch.manual_seed(2)
-    src, dst = torch.randn(5, 3, 2, 4), torch.zeros(4, 3, 2, 4)
-    copy_pages(src, torch.tensor([4, -1, 0, -1]), dst, torch.tensor([0, 1, 2, 3]))
-    assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[0])
-    assert not dst[1].any() and not dst[3].any()
+    src = torch.randn(5, 3, 2, 4)
+    for programs in (None, 1, 3):  # one program per entry, or a few persistent ones sharing them
+        dst = torch.zeros(4, 3, 2, 4)
+        copy_pages(src, torch.tensor([4, -1, 0, 1]), dst, torch.tensor([0, 1, 2, 3]), programs)
+        assert torch.equal(dst[0], src[4]) and torch.equal(dst[2], src[0]) and torch.equal(dst[3], src[1])
+        assert not dst[1].any()
     rows = torch.tensor([[7, 2], [0, 11]])
     values = torch.randn(2, 2, 2, 4)
     pages = torch.zeros(12, 2, 4)

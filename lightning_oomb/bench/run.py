@@ -86,6 +86,9 @@ class BenchConfig:
     # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
     # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
     add_launch: str = ""
+    # sparse with host K/V layers: persistent programs of the gathers that run ahead on a side stream;
+    # None keeps host_pages.GATHER_AHEAD_PROGRAMS.
+    gather_programs: int | None = None
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
     # Packed documents: each sequence made of documents of this many tokens; None: one per sequence.
     document_length: int | None = None
@@ -608,7 +611,8 @@ def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[Po
     results: list[PointResult] = []
     total = len(config.modes) * len(config.lengths)
     launch = host_pages.AddLaunch.parse(config.add_launch) if config.add_launch else host_pages.ADD_LAUNCH
-    with host_pages.add_launch(launch):
+    gather = config.gather_programs or host_pages.GATHER_AHEAD_PROGRAMS
+    with host_pages.side_launches(launch, gather):
         for name in config.modes:
             mode = MODES[name]
             mode.setup(model, config)
@@ -768,6 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--add-launch", default="", metavar="PROGRAMSxROWSxWARPS",
                         help="sparse with host gradient layers: launch of the kernel adding their staged gradients "
                              "(default: kernels.host_pages.ADD_LAUNCH)")
+    parser.add_argument("--gather-programs", type=int, default=None, metavar="N",
+                        help="sparse with host K/V layers: persistent programs of the gathers that run ahead of "
+                             "their calls (default: kernels.host_pages.GATHER_AHEAD_PROGRAMS)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help="matmul peak in TFLOP/s for the FLOP floor")
     parser.add_argument("--document-length", type=argparse_type(parse_tokens), default=None, metavar="TOKENS",
@@ -786,7 +793,8 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
         checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
-        per_query_tile=args.selection == "tile", add_launch=args.add_launch, matmul_tflops=args.matmul_tflops,
+        per_query_tile=args.selection == "tile", add_launch=args.add_launch, gather_programs=args.gather_programs,
+        matmul_tflops=args.matmul_tflops,
         document_length=args.document_length,
         out=args.out, device=args.device, seed=args.seed,
     )
@@ -795,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
             host_pages.AddLaunch.parse(config.add_launch)
         except ValueError as error:
             parser.error(str(error))
-    for name, value in (("--repeats", config.repeats), ("--batch", config.batch)):
+    for name, value in (("--repeats", config.repeats), ("--batch", config.batch),
+                        ("--gather-programs", config.gather_programs or 1)):
         if value < 1:
             parser.error(f"{name} must be >= 1")
     if config.warmup < 0:

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 linear()
 
         for launch in launches if host_grads else [None]:
-            with host_pages.add_launch(launch or host_pages.ADD_LAUNCH):
+            with host_pages.side_launches(launch or host_pages.ADD_LAUNCH, host_pages.GATHER_AHEAD_PROGRAMS):
                 layer_ms[launch] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
         del stores
     dense_past = args.budget * 128

@@ -269,7 +269,7 @@ class HostKVStaging:
     def _gather(self, store: LayerStore, selection: torch.Tensor, start: int, ahead: bool) -> tuple:
         # The union and the remapped table are found on the compute stream (small); on CUDA the copies run
         # on the side stream when ``ahead`` (its tensors marked as used there), else where the call is made.
-        from ..kernels.host_pages import copy_pages
+        from ..kernels import host_pages
 
         asked = selection
         slots = store.table.slots
@@ -304,7 +304,7 @@ class HostKVStaging:
         with torch.cuda.stream(stream):
             begin.record(stream)
             for host, pages in ((store.k, k), (store.v, v)):
-                copy_pages(host, src, pages, dst)
+                host_pages.copy_pages(host, src, pages, dst, host_pages.GATHER_AHEAD_PROGRAMS if ahead else None)
             end.record(stream)
         if not ahead:
             return store.layer, start, asked, k, v, table, None

@@ -51,16 +51,16 @@ def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page
 
 
 @triton.jit
-def _copy_pages_kernel(SRC, SRC_SLOTS, DST, DST_SLOTS, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    src_slot = tl.load(SRC_SLOTS + i).to(tl.int64)
-    if src_slot >= 0:
-        src = SRC + src_slot * PAGE_ELEMS
-        dst = DST + tl.load(DST_SLOTS + i).to(tl.int64) * PAGE_ELEMS
-        offs = tl.arange(0, BLOCK)
-        for j in range(0, PAGE_ELEMS, BLOCK):
-            mask = j + offs < PAGE_ELEMS
-            tl.store(dst + j + offs, tl.load(src + j + offs, mask=mask), mask=mask)
+def _copy_pages_kernel(SRC, SRC_SLOTS, DST, DST_SLOTS, n, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        src_slot = tl.load(SRC_SLOTS + i).to(tl.int64)
+        if src_slot >= 0:
+            src = SRC + src_slot * PAGE_ELEMS
+            dst = DST + tl.load(DST_SLOTS + i).to(tl.int64) * PAGE_ELEMS
+            for j in range(0, PAGE_ELEMS, BLOCK):
+                mask = j + offs < PAGE_ELEMS
+                tl.store(dst + j + offs, tl.load(src + j + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -83,21 +83,24 @@ def _read_rows_kernel(SRC, ROWS, DST, ROW_ELEMS: tl.constexpr, BLOCK: tl.constex
         tl.store(DST + i * ROW_ELEMS + j + offs, tl.load(SRC + row * ROW_ELEMS + j + offs, mask=mask), mask=mask)
 
 
-def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor) -> None:
+def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor,
+               programs: int | None = None) -> None:
     """dst[dst_slots[i]] = src[src_slots[i]] on the slots' device: src, dst (n_pages, *page) with contiguous
     pages of one shape and dtype, either of them pinned host memory mapped for that CUDA device (or, in
     Triton's interpreter, CPU tensors); src_slots, dst_slots (n,) int; entries whose source slot is negative
-    copy nothing (a fixed-length list made on the GPU: no host wait for how many pages travel)."""
+    copy nothing (a fixed-length list made on the GPU: no host wait for how many pages travel).
+    programs: persistent programs sharing the entries (a copy beside compute; ``GATHER_AHEAD_PROGRAMS``);
+    None: one per entry (a copy the compute waits for)."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_pages needs contiguous pages of one shape and dtype on both sides")
     if src_slots.shape != dst_slots.shape:
         raise ValueError(f"copy_pages needs one destination per source page, got {src_slots.shape} and {dst_slots.shape}")
     if src_slots.numel() == 0:
         return
-    page_elems = src[0].numel()
+    page_elems, n = src[0].numel(), src_slots.numel()
     with on_device_of(src_slots):
-        _copy_pages_kernel[(src_slots.numel(),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(),
-                                                 PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
+        _copy_pages_kernel[(min(programs or n, n),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(), n,
+                                                     PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
 
 
 def write_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
@@ -156,17 +159,22 @@ class AddLaunch:
 
 
 ADD_LAUNCH = AddLaunch()
+# Persistent programs of a host K/V gather that runs ahead on a side stream (core.pages.HostKVStaging): for
+# the reason AddLaunch gives, a few leave more of the GPU to the compute beside them than one per page.
+GATHER_AHEAD_PROGRAMS = 64
 
 
 @contextmanager
-def add_launch(launch: AddLaunch) -> Iterator[None]:
-    """``ADD_LAUNCH`` is ``launch`` inside the block (benchmarks compare launches), as before after it."""
-    global ADD_LAUNCH
-    before, ADD_LAUNCH = ADD_LAUNCH, launch
+def side_launches(add: AddLaunch, gather_ahead_programs: int) -> Iterator[None]:
+    """``ADD_LAUNCH`` and ``GATHER_AHEAD_PROGRAMS`` are these inside the block (benchmarks compare launches),
+    as before after it."""
+    global ADD_LAUNCH, GATHER_AHEAD_PROGRAMS
+    before = ADD_LAUNCH, GATHER_AHEAD_PROGRAMS
+    ADD_LAUNCH, GATHER_AHEAD_PROGRAMS = add, gather_ahead_programs
     try:
         yield
     finally:
-        ADD_LAUNCH = before
+        ADD_LAUNCH, GATHER_AHEAD_PROGRAMS = before
 
 
 def add_staged_pages(
