@@ -161,7 +161,7 @@ class AddLaunch:
 ADD_LAUNCH = AddLaunch()
 # Persistent programs of a host K/V gather that runs ahead on a side stream (core.pages.HostKVStaging): for
 # the reason AddLaunch gives, a few leave more of the GPU to the compute beside them than one per page.
-GATHER_AHEAD_PROGRAMS = 64
+GATHER_AHEAD_PROGRAMS = 16
 
 
 @contextmanager
