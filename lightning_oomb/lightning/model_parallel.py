@@ -10,8 +10,9 @@ So only the decoder layers are sharded (``fully_shard`` each, and the decoder on
 their FSDP group, its own weights left out); the embeddings, final norm and output layer stay whole on every
 rank, like oomb_ddp's weights: broadcast from rank 0 at set-up and averaged once after stage 2.
 
-With ``tensor_parallel_size`` > 1 the decoder layers are split by KV heads instead (torch's tensor parallelism,
-``parallelize_decoder_layers``), with one data-parallel rank; the engine's K/V pages hold each rank's heads.
+With ``tensor_parallel_size`` > 1 the decoder layers are first split by KV heads (torch's tensor parallelism,
+``parallelize_decoder_layers``), then, over more than one data-parallel rank, each rank's parts sharded by FSDP2
+over the data-parallel ranks (a 2-D mesh); the engine's K/V pages hold each rank's heads.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ def parallelize_decoder_layers(lm: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(layer, mesh, TENSOR_PARALLEL_PLAN)
 
 
+def _gathered_numel(param: DTensor) -> int:
+    """Elements of an FSDP-sharded ``param`` that a rank holds while FSDP has gathered it: whole over the
+    data-parallel ranks, but still split over the tensor-parallel ones where ``parallelize_decoder_layers`` split it."""
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and param.placements[names.index("tensor_parallel")].is_shard():
+        return param.numel() // param.device_mesh.size(names.index("tensor_parallel"))
+    return param.numel()
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient, to scale in place: a DTensor's shard, or the whole tensor."""
     return grad.to_local() if isinstance(grad, DTensor) else grad
@@ -125,8 +135,8 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks with the decoder layers sharded by
     FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh): each rank trains on
     its own sequences, holds 1/N of the decoder layers' weights, gradients and optimizer state, and a step's
-    update is one process's update of all ranks' batches together (tests/test_fsdp.py checks it against
-    transformers).
+    update is one process's update of all ranks' batches together (tests/test_fsdp.py, and
+    tests/test_model_parallel_2d.py with tensor parallelism, check it against transformers).
 
     The strategy shards an unchanged module itself (each decoder layer, see ``shard_decoder_layers``); a
     ``configure_model`` that already applied ``fully_shard`` is respected, as long as the embeddings, final
@@ -135,7 +145,8 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
     gradients, sharded and whole (``clip_grad_norm``).
 
-    data_parallel_size: "auto" (default): every process of the run; an int must be that number.
+    data_parallel_size: "auto" (default): the run's processes divided by tensor_parallel_size; an int must be
+        that number.
     sharding:
         "zero2" (default): the layers' weights are gathered in stage 1's first chunk and kept until stage 2's
             last (``reshard_after_forward=False``, and no reshard after backward until then); each chunk's
@@ -150,19 +161,21 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         torch's ColwiseParallel for q/k/v and gate/up, RowwiseParallel for o and down): each rank computes
         attention for H_kv/T KV heads (and their query heads) and holds their K/V pages only, 1/T of the layers'
         weights, gradients and optimizer state; the embeddings, norms and output layer stay whole. The T ranks of
-        a group run the same batch (Lightning's ``distributed_sampler_kwargs`` give the data-parallel rank). T
-        must divide num_key_value_heads, num_attention_heads and intermediate_size (refused otherwise, so T is
-        at most the number of KV heads); not built, so refused: LoRA (peft) models, and data_parallel_size > 1
-        together with T > 1 (FSDP over tensor-parallel layers), and a ``configure_model`` that applied
-        ``fully_shard`` with T > 1. ``sharding`` does not apply (nothing is sharded by FSDP). Gradient clipping
-        and checkpoints go through the same code as FSDP's DTensors but are not tested under T > 1 yet.
+        a group run the same batch (Lightning's ``distributed_sampler_kwargs`` give the data-parallel rank). With
+        data_parallel_size D > 1 as well (D*T processes, Lightning's 2-D mesh), FSDP2 then shards each rank's
+        part of the layers over the D data-parallel ranks, ``sharding`` meaning what it means above (of 1/T of
+        the layers); with D = 1 ``sharding`` does not apply. T must divide num_key_value_heads,
+        num_attention_heads and intermediate_size (refused otherwise, so T is at most the number of KV heads);
+        not built, so refused: LoRA (peft) models, and a ``configure_model`` that applied ``fully_shard`` with
+        T > 1 (the layers must be split before FSDP shards them).
     save_distributed_checkpoint: False only: checkpoints are gathered on rank 0 and written as one file through
         ``AtomicCheckpointIO`` (atomic, in the background). Lightning's sharded checkpoint folders bypass the
         checkpoint IO and are rewritten in place, so a kill during a save would leave a torn one: not built.
 
     Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
     so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
-    the concatenated batch. Batches must have one shape on all ranks; the host memory budget is divided
+    the concatenated batch (each rank of a tensor-parallel group counts the group's batch: the mean over all
+    ranks is that over the data-parallel batches). Batches must have one shape on all ranks; the host memory budget is divided
     among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the script again for
     each rank); there is no spawn variant.
 
@@ -203,16 +216,18 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         return DataParallelRanks(self.root_device, self._step_gpu_bytes, kv_head_split=self._tensor_parallel_size)
 
     def _gathered_bytes(self) -> int:
-        """GPU bytes a step adds to the shards at rest, which the placement must leave free: the other ranks'
-        shards of the layers gathered (zero1, zero2: every layer for the whole step; zero3: the layer computing
-        and the one prefetched) and, under zero1, the whole float32 gradients summed until the last chunk."""
+        """GPU bytes a step adds to the shards at rest, which the placement must leave free: the other data-
+        parallel ranks' shards of the layers gathered (zero1, zero2: every layer for the whole step; zero3: the
+        layer computing and the one prefetched) and, under zero1, the unsharded float32 gradients summed until
+        the last chunk. Under tensor parallelism FSDP gathers and reduces this rank's tensor-parallel part only."""
         # The innermost FSDP modules (the layers): the decoder above them holds no sharded weight of its own.
         layers = [[p for p in m.parameters() if isinstance(p, DTensor)] for m in self._fsdp_modules
                   if not any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)]
-        per_layer = [sum((p.numel() - p.to_local().numel()) * p.element_size() for p in params) for params in layers]
+        per_layer = [sum((_gathered_numel(p) - p.to_local().numel()) * p.element_size() for p in params)
+                     for params in layers]
         gathered = sum(per_layer) if self.sharding != "zero3" else sum(sorted(per_layer)[-2:])
         if self.sharding == "zero1":
-            gathered += sum(4 * p.numel() for params in layers for p in params if p.requires_grad)
+            gathered += sum(4 * _gathered_numel(p) for params in layers for p in params if p.requires_grad)
         return gathered
 
     @override
@@ -220,10 +235,6 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         tensor = self._tensor_parallel_size
         if self._data_parallel_size == "auto":  # Lightning's "auto" is one rank per node (with TP inside a node)
             self._data_parallel_size = self.num_nodes * self.num_processes // tensor
-        if tensor > 1 and self._data_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor} with data_parallel_size={self._data_parallel_size}: "
-                             "FSDP over tensor-parallel layers is not built; run tensor_parallel_size equal to the "
-                             "number of processes, or tensor_parallel_size=1")
         super().setup_environment()
         self._share_host_budget(self.num_processes)
 
@@ -238,12 +249,15 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         lm = find_causal_lm(self.lightning_module)
         tensor = self._tensor_parallel_size
         check_tensor_parallel(lm, tensor, lora=any(hasattr(m, "peft_config") for m in self.model.modules()))
-        if tensor > 1 and any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            raise SetupError(f"tensor_parallel_size={tensor} with a configure_model that applied fully_shard: FSDP "
-                             "over tensor-parallel layers is not built; leave the model unsharded")
-        if tensor > 1:  # one data-parallel rank (refused otherwise in setup_environment): nothing to shard
+        user_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        if tensor > 1 and user_sharded:
+            raise SetupError(f"tensor_parallel_size={tensor} with a configure_model that applied fully_shard: the "
+                             "layers must be split over the tensor-parallel ranks before FSDP shards them; leave "
+                             "the model unsharded and the sharding to OOMBModelParallelStrategy")
+        if tensor > 1:  # torch's 2-D recipe: split over the tensor-parallel ranks, then FSDP shards each part
             parallelize_decoder_layers(lm, self.device_mesh["tensor_parallel"])
-        elif not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+        # Tensor parallel over one data-parallel rank: FSDP would shard nothing, so none.
+        if not user_sharded and (tensor == 1 or self.device_mesh["data_parallel"].size() > 1):
             shard_decoder_layers(lm, self.device_mesh["data_parallel"], reshard_after_forward=self.sharding == "zero3")
         self._check_root_unsharded(lm)
         self._fsdp_modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
@@ -301,7 +315,7 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=f"{cls.__name__}: FSDP2-sharded decoder "
-                                   "layers, data parallel, or tensor parallel over KV heads", override=True)
+                                   "layers, data parallel, tensor parallel over KV heads, or both", override=True)
 
 
 OOMBModelParallelStrategy.register_strategies(StrategyRegistry)
