@@ -45,6 +45,11 @@ FIRST_STEP_RUNTIME_BYTES = GIB // 2
 # predicted within 6.1% (tests/test_planner_calibration.py).
 LINEAR_EFFICIENCY = 0.70
 ATTENTION_EFFICIENCY = 0.60
+# Dense attention over packed documents runs the portable Triton kernels on Hopper too (the warp-specialised
+# Gluon kernels for the past know no documents): fitted to one H200 step, 1M tokens of 32K-token documents,
+# LoRA, layer checkpointing (206.3 s; docs/benchmarks.md, "Packed documents"). Sparse attention over packed
+# documents stayed within 2% of the plan at ATTENTION_EFFICIENCY.
+DENSE_DOCUMENTS_ATTENTION_EFFICIENCY = 0.38
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
 # additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
@@ -225,6 +230,7 @@ class StepTime:
     recompute_flops: float
     matmul_tflops: float
     recompute_attention_flops: float = 0.0
+    attention_efficiency: float = ATTENTION_EFFICIENCY  # DENSE_DOCUMENTS_ATTENTION_EFFICIENCY for packed dense
     stage_1_flops: float = 0.0  # of the total: stage 1's forward of every chunk
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
@@ -243,11 +249,11 @@ class StepTime:
 
     @property
     def compute_s(self) -> float:
-        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak."""
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ``attention_efficiency`` of the peak."""
         attention = self.attention_flops + self.recompute_attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
-        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * ATTENTION_EFFICIENCY)
+        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * self.attention_efficiency)
 
     @property
     def predicted_s(self) -> float:
@@ -513,7 +519,10 @@ def step_time(
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
-    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention, stage_1_flops=stage_1)
+    packed = document_length is not None and document_length < context
+    efficiency = DENSE_DOCUMENTS_ATTENTION_EFFICIENCY if packed and not sparse else ATTENTION_EFFICIENCY
+    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention, attention_efficiency=efficiency,
+                    stage_1_flops=stage_1)
 
 
 def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
@@ -773,8 +782,9 @@ class Plan:
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g})",
             f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
-            f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
-            "of the peak"
+            f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {t.attention_efficiency:.0%} "
+            "of the peak" + (" (packed documents run the portable Triton kernels)"
+                             if t.attention_efficiency != ATTENTION_EFFICIENCY else "")
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {_duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
