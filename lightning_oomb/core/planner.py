@@ -470,28 +470,28 @@ def tensor_parallel_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Co
     each module sums its own), the same size in the dtype of their input, the normed residual stream. A layer
     runs forward in stage 1 (not the last layer where stage 1 ends at its K/V store), in stage 2 (not for a
     chunk whose graph stage 1 kept; kept attention outputs spare only the attention) and again in a layer
-    checkpoint's recompute. After stage 2 the whole weights' gradients (the root, norms, o's and down's
+    checkpoint's recompute, which ends when down_proj has saved its input (torch's non-reentrant checkpoint
+    stops there), before down_proj's all-reduce. After stage 2 the whole weights' gradients (the root, norms, o's and down's
     biases), equal on every rank, are all-reduced in float32 as oomb_ddp averages its gradients."""
     ring = 2 * (c.tensor_parallel - 1) / c.tensor_parallel  # of the buffer, per all-reduce
     p = PROFILES[c.precision]
     layers = shape.n_layers
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
-    forwards = forward_tokens = 0  # layer forwards, and their tokens summed
+    forwards = forward_tokens = 0  # all-reduces of o_proj's and down_proj's outputs, and their tokens summed
     for index, start in enumerate(range(0, c.context, c.chunk_size)):
         graph = index >= c.n_chunks - graphs
-        passes = layers - (not graph and not c.stage_1_loss)  # stage 1
-        passes += (0 if graph else layers) + (layers if c.checkpoint_layers else 0)  # stage 2, the recompute
-        forwards += passes
-        forward_tokens += passes * c.batch * min(c.chunk_size, c.context - start)
-    backwards, backward_tokens = layers * c.n_chunks, layers * c.batch * c.context
+        passes = layers - (not graph and not c.stage_1_loss) + (0 if graph else layers)  # stage 1, stage 2
+        calls = TP_ROWWISE * passes + (TP_ROWWISE - 1) * layers * c.checkpoint_layers  # and the recompute
+        forwards += calls
+        forward_tokens += calls * c.batch * min(c.chunk_size, c.context - start)
+    backwards, backward_tokens = TP_COLWISE * layers * c.n_chunks, TP_COLWISE * layers * c.batch * c.context
     replicated = shape.n_layers * shape.layer_replicated_params + shape.root_params
     return [
         Collective("all-reduce", f"o_proj's and down_proj's outputs ({_bytes_name(p.linear)}), every layer forward",
-                   TP_ROWWISE * forwards, ring * forward_tokens * shape.hidden * p.linear / forwards,
-                   activations=True),
+                   forwards, ring * forward_tokens * shape.hidden * p.linear / forwards, activations=True),
         Collective("all-reduce", f"the input gradients of q/k/v_proj and gate/up_proj ({_bytes_name(p.residual)}), "
-                   "every layer backward", TP_COLWISE * backwards,
-                   ring * backward_tokens * shape.hidden * p.residual / backwards, activations=True),
+                   "every layer backward", backwards, ring * backward_tokens * shape.hidden * p.residual / backwards,
+                   activations=True),
         Collective("all-reduce", "the whole weights' gradients (float32)", 1, ring * 4 * replicated),
     ]
 
