@@ -661,11 +661,12 @@ class PlanConfig:
             raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.tensor_parallel > 1 and self.lora_rank:
             raise ValueError(f"tensor_parallel={self.tensor_parallel} with LoRA (lora_rank={self.lora_rank}) is not "
-                             "built (oomb_model_parallel refuses it); plan full training, or tensor_parallel=1")
+                             "built (oomb_model_parallel refuses it); plan full training (lora_rank=0), or tensor_parallel=1 "
+                             "(--tensor-parallel 1)")
         if self.tensor_parallel > 1 and (self.devices > 1 or self.sharding != "none"):
             raise ValueError(f"tensor_parallel={self.tensor_parallel} with devices={self.devices}, sharding="
                              f"{self.sharding!r}: data parallel over tensor-parallel groups (2-D) is not built; plan "
-                             "one tensor-parallel group (devices=1, sharding 'none'), or tensor_parallel=1")
+                             "one tensor-parallel group (devices=1, sharding 'none'), or tensor_parallel=1 (--tensor-parallel 1)")
         if self.sharding != "none" and self.devices == 1:
             raise ValueError(f"sharding={self.sharding!r} shards the decoder layers over data-parallel ranks, and "
                              "there is one device: give devices >= 2 (--devices N), or sharding 'none'")
