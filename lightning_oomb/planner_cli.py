@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sharding", choices=SHARDINGS, default="none",
                         help="with --devices N: none plans an oomb_ddp rank (every weight whole); zero1, zero2, zero3 "
                         "an oomb_model_parallel rank with that sharding of the decoder layers (default none)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="GPUs of one machine that split each decoder layer by KV heads (oomb_model_parallel's "
+                        "tensor_parallel_size), all on the same batch: memory per GPU, the host budget divided "
+                        "among them, their all-reduces in the step time; T must divide the model's KV heads, "
+                        "attention heads and MLP width (default 1)")
     parser.add_argument("--matmul-tflops", type=float, default=DEFAULT_MATMUL_TFLOPS,
                         help=f"dense bf16 matmul peak of the GPU in TFLOP/s (default {DEFAULT_MATMUL_TFLOPS:g}, H200)")
     return parser
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
         grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
         matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
-        document_length=args.document_length, sharding=args.sharding,
+        document_length=args.document_length, sharding=args.sharding, tensor_parallel=args.tensor_parallel,
     )
     try:
         if args.max_context:
@@ -128,10 +133,9 @@ def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
     """The longest context of each common case, one row each, next to the machine's physical limit."""
     rank, budget = args.lora or 16, args.sparse_budget or 64
     per = "" if args.selection == "tile" else ", one selection per chunk"
-    cases = [
-        (f"full training, {args.optimizer}", dict(optimizer=args.optimizer)),
-        (f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")),
-    ]
+    cases = [(f"full training, {args.optimizer}", dict(optimizer=args.optimizer))]
+    if args.tensor_parallel == 1 or args.lora:  # LoRA under tensor parallel is not built: refused when asked
+        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")))
     rows = []
     for name, options in cases:
         for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):
@@ -153,7 +157,8 @@ def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
         "of as many layers there as they need, gathering each chunk's selected pages.", width=110)
     return "\n".join([
         f"Longest context per step of {model} ({machine}; offload {args.offload}, chunk {args.chunk:,}, "
-        f"{args.precision}, KV-gradients {args.grad_dtype}, batch {args.batch}):", "",
+        f"{args.precision}, KV-gradients {args.grad_dtype}, batch {args.batch}"
+        + (f"; per GPU of {args.tensor_parallel} tensor-parallel ranks" if args.tensor_parallel > 1 else "") + "):", "",
         line(head), *(line(r) for r in rows), "", note,
     ])
 

@@ -11,12 +11,14 @@ import peft
 import pytest
 import torch
 from tiny_models import tiny_model
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
 from lightning_oomb.core.planner import PlanError, activation_bytes, plan, step_time
+from lightning_oomb.core.ranks import Ranks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.core.units import parse_bytes, parse_tokens
 from lightning_oomb.integrations.transformers import bind
@@ -67,20 +69,27 @@ def test_shape_from_config_dir_model_and_peft(tmp_path):
 # -- activations -----------------------------------------------------------------------------------------
 
 
-def saved_bytes_of_one_chunk(model, chunk: int, precision: str, fused_ops: bool = False) -> int:
+def saved_bytes_of_one_chunk(model, chunk: int, precision: str, fused_ops: bool = False, ranks: Ranks = Ranks()) -> int:
     """Bytes of the tensors stage 2 saves for backward in the last chunk's forward (parameters excluded),
     deduplicated by storage (each storage counted at the largest tensor seen on it). fused_ops: with the
-    fused Triton RMSNorm/RoPE/SwiGLU (in Triton's interpreter on CPU) around the reference attention."""
+    fused Triton RMSNorm/RoPE/SwiGLU (in Triton's interpreter on CPU) around the reference attention.
+    ranks: those of a tensor-parallel model (its DTensors counted by their local part)."""
     model = model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
     ids = torch.randint(0, 100, (1, 2 * chunk), generator=torch.Generator().manual_seed(0))
-    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=chunk, page_size=16, attention="reference"))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=chunk, page_size=16, attention="reference"),
+                          ranks=ranks)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a hook
+
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
+        part = local(t)
+        ptr = part.untyped_storage().data_ptr()
         if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.numel() * t.element_size())
+            seen[ptr] = max(seen.get(ptr, 0), part.numel() * part.element_size())
         return t
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
@@ -633,3 +642,130 @@ def test_cli_plans_a_sharded_rank_and_suggests_sharding(capsys):
                      "--host-memory", "500GiB", "--devices", "4", "--checkpoint-layers", "off", "--offload", "gpu"])
     out = capsys.readouterr().out
     assert code == 1 and "(--sharding zero2): GPU" in out
+
+
+# -- tensor parallel (oomb_model_parallel split by KV heads) -----------------------------------------------
+
+# One of 2 tensor-parallel ranks of Qwen2.5-7B's decoder layer by hand: half of each matrix and of the q/k/v
+# biases, both norms whole.
+QWEN_LAYER_TP2 = (2 * 3584 * 3584 + 2 * 3584 * 512 + 3 * 3584 * 18944) // 2 + (3584 + 2 * 512) // 2 + 2 * 3584
+
+
+def test_tensor_parallel_plan_is_one_rank():
+    """plan(tensor_parallel=2), bf16-true AdamW, 128K, per GPU: the K/V and KV-gradient pages half the one-GPU
+    step's; the decoder layers' weights, gradients and AdamW state those of half of each layer, norms whole;
+    the root whole, with the float32 bucket the strategy averages the whole weights' gradients through; the
+    activations' attention and MLP parts halved, the hidden-size parts whole (by hand); the host budget
+    halved. Every other line is the one-GPU step's."""
+    from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
+    from lightning_oomb.core.units import GIB
+
+    kwargs = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=500 * GIB, checkpoint_layers=False)
+    one = plan("qwen2.5-7b", 131072, **kwargs)
+    rank = plan("qwen2.5-7b", 131072, tensor_parallel=2, **kwargs)
+    for prefix in ("K/V pages", "KV-gradient pages"):
+        assert 2 * _line(rank, prefix) == _line(one, prefix)
+    bf16 = 2
+    want = {
+        "weights: root": bf16 * QWEN_ROOT,
+        "weights: decoder layers": bf16 * 28 * QWEN_LAYER_TP2,
+        "gradients: root": bf16 * QWEN_ROOT,
+        "gradients: decoder layers": bf16 * 28 * QWEN_LAYER_TP2,
+        "optimizer state: root": 2 * bf16 * QWEN_ROOT,
+        "optimizer state: decoder layers": 2 * bf16 * 28 * QWEN_LAYER_TP2,
+        "gradient all-reduce bucket": GRADIENT_BUCKET_BYTES,
+    }
+    assert {prefix: _line(rank, prefix) for prefix in want} == want
+    # Saved per token and layer (fused ops): the norms' inputs and rstd, 2(2h + 4); 14 query and 2 KV heads' q,
+    # k, v, output, lse and o_proj's input; gate, up and down_proj's input, which a DTensor shard saves (1/2 of
+    # I = 18944 each); the norms' outputs 2·2h. Per token once: ids, RoPE cos/sin, the final norm.
+    attention = 2 * (1792 + 256) + 2 * 256 + 2 * 1792 + 4 * 14 + 2 * 1792
+    layer = 2 * (2 * 3584 + 4) + attention + 3 * 2 * 9472 + 2 * 2 * 3584
+    assert _line(rank, "activations") == 4096 * (28 * layer + 8 + 2 * 128 * 2 + 2 * 3584 + 4)
+    assert _line(rank, "backward working set") == 4096 * layer
+    changed = ("weights", "gradients", "optimizer state", "gradient all-reduce", "activations", "backward",
+               "K/V pages", "KV-gradient pages")
+    assert {k: v for k, v in one.gpu_lines.items() if not k.startswith(changed)} == {
+        k: v for k, v in rank.gpu_lines.items() if not k.startswith(changed)}
+    assert rank.host_memory == 250 * GIB and rank.shape.n_kv_heads == 2
+
+
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_tensor_parallel_collectives_by_hand(checkpoint_layers):
+    """4 ranks, Qwen2.5-7B, 10,000 tokens in chunks of 4096 (the last of 1808), its graph kept. Without layer
+    checkpointing stage 1 runs 27 layers of the first two chunks (it ends at the last layer's K/V store) and 28
+    of the last, stage 2 28 of the first two: 2 x 55 all-reduces of o_proj's and down_proj's outputs for each of
+    those, 2 x 28 for the last. With it no graph is kept: stage 1 27 layers of each chunk, stage 2 28, the
+    recompute 28, of which only o_proj's all-reduces (it stops once down_proj saved its input). The backward
+    all-reduces the input gradients of q, k, v, gate and up in every layer and chunk; the whole weights'
+    gradients (the root and both norms of each layer) once, in float32. A ring all-reduce over 4 ranks moves
+    1.5 x its buffer, (chunk tokens x 3584) in bf16."""
+    from lightning_oomb.core.planner import COLLECTIVE_GBPS, tensor_parallel_collectives
+    from lightning_oomb.core.units import GIB
+
+    rank = plan("qwen2.5-7b", 10000, chunk_size=4096, tensor_parallel=4, checkpoint_layers=checkpoint_layers,
+                graph_chunks=1, gpu_memory=140 * GIB, host_memory=500 * GIB)
+    forward, backward, gradients = tensor_parallel_collectives(rank.shape, rank.config)
+    if checkpoint_layers:
+        calls, tokens = 3 * (2 * 55 + 28), (2 * 55 + 28) * 10000
+    else:
+        calls, tokens = 2 * 2 * 55 + 2 * 28, 2 * 55 * 2 * 4096 + 2 * 28 * 1808
+    assert forward.calls == calls and forward.calls * forward.bus_bytes == pytest.approx(1.5 * tokens * 3584 * 2)
+    assert backward.calls == 5 * 28 * 3
+    assert backward.calls * backward.bus_bytes == pytest.approx(1.5 * 5 * 28 * 10000 * 3584 * 2)
+    assert (gradients.calls, gradients.bus_bytes) == (1, 1.5 * 4 * (QWEN_ROOT + 28 * 2 * 3584))
+    t = rank.time
+    assert t.tensor_parallel_s == pytest.approx((forward.calls * forward.bus_bytes + backward.calls * backward.bus_bytes)
+                                                / (COLLECTIVE_GBPS * 1e9))
+    assert t.all_reduce_s == pytest.approx(gradients.bus_bytes / (COLLECTIVE_GBPS * 1e9)) and t.sharding_s == 0
+    assert t.predicted_s == pytest.approx(t.compute_s + t.tensor_parallel_s + t.all_reduce_s)
+
+
+def test_tensor_parallel_refusals(capsys):
+    """What the strategy refuses, before any work, each naming its way out: T not dividing the KV heads (so
+    none beyond them), attention heads or MLP width; LoRA; data-parallel ranks (2-D not built)."""
+    wide = dataclasses.replace(ModelShape.from_name("qwen2.5-7b"), intermediate=18945)
+    for model, kwargs, message in (
+        ("qwen2.5-7b", dict(tensor_parallel=3), "tensor_parallel=3 does not divide num_key_value_heads=4 of "
+                                                "qwen2.5-7b; use a divisor of num_key_value_heads=4"),
+        ("qwen2.5-7b", dict(tensor_parallel=8), "tensor_parallel=8 does not divide num_key_value_heads=4"),
+        (wide, dict(tensor_parallel=2), "tensor_parallel=2 does not divide intermediate_size=18945"),
+        ("qwen2.5-7b", dict(tensor_parallel=2, lora_rank=16), "with LoRA (lora_rank=16) is not built"),
+        ("qwen2.5-7b", dict(tensor_parallel=2, devices=2), "data parallel over tensor-parallel groups (2-D) is not "
+                                                           "built; plan one tensor-parallel group"),
+        ("qwen2.5-7b", dict(tensor_parallel=2, devices=2, sharding="zero3"), "(2-D) is not built"),
+        ("qwen2.5-7b", dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError) as error:
+            plan(model, 4096, **kwargs, **H200)
+        assert message in str(error.value) and "\n" not in str(error.value)
+    for args, message in ((["--tensor-parallel", "3"], "does not divide num_key_value_heads=4"),
+                          (["--tensor-parallel", "2", "--lora", "16"], "(--tensor-parallel 1)"),
+                          (["--tensor-parallel", "2", "--devices", "2"], "(2-D) is not built"),
+                          (["--tensor-parallel", "2", "--lora", "8", "--max-context"], "with LoRA")):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["plan", "--model", "qwen2.5-7b", *(["--context", "4K"] if "--max-context" not in args else []),
+                      "--gpu-memory", "140GiB", *args])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and last.startswith("lightning-oomb plan: error: ") and message in last
+
+
+def test_cli_plans_a_tensor_parallel_rank(capsys):
+    args = ["plan", "--model", "qwen2.5-7b", "--gpu-memory", "140GiB", "--host-memory", "112GiB", "--grad-dtype",
+            "bfloat16", "--tensor-parallel", "2"]
+    assert cli_main([*args, "--context", "1M", "--sparse-budget", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "; 2 tensor-parallel ranks (oomb_model_parallel, split by KV heads), memory per GPU" in out
+    assert "weights: decoder layers, 1/2 by KV heads (bf16, 3.26B params)" in out
+    assert "host 60.13 GB (56.00 GiB)" in out  # each of the 2 processes' share of the budget
+    kv = next(line for line in out.splitlines() if line.strip().startswith("K/V pages"))
+    assert kv.split()[-1] == "28.00"  # 2 of the 4 KV heads
+    assert "for the decoder layers' tensor-parallel all-reduces" in out
+    assert "all-reduce of o_proj's and down_proj's outputs (bf16), every layer forward: " in out
+    assert "all-reduce of the input gradients of q/k/v_proj and gate/up_proj (bf16), every layer backward: 35840 x" in out
+    # --max-context plans the same rank; LoRA is left out (not built under tensor parallel)
+    assert cli_main([*args, "--max-context"]) == 0
+    out = capsys.readouterr().out
+    assert "per GPU of 2 tensor-parallel ranks" in out and "host budget 56.00 GiB" in out
+    rows = [line for line in out.splitlines() if line.startswith(("full training", "LoRA"))]
+    assert [row.split(",")[0] for row in rows] == ["full training"] * 2

@@ -3,6 +3,7 @@ config.json or a model directory (no weights read), and what each training preci
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class ModelShape:
     """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families).
 
     Biases and QK-norm only change ``total_params``; ``matmul_params`` counts weight matrices.
+    ``tensor_parallel``: the ranks each decoder layer is split over (``tensor_parallel_part``), whose head counts
+    and MLP width are then one rank's.
     """
 
     n_layers: int
@@ -73,6 +76,7 @@ class ModelShape:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    tensor_parallel: int = 1
 
     # -- constructors -----------------------------------------------------------------------------------
     @classmethod
@@ -134,6 +138,24 @@ class ModelShape:
             return cls.from_config(model)
         raise TypeError(f"cannot read a model shape from {type(model).__name__}")
 
+    def tensor_parallel_part(self, size: int) -> "ModelShape":
+        """What one of ``size`` tensor-parallel ranks holds and computes (OOMBModelParallelStrategy's
+        ``tensor_parallel_size``): each decoder layer split by KV heads, so the query and KV heads, with their
+        q/k/v rows and biases and o's columns, and the MLP's hidden units, with gate/up's rows and biases and
+        down's columns, are 1/size; the hidden size, the norms, o's and down's biases (added after the sum over
+        the ranks), the embeddings and the output layer are whole. ValueError, naming the fix, when ``size``
+        does not divide the KV heads, attention heads or MLP width (as the strategy refuses them)."""
+        if size == 1:
+            return self
+        for name, count in (("num_key_value_heads", self.n_kv_heads), ("num_attention_heads", self.n_heads),
+                            ("intermediate_size", self.intermediate)):
+            if count % size:
+                raise ValueError(f"tensor_parallel={size} does not divide {name}={count} of {self.name}; use a "
+                                 f"divisor of num_key_value_heads={self.n_kv_heads} (each rank computes whole KV "
+                                 "heads)")
+        return dataclasses.replace(self, n_heads=self.n_heads // size, n_kv_heads=self.n_kv_heads // size,
+                                   intermediate=self.intermediate // size, tensor_parallel=size)
+
     # -- sizes ------------------------------------------------------------------------------------------
     @property
     def q_width(self) -> int:
@@ -168,10 +190,20 @@ class ModelShape:
         return n
 
     @property
+    def layer_norm_params(self) -> int:
+        """RMSNorm weights of one decoder layer: before attention, before the MLP, and Qwen3's q and k norms."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def layer_replicated_params(self) -> int:
+        """Parameters of one decoder layer that tensor parallelism keeps whole on every rank: the norms and the
+        biases of o and down."""
+        return self.layer_norm_params + (self.hidden if self.o_bias else 0) + (self.hidden if self.mlp_bias else 0)
+
+    @property
     def layer_params(self) -> int:
         """All parameters of one decoder layer: matrices, biases, norms (what FSDP2 shards per layer)."""
-        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
-        return self.layer_matmul_params + self.layer_bias_params + norms
+        return self.layer_matmul_params + self.layer_bias_params + self.layer_norm_params
 
     @property
     def root_params(self) -> int:

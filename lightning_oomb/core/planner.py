@@ -68,6 +68,10 @@ HOST_GATHER_GBPS = 48.0
 # with a measured step. Every collective is counted as not overlapping the compute: an upper bound, since
 # FSDP2 runs its gathers and reduce-scatters on streams of their own.
 COLLECTIVE_GBPS = 350.0
+# Tensor parallel: the linear modules of a decoder layer that oomb_model_parallel's TENSOR_PARALLEL_PLAN makes
+# RowwiseParallel (o_proj, down_proj: an all-reduce of the output in every forward) and ColwiseParallel (q, k, v,
+# gate, up: each an all-reduce of its input's gradient in every backward).
+TP_ROWWISE, TP_COLWISE = 2, 5
 # zero3: decoder layers gathered at once: the one computing and the one FSDP2 prefetches (the next in forward,
 # the previous in backward).
 ZERO3_GATHERED_LAYERS = 2
@@ -142,14 +146,19 @@ def layer_activation_bytes(
     fused_ops (the Triton steps, lightning_oomb.kernels): each RMSNorm saves its input (in its own dtype)
     and one fp32 rstd per row instead of the fp32 copy and the normalised input; SwiGLU saves gate and up,
     not silu(gate) (one I less), and without autocast the trained down projection recomputes its input,
-    the product (kernels.linear.swiglu_linear: another I less).
+    the product (kernels.linear.swiglu_linear: another I less), except on tensor-parallel ranks, whose down
+    projection is a DTensor shard that swiglu_linear does not take.
+
+    A tensor-parallel rank's ``shape`` (``ModelShape.tensor_parallel_part``) has its own heads and MLP width:
+    the attention and MLP terms are its part, the hidden-size terms whole.
     """
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     lora = lora_rank > 0
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
     if fused_ops:
-        mlp = 2 if lora or not p.autocast_weight_copies else 3  # gate, up (and down_proj's input under autocast)
+        down_input = p.autocast_weight_copies or shape.tensor_parallel > 1  # saved, not recomputed
+        mlp = 2 if lora or not down_input else 3  # gate, up (and down_proj's input)
         per_token = 2 * (p.residual * h + 4) + attention + mlp * p.linear * i
         if lora:
             per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
@@ -237,6 +246,7 @@ class StepTime:
     host_gather_bytes: float = 0.0  # ... and the bytes those gathers move (host_gather_bytes)
     all_reduce_s: float = 0.0  # data parallel: averaging the whole gradients after stage 2 (step_collectives)
     sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
+    tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
 
     @property
     def total_flops(self) -> float:
@@ -260,7 +270,8 @@ class StepTime:
         """``compute_s`` plus the host gradient layers' additions, the host K/V gathers and the collectives that
         do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
         other machines."""
-        return self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
+        return (self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
+                + self.tensor_parallel_s)
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -400,13 +411,16 @@ def host_gather_seconds(shape: "ModelShape", c: "PlanConfig", stage_2_compute_s:
 @dataclass(frozen=True)
 class Collective:
     """One collective a step issues on every rank, ``calls`` times per step, each moving ``bus_bytes`` over a
-    rank's link: a ring reduce-scatter or all-gather of a B-byte buffer (N - 1) / N x B, an all-reduce twice that.
-    ``kind``: "all-reduce", "all-gather" or "reduce-scatter"; ``seconds``: all calls at ``COLLECTIVE_GBPS``."""
+    rank's link (the mean of the calls where a shorter last chunk moves less): a ring reduce-scatter or
+    all-gather of a B-byte buffer (N - 1) / N x B, an all-reduce twice that. ``kind``: "all-reduce",
+    "all-gather" or "reduce-scatter"; ``activations``: it sums a tensor-parallel layer's activations or their
+    gradients (else weights or their gradients); ``seconds``: all calls at ``COLLECTIVE_GBPS``."""
 
     kind: str
     what: str
     calls: int
     bus_bytes: float
+    activations: bool = False
 
     @property
     def seconds(self) -> float:
@@ -427,8 +441,10 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
     layers' weights all-gathered (zero1 and zero2: once per step, in stage 1's first chunk; zero3: for every
     chunk's forward in both stages, less the stage-2 forwards that kept graphs skip, and again for its
     backward), their gradients reduce-scattered in float32 (zero2 and zero3: after every chunk's backward;
-    zero1: once, after the last), and the root's gradients all-reduced in float32 after stage 2. None on one
-    device."""
+    zero1: once, after the last), and the root's gradients all-reduced in float32 after stage 2. Tensor
+    parallel: ``tensor_parallel_collectives``. None on one device."""
+    if c.tensor_parallel > 1:
+        return tensor_parallel_collectives(shape, c)
     n = c.devices
     if n == 1:
         return []
@@ -442,7 +458,7 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
     gathers = 3 * c.n_chunks - graphs if c.sharding == "zero3" else 1
     found = [
-        Collective("all-gather", f"the decoder layers' weights ({'bf16' if param == 2 else 'fp32'})", gathers,
+        Collective("all-gather", f"the decoder layers' weights ({_bytes_name(param)})", gathers,
                    share * weights * param),
         Collective("reduce-scatter", "the decoder layers' gradients (float32)",
                    1 if c.sharding == "zero1" else c.n_chunks, share * layer_trainable * 4),
@@ -450,6 +466,40 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
     if root_trainable:
         found.append(Collective("all-reduce", "the root's gradients (float32)", 1, 2 * (n - 1) / n * 4 * root_trainable))
     return found
+
+
+def tensor_parallel_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
+    """The all-reduces one step of ``c`` issues on each of its ``c.tensor_parallel`` ranks (``shape``: one rank's
+    part), as torch's tensor parallelism runs the decoder layers: in every forward of a layer, o_proj's and
+    down_proj's outputs (RowwiseParallel: each rank's partial sums), (batch x chunk tokens x hidden) in the
+    linear dtype; in every backward, the gradients of q/k/v_proj's and gate/up_proj's inputs (ColwiseParallel:
+    each module sums its own), the same size in the dtype of their input, the normed residual stream. A layer
+    runs forward in stage 1 (not the last layer where stage 1 ends at its K/V store), in stage 2 (not for a
+    chunk whose graph stage 1 kept; kept attention outputs spare only the attention) and again in a layer
+    checkpoint's recompute, which ends when down_proj has saved its input (torch's non-reentrant checkpoint
+    stops there), before down_proj's all-reduce. After stage 2 the whole weights' gradients (the root, norms, o's and down's
+    biases), equal on every rank, are all-reduced in float32 as oomb_ddp averages its gradients."""
+    ring = 2 * (c.tensor_parallel - 1) / c.tensor_parallel  # of the buffer, per all-reduce
+    p = PROFILES[c.precision]
+    layers = shape.n_layers
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
+    forwards = forward_tokens = 0  # all-reduces of o_proj's and down_proj's outputs, and their tokens summed
+    for index, start in enumerate(range(0, c.context, c.chunk_size)):
+        graph = index >= c.n_chunks - graphs
+        passes = layers - (not graph and not c.stage_1_loss) + (0 if graph else layers)  # stage 1, stage 2
+        calls = TP_ROWWISE * passes + (TP_ROWWISE - 1) * layers * c.checkpoint_layers  # and the recompute
+        forwards += calls
+        forward_tokens += calls * c.batch * min(c.chunk_size, c.context - start)
+    backwards, backward_tokens = TP_COLWISE * layers * c.n_chunks, TP_COLWISE * layers * c.batch * c.context
+    replicated = shape.n_layers * shape.layer_replicated_params + shape.root_params
+    return [
+        Collective("all-reduce", f"o_proj's and down_proj's outputs ({_bytes_name(p.linear)}), every layer forward",
+                   forwards, ring * forward_tokens * shape.hidden * p.linear / forwards, activations=True),
+        Collective("all-reduce", f"the input gradients of q/k/v_proj and gate/up_proj ({_bytes_name(p.residual)}), "
+                   "every layer backward", backwards, ring * backward_tokens * shape.hidden * p.residual / backwards,
+                   activations=True),
+        Collective("all-reduce", "the whole weights' gradients (float32)", 1, ring * 4 * replicated),
+    ]
 
 
 def step_time(
@@ -571,6 +621,11 @@ class PlanConfig:
     document_length: packed documents of that many tokens (position ids restarting every document_length
     tokens): attention FLOPs within documents only (``step_time``); None: one document per sequence. Memory
     is the same either way.
+    tensor_parallel: ranks that split each decoder layer by KV heads (oomb_model_parallel's
+    tensor_parallel_size), all running this step's ``batch``: memory and FLOPs are one rank's (the shape the
+    plan gets is one rank's part, ``ModelShape.tensor_parallel_part``), the time includes their all-reduces
+    (``tensor_parallel_collectives``). Not with LoRA, nor with data-parallel ranks (refused, as the strategy
+    refuses them).
     """
 
     context: int
@@ -598,9 +653,10 @@ class PlanConfig:
     host_kv_layers: int = 0
     document_length: int | None = None
     sharding: Sharding = "none"
+    tensor_parallel: int = 1
 
     def __post_init__(self):
-        for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices"):
+        for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices", "tensor_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -612,6 +668,14 @@ class PlanConfig:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         if self.sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.tensor_parallel > 1 and self.lora_rank:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} with LoRA (lora_rank={self.lora_rank}) is not "
+                             "built (oomb_model_parallel refuses it); plan full training (lora_rank=0), or tensor_parallel=1 "
+                             "(--tensor-parallel 1)")
+        if self.tensor_parallel > 1 and (self.devices > 1 or self.sharding != "none"):
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} with devices={self.devices}, sharding="
+                             f"{self.sharding!r}: data parallel over tensor-parallel groups (2-D) is not built; plan "
+                             "one tensor-parallel group (devices=1, sharding 'none'), or tensor_parallel=1 (--tensor-parallel 1)")
         if self.sharding != "none" and self.devices == 1:
             raise ValueError(f"sharding={self.sharding!r} shards the decoder layers over data-parallel ranks, and "
                              "there is one device: give devices >= 2 (--devices N), or sharding 'none'")
@@ -691,7 +755,8 @@ class Suggestion:
 
 @dataclass
 class Plan:
-    """Memory (bytes, per named line) and time of one step of ``config`` for ``shape`` on a machine."""
+    """Memory (bytes, per named line) and time of one step of ``config`` for ``shape`` (the model, or with
+    ``config.tensor_parallel`` > 1 one rank's part of it) on a machine."""
 
     shape: ModelShape
     config: PlanConfig
@@ -751,6 +816,8 @@ class Plan:
         elif c.devices > 1:
             head += (f"; {c.devices} data-parallel ranks (oomb_model_parallel, sharding {c.sharding}: "
                      f"{SHARDING_SUMMARY[c.sharding]}), memory per GPU")
+        if c.tensor_parallel > 1:
+            head += f"; {c.tensor_parallel} tensor-parallel ranks (oomb_model_parallel, split by KV heads), memory per GPU"
         if c.document_length is not None and c.document_length < c.context:
             head += f"; packed from documents of {c.document_length:,} tokens"
         if c.offload:
@@ -789,10 +856,10 @@ class Plan:
             + (f", plus {_duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
                if t.host_gather_bytes else "")
-            + _collectives_time(t, c.sharding)
+            + _collectives_time(t, c)
             + ", calibrate with lightning-oomb bench)",
         ]
-        collectives = step_collectives(s, c) if c.sharding != "none" else []
+        collectives = step_collectives(s, c) if c.sharding != "none" or c.tensor_parallel > 1 else []
         if collectives:
             rows.append(f"Collectives per step and rank (ring, {COLLECTIVE_GBPS:g} GB/s bus bandwidth assumed, none "
                         "hidden behind the compute):")
@@ -831,9 +898,12 @@ class Plan:
         return "\n".join(rows)
 
 
-def _collectives_time(t: StepTime, sharding: str) -> str:
+def _collectives_time(t: StepTime, c: PlanConfig) -> str:
     """What the collectives add to the predicted step time, in the words of the plan's time line."""
-    if sharding == "none":
+    if c.tensor_parallel > 1:
+        return (f", plus {_duration(t.tensor_parallel_s)} for the decoder layers' tensor-parallel all-reduces and "
+                f"{_duration(t.all_reduce_s)} for the whole weights' gradient all-reduce at {COLLECTIVE_GBPS:g} GB/s")
+    if c.sharding == "none":
         return (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {COLLECTIVE_GBPS:g} GB/s"
                 if t.all_reduce_s else "")
     text = f", plus {_duration(t.sharding_s)} for the decoder layers' all-gathers and reduce-scatters"
@@ -848,6 +918,11 @@ def _gib(n: float) -> str:
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
+
+
+def _bytes_name(itemsize: int) -> str:
+    """The plan's name of a float of ``itemsize`` bytes (a DtypeProfile's entries)."""
+    return "bf16" if itemsize == 2 else "fp32"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -865,7 +940,7 @@ def _duration(seconds: float) -> str:
 def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict[str, int]]:
     """GPU and host memory of one step, by named line, in bytes."""
     p = PROFILES[c.precision]
-    param_dtype = "bf16" if p.param == 2 else "fp32"
+    param_dtype = _bytes_name(p.param)
     lora = shape.lora_params(c.lora_rank) if c.lora_rank else 0
     all_params = shape.total_params + lora
     trainable = lora if c.lora_rank else shape.total_params
@@ -878,7 +953,9 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
     # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
     state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
-    if c.sharding == "none":
+    if c.tensor_parallel > 1:
+        gpu = _tensor_parallel_lines(shape, c, state_copies)
+    elif c.sharding == "none":
         gpu: dict[str, int] = {
             f"weights ({param_dtype}, {human_count(all_params)} params)": all_params * p.param,
             f"gradients ({param_dtype}, {human_count(trainable)} trainable)": trainable * p.param,
@@ -1031,7 +1108,7 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[
     that start with "weights", "gradients" or "optimizer state" are what stays allocated between steps (what
     ``place_step`` measures rather than plans)."""
     p = PROFILES[c.precision]
-    dtype = "bf16" if p.param == 2 else "fp32"
+    dtype = _bytes_name(p.param)
     n = c.devices
     layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
     layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
@@ -1064,6 +1141,29 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[
     if root_trainable:
         gpu["gradient all-reduce bucket (float32, the root's)"] = min(GRADIENT_BUCKET_BYTES, 4 * root_trainable)
     return gpu
+
+
+def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[str, int]:
+    """Weights, gradients and optimizer state on one GPU of a tensor-parallel group, by named line, in bytes
+    (``shape``: one rank's part, ``ModelShape.tensor_parallel_part``): the decoder layers' 1/T split by KV heads
+    (their norms and o's and down's biases whole), the root (embeddings, final norm, output layer) whole. The
+    whole weights' gradients are averaged after stage 2 through oomb_ddp's float32 bucket."""
+    p = PROFILES[c.precision]
+    dtype = _bytes_name(p.param)
+    layers, root = shape.n_layers * shape.layer_params, shape.root_params
+    part = f"1/{c.tensor_parallel} by KV heads"
+    what = f"{c.optimizer}, {state_copies} x {dtype} per trainable"
+    replicated = shape.n_layers * shape.layer_replicated_params + root
+    return {
+        f"weights: root (embeddings, final norm, output layer; {dtype}, whole, {human_count(root)} params)":
+            root * p.param,
+        f"weights: decoder layers, {part} ({dtype}, {human_count(layers)} params)": layers * p.param,
+        f"gradients: root ({dtype}, whole)": root * p.param,
+        f"gradients: decoder layers, {part} ({dtype})": layers * p.param,
+        f"optimizer state: root ({what}, whole)": state_copies * root * p.param,
+        f"optimizer state: decoder layers, {part} ({what})": state_copies * layers * p.param,
+        "gradient all-reduce bucket (float32, the whole weights')": min(GRADIENT_BUCKET_BYTES, 4 * replicated),
+    }
 
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
@@ -1167,8 +1267,10 @@ def _estimate(
                                host_gather_s=host_gather_seconds(
                                    shape, config, time.compute_s * (1 - time.stage_1_flops / time.total_flops)),
                                host_gather_bytes=host_gather_bytes(shape, config),
-                               all_reduce_s=sum(x.seconds for x in collectives if x.kind == "all-reduce"),
-                               sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"))
+                               all_reduce_s=sum(x.seconds for x in collectives
+                                                if x.kind == "all-reduce" and not x.activations),
+                               sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"),
+                               tensor_parallel_s=sum(x.seconds for x in collectives if x.activations))
     return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)
 
 
@@ -1214,6 +1316,7 @@ def plan(
     host_kv_layers: int = 0,
     document_length: int | None = None,
     sharding: Sharding = "none",
+    tensor_parallel: int = 1,
 ) -> Plan:
     """Plan one training step of ``batch`` sequences of ``context`` tokens.
 
@@ -1242,6 +1345,10 @@ def plan(
     fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
     transformers' own ops (attention="reference").
     document_length: each sequence packed from documents of that many tokens (attention within them only).
+    tensor_parallel: T ranks of one machine splitting each decoder layer by KV heads (oomb_model_parallel's
+    tensor_parallel_size), all on the same ``batch``: the plan is one rank's, whose host memory budget is
+    ``host_memory`` divided among the T, and whose Plan.shape is its part of the model; T must divide the KV
+    heads, attention heads and MLP width; not with LoRA, devices > 1 or sharding (refused: not built).
     """
     shape = ModelShape.resolve(model)
     machine = ""
@@ -1276,8 +1383,11 @@ def plan(
         host_kv_layers=host_kv_layers,
         document_length=document_length,
         sharding=sharding,
+        tensor_parallel=tensor_parallel,
     )
-    host_memory //= base.devices  # each rank's share (OOMBDDPStrategy divides the budget alike)
+    shape = shape.tensor_parallel_part(base.tensor_parallel)
+    # each process's share: the strategies divide the budget among a machine's processes alike
+    host_memory //= base.devices * base.tensor_parallel
 
     def estimate(config: PlanConfig) -> Plan:
         return _estimate(shape, config, gpu_memory, host_memory, machine)
@@ -1459,7 +1569,7 @@ def _suggestions(result: Plan, estimate) -> list[Suggestion]:
             found.append(Suggestion("bf16 parameters and optimizer state",
                                     estimate(dataclasses.replace(c, precision="bf16-true")),
                                     "--precision bf16-true", "precision='bf16-true'"))
-        if c.lora_rank == 0:
+        if c.lora_rank == 0 and c.tensor_parallel == 1:  # LoRA under tensor parallel is not built
             found.append(Suggestion("LoRA rank 16 on q, k, v, o", estimate(dataclasses.replace(c, lora_rank=16)),
                                     "--lora 16", "lora_rank=16"))
         if c.grad_dtype != torch.bfloat16:
