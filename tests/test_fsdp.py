@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy
+from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy, PagedKVCallback
 from lightning_oomb.cli import export_hf
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
@@ -108,7 +108,9 @@ def _ranks(rank: int, port: int, out: str) -> None:
     # Tensor parallel over the 2 processes (one data-parallel rank): both run the same row in each step.
     trainer, module = _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
     export_hf(trainer, module, None, f"{out}/tp-export")
-    _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True})
+    # A pool sized at fit start (as for a data module with seq_len): this rank's KV heads only.
+    _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True},
+         callbacks=[PagedKVCallback(max_seq_len=TP_ITEMS[0]["input_ids"].shape[-1])])
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,9 @@ class Ranks:
 
     world_size = 1
     step_gpu_bytes = 0
-    kv_head_split = 1
+
+    def __init__(self, kv_head_split: int = 1):
+        self.kv_head_split = kv_head_split
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         """Refuse a step whose (batch, seq_len) or chunking differs between ranks."""
@@ -49,10 +51,10 @@ class DataParallelRanks(Ranks):
     parallel batches, and their identical gradients of the whole weights average to themselves."""
 
     def __init__(self, device: torch.device, step_gpu_bytes: int = 0, kv_head_split: int = 1):
+        super().__init__(kv_head_split)
         self.device = device
         self.world_size = dist.get_world_size()
         self.step_gpu_bytes = step_gpu_bytes
-        self.kv_head_split = kv_head_split
 
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         mine = torch.tensor([*shape, chunk_size, page_size], dtype=torch.int64, device=self.device)

@@ -12,6 +12,7 @@ from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool
 from ..core.placement import Placement, optimizer_state, place_step
+from ..core.ranks import Ranks
 from ..core.schedule import ChunkedSequence, new_pool, pool_bytes
 from ..integrations.transformers import find_causal_lm
 from ..kernels.page_table import StoreSpec
@@ -20,9 +21,10 @@ GIB = 2**30
 
 
 def probe_kv_dtype(
-    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype
+    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype, kv_head_split: int = 1
 ) -> StoreSpec:
-    """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec."""
+    """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec (of this rank's
+    1/kv_head_split of the KV heads under tensor parallelism)."""
     seen: list[StoreSpec] = []
 
     def record(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
@@ -32,7 +34,7 @@ def probe_kv_dtype(
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
         config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu")
-        ChunkedSequence(model, ids, config=config, pools=record).fill(with_grads=False)
+        ChunkedSequence(model, ids, config=config, pools=record, ranks=Ranks(kv_head_split)).fill(with_grads=False)
     return seen[0]
 
 
@@ -106,7 +108,8 @@ class PagedKVCallback(Callback):
             self.placement = place_step(model, *shape, config, self._device, stage_1_loss=True,
                                         optimizer=optimizer, pending_gpu_bytes=pending,
                                         agree=trainer.strategy.ranks.least)
-        spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype)
+        spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype,
+                              trainer.strategy.ranks.kv_head_split)
         pages = shape[0] * -(-shape[1] // self._page_size)
         started = time.perf_counter()
         self.pool = new_pool(spec, pages, self._page_size, self._device, True, self.placement)
