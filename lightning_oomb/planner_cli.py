@@ -155,10 +155,12 @@ def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
         "pinned pages, over the bytes a token stores (K, V and their gradients, all layers). Dense steps past "
         "the GPU stream every page from the host; sparse steps keep the KV-gradient pages, then the K/V pages, "
         "of as many layers there as they need, gathering each chunk's selected pages.", width=110)
+    ranks = ([f"{args.devices} data-parallel ranks (sharding {args.sharding})"] if args.devices > 1 else []) + (
+        [f"{args.tensor_parallel} tensor-parallel ranks"] if args.tensor_parallel > 1 else [])
     return "\n".join([
         f"Longest context per step of {model} ({machine}; offload {args.offload}, chunk {args.chunk:,}, "
         f"{args.precision}, KV-gradients {args.grad_dtype}, batch {args.batch}"
-        + (f"; per GPU of {args.tensor_parallel} tensor-parallel ranks" if args.tensor_parallel > 1 else "") + "):", "",
+        + (f"; per GPU of {' x '.join(ranks)}" if ranks else "") + "):", "",
         line(head), *(line(r) for r in rows), "", note,
     ])
 

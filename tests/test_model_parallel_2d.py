@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBModelParallelStrategy
 from lightning_oomb.cli import export_hf
+from lightning_oomb.core.model_shape import ModelShape
+from lightning_oomb.core.planner import plan
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
 from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, one_process_adamw
 from test_strategy import UserModule, weights
@@ -159,6 +161,12 @@ def test_placement_reserves_what_a_step_gathers(runs):
 
     assert runs("zero2", "gathered") == gathered("qwen2")
     assert runs("zero1", "gathered") == gathered("llama", zero1=True)
+    # The planner's rank (plan(devices=DP, tensor_parallel=TP)): its gathered layers less its shard at rest.
+    rank = plan(ModelShape.resolve(tiny_model("qwen2")), 32, chunk_size=CHUNK, page_size=PAGE, precision="32-true",
+                devices=DP, sharding="zero2", tensor_parallel=TP, gpu_memory=2**40, host_memory=2**40)
+    lines = rank.gpu_lines
+    shard = next(v for k, v in lines.items() if k.startswith("weights: decoder layers"))
+    assert next(v for k, v in lines.items() if k.startswith("gathered weights")) - shard == gathered("qwen2")
 
 
 def test_export_gathers_2d_sharded_weights_whole(runs):

@@ -700,12 +700,12 @@ def test_tensor_parallel_collectives_by_hand(checkpoint_layers):
     all-reduces the input gradients of q, k, v, gate and up in every layer and chunk; the whole weights'
     gradients (the root and both norms of each layer) once, in float32. A ring all-reduce over 4 ranks moves
     1.5 x its buffer, (chunk tokens x 3584) in bf16."""
-    from lightning_oomb.core.planner import COLLECTIVE_GBPS, tensor_parallel_collectives
+    from lightning_oomb.core.planner import COLLECTIVE_GBPS, step_collectives
     from lightning_oomb.core.units import GIB
 
     rank = plan("qwen2.5-7b", 10000, chunk_size=4096, tensor_parallel=4, checkpoint_layers=checkpoint_layers,
                 graph_chunks=1, gpu_memory=140 * GIB, host_memory=500 * GIB)
-    forward, backward, gradients = tensor_parallel_collectives(rank.shape, rank.config)
+    forward, backward, gradients = step_collectives(rank.shape, rank.config)
     if checkpoint_layers:
         calls, tokens = 3 * (2 * 55 + 28), (2 * 55 + 28) * 10000
     else:
@@ -723,7 +723,8 @@ def test_tensor_parallel_collectives_by_hand(checkpoint_layers):
 
 def test_tensor_parallel_refusals(capsys):
     """What the strategy refuses, before any work, each naming its way out: T not dividing the KV heads (so
-    none beyond them), attention heads or MLP width; LoRA; data-parallel ranks (2-D not built)."""
+    none beyond them), attention heads or MLP width; LoRA; data-parallel ranks without a sharding (oomb_ddp
+    has no tensor parallel)."""
     wide = dataclasses.replace(ModelShape.from_name("qwen2.5-7b"), intermediate=18945)
     for model, kwargs, message in (
         ("qwen2.5-7b", dict(tensor_parallel=3), "tensor_parallel=3 does not divide num_key_value_heads=4 of "
@@ -731,9 +732,8 @@ def test_tensor_parallel_refusals(capsys):
         ("qwen2.5-7b", dict(tensor_parallel=8), "tensor_parallel=8 does not divide num_key_value_heads=4"),
         (wide, dict(tensor_parallel=2), "tensor_parallel=2 does not divide intermediate_size=18945"),
         ("qwen2.5-7b", dict(tensor_parallel=2, lora_rank=16), "with LoRA (lora_rank=16) is not built"),
-        ("qwen2.5-7b", dict(tensor_parallel=2, devices=2), "data parallel over tensor-parallel groups (2-D) is not "
-                                                           "built; plan one tensor-parallel group"),
-        ("qwen2.5-7b", dict(tensor_parallel=2, devices=2, sharding="zero3"), "(2-D) is not built"),
+        ("qwen2.5-7b", dict(tensor_parallel=2, devices=2), "runs in oomb_model_parallel, which shards the split "
+                                                           "layers over them: give sharding 'zero1', 'zero2' or 'zero3'"),
         ("qwen2.5-7b", dict(tensor_parallel=0), "tensor_parallel must be an integer >= 1, got 0"),
     ):
         with pytest.raises(ValueError) as error:
@@ -741,7 +741,7 @@ def test_tensor_parallel_refusals(capsys):
         assert message in str(error.value) and "\n" not in str(error.value)
     for args, message in ((["--tensor-parallel", "3"], "does not divide num_key_value_heads=4"),
                           (["--tensor-parallel", "2", "--lora", "16"], "(--tensor-parallel 1)"),
-                          (["--tensor-parallel", "2", "--devices", "2"], "(2-D) is not built"),
+                          (["--tensor-parallel", "2", "--devices", "2"], "(--sharding)"),
                           (["--tensor-parallel", "2", "--lora", "8", "--max-context"], "with LoRA")):
         with pytest.raises(SystemExit) as exit_:
             cli_main(["plan", "--model", "qwen2.5-7b", *(["--context", "4K"] if "--max-context" not in args else []),
@@ -769,3 +769,33 @@ def test_cli_plans_a_tensor_parallel_rank(capsys):
     assert "per GPU of 2 tensor-parallel ranks" in out and "host budget 56.00 GiB" in out
     rows = [line for line in out.splitlines() if line.startswith(("full training", "LoRA"))]
     assert [row.split(",")[0] for row in rows] == ["full training"] * 2
+
+
+def test_tensor_parallel_inside_sharded_data_parallel():
+    """2-D (oomb_model_parallel with data_parallel_size D and tensor_parallel_size T): each rank's part of the
+    decoder layers (1/T by KV heads) sharded 1/D by FSDP, pages of H_kv/T heads, the root whole; collectives:
+    the tensor-parallel all-reduces of the T-rank plan, FSDP's gathers and reduce-scatters of the D-rank plan
+    of that part, the root's gradients averaged over all D x T ranks; the host budget shared by all."""
+    from lightning_oomb.core.planner import step_collectives
+    from lightning_oomb.core.units import GIB
+
+    common = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=448 * GIB, optimizer="adamw")
+    tp = plan("qwen2.5-7b", 256 << 10, tensor_parallel=2, **common)
+    both = plan("qwen2.5-7b", 256 << 10, tensor_parallel=2, devices=2, sharding="zero2", **common)
+    fsdp = plan("qwen2.5-7b", 256 << 10, devices=2, sharding="zero2", **common)
+
+    def line(p, prefix):
+        return next(v for k, v in p.gpu_lines.items() if k.startswith(prefix))
+
+    assert line(both, "K/V pages") == line(tp, "K/V pages") == line(fsdp, "K/V pages") // 2
+    layers = line(tp, "weights: decoder layers")  # this rank's part, whole
+    assert line(both, "weights: decoder layers, 1/2 shard of this rank's 1/2 by KV heads") == layers // 2
+    assert line(both, "gathered weights: decoder layers") == layers
+    assert line(both, "weights: root") == line(tp, "weights: root") == line(fsdp, "weights: root")
+    assert "; 2 data-parallel ranks (oomb_model_parallel, sharding zero2: " in str(both)
+    assert "; 2 tensor-parallel ranks each (oomb_model_parallel, split by KV heads), memory per GPU" in str(both)
+    forward, backward, gather, scatter, root = step_collectives(both.shape, both.config)
+    assert (forward, backward) == tuple(step_collectives(tp.shape, tp.config)[:2])
+    assert gather.bus_bytes == 0.5 * layers and scatter.calls == both.config.n_chunks
+    assert root.bus_bytes == 2 * 3 / 4 * 4 * both.shape.root_params  # a ring over 4 ranks
+    assert both.host_memory == 112 * GIB  # 448 GiB shared by the 4 processes of the machine

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_oomb.core import schedule
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.model_shape import ModelShape
-from lightning_oomb.core.planner import TP_COLWISE, TP_ROWWISE, activation_bytes, plan, tensor_parallel_collectives
+from lightning_oomb.core.planner import TP_COLWISE, TP_ROWWISE, activation_bytes, plan, step_collectives
 from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool
 from lightning_oomb.lightning.model_parallel import TENSOR_PARALLEL_PLAN, parallelize_decoder_layers
@@ -157,7 +157,7 @@ def test_planned_rank_is_what_a_tensor_parallel_step_holds_and_exchanges(steps, 
         assert _line(rank, prefix) == got[key] == _line(whole, prefix) // WORLD
     assert _line(rank, "weights: decoder layers") == 4 * got["layers"]  # float32
     assert _line(rank, "weights: root") == 4 * got["root"]
-    forward, backward, gradients = tensor_parallel_collectives(rank.shape, rank.config)
+    forward, backward, gradients = step_collectives(rank.shape, rank.config)
     ring = 2 * (WORLD - 1) / WORLD  # bus bytes per byte of buffer
     assert len(got["tensor parallel"]) == forward.calls + backward.calls
     assert ring * sum(got["tensor parallel"]) == pytest.approx(forward.calls * forward.bus_bytes

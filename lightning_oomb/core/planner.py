@@ -442,12 +442,18 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
     chunk's forward in both stages, less the stage-2 forwards that kept graphs skip, and again for its
     backward), their gradients reduce-scattered in float32 (zero2 and zero3: after every chunk's backward;
     zero1: once, after the last), and the root's gradients all-reduced in float32 after stage 2. Tensor
-    parallel: ``tensor_parallel_collectives``. None on one device."""
-    if c.tensor_parallel > 1:
-        return tensor_parallel_collectives(shape, c)
+    parallel: ``tensor_parallel_collectives``, and the whole weights' gradients all-reduced in float32 over the
+    T ranks (alone) or, with sharding over data-parallel ranks too (``shape``: one rank's part), the root's over
+    all D x T ranks. None on one device."""
+    found = tensor_parallel_collectives(shape, c) if c.tensor_parallel > 1 else []
     n = c.devices
+    world = n * c.tensor_parallel
     if n == 1:
-        return []
+        if c.tensor_parallel > 1:
+            replicated = shape.n_layers * shape.layer_replicated_params + shape.root_params
+            found.append(Collective("all-reduce", "the whole weights' gradients (float32)", 1,
+                                    2 * (world - 1) / world * 4 * replicated))
+        return found
     layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
     if c.sharding == "none":
         return [Collective("all-reduce", "every gradient (float32)", 1, 2 * (n - 1) / n * 4 * (layer_trainable +
@@ -457,14 +463,15 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
     param = PROFILES[c.precision].param
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
     gathers = 3 * c.n_chunks - graphs if c.sharding == "zero3" else 1
-    found = [
+    found += [
         Collective("all-gather", f"the decoder layers' weights ({_bytes_name(param)})", gathers,
                    share * weights * param),
         Collective("reduce-scatter", "the decoder layers' gradients (float32)",
                    1 if c.sharding == "zero1" else c.n_chunks, share * layer_trainable * 4),
     ]
     if root_trainable:
-        found.append(Collective("all-reduce", "the root's gradients (float32)", 1, 2 * (n - 1) / n * 4 * root_trainable))
+        found.append(Collective("all-reduce", "the root's gradients (float32)", 1,
+                                2 * (world - 1) / world * 4 * root_trainable))
     return found
 
 
@@ -477,8 +484,7 @@ def tensor_parallel_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Co
     runs forward in stage 1 (not the last layer where stage 1 ends at its K/V store), in stage 2 (not for a
     chunk whose graph stage 1 kept; kept attention outputs spare only the attention) and again in a layer
     checkpoint's recompute, which ends when down_proj has saved its input (torch's non-reentrant checkpoint
-    stops there), before down_proj's all-reduce. After stage 2 the whole weights' gradients (the root, norms, o's and down's
-    biases), equal on every rank, are all-reduced in float32 as oomb_ddp averages its gradients."""
+    stops there), before down_proj's all-reduce."""
     ring = 2 * (c.tensor_parallel - 1) / c.tensor_parallel  # of the buffer, per all-reduce
     p = PROFILES[c.precision]
     layers = shape.n_layers
@@ -491,14 +497,12 @@ def tensor_parallel_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Co
         forwards += calls
         forward_tokens += calls * c.batch * min(c.chunk_size, c.context - start)
     backwards, backward_tokens = TP_COLWISE * layers * c.n_chunks, TP_COLWISE * layers * c.batch * c.context
-    replicated = shape.n_layers * shape.layer_replicated_params + shape.root_params
     return [
         Collective("all-reduce", f"o_proj's and down_proj's outputs ({_bytes_name(p.linear)}), every layer forward",
                    forwards, ring * forward_tokens * shape.hidden * p.linear / forwards, activations=True),
         Collective("all-reduce", f"the input gradients of q/k/v_proj and gate/up_proj ({_bytes_name(p.residual)}), "
                    "every layer backward", backwards, ring * backward_tokens * shape.hidden * p.residual / backwards,
                    activations=True),
-        Collective("all-reduce", "the whole weights' gradients (float32)", 1, ring * 4 * replicated),
     ]
 
 
@@ -624,8 +628,9 @@ class PlanConfig:
     tensor_parallel: ranks that split each decoder layer by KV heads (oomb_model_parallel's
     tensor_parallel_size), all running this step's ``batch``: memory and FLOPs are one rank's (the shape the
     plan gets is one rank's part, ``ModelShape.tensor_parallel_part``), the time includes their all-reduces
-    (``tensor_parallel_collectives``). Not with LoRA, nor with data-parallel ranks (refused, as the strategy
-    refuses them).
+    (``tensor_parallel_collectives``). With ``devices`` D > 1 too, D x T ranks (oomb_model_parallel's 2-D mesh):
+    each rank's part sharded over the D data-parallel ranks (``sharding`` zero1/2/3). Not with LoRA (refused,
+    as the strategy refuses it).
     """
 
     context: int
@@ -672,10 +677,10 @@ class PlanConfig:
             raise ValueError(f"tensor_parallel={self.tensor_parallel} with LoRA (lora_rank={self.lora_rank}) is not "
                              "built (oomb_model_parallel refuses it); plan full training (lora_rank=0), or tensor_parallel=1 "
                              "(--tensor-parallel 1)")
-        if self.tensor_parallel > 1 and (self.devices > 1 or self.sharding != "none"):
-            raise ValueError(f"tensor_parallel={self.tensor_parallel} with devices={self.devices}, sharding="
-                             f"{self.sharding!r}: data parallel over tensor-parallel groups (2-D) is not built; plan "
-                             "one tensor-parallel group (devices=1, sharding 'none'), or tensor_parallel=1 (--tensor-parallel 1)")
+        if self.tensor_parallel > 1 and self.devices > 1 and self.sharding == "none":
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} with devices={self.devices} data-parallel ranks "
+                             "runs in oomb_model_parallel, which shards the split layers over them: give sharding "
+                             "'zero1', 'zero2' or 'zero3' (--sharding), or devices=1")
         if self.sharding != "none" and self.devices == 1:
             raise ValueError(f"sharding={self.sharding!r} shards the decoder layers over data-parallel ranks, and "
                              "there is one device: give devices >= 2 (--devices N), or sharding 'none'")
@@ -815,9 +820,10 @@ class Plan:
             head += f"; {c.devices} data-parallel ranks (oomb_ddp), memory per GPU"
         elif c.devices > 1:
             head += (f"; {c.devices} data-parallel ranks (oomb_model_parallel, sharding {c.sharding}: "
-                     f"{SHARDING_SUMMARY[c.sharding]}), memory per GPU")
+                     f"{SHARDING_SUMMARY[c.sharding]})" + ("" if c.tensor_parallel > 1 else ", memory per GPU"))
         if c.tensor_parallel > 1:
-            head += f"; {c.tensor_parallel} tensor-parallel ranks (oomb_model_parallel, split by KV heads), memory per GPU"
+            head += (f"; {c.tensor_parallel} tensor-parallel ranks" + (" each" if c.devices > 1 else "")
+                     + " (oomb_model_parallel, split by KV heads), memory per GPU")
         if c.document_length is not None and c.document_length < c.context:
             head += f"; packed from documents of {c.document_length:,} tokens"
         if c.offload:
@@ -900,13 +906,15 @@ class Plan:
 
 def _collectives_time(t: StepTime, c: PlanConfig) -> str:
     """What the collectives add to the predicted step time, in the words of the plan's time line."""
-    if c.tensor_parallel > 1:
+    if c.tensor_parallel > 1 and c.sharding == "none":
         return (f", plus {_duration(t.tensor_parallel_s)} for the decoder layers' tensor-parallel all-reduces and "
                 f"{_duration(t.all_reduce_s)} for the whole weights' gradient all-reduce at {COLLECTIVE_GBPS:g} GB/s")
     if c.sharding == "none":
         return (f", plus {_duration(t.all_reduce_s)} for the gradients' all-reduce at {COLLECTIVE_GBPS:g} GB/s"
                 if t.all_reduce_s else "")
     text = f", plus {_duration(t.sharding_s)} for the decoder layers' all-gathers and reduce-scatters"
+    if t.tensor_parallel_s:
+        text += f", {_duration(t.tensor_parallel_s)} for their tensor-parallel all-reduces"
     if t.all_reduce_s:
         text += f" and {_duration(t.all_reduce_s)} for the root's all-reduce"
     return text + f" at {COLLECTIVE_GBPS:g} GB/s"
@@ -953,7 +961,7 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
     # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
     state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
-    if c.tensor_parallel > 1:
+    if c.tensor_parallel > 1 and c.sharding == "none":
         gpu = _tensor_parallel_lines(shape, c, state_copies)
     elif c.sharding == "none":
         gpu: dict[str, int] = {
@@ -1113,7 +1121,7 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[
     layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
     layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
     per_layer = layer_weights // shape.n_layers
-    shard = f"1/{n} shard"
+    shard = f"1/{n} shard" + (f" of this rank's 1/{c.tensor_parallel} by KV heads" if c.tensor_parallel > 1 else "")
     gpu = {
         f"weights: root (embeddings, final norm, output layer; {dtype}, whole, "
         f"{human_count(shape.root_params)} params)": shape.root_params * p.param,
@@ -1348,7 +1356,8 @@ def plan(
     tensor_parallel: T ranks of one machine splitting each decoder layer by KV heads (oomb_model_parallel's
     tensor_parallel_size), all on the same ``batch``: the plan is one rank's, whose host memory budget is
     ``host_memory`` divided among the T, and whose Plan.shape is its part of the model; T must divide the KV
-    heads, attention heads and MLP width; not with LoRA, devices > 1 or sharding (refused: not built).
+    heads, attention heads and MLP width; not with LoRA (refused: not built). With devices D > 1 and a sharding,
+    D x T ranks: each rank's part sharded over the D data-parallel ranks, the host budget divided among all.
     """
     shape = ModelShape.resolve(model)
     machine = ""
