@@ -71,6 +71,8 @@ def _observed(lm: torch.nn.Module, pool) -> dict:
         "root": sum(n for i, n in local.items() if i not in in_layers),
         "placed": dict(graph_chunks=placed.graph_chunks, kept_chunks=placed.kept_chunks,
                        host_kept_chunks=placed.host_kept_chunks),
+        # The engine's own placement planned this rank's part (its memory check counts this rank's pages).
+        "placed kv": next(v for k, v in placed.plan.gpu_lines.items() if k.startswith("K/V pages")),
         **{kind: list(sizes) for kind, sizes in SEEN.items()},
     }
 
@@ -155,6 +157,7 @@ def test_planned_rank_is_what_a_tensor_parallel_step_holds_and_exchanges(steps, 
     rank, whole = plan(shape, SEQ, tensor_parallel=WORLD, **options), plan(shape, SEQ, **options)
     for prefix, key in (("K/V pages", "kv"), ("KV-gradient pages", "kv grads")):
         assert _line(rank, prefix) == got[key] == _line(whole, prefix) // WORLD
+    assert got["placed kv"] == got["kv"]
     assert _line(rank, "weights: decoder layers") == 4 * got["layers"]  # float32
     assert _line(rank, "weights: root") == 4 * got["root"]
     forward, backward, gradients = step_collectives(rank.shape, rank.config)

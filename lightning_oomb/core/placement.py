@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .attention import uses_triton
 from .host_memory import host_budget, host_headroom, process_host_bytes
@@ -78,11 +79,17 @@ class Placement:
     plan: "Plan | None" = field(default=None, compare=False, repr=False)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor's local shard), whose gradient the rank allocates."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
     agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
+    kv_head_split: int = 1,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -112,6 +119,8 @@ def place_step(
 
     ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
     (``core.ranks``), so that every rank, placing the same step against the same memory, decides alike.
+    ``kv_head_split``: this rank is one of that many tensor-parallel ranks (``Ranks.kv_head_split``), holding
+    their share of the KV heads' pages and of the decoder layers: the step is planned for that part.
     """
     page = config.page_size
     sparse = config.sparse is not None
@@ -152,11 +161,12 @@ def place_step(
 
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, host_kv_layers: int = 0,
                   **placed: Any) -> Plan:
+        # plan() shares its host memory among the tensor-parallel ranks; budget is this process's share already.
         return plan(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
             lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
             checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
-            host_memory=budget, offload=offload, segment_tokens=segment, sparse=config.sparse,
+            host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload, segment_tokens=segment, sparse=config.sparse,
             host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
             host_process_bytes=process, host_kv_layers=host_kv_layers, **placed,
         )
@@ -200,8 +210,8 @@ def place_step(
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
     host_free = budget - process - HOST_GROWTH_BYTES  # room for pinned blocks
     free, host_free = agree([free, host_free])
-    missing = sum(p.numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
-    shape = ModelShape.resolve(model)
+    missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
+    shape = ModelShape.resolve(model).tensor_parallel_part(kv_head_split)
     chunk_tokens = batch * min(config.chunk_size, seq_len)
     loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
 

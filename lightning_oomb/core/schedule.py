@@ -229,7 +229,8 @@ class ChunkedSequence:
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer,
                                     pending_gpu_bytes=pending + ranks.step_gpu_bytes,
-                                    host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers)
+                                    host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers,
+                                    kv_head_split=ranks.kv_head_split)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
