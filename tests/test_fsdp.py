@@ -105,6 +105,15 @@ def _ranks(rank: int, port: int, out: str) -> None:
     saved = ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=1)
     _fit(f"{out}/first", "qwen2", ITEMS[:2], 1, {}, callbacks=[saved], enable_checkpointing=True)
     _fit(f"{out}/resumed", "qwen2", ITEMS[2:4], 2, {}, ckpt_path=saved.best_model_path or saved.last_model_path)
+    # Sharded checkpoint folders (torch.distributed.checkpoint, every rank its own shards): two steps on the
+    # first batch, each saved as last.ckpt (the second replacing the first), resumed for a third step on the
+    # second batch; against the three steps run through.
+    sharded = {"save_distributed_checkpoint": True}
+    saved = ModelCheckpoint(dirpath=f"{out}/sharded", save_last=True, save_top_k=0, every_n_train_steps=1)
+    _fit(f"{out}/sharded-first", "qwen2", ITEMS[:2], 2, sharded, callbacks=[saved], enable_checkpointing=True,
+         max_epochs=2)
+    _fit(f"{out}/sharded-resumed", "qwen2", ITEMS[2:4], 3, sharded, ckpt_path=f"{out}/sharded/last.ckpt")
+    _fit(f"{out}/three-steps", "qwen2", ITEMS[:2] * 2 + ITEMS[2:4], 3, {})
     # Tensor parallel over the 2 processes (one data-parallel rank): both run the same row in each step.
     trainer, module = _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
     export_hf(trainer, module, None, f"{out}/tp-export")
@@ -122,7 +131,9 @@ def runs(tmp_path_factory):
     mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
 
     def load(name, what):
-        return out / f"{name}-export" if what == "export" else torch.load(out / f"{name}-{what}.pt")
+        if what in ("export", "folder"):
+            return out / (f"{name}-export" if what == "export" else name)
+        return torch.load(out / f"{name}-{what}.pt")
 
     return load
 
@@ -179,6 +190,16 @@ def test_resume_from_checkpoint_takes_the_same_step(runs):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_sharded_checkpoint_folder_resumes_the_same_step(runs):
+    """A sharded checkpoint folder replaced in place by the next save (nothing partial or old left beside it)
+    and resumed takes the step the run never stopped would have taken, bit for bit (weights and AdamW state
+    restored from every rank's shards)."""
+    folder = runs("sharded", "folder")
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"] and (folder / "last.ckpt").is_dir()
+    got, want = runs("sharded-resumed", "weights"), runs("three-steps", "weights")
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_tensor_parallel_adamw_steps_equal_one_process(runs):
     """tensor_parallel_size=2: each rank computes attention for 1 of qwen2's 2 KV heads (its K/V pages hold that
     one) and half the MLP; the gradient of every parameter, whole, is transformers' of the row both ranks ran,
@@ -213,8 +234,7 @@ def test_registered_name_and_refusals():
     strategy = Trainer(accelerator="cpu", devices=2, strategy="oomb_model_parallel", logger=False).strategy
     assert isinstance(strategy, OOMBModelParallelStrategy) and strategy.sharding == "zero2"
     for kwargs, match in (({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
-                          ({"sharding": "zero4"}, "sharding must be one of zero1, zero2, zero3"),
-                          ({"save_distributed_checkpoint": True}, "sharded checkpoint folders are not built")):
+                          ({"sharding": "zero4"}, "sharding must be one of zero1, zero2, zero3")):
         with pytest.raises(ValueError, match=match):
             OOMBModelParallelStrategy(**kwargs)
 

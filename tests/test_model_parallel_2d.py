@@ -68,6 +68,12 @@ def _ranks(rank: int, port: int, out: str) -> None:
     saved = ModelCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=1)
     _fit(f"{out}/first", "qwen2", ITEMS[:2], 1, {}, callbacks=[saved], enable_checkpointing=True)
     _fit(f"{out}/resumed", "qwen2", ITEMS[2:], 2, {}, ckpt_path=saved.best_model_path or saved.last_model_path)
+    # The same through a sharded checkpoint folder (each of the 4 ranks writes its 2-D shards).
+    sharded = {"save_distributed_checkpoint": True}
+    saved = ModelCheckpoint(dirpath=f"{out}/sharded", every_n_train_steps=1)
+    _fit(f"{out}/sharded-first", "qwen2", ITEMS[:2], 1, sharded, callbacks=[saved], enable_checkpointing=True)
+    _fit(f"{out}/sharded-resumed", "qwen2", ITEMS[2:], 2, sharded,
+         ckpt_path=saved.best_model_path or saved.last_model_path)
     _fit(f"{out}/zero3", "llama", ITEMS[:2], 1, {"sharding": "zero3", "checkpoint_layers": True})
     _fit(f"{out}/zero1", "llama", ITEMS, 1, {"sharding": "zero1"}, accumulate_grad_batches=2)
     _fit(f"{out}/clipped", "llama", ITEMS, 2, {}, optimizer="sgd", gradient_clip_val=0.05)
@@ -143,8 +149,10 @@ def test_clipping_takes_the_norm_over_2d_sharded_and_whole_gradients(runs):
     assert worst[0] <= 1e-4, f"update of {worst[1]} differs by {worst[0]:.2e}"
 
 
-def test_resume_from_checkpoint_takes_the_same_step(runs):
-    got, want = runs("resumed", "weights"), runs("zero2", "weights")
+@pytest.mark.parametrize("name", ["resumed", "sharded-resumed"])
+def test_resume_from_checkpoint_takes_the_same_step(runs, name):
+    """From one file gathered on rank 0, or from a folder of every rank's shards."""
+    got, want = runs(name, "weights"), runs("zero2", "weights")
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 

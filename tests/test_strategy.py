@@ -316,3 +316,25 @@ def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():
     module = Module(tiny_model("qwen2"), optimizer="adamw")
     fit(module, OOMBStrategy(chunk_size=8, page_size=4), callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
     assert seen == [(True, 0, False)]
+
+
+def test_sharded_checkpoint_folder_replaces_what_was_there(tmp_path):
+    """A finished folder takes the target's place whether nothing, a file or a folder of an earlier save is
+    there, and removes what a killed save left (the .old of an interrupted replacement)."""
+    import shutil
+
+    from lightning_oomb.lightning.checkpoint import partial_path, replace_folder
+
+    target = tmp_path / "last.ckpt"
+    for earlier in (None, "file", "folder"):
+        if earlier == "file":  # a checkpoint of one file where the first iteration left a folder
+            shutil.rmtree(target)
+            target.write_bytes(b"one file")
+        elif earlier == "folder":  # the folder the previous iteration put there
+            (tmp_path / ".last.ckpt.old").mkdir()  # left by a save killed between its two renames
+        finished = partial_path(target)
+        finished.mkdir()
+        (finished / "shard").write_text(str(earlier))
+        replace_folder(finished, target)
+        assert (target / "shard").read_text() == str(earlier)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

@@ -1,10 +1,11 @@
-"""Checkpoint files that are either the old one or the new one, whenever the process dies, written while the
-next step computes."""
+"""Checkpoints that are either the old one or the new one, whenever the process dies: files written while the
+next step computes, and sharded folders."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,27 @@ def partial_path(path: str | os.PathLike) -> Path:
     """Where a checkpoint is written before it replaces ``path``: a hidden file in the same folder."""
     path = Path(path)
     return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+def replace_folder(finished: Path, path: Path) -> None:
+    """Put the folder ``finished`` (a sharded checkpoint every rank has written) where ``path`` is: nothing, or
+    the file or folder of an earlier save. A folder cannot be renamed over a non-empty one, so an earlier one
+    is renamed aside to ``.<name>.old`` first and removed after: a kill at any moment leaves a whole
+    checkpoint, at ``path`` except between the two renames, when it is the ``.old`` one."""
+    old = path.with_name(f".{path.name}.old")
+    _remove(old)  # a kill's leftover
+    if path.exists():
+        path.rename(old)
+    finished.rename(path)
+    _fsync_dir(path.parent)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -17,7 +17,9 @@ over the data-parallel ranks (a 2-D mesh); the engine's K/V pages hold each rank
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import torch
@@ -38,6 +40,7 @@ from ..core.errors import SetupError
 from ..core.ranks import DataParallelRanks
 from ..core.schedule import ChunkHook
 from ..integrations.transformers import find_causal_lm
+from .checkpoint import partial_path, replace_folder
 from .ddp import AveragedAfterBackward
 from .strategy import OOMBStrategyMixin
 
@@ -168,9 +171,13 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         num_attention_heads and intermediate_size (refused otherwise, so T is at most the number of KV heads);
         not built, so refused: LoRA (peft) models, and a ``configure_model`` that applied ``fully_shard`` with
         T > 1 (the layers must be split before FSDP shards them).
-    save_distributed_checkpoint: False only: checkpoints are gathered on rank 0 and written as one file through
-        ``AtomicCheckpointIO`` (atomic, in the background). Lightning's sharded checkpoint folders bypass the
-        checkpoint IO and are rewritten in place, so a kill during a save would leave a torn one: not built.
+    save_distributed_checkpoint: False (default): checkpoints are gathered on rank 0 and written as one file
+        through ``AtomicCheckpointIO`` (atomic, in the background). True: every rank writes its own shards with
+        torch.distributed.checkpoint into one folder (Lightning's sharded checkpoint: the weights and optimizer
+        state are never whole on one rank, for a model whose state would not fit one host's memory), written
+        as ``.<name>.partial`` and renamed over the target once every rank has finished
+        (``checkpoint.replace_folder``), so that a kill during a save leaves the previous checkpoint whole;
+        written before the step goes on.
 
     Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
     so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
@@ -199,11 +206,9 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         if sharding not in SHARDING:
             raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
-        if save_distributed_checkpoint:
-            raise ValueError("save_distributed_checkpoint=True: sharded checkpoint folders are not built (a kill "
-                             "during a save would leave a torn one); use False, one file written atomically by rank 0")
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
-                         save_distributed_checkpoint=False, process_group_backend=process_group_backend,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend,
                          timeout=timeout, **kwargs)
         self.sharding = sharding
         self._fsdp_modules: list[FSDPModule] = []
@@ -310,6 +315,21 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         """The whole weights' (after an accumulation's last micro-batch, as the layers' under zero1; zero2 and
         zero3 reduce-scatter the layers' after every chunk)."""
         return [p for p in self._replicated if p.requires_grad]
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        partial = partial_path(path)
+        if self.global_rank == 0 and partial.exists():  # a killed save's
+            shutil.rmtree(partial)
+        self.barrier("oomb_checkpoint_partial_clear")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("oomb_checkpoint_shards_written")
+        if self.global_rank == 0:
+            replace_folder(partial, path)
+        self.barrier("oomb_checkpoint_in_place")
 
     @classmethod
     @override
