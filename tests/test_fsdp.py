@@ -20,7 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy, PagedKVCallback
+import lightning_oomb
+from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy, PagedKVCallback, SparseConfig
 from lightning_oomb.cli import export_hf
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
@@ -31,6 +32,7 @@ from tiny_models import rel_err, tiny_model, assert_grads_close
 WORLD = 2
 ITEMS = sequences(6)  # rank 1's first batch has no valid label, the others uneven counts
 TP = {"tensor_parallel_size": WORLD, "data_parallel_size": 1}
+TP_SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
 TP_ITEMS = [ITEMS[0], ITEMS[2]]  # one row per step under TP: rows with valid labels
 
 
@@ -117,6 +119,8 @@ def _ranks(rank: int, port: int, out: str) -> None:
     # Tensor parallel over the 2 processes (one data-parallel rank): both run the same row in each step.
     trainer, module = _fit(f"{out}/tp", "qwen2", TP_ITEMS, 2, TP)
     export_hf(trainer, module, None, f"{out}/tp-export")
+    # Sparse attention, each KV head its own pages (a pick among the past's middle pages in the last chunk).
+    _fit(f"{out}/tp-sparse", "qwen2", TP_ITEMS, 1, {**TP, "sparse": TP_SPARSE})
     # A pool sized at fit start (as for a data module with seq_len): this rank's KV heads only.
     _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True},
          callbacks=[PagedKVCallback(max_seq_len=TP_ITEMS[0]["input_ids"].shape[-1])])
@@ -221,12 +225,27 @@ def test_tensor_parallel_layer_checkpointing(runs):
     assert_grads_close(runs("tp-checkpointed", "grads"), module_grads(tiny_model("llama"), TP_ITEMS[:1]), 1e-5)
 
 
+def test_tensor_parallel_sparse_steps_equal_one_process(runs):
+    """Each rank selects the pages of its own KV heads as one process selects them for those heads: the
+    gathered gradient is one process's sparse gradient (not the dense one: a page was left out)."""
+    item = TP_ITEMS[0]
+    model = tiny_model("qwen2")
+    lightning_oomb.train_step(model, item["input_ids"][None], item["labels"][None], chunk_size=CHUNK, page_size=PAGE,
+                              attention="reference", sparse=TP_SPARSE)
+    want = {f"model.{n}": p.grad for n, p in model.named_parameters()}
+    assert_grads_close(runs("tp-sparse", "grads"), want, 1e-5)
+    dense = module_grads(tiny_model("qwen2"), TP_ITEMS[:1])
+    assert max(rel_err(want[n], dense[n]) for n in dense) > 1e-3
+
+
 def test_tensor_parallel_refusals():
     """Sizes that do not split the KV heads (qwen3's 3) and LoRA: refused before any work, each naming its fix."""
     with pytest.raises(SetupError, match="does not divide num_key_value_heads=3"):
         check_tensor_parallel(tiny_model("qwen3"), 2, lora=False)
     with pytest.raises(SetupError, match="LoRA"):
         check_tensor_parallel(tiny_model("qwen2"), 2, lora=True)
+    with pytest.raises(SetupError, match="per_kv_head=False: one page selection for all KV heads"):
+        check_tensor_parallel(tiny_model("qwen2"), 2, lora=False, sparse=SparseConfig(per_kv_head=False))
     check_tensor_parallel(tiny_model("qwen2"), 2, lora=False)
 
 

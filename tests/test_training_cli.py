@@ -419,10 +419,12 @@ def test_unknown_yaml_key_is_named(assets, resumable, capsys):
 # == the example configs ===================================================================================
 
 
-# The several-GPU examples: (strategy, its sharding) on 2 devices, each the one-GPU 128K YAML otherwise.
+# The several-GPU examples: (strategy, its sharding, the one-GPU YAML it is otherwise) on 2 devices; the
+# tensor-parallel one trains sequences twice as long as its one-GPU YAML.
 SEVERAL_GPUS = {
-    "qwen2.5-7b-128k-ddp": ("lightning_oomb.OOMBDDPStrategy", None),
-    "qwen2.5-7b-128k-zero2": ("lightning_oomb.OOMBModelParallelStrategy", "zero2"),
+    "qwen2.5-7b-128k-ddp": ("lightning_oomb.OOMBDDPStrategy", None, "qwen2.5-7b-128k"),
+    "qwen2.5-7b-128k-zero2": ("lightning_oomb.OOMBModelParallelStrategy", "zero2", "qwen2.5-7b-128k"),
+    "qwen2.5-7b-2m-sparse-tp2": ("lightning_oomb.OOMBModelParallelStrategy", "zero2", "qwen2.5-7b-1m-sparse"),
 }
 
 
@@ -438,7 +440,7 @@ def test_example_configs_parse(name, capsys):
     chunk = printed["trainer"]["strategy"]["init_args"]["chunk_size"]
     assert printed["data"]["init_args"]["seq_len"] % chunk == 0
     if name in SEVERAL_GPUS:
-        strategy, sharding = SEVERAL_GPUS[name]
+        strategy, sharding, one_gpu = SEVERAL_GPUS[name]
         assert printed["trainer"]["strategy"]["class_path"] == strategy and printed["trainer"]["devices"] == 2
         assert printed["trainer"]["strategy"]["init_args"].get("sharding") == sharding
         # The strategy built as the CLI builds the Trainer's (its constructor, with its refusals, needs no process
@@ -453,13 +455,17 @@ def test_example_configs_parse(name, capsys):
         namespace = parser.parse_object({"strategy": printed["trainer"]["strategy"]})
         built = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(namespace).strategy
         assert type(built).__name__ == strategy.rsplit(".", 1)[1] and getattr(built, "sharding", None) == sharding
-        one, several = (yaml.safe_load((ROOT / "examples" / f"{n}.yaml").read_text()) for n in ("qwen2.5-7b-128k", name))
+        one, several = (yaml.safe_load((ROOT / "examples" / f"{n}.yaml").read_text()) for n in (one_gpu, name))
         assert several["trainer"].pop("use_distributed_sampler") is False  # the corpus splits the ranks' data
         for config in (one, several):
             config["trainer"].pop("devices")
             config["trainer"]["strategy"].pop("class_path")
-            config["trainer"]["strategy"]["init_args"].pop("sharding", None)
+            for option in ("sharding", "tensor_parallel_size", "data_parallel_size"):
+                config["trainer"]["strategy"]["init_args"].pop(option, None)
             config["trainer"]["logger"]["init_args"].pop("name")
+            config["data"]["init_args"].pop("seq_len")
+            for callback in config["trainer"]["callbacks"]:
+                callback.get("init_args", {}).pop("max_seq_len", None)
         assert several == one
 
 

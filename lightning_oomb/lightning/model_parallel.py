@@ -39,6 +39,7 @@ from typing_extensions import override
 from ..core.errors import SetupError
 from ..core.ranks import DataParallelRanks
 from ..core.schedule import ChunkHook
+from ..core.sparse import SparseConfig
 from ..integrations.transformers import find_causal_lm
 from .checkpoint import partial_path, replace_folder
 from .ddp import AveragedAfterBackward
@@ -72,13 +73,18 @@ TENSOR_PARALLEL_PLAN = {
 }
 
 
-def check_tensor_parallel(lm: nn.Module, size: int, lora: bool) -> None:
-    """Refuse, before any work, a model that ``size`` ranks cannot split by whole KV heads and hidden units."""
+def check_tensor_parallel(lm: nn.Module, size: int, lora: bool, sparse: SparseConfig | None = None) -> None:
+    """Refuse, before any work, a model that ``size`` ranks cannot split by whole KV heads and hidden units, and
+    a sparse selection that needs every KV head at once."""
     if size == 1:
         return
     if lora:
         raise SetupError(f"tensor_parallel_size={size} with a LoRA (peft) model is not built; use "
                          "tensor_parallel_size=1")
+    if sparse is not None and not sparse.per_kv_head:
+        raise SetupError(f"tensor_parallel_size={size} with sparse per_kv_head=False: one page selection for all KV "
+                         "heads needs the scores of heads on other ranks; use per_kv_head=True (each KV head its "
+                         "own pages) or tensor_parallel_size=1")
     cfg = lm.config
     counts = {"num_key_value_heads": cfg.num_key_value_heads, "num_attention_heads": cfg.num_attention_heads,
               "intermediate_size": cfg.intermediate_size}
@@ -253,7 +259,8 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         self.model_to_device()
         lm = find_causal_lm(self.lightning_module)
         tensor = self._tensor_parallel_size
-        check_tensor_parallel(lm, tensor, lora=any(hasattr(m, "peft_config") for m in self.model.modules()))
+        check_tensor_parallel(lm, tensor, lora=any(hasattr(m, "peft_config") for m in self.model.modules()),
+                              sparse=self.chunk_config.sparse)
         user_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
         if tensor > 1 and user_sharded:
             raise SetupError(f"tensor_parallel_size={tensor} with a configure_model that applied fully_shard: the "
