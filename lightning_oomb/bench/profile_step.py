@@ -31,7 +31,7 @@ from ..core.config import ChunkConfig, SparseConfig
 from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkedSequence
 from ..core.units import parse_tokens
-from .run import BenchConfig, build_model
+from .run import BenchConfig, build_model, packed_position_ids
 
 # Our kernels by exact name (dense, sparse and Hopper Gluon kernels of each direction); cuBLAS by substring.
 KERNEL_GROUPS = {
@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
     parser.add_argument("--keep-graphs", type=int, default=None,
                         help="chunks whose autograd graphs stage 1 keeps (default: the last, plus as many as fit)")
+    parser.add_argument("--document-length", default=None, metavar="TOKENS",
+                        help="pack the sequence from documents of this many tokens (position ids restarting)")
     parser.add_argument("--chunks", default="", metavar="FIRST:END,...",
                         help="profile only these chunk ranges of the step, and print its chunk timeline "
                              "(default: profile the whole step)")
@@ -200,28 +202,33 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     vocab = ModelShape.resolve(args.model).vocab
     ids = torch.randint(0, vocab, (1, context), device="cuda")
+    document_length = parse_tokens(args.document_length) if args.document_length else None
+    positions = packed_position_ids(ids, document_length)
     options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
                    offload=args.offload, keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
-    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}", flush=True)
+    packed = f", packed from documents of {document_length:,} tokens" if document_length else ""
+    print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}{packed}", flush=True)
     if not ranges:
-        train_step(model, ids, **options)
+        train_step(model, ids, position_ids=positions, **options)
         model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
         with profile(activities=activities, record_shapes=args.ops > 0) as prof:
             t = time.perf_counter()
-            train_step(model, ids, **options)
+            train_step(model, ids, position_ids=positions, **options)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         report(prof, wall, "the step", args.top, args.ops)
         return
     warmup_ids = ids[:, : parse_tokens(args.warmup_context)]
+    warmup_positions = None if positions is None else positions[:, : warmup_ids.shape[1]]
     for offload in ("gpu", "host") if sparse else ("gpu",):
-        train_step(model, warmup_ids, **{**options, "offload": offload, "keep_attention": 0, "keep_graphs": 0})
+        train_step(model, warmup_ids, position_ids=warmup_positions,
+                   **{**options, "offload": offload, "keep_attention": 0, "keep_graphs": 0})
     model.zero_grad(set_to_none=False)
     step = ProfiledStep(ranges, n_chunks, activities, args.ops > 0)
-    seq = ChunkedSequence(model, ids, config=ChunkConfig(**options), observer=step)
+    seq = ChunkedSequence(model, ids, position_ids=positions, config=ChunkConfig(**options), observer=step)
     t = time.perf_counter()
     try:
         step.begin()
