@@ -166,9 +166,10 @@ def place_step(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
             lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
             checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
-            host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload, segment_tokens=segment, sparse=config.sparse,
-            host_grad_layers=host_grad_layers, fused_ops=uses_triton(config.attention, device),
-            host_process_bytes=process, host_kv_layers=host_kv_layers, **placed,
+            host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload,
+            segment_tokens=segment, sparse=config.sparse, host_grad_layers=host_grad_layers,
+            fused_ops=uses_triton(config.attention, device), host_process_bytes=process,
+            host_kv_layers=host_kv_layers, **placed,
         )
 
     def placed(placement: Placement) -> Placement:

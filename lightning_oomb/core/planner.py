@@ -675,8 +675,8 @@ class PlanConfig:
             raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.tensor_parallel > 1 and self.lora_rank:
             raise ValueError(f"tensor_parallel={self.tensor_parallel} with LoRA (lora_rank={self.lora_rank}) is not "
-                             "built (oomb_model_parallel refuses it); plan full training (lora_rank=0), or tensor_parallel=1 "
-                             "(--tensor-parallel 1)")
+                             "built (oomb_model_parallel refuses it); plan full training (lora_rank=0), or "
+                             "tensor_parallel=1 (--tensor-parallel 1)")
         if self.tensor_parallel > 1 and self.devices > 1 and self.sharding == "none":
             raise ValueError(f"tensor_parallel={self.tensor_parallel} with devices={self.devices} data-parallel ranks "
                              "runs in oomb_model_parallel, which shards the split layers over them: give sharding "

@@ -99,8 +99,9 @@ def copy_pages(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, ds
         return
     page_elems, n = src[0].numel(), src_slots.numel()
     with on_device_of(src_slots):
-        _copy_pages_kernel[(min(programs or n, n),)](src, src_slots.contiguous(), dst, dst_slots.contiguous(), n,
-                                                     PAGE_ELEMS=page_elems, BLOCK=min(4096, triton.next_power_of_2(page_elems)))
+        _copy_pages_kernel[(min(programs or n, n),)](
+            src, src_slots.contiguous(), dst, dst_slots.contiguous(), n, PAGE_ELEMS=page_elems,
+            BLOCK=min(4096, triton.next_power_of_2(page_elems)))
 
 
 def write_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:

@@ -188,9 +188,9 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
     so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
     the concatenated batch (each rank of a tensor-parallel group counts the group's batch: the mean over all
-    ranks is that over the data-parallel batches). Batches must have one shape on all ranks; the host memory budget is divided
-    among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the script again for
-    each rank); there is no spawn variant.
+    ranks is that over the data-parallel batches). Batches must have one shape on all ranks; the host memory
+    budget is divided among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the
+    script again for each rank); there is no spawn variant.
 
     Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...), the above, and
     ``ModelParallelStrategy``'s process_group_backend and timeout.
