@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback
 
 from lightning_oomb.cli import main
 from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO, partial_path
@@ -54,6 +55,21 @@ class KillingCheckpointIO(AtomicCheckpointIO):
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         super()._write(checkpoint, f)
+
+
+class KillAtStep(Callback):
+    """SIGKILLs the whole job (every rank: fit_subprocess starts each run in a session of its own) as step
+    ``step`` + 1 begins, i.e. after the checkpoint of step ``step`` (ModelCheckpoint saves at a step's end; a
+    one-file checkpoint written in the background is waited for)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            getattr(trainer.strategy.checkpoint_io, "wait", lambda: None)()
+            trainer.strategy.barrier()  # every rank has finished the save
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +323,57 @@ def test_data_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp
         assert torch.equal(got["state_dict"][name], tensor), f"{name} differs"
     for a, b in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values()):
         assert all(torch.equal(a[key], b[key]) for key in b)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded-folder", "one-file"])
+def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp_path, sharded):
+    """oomb_model_parallel (zero2) through the CLI on 2 gloo processes, with sharded checkpoint folders or one
+    file gathered on rank 0: every rank killed with SIGKILL after the step-2 checkpoint was written, then
+    `--ckpt_path last` takes steps 3 and 4 to the weights, optimizer state and data position of the run never
+    stopped (a folder read back whole with torch.distributed.checkpoint's converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def sharded_config(folder: Path, kill_at: int | None = None) -> Path:
+        path = write_config(folder, assets)
+        config = yaml.safe_load(path.read_text())
+        config["trainer"].update(devices=2, max_steps=2 * EVERY, limit_val_batches=0, use_distributed_sampler=False)
+        config["trainer"]["strategy"]["class_path"] = "lightning_oomb.OOMBModelParallelStrategy"
+        config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] = sharded
+        if kill_at is not None:
+            config["trainer"]["callbacks"].append({"class_path": "test_training_cli.KillAtStep",
+                                                   "init_args": {"step": kill_at}})
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def read(path: Path) -> dict:
+        if not sharded:
+            checkpoint = load(path)
+            return {**checkpoint, "optimizer_0": checkpoint.pop("optimizer_states")[0]}
+        whole = tmp_path / "read.pt"
+        dcp_to_torch_save(path, whole)
+        return {**torch.load(path / "meta.pt", weights_only=False), **torch.load(whole, weights_only=False)}
+
+    def tensors(tree):
+        if isinstance(tree, dict):
+            return {f"{k}/{n}": t for k, v in tree.items() for n, t in tensors(v).items()}
+        return {"": tree} if isinstance(tree, torch.Tensor) else {}
+
+    whole = fit_subprocess(sharded_config(tmp_path / "whole"), "--export", "false")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want = read(run_dir(tmp_path / "whole") / "checkpoints" / "last.ckpt")
+    killed = fit_subprocess(sharded_config(tmp_path / "killed", kill_at=EVERY), "--export", "false")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir(tmp_path / "killed") / "checkpoints" / "last.ckpt"
+    assert last.is_dir() == sharded and read(last)["global_step"] == EVERY
+    resumed = fit_subprocess(sharded_config(tmp_path / "killed"), "--export", "false", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = read(last)
+    assert got["global_step"] == want["global_step"] == 2 * EVERY
+    assert got["TextCorpusDataModule"] == want["TextCorpusDataModule"]
+    got_tensors, want_tensors = (tensors({k: d[k] for k in ("state_dict", "optimizer_0")}) for d in (got, want))
+    assert got_tensors.keys() == want_tensors.keys() and len(want_tensors) > 10
+    for name, tensor in want_tensors.items():
+        assert torch.equal(got_tensors[name], tensor), f"{name} differs"
 
 
 def test_sigkill_during_checkpoint_save_keeps_previous(uninterrupted, assets, tmp_path):

@@ -34,7 +34,10 @@ def probe_kv_dtype(
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
         config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu")
-        ChunkedSequence(model, ids, config=config, pools=record, ranks=Ranks(kv_head_split)).fill(with_grads=False)
+        # keep_last: the last layer's forward runs to its end (stage 1 may stop at its K/V store), so that a
+        # layer sharded by FSDP is not left gathered, mid-forward, until the first step.
+        ChunkedSequence(model, ids, config=config, pools=record, ranks=Ranks(kv_head_split)).fill(
+            with_grads=False, keep_last=1)
     return seen[0]
 
 

@@ -324,6 +324,14 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         return [p for p in self._replicated if p.requires_grad]
 
     @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        # zero1/zero2 keep the layers gathered from a step's first forward to its end, and so does PagedKVCallback's
+        # probe at fit start; Lightning loads into the shards (and finds the model by them), so reshard first.
+        for module in self._fsdp_modules:
+            module.reshard()
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
