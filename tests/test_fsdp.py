@@ -93,9 +93,22 @@ def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=Non
     return trainer, module
 
 
-def _ranks(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+def spawn_ranks(ranks, world: int, out) -> None:
+    """Start ``world`` processes running ``ranks(rank, world, port, out)``, on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ranks, args=(world, port, str(out)), nprocs=world, join=True)
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives a process, which Lightning's strategies read."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
+
+
+def _ranks(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
     _count_fsdp_collectives()
     trainer, module = _fit(f"{out}/zero2", "qwen2", ITEMS[:4], 2, {})
     export_hf(trainer, module, None, f"{out}/zero2-export")  # the CLI's export: every rank gathers, rank 0 writes
@@ -129,10 +142,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_ranks, WORLD, out)
 
     def load(name, what):
         if what in ("export", "folder"):

@@ -6,12 +6,8 @@ attention). The processes are started once for the module and run every Trainer,
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
@@ -22,7 +18,7 @@ from lightning_oomb.cli import export_hf
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.planner import plan
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
-from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, one_process_adamw
+from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, as_torchrun_rank, one_process_adamw, spawn_ranks
 from test_strategy import UserModule, weights
 from tiny_models import assert_grads_close, rel_err, tiny_model
 
@@ -57,9 +53,8 @@ def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=Non
     return trainer, module
 
 
-def _ranks(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+def _ranks(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
     _count_fsdp_collectives()
     trainer, module = _fit(f"{out}/zero2", "qwen2", ITEMS, 2, {})
     export_hf(trainer, module, None, f"{out}/zero2-export")  # every rank gathers, rank 0 writes
@@ -82,10 +77,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2d")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_ranks, WORLD, out)
 
     def load(name, what):
         return out / f"{name}-export" if what == "export" else torch.load(out / f"{name}-{what}.pt")

@@ -9,14 +9,10 @@ processes are started as tests/test_fsdp.py starts them, and its ``_fit`` runs t
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -30,7 +26,7 @@ from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool
 from lightning_oomb.lightning.model_parallel import TENSOR_PARALLEL_PLAN, parallelize_decoder_layers
 from test_ddp import CHUNK, PAGE, SEQ
-from test_fsdp import TP, TP_ITEMS, WORLD, _fit
+from test_fsdp import TP, TP_ITEMS, WORLD, _fit, as_torchrun_rank, spawn_ranks
 from test_planner import FUSED, saved_bytes_of_one_chunk
 from tiny_models import tiny_model
 
@@ -92,9 +88,8 @@ class Observe(Callback):
             torch.save(_observed(pl_module.model, trainer.strategy.kv_callback.pool), self.path)
 
 
-def _ranks(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+def _ranks(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
     _record_collectives_and_placements()
     for name, kwargs in (("served", TP), ("checkpointed", {**TP, "checkpoint_layers": True})):
         _fit(f"{out}/{name}", "qwen2", TP_ITEMS[:1], 1, kwargs, callbacks=[Observe(f"{out}/{name}.pt")])
@@ -131,10 +126,7 @@ def _ranks(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-plan")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks, args=(port, str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_ranks, WORLD, out)
     return lambda name: torch.load(out / f"{name}.pt")
 
 
