@@ -222,3 +222,17 @@ def test_host_pages_skip_the_segments_before_a_chunks_documents():
         model.zero_grad(set_to_none=True)
     assert traffic[True] == (layers * row * (3 * 2 * 16 + 2 * 16), layers * row * (2 * 32 + 2 * 16))
     assert traffic[False] == (48128, 20480)  # test_offload.test_copy_statistics_count_every_byte's count
+
+
+def test_chunk_documents_name_each_chunks_first_key_and_its_one_document():
+    """Chunks of 8 over rows with documents starting at 0, 5, 20 and at 0, 5, 24: the first key a chunk's
+    queries see over both rows, and the one document of the chunks whose queries, in both rows, all belong
+    to the same one ([8, 16) only: [0, 8) and [16, 24) hold a border, [24, 32) two documents)."""
+    from lightning_oomb.core.documents import chunk_documents
+
+    position_ids = packed_positions([5, 15, 12], [5, 19, 8])
+    chunks = [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert chunk_documents(position_ids, chunks) == ({0: 0, 8: 5, 16: 5, 24: 20}, {8: 5})
+    # One row: every chunk inside a document is named, a chunk starting one too.
+    first_keys, one_document = chunk_documents(position_ids[:1], chunks)
+    assert first_keys == {0: 0, 8: 5, 16: 5, 24: 20} and one_document == {8: 5, 24: 20}

@@ -187,7 +187,7 @@ def test_warp_specialized_kernels_take_only_what_they_support():
     assert ws.supported_pages(p.q, p.store, 1024, selection)
     assert not ws.supported_pages(p.q, p.store, 1000, selection)  # the chunk must start on a page
     assert not ws.supported_pages(p.q, p.store, 1024, selection[..., :0])  # nothing selected
-    assert tri._warp_specialized_past(p.q, p.store, 1024, None) == 0  # a CPU tensor
+    assert tri._warp_specialized_past(p.q, p.store, 1024, None) == (0, 0)  # a CPU tensor
 
 
 def test_odd_head_dim_runs_padded():
@@ -292,6 +292,91 @@ def test_documents_in_key_ranges():
     assert_close(*results, TOL[torch.float32])
 
 
+ONE_DOCUMENT_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size; the start of the chunk's one document (None: no
+    # documents); the stored keys [lo, hi) the Hopper kernels take
+    "document-mid-page": (1, 2, 2, 64, 64, 700, 128, 300, (384, 640)),
+    "document-on-a-page-batch-2": (2, 1, 2, 64, 48, 520, 128, 256, (256, 512)),
+    "pages-of-256": (1, 1, 2, 64, 40, 1000, 256, 100, (256, 896)),
+    "no-documents": (1, 2, 2, 64, 64, 700, 128, None, (0, 640)),
+    "document-without-a-whole-tile": (1, 1, 2, 64, 64, 700, 128, 600, (0, 0)),
+}
+
+
+def _triton_plays_the_hopper_kernels(monkeypatch) -> list[tuple[str, int, int]]:
+    """Make the Triton backend split a chunk as on an sm_90 GPU, the Hopper kernels' contract (the whole
+    tiles [0, past_end) of a store, past_attention_sm90's forward_past, dq_past, dkdv_past) played by the
+    Triton launches themselves: the interpreter then checks the split (the document's head, the page view,
+    the tail, the carried state) on any machine; the GPU tests run the Gluon kernels. Returns the calls
+    (kernel, past_end, pages in the view)."""
+    from lightning_oomb.kernels import past_attention_sm90 as ws
+
+    calls = []
+
+    def tiles(q):
+        return tri.default_tiles(q.shape[-1], q.dtype)
+
+    def kv_unread(q, store):  # the chunk's own K, V: never read by launches without the chunk
+        return q[:, : store.k.shape[2]], q[:, : store.k.shape[2]]
+
+    def forward_past(q, store, scale, state, out, past_end=0, selection=None):
+        calls.append(("forward", past_end, store.table.slots.shape[1]))
+        tri.launch_forward(q, *kv_unread(q, store), store, 0, past_end, scale, tiles(q).fwd, False, *state, carry=True)
+        return out.copy_(state[0])
+
+    def dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=0, selection=None):
+        calls.append(("dq", past_end, store.table.slots.shape[1]))
+        tri.launch_dq(dout, q, *kv_unread(q, store), lse, delta, store, 0, past_end, scale, tiles(q).dq, False,
+                      partial, accumulate=True)
+        return dq.copy_(partial)
+
+    def dkdv_past(dout, q, lse2, sdelta, store, scale, past_end=0, pages=None, staging=None):
+        calls.append(("dkdv", past_end, store.table.slots.shape[1]))
+        tri.launch_dkdv(dout, q, *kv_unread(q, store), lse2, sdelta, store, 0, past_end, 0, scale, tiles(q),
+                        chunk=False)
+
+    monkeypatch.setattr(tri, "is_sm90", lambda q: True)
+    for kernel in (forward_past, dq_past, dkdv_past):
+        monkeypatch.setattr(ws, kernel.__name__, kernel)
+    return calls
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the Gluon kernels themselves run (test_16_bit_gpu_*)")
+@pytest.mark.parametrize("case", list(ONE_DOCUMENT_CASES), ids=list(ONE_DOCUMENT_CASES))
+def test_hopper_split_of_a_chunk_in_one_document(case, monkeypatch):
+    """A chunk whose queries all belong to one document (``one_document``) runs the document's whole past
+    pages in the Hopper kernels, its keys before them and the chunk in Triton: out, lse and every gradient
+    as the reference with per-query document starts gives them, the other document's tiles not read."""
+    *shape, one_document, keys = ONE_DOCUMENT_CASES[case]
+    p = make_problem(*shape, dtype=torch.float16)
+    b, t = p.q.shape[0], p.q.shape[2]
+    doc_start = None if one_document is None else torch.full((b, t), one_document, dtype=torch.int32)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
+    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
+    want = (out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True))
+    p.pool.dk.copy_(saved[0])
+    p.pool.dv.copy_(saved[1])
+    block_n = tri.default_tiles(p.q.shape[-1], p.q.dtype).fwd.block_n
+    unread = (one_document or 0) // block_n * block_n
+    for x in (p.pool.k, p.pool.v, p.pool.dk, p.pool.dv):
+        x[1].view(-1, *x.shape[-2:])[p.store.table.rows(0, unread).reshape(-1)] = float("nan")
+
+    calls = _triton_plays_the_hopper_kernels(monkeypatch)
+    assert tri._warp_specialized_past(p.q, p.store, p.start, doc_start, one_document) == keys
+    out, lse = tri.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start, one_document)
+    dq, dk, dv = tri.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start,
+                                        one_document)
+    got = [out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)]
+    lo, hi = keys
+    pages = p.store.table.slots.shape[1] - lo // p.store.page_size
+    assert calls == ([("forward", hi - lo, pages), ("dkdv", hi - lo, pages), ("dq", hi - lo, pages)] if hi else [])
+    for i in (5, 6):
+        assert got[i][:, :, :unread].isnan().all(), "the other document's gradient rows were written"
+        got[i][:, :, :unread] = want[i][:, :, :unread]
+    assert_close(got, want, TOL[torch.float16])
+
+
 # --------------------------------------------------------------------------------------------------------
 # GPU: bf16 at a real head size (the interpreter's bf16 tl.dot is wrong, so bf16 is only tested here)
 # --------------------------------------------------------------------------------------------------------
@@ -309,15 +394,18 @@ def _fp32_copy(p: Problem) -> Problem:
 
 
 GPU_CASES = {
-    # batch, n_kv, group, head_dim, T, start, page_size: on an H200 the first four run the past's whole
-    # tiles in the warp-specialised forward, dQ and dK/dV (past_attention_sm90), the last two do not (pages of 64,
-    # a past shorter than one tile)
-    "d128-partial-past-tile": (1, 2, 7, 128, 512, 1000, 128),
-    "d128-pages-of-256-batch-2": (2, 1, 7, 128, 300, 2048, 256),
-    "d64-gqa-2": (1, 2, 2, 64, 200, 640, 128),
-    "d128-long-past": (1, 1, 4, 128, 256, 16384, 128),
-    "d128-pages-of-64": (1, 2, 7, 128, 256, 1000, 64),
-    "d128-short-past": (1, 2, 7, 128, 256, 100, 128),
+    # batch, n_kv, group, head_dim, T, start, page_size, the start of the chunk's one document (None: no
+    # documents): on an H200 the first six run the past's whole tiles in the warp-specialised forward, dQ and
+    # dK/dV (past_attention_sm90; the documents' from their first whole page), the last two do not (pages of
+    # 64, a past shorter than one tile)
+    "d128-partial-past-tile": (1, 2, 7, 128, 512, 1000, 128, None),
+    "d128-pages-of-256-batch-2": (2, 1, 7, 128, 300, 2048, 256, None),
+    "d64-gqa-2": (1, 2, 2, 64, 200, 640, 128, None),
+    "d128-long-past": (1, 1, 4, 128, 256, 16384, 128, None),
+    "d128-one-document-mid-page": (1, 2, 7, 128, 512, 4096, 128, 1000),
+    "d128-one-document-pages-of-256-batch-2": (2, 1, 7, 128, 300, 2048, 256, 300),
+    "d128-pages-of-64": (1, 2, 7, 128, 256, 1000, 64, None),
+    "d128-short-past": (1, 2, 7, 128, 256, 100, 128, None),
 }
 
 
@@ -326,30 +414,35 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_bit_gpu_against_fp32_reference(case, dtype):
-    """bf16 and fp16, GQA, the past in random page slots.
+    """bf16 and fp16, GQA, the past in random page slots; a chunk in one document (the kernels told so, the
+    reference masking per query).
 
     The oracle is the fp32 reference on the same 16-bit values. The kernel's error must stay within twice
     the error a 16-bit computation cannot avoid (the 16-bit reference's own error, or rounding the fp32
     result to 16 bits, whichever is larger) plus 1e-3.
     """
-    p = make_problem(*GPU_CASES[case], dtype, device="cuda")
+    *shape, one_document = GPU_CASES[case]
+    p = make_problem(*shape, dtype, device="cuda")
+    t = p.q.shape[2]
+    doc_start = None if one_document is None else torch.full((p.q.shape[0], t), one_document, dtype=torch.int32,
+                                                             device="cuda")
     if torch.cuda.get_device_capability() == (9, 0):
-        warp_specialized = list(GPU_CASES)[:4]
-        assert bool(tri._warp_specialized_past(p.q, p.store, p.start, None)) == (case in warp_specialized)
+        warp_specialized = list(GPU_CASES)[:6]
+        lo, hi = tri._warp_specialized_past(p.q, p.store, p.start, doc_start, one_document)
+        assert bool(hi) == (case in warp_specialized)
     p32 = _fp32_copy(p)
     saved = p.pool.dk.clone(), p.pool.dv.clone()
-    t = p.q.shape[2]
 
-    def run(prob: Problem, fwd, bwd):
+    def run(prob: Problem, fwd, bwd, *documents):
         prob.pool.dk.copy_(saved[0])
         prob.pool.dv.copy_(saved[1])
-        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale)
-        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale)
+        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale, *documents)
+        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale, *documents)
         return [x.float() for x in (out, lse, dq, dk, dv, *prob.store.read(0, prob.start + t, grads=True))]
 
-    kernel = run(p, tri.attention_forward, tri.attention_backward)
-    ref_bf16 = run(p, ref.attention_forward, ref.attention_backward)
-    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward)
+    kernel = run(p, tri.attention_forward, tri.attention_backward, doc_start, one_document)
+    ref_bf16 = run(p, ref.attention_forward, ref.attention_backward, doc_start)
+    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward, doc_start)
     names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
     for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
         err = rel_err(a, want)

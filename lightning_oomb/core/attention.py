@@ -10,7 +10,10 @@ sparse=True)``), whose ``attention_forward``/``attention_backward`` take the sel
 Packed documents (``core.documents``): ``doc_start`` (B, T) int32 gives every query of the chunk the token
 position where its document starts; the query attends to the keys [doc_start, its own position] only. Dense
 and sparse backends take it (None: one document, every past key visible); a sparse selection made with it
-(``core.sparse.select_pages``) holds only pages of the tiles' documents, -1 for no page.
+(``core.sparse.select_pages``) holds only pages of the tiles' documents, -1 for no page. Where the engine
+knows that all of the chunk's queries belong to one document, the same in every row, it also passes that
+document's start as a host int, ``one_document``, to the dense backend: the chunk is then an unpacked chunk over
+the keys from there on, which the Triton backend runs in the Hopper kernels that know no documents.
 
 A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
 streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time. A sparse
@@ -37,16 +40,18 @@ class AttentionBackend(Protocol):
     [start, start + T); out like q; lse (B, H_q, T) float32, natural log; the past is the store's tokens
     [0, start). ``forward_state``, ``backward_delta`` and ``backward_part`` take one key range of the past
     at a time, for pages streamed from the host (``core.offload``). doc_start: None, or (B, T) int32, the
-    token position of each query's document start: keys before it are not attended (packed documents)."""
+    token position of each query's document start: keys before it are not attended (packed documents).
+    one_document: None, or the host int that doc_start holds everywhere (all queries in one document)."""
 
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
-                          start: int, scale: float,
-                          doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          start: int, scale: float, doc_start: torch.Tensor | None = None,
+                          one_document: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse)."""
 
     def attention_backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, store: LayerStore, start: int, scale: float,
-                           doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           doc_start: torch.Tensor | None = None,
+                           one_document: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(dq like q, dk, dv like k, v: the chunk's share plus what later chunks stored for its tokens);
         adds the past's dK, dV into the store's gradient pages."""
 
@@ -126,28 +131,28 @@ def _staged(store: LayerStore, selection: torch.Tensor | None, start: int) -> La
     return store if store.kv_stager is None else store.kv_stager.stage(store, selection, start)
 
 
-def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start):
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start, one_document):
     store = _staged(store, selection, start)
     if store.streamer is not None:
         return store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
     if selection is not None:
         return backend.attention_forward(q, k, v, store, start, scale, selection, doc_start)
-    return backend.attention_forward(q, k, v, store, start, scale, doc_start)
+    return backend.attention_forward(q, k, v, store, start, scale, doc_start, one_document)
 
 
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None, kept=None,
-                doc_start=None):
+                doc_start=None, one_document=None):
         if kept is None:
-            out, lse = _forward(q, k, v, store, start, scale, backend, selection, doc_start)
+            out, lse = _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document)
         else:
             # A new tensor object on the kept storage: autograd attaches this call's history to it, and a
             # layer checkpoint's recompute may call again with the same kept pair.
             out, lse = kept[0].detach(), kept[1]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.store, ctx.start, ctx.scale, ctx.backend = store, start, scale, backend
-        ctx.selection, ctx.doc_start = selection, doc_start
+        ctx.selection, ctx.doc_start, ctx.one_document = selection, doc_start, one_document
         return out
 
     @staticmethod
@@ -160,32 +165,33 @@ class ChunkAttention(torch.autograd.Function):
         elif ctx.selection is not None:
             dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection, ctx.doc_start)
         else:
-            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.doc_start)
-        return dq, dk, dv, None, None, None, None, None, None, None
+            dq, dk, dv = ctx.backend.attention_backward(*args, ctx.doc_start, ctx.one_document)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def chunk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
     selection: torch.Tensor | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
-    doc_start: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None,
 ) -> torch.Tensor:
     """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
 
     selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
     sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
     used instead of computing them again. doc_start: None, or (B, T) int32, each query's document start
-    (packed documents).
+    (packed documents); one_document: None, or the start of the one document all the chunk's queries belong
+    to (``core.documents.chunk_documents``).
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start)
+        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start, one_document)
     if kept is not None:
         return kept[0]
-    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection, doc_start)[0]
+    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection, doc_start, one_document)[0]
 
 
 def chunk_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
-    selection: torch.Tensor | None = None, doc_start: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None, doc_start: torch.Tensor | None = None, one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log)."""
-    return _forward(q, k, v, store, start, scale, backend, selection, doc_start)
+    return _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document)

@@ -40,13 +40,24 @@ def document_starts(position_ids: torch.Tensor | None, input_ids: torch.Tensor) 
     return (token - pos).to(device=input_ids.device, dtype=torch.int32)
 
 
-def chunk_first_keys(position_ids: torch.Tensor, starts: list[int]) -> dict[int, int]:
-    """For each chunk start s of ``starts``: the earliest document start among the chunk's queries over all
-    rows, before which none of them attends to a key (a host value: one read of position ids per step, none
-    when they are on the CPU, as a data loader gives them). position_ids: as ``document_starts`` accepted."""
-    s = torch.tensor(starts, dtype=torch.long, device=position_ids.device)
-    # Document starts only grow along a row: a chunk's earliest is that of its first token.
-    return dict(zip(starts, (s - position_ids[:, s].long()).amin(0).tolist()))
+def chunk_documents(position_ids: torch.Tensor, chunks: list[tuple[int, int]]) -> tuple[dict[int, int], dict[int, int]]:
+    """Host facts of each chunk [s, e) of ``chunks``, over all rows (one read of position ids per step, none
+    when they are on the CPU, as a data loader gives them): (first_keys, one_document).
+
+    first_keys[s]: the earliest document start among the chunk's queries, before which none of them attends
+    to a key. one_document[s], only for a chunk whose queries all belong to one document, the same in every
+    row: that document's start (the chunk is then an unpacked chunk over the keys from there on).
+    position_ids: as ``document_starts`` accepted."""
+    firsts = torch.tensor([s for s, _ in chunks], dtype=torch.long, device=position_ids.device)
+    lasts = torch.tensor([e - 1 for _, e in chunks], dtype=torch.long, device=position_ids.device)
+    # Document starts only grow along a row: a chunk's first token has its earliest, its last token its latest.
+    first_doc = firsts - position_ids[:, firsts].long()  # (B, n_chunks)
+    last_doc = lasts - position_ids[:, lasts].long()
+    one = ((first_doc == last_doc) & (first_doc == first_doc[:1])).all(0)
+    starts = firsts.tolist()
+    first_keys = dict(zip(starts, first_doc.amin(0).tolist()))
+    one_document = {s: key for s, key, single in zip(starts, first_doc[0].tolist(), one.tolist()) if single}
+    return first_keys, one_document
 
 
 def ignore_across_borders(targets: torch.Tensor, doc_start: torch.Tensor | None) -> torch.Tensor:

@@ -538,7 +538,7 @@ class PagePool:
     def allocate(self, batch: int, seq_len: int, first_keys: dict[int, int] | None = None) -> PageTable:
         """Take pages for ``batch`` sequences of ``seq_len`` tokens; their gradient pages start at zero.
         first_keys (packed documents): per chunk start, the first key the chunk's queries see
-        (``core.documents.chunk_first_keys``); a host pool's streams skip the segments before it."""
+        (``core.documents.chunk_documents``); a host pool's streams skip the segments before it."""
         n = -(-seq_len // self.page_size)
         if batch * n > len(self._free):
             raise RuntimeError(

@@ -45,10 +45,11 @@ FIRST_STEP_RUNTIME_BYTES = GIB // 2
 # predicted within 6.1% (tests/test_planner_calibration.py).
 LINEAR_EFFICIENCY = 0.70
 ATTENTION_EFFICIENCY = 0.60
-# Dense attention over packed documents runs the portable Triton kernels on Hopper too (the warp-specialised
-# Gluon kernels for the past know no documents): fitted to one H200 step, 1M tokens of 32K-token documents,
-# LoRA, layer checkpointing (206.3 s; docs/benchmarks.md, "Packed documents"). Sparse attention over packed
-# documents stayed within 2% of the plan at ATTENTION_EFFICIENCY.
+# Dense attention over packed documents, fitted to one H200 step, 1M tokens of 32K-token documents, LoRA,
+# layer checkpointing (206.3 s at 3ca4960; docs/benchmarks.md, "Packed documents"), when it ran the portable
+# Triton kernels on Hopper too; chunks in one document run the warp-specialised kernels since, not yet measured
+# (docs/planner.md, "Time"). Sparse attention over packed documents stayed within 2% of the plan at
+# ATTENTION_EFFICIENCY.
 DENSE_DOCUMENTS_ATTENTION_EFFICIENCY = 0.38
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's

@@ -7,7 +7,8 @@ heads are viewed as (H_kv, g) and broadcast against each key head; K/V are never
 
 Packed documents: with ``doc_start`` (B, T) int32, query i sees only keys at or after doc_start[:, i] (token
 positions): key tiles wholly before the chunk's earliest document start are skipped, the others masked per
-element.
+element. With ``one_document`` (all queries in the document starting there) the chunk is an unpacked chunk
+over the keys from that start on.
 """
 
 from __future__ import annotations
@@ -164,6 +165,12 @@ def backward_part(
     return (dk_cur.to(k.dtype), dv_cur.to(v.dtype)) if chunk else None
 
 
+def _documents(doc_start: torch.Tensor | None, one_document: int | None) -> tuple[int, torch.Tensor | None]:
+    """(first stored key, doc_start) of a whole chunk's attention: a chunk in one document is an unpacked
+    chunk over the keys from the document's start."""
+    return (0, doc_start) if one_document is None else (one_document, None)
+
+
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,9 +179,12 @@ def attention_forward(
     start: int,
     scale: float,
     doc_start: torch.Tensor | None = None,
+    one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
-    out, lse = forward_state(q, k, v, store, 0, start, scale, chunk=True, doc_start=doc_start, chunk_start=start)
+    past_lo, doc_start = _documents(doc_start, one_document)
+    out, lse = forward_state(q, k, v, store, past_lo, start, scale, chunk=True, doc_start=doc_start,
+                             chunk_start=start)
     return out.to(q.dtype), lse
 
 
@@ -189,6 +199,7 @@ def attention_backward(
     start: int,
     scale: float,
     doc_start: torch.Tensor | None = None,
+    one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the chunk attention.
 
@@ -196,7 +207,8 @@ def attention_backward(
     dq (like q), and dk, dv (like k, v) of the chunk's own tokens: this chunk's share plus what later
     chunks already accumulated for them in the store.
     """
+    past_lo, doc_start = _documents(doc_start, one_document)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, 0, start, start, scale, True, dq,
-                           doc_start)
+    dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, past_lo, start, start, scale, True,
+                           dq, doc_start)
     return dq.to(q.dtype), dk, dv

@@ -25,7 +25,7 @@ from ..integrations.transformers import bind, causal_lm, check_supported
 from ..kernels.page_table import StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig
-from .documents import IGNORE_INDEX, chunk_first_keys, document_starts, ignore_across_borders
+from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, stage_2_gather_order
@@ -179,6 +179,7 @@ class ChunkedSequence:
         # Packed documents (core/documents.py): None, or each token's document start (B, L) int32.
         self.doc_start = document_starts(position_ids, input_ids)
         self._chunk_doc_start: torch.Tensor | None = None  # the current chunk's (B, T), contiguous
+        self._chunk_one_document: int | None = None  # the current chunk's, from self.one_document
         self.targets = ignore_across_borders(targets, self.doc_start)
         self.observer = observer
         self.model = model
@@ -209,10 +210,12 @@ class ChunkedSequence:
         self.pools = pools or cached_pool_provider(self.lm, config.page_size, self.device)
         seq_len = input_ids.shape[1]
         self.chunks = [(s, min(s + config.chunk_size, seq_len)) for s in range(0, seq_len, config.chunk_size)]
-        # Packed documents: per chunk start, the first key its queries see (host pages skip the segments before).
-        self.first_keys = None
+        # Packed documents, per chunk start: the first key its queries see (host pages skip the segments
+        # before), and the start of the one document all its queries belong to, where they do (the kernels
+        # then run it as an unpacked chunk over the keys from there).
+        self.first_keys, self.one_document = None, {}
         if self.doc_start is not None:
-            self.first_keys = chunk_first_keys(position_ids, [s for s, _ in self.chunks])
+            self.first_keys, self.one_document = chunk_documents(position_ids, self.chunks)
         cfg = self.lm.config
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
@@ -298,11 +301,11 @@ class ChunkedSequence:
             raise _LastKVStored
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
-                                                      self._chunk_doc_start)
+                                                      self._chunk_doc_start, self._chunk_one_document)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
             out, lse = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
-                                                self._chunk_doc_start)
+                                                self._chunk_doc_start, self._chunk_one_document)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
@@ -310,7 +313,7 @@ class ChunkedSequence:
         if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
             self.kept[key] = self.host_kept.fetch(*key)
         return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key),
-                               self._chunk_doc_start)
+                               self._chunk_doc_start, self._chunk_one_document)
 
     def _keeps_graph(self, index: int) -> bool:
         return self._with_grads and index >= len(self.chunks) - self.placement.graph_chunks
@@ -334,6 +337,7 @@ class ChunkedSequence:
         pos = torch.arange(start, end, device=self.device).unsqueeze(0).expand(ids.shape[0], -1)
         if self.doc_start is not None:  # RoPE positions restart with every document
             self._chunk_doc_start = self.doc_start[:, start:end].contiguous()
+            self._chunk_one_document = self.one_document.get(start)
             pos = pos - self._chunk_doc_start
         try:
             return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state

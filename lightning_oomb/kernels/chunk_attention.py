@@ -25,7 +25,9 @@ Kernels:
 
 On an H200 (sm_90) the whole past tiles of the forward, dQ and dK/dV run in the warp-specialised Gluon
 kernels of :mod:`.past_attention_sm90`: the kernels here then cover only the chunk's own keys and the past's
-last partial tile, and the Gluon forward and dQ continue from their results.
+last partial tile, and the Gluon forward and dQ continue from their results. Packed documents: the Gluon
+kernels know none, so they take only a chunk in one document (``one_document``), from the document's first
+whole page on; the kernels here add the document's keys before that page.
 
 On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
 when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer
@@ -561,42 +563,57 @@ def launch_dq(
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    tiles: Tiles, doc_start: torch.Tensor | None = None,
+    tiles: Tiles, doc_start: torch.Tensor | None = None, one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    past_end = _warp_specialized_past(q, store, start, doc_start)
-    if past_end:
-        # The chunk's own keys and the past's last partial tile first, then the whole past tiles in the
-        # warp-specialised kernel, which carries that state on and writes the output.
+    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
+    if hi:
+        # The document's keys before its first whole page, the chunk's own keys and the past's last partial
+        # tile first, then the whole past tiles in the warp-specialised kernel, which carries that state on
+        # and writes the output.
         from . import past_attention_sm90
 
         state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
-        launch_forward(q, k, v, store, past_end, start, scale, tiles, True, *state, carry=False)
-        past_attention_sm90.forward_past(q, store, scale, state, out, past_end=past_end)
+        head = _head(lo, doc_start, one_document)
+        if head:
+            launch_forward(q, k, v, store, 0, lo, scale, tiles, False, *state, carry=False, doc_start=doc_start,
+                           chunk_start=start)
+        launch_forward(q, k, v, store, hi, start, scale, tiles, True, *state, carry=head, doc_start=doc_start,
+                       chunk_start=start)
+        past_attention_sm90.forward_past(q, store.from_page(lo // store.page_size), scale, state, out,
+                                         past_end=hi - lo)
         return out, lse
     launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False, doc_start=doc_start,
                    chunk_start=start)
     return out, lse
 
 
-def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_start: torch.Tensor | None) -> int:
-    """Where the past's whole tiles end when the warp-specialised kernels run them; 0 when they do not."""
-    if not is_sm90(q) or doc_start is not None:
-        # The Gluon kernels know no documents: packed documents run the kernels here on sm_90 too.
-        return 0
+def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_start: torch.Tensor | None,
+                           one_document: int | None = None) -> tuple[int, int]:
+    """The stored keys [lo, hi) that the warp-specialised kernels run, from a page start to a tile end;
+    (0, 0) when they run none. They know no documents: with ``doc_start`` they run only a chunk whose queries
+    all belong to one document (``one_document``, its start), from the document's first whole page on."""
+    if not is_sm90(q) or (doc_start is not None and one_document is None):
+        return 0, 0
     from . import past_attention_sm90
 
-    past_end = start - start % past_attention_sm90.BLOCK_N
-    return past_end if past_attention_sm90.supported(q, store, past_end) else 0
+    lo = 0 if doc_start is None else -(-one_document // store.page_size) * store.page_size
+    hi = start - start % past_attention_sm90.BLOCK_N
+    return (lo, hi) if hi > lo and past_attention_sm90.supported(q, store, hi - lo) else (0, 0)
+
+
+def _head(lo: int, doc_start: torch.Tensor | None, one_document: int | None) -> bool:
+    """Whether the chunk's document has keys before ``lo``, the warp-specialised kernels' first page."""
+    return doc_start is not None and one_document < lo
 
 
 def _backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
-    doc_start: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     _check_grads(store)
@@ -605,50 +622,63 @@ def _backward(
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    past_end = _warp_specialized_past(q, store, start, doc_start)
-    if not past_end:
+    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
+    if not hi:
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True,
                              doc_start=doc_start)
         launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False,
                   doc_start=doc_start, chunk_start=start)
         return dq, dk, dv
-    # As in _forward: the whole past tiles in the warp-specialised kernels, the chunk and the past's partial
-    # tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon kernel continues).
+    # As in _forward: the whole past tiles in the warp-specialised kernels, the document's keys before them,
+    # the chunk and the past's partial tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon
+    # kernel continues).
     from . import past_attention_sm90
 
+    pages = store.from_page(lo // store.page_size)
+    head = _head(lo, doc_start, one_document)
     dkdv_from = 0
     if past_attention_sm90.rows_ok(q, dout):
-        past_attention_sm90.dkdv_past(dout, q, *row_terms, store, scale, past_end=past_end)
-        dkdv_from = past_end
-    dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True)
+        past_attention_sm90.dkdv_past(dout, q, *row_terms, pages, scale, past_end=hi - lo)
+        if head:
+            launch_dkdv(dout, q, k, v, *row_terms, store, 0, lo, start, scale, tiles, chunk=False, doc_start=doc_start)
+        dkdv_from = hi
+    dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True,
+                         doc_start=doc_start)
     partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    launch_dq(dout, q, k, v, lse, delta, store, past_end, start, scale, tiles.dq, True, partial, accumulate=False)
-    past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=past_end)
+    if head:
+        launch_dq(dout, q, k, v, lse, delta, store, 0, lo, scale, tiles.dq, False, partial, accumulate=False,
+                  doc_start=doc_start, chunk_start=start)
+    launch_dq(dout, q, k, v, lse, delta, store, hi, start, scale, tiles.dq, True, partial, accumulate=head,
+              doc_start=doc_start, chunk_start=start)
+    past_attention_sm90.dq_past(dout, q, lse, delta, pages, scale, partial, dq, past_end=hi - lo)
     return dq, dk, dv
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    doc_start: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H_q, T, D), k/v (B, H_kv, T, D) at tokens [start, start + T) over the stored past [0, start);
-    doc_start: None, or (B, T) int32 each query's document start (earlier keys unseen).
+    doc_start: None, or (B, T) int32 each query's document start (earlier keys unseen); one_document: None,
+    or the host int doc_start holds everywhere (then the Hopper kernels can take the document's past).
 
     Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
     """
-    return _forward(q, k, v, store, start, scale, default_tiles(q.shape[-1], q.dtype).fwd, doc_start)
+    return _forward(q, k, v, store, start, scale, default_tiles(q.shape[-1], q.dtype).fwd, doc_start, one_document)
 
 
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, doc_start: torch.Tensor | None = None,
+    one_document: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dq (like q) and the chunk's dk, dv (like k, v): its own share plus what later chunks stored.
 
-    Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place. doc_start: as in
-    ``attention_forward``.
+    Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place. doc_start,
+    one_document: as in ``attention_forward``.
     """
-    return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype), doc_start)
+    return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(q.shape[-1], q.dtype), doc_start,
+                     one_document)
 
 
 def forward_state(

@@ -10,7 +10,7 @@ The pool that owns the tensors and decides where they live is ``core.pages.PageP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -104,6 +104,19 @@ class LayerStore:
         if slots.stride() != self.table.slots.stride():
             raise ValueError("the gradient page table must have the layout of the K/V page table")
         return slots
+
+    def from_page(self, page: int) -> LayerStore:
+        """This store less every sequence's first ``page`` pages: its token t is token t + page * page_size
+        here (the keys of a document that starts on that page, for kernels that know no documents)."""
+        if page == 0:
+            return self
+
+        def shifted(table: PageTable | None) -> PageTable | None:
+            if table is None:
+                return None
+            return PageTable(table.slots[:, page:], table.seq_len - page * self.page_size, self.page_size)
+
+        return replace(self, table=shifted(self.table), grad_table=shifted(self.grad_table))
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *t.shape[2:])
