@@ -857,8 +857,8 @@ class Plan:
             f"checkpoint recompute {t.recompute_flops:.3g})",
             f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
             f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {t.attention_efficiency:.0%} "
-            "of the peak" + (" (packed documents run the portable Triton kernels)"
-                             if t.attention_efficiency != ATTENTION_EFFICIENCY else "")
+            "of the peak" + (" (packed documents: fitted to a step that ran the portable Triton kernels, "
+                             "docs/planner.md)" if t.attention_efficiency != ATTENTION_EFFICIENCY else "")
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {_duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Packed documents with the chunks of one document in the Hopper kernels (a476d3c), on one H200 (nvidia-h200
+# kind), about 13 minutes: first the GPU tests of that path (bf16 kernels against the fp32 reference, with
+# and without documents; the strategies on one process), then the dense LoRA rank 16 step with layer
+# checkpointing of docs/benchmarks.md "Packed documents" (1M tokens of 32K-token documents, after a 64K packed
+# step that compiles and tunes the kernels; was 206.3 s at 3ca4960, 32 separate 32K steps 147.0 s), and the
+# same with 30,000-token documents (their starts mid-page: the Triton kernels take each document's first
+# partial page). Host memory sampled every 5 s into OUT/free.log. Run under setsid, read OUT back later:
+#   setsid nohup bash docs/bench/packed-gluon-h200.sh /root/pg > /root/pg.log 2>&1 < /dev/null &
+set -u
+out=${1:-/root/pg}
+mkdir -p "$out"
+(while true; do echo "$(date +%s) $(free -m | awk '/Mem:/ {print $3, $7}')"; sleep 5; done) > "$out/free.log" &
+sampler=$!
+python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_gpu_strategies.py \
+    -k "16_bit_gpu or strategies" > "$out/tests.log" 2>&1
+bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --modes oomb --lora 16 \
+    --checkpoint-layers --repeats 1 --warmup 0 "$@"; }
+bench --lengths 64K,1M --document-length 32K --out "$out/lora-packed-32k" > "$out/lora-packed-32k.log" 2>&1
+bench --lengths 64K,1M --document-length 30000 --out "$out/lora-packed-30000" > "$out/lora-packed-30000.log" 2>&1
+kill $sampler
+touch "$out/done"
