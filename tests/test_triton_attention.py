@@ -233,6 +233,35 @@ def chunk_doc_start(starts: tuple[list[int], ...], start: int, t: int) -> torch.
     return torch.stack(rows).int().to(DEVICE)
 
 
+def reference_then_unread(p: Problem, doc_start: torch.Tensor | None) -> tuple[tuple, list[int]]:
+    """The reference's out, lse, dq, dk, dv and store dK, dV with ``doc_start``, the gradient pages then put
+    back; K, V, dK, dV of each row's key tiles (the forward kernel's) that end before the row's earliest document
+    start set to NaN for the kernels. Returns (those results, per row where its NaN rows end)."""
+    t = p.q.shape[2]
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
+    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
+    want = (out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True))
+    p.pool.dk.copy_(saved[0])
+    p.pool.dv.copy_(saved[1])
+    block_n = tri.default_tiles(p.q.shape[-1], p.q.dtype).fwd.block_n
+    ends = [0 if doc_start is None else int(doc_start[b, 0]) // block_n * block_n for b in range(p.q.shape[0])]
+    for b, end in enumerate(ends):
+        rows = p.store.table.rows(0, end)[b]
+        for x in (p.pool.k, p.pool.v, p.pool.dk, p.pool.dv):
+            x[1].view(-1, *x.shape[-2:])[rows] = float("nan")
+    return want, ends
+
+
+def assert_unread_then_close(got: list, want: tuple, ends: list[int], tol: float) -> None:
+    """The NaN gradient rows of ``reference_then_unread`` were not written; the rest as ``assert_close``."""
+    for b, end in enumerate(ends):
+        for i in (5, 6):
+            assert got[i][b, :, :end].isnan().all(), "a skipped key tile's gradient rows were written"
+            got[i][b, :, :end] = want[i][b, :, :end]
+    assert_close(got, want, tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
 def test_documents_match_reference_and_skip_other_documents(case, dtype):
@@ -243,26 +272,11 @@ def test_documents_match_reference_and_skip_other_documents(case, dtype):
     p = make_problem(*shape, dtype=dtype)
     t = p.q.shape[2]
     doc_start = chunk_doc_start(starts, p.start, t)
-    saved = p.pool.dk.clone(), p.pool.dv.clone()
-    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
-    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
-    want = (out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True))
-    p.pool.dk.copy_(saved[0])
-    p.pool.dv.copy_(saved[1])
-    block_n = tri.default_tiles(p.q.shape[-1], dtype).fwd.block_n
-    skipped = [int(doc_start[b, 0]) // block_n * block_n for b in range(len(starts))]
-    for b, end in enumerate(skipped):
-        rows = p.store.table.rows(0, end)[b]
-        for x in (p.pool.k, p.pool.v, p.pool.dk, p.pool.dv):
-            x[1].view(-1, *x.shape[-2:])[rows] = float("nan")
+    want, skipped = reference_then_unread(p, doc_start)
     out, lse = tri.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
     dq, dk, dv = tri.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
     got = [out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)]
-    for b, end in enumerate(skipped):
-        for i in (5, 6):
-            assert got[i][b, :, :end].isnan().all(), "a skipped key tile's gradient rows were written"
-            got[i][b, :, :end] = want[i][b, :, :end]
-    assert_close(got, want, TOL[dtype])
+    assert_unread_then_close(got, want, skipped, TOL[dtype])
 
 
 def test_documents_in_key_ranges():
@@ -351,16 +365,7 @@ def test_hopper_split_of_a_chunk_in_one_document(case, monkeypatch):
     p = make_problem(*shape, dtype=torch.float16)
     b, t = p.q.shape[0], p.q.shape[2]
     doc_start = None if one_document is None else torch.full((b, t), one_document, dtype=torch.int32)
-    saved = p.pool.dk.clone(), p.pool.dv.clone()
-    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
-    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
-    want = (out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True))
-    p.pool.dk.copy_(saved[0])
-    p.pool.dv.copy_(saved[1])
-    block_n = tri.default_tiles(p.q.shape[-1], p.q.dtype).fwd.block_n
-    unread = (one_document or 0) // block_n * block_n
-    for x in (p.pool.k, p.pool.v, p.pool.dk, p.pool.dv):
-        x[1].view(-1, *x.shape[-2:])[p.store.table.rows(0, unread).reshape(-1)] = float("nan")
+    want, unread = reference_then_unread(p, doc_start)
 
     calls = _triton_plays_the_hopper_kernels(monkeypatch)
     assert tri._warp_specialized_past(p.q, p.store, p.start, doc_start, one_document) == keys
@@ -371,10 +376,7 @@ def test_hopper_split_of_a_chunk_in_one_document(case, monkeypatch):
     lo, hi = keys
     pages = p.store.table.slots.shape[1] - lo // p.store.page_size
     assert calls == ([("forward", hi - lo, pages), ("dkdv", hi - lo, pages), ("dq", hi - lo, pages)] if hi else [])
-    for i in (5, 6):
-        assert got[i][:, :, :unread].isnan().all(), "the other document's gradient rows were written"
-        got[i][:, :, :unread] = want[i][:, :, :unread]
-    assert_close(got, want, TOL[torch.float16])
+    assert_unread_then_close(got, want, unread, TOL[torch.float16])
 
 
 # --------------------------------------------------------------------------------------------------------
