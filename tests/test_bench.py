@@ -93,6 +93,12 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     assert cli_main(warm) == 0
     _, (warm_row,) = read_rows(tmp_path / "warm" / "results.csv")
     assert warm_row["kv_pages_gathered"] == per_chunk["kv_pages_gathered"]
+    # No programs is refused, not taken for the default.
+    none = list(argv)
+    none[none.index("--gather-programs") + 1] = "0"
+    with pytest.raises(SystemExit) as refused:
+        cli_main(none)
+    assert refused.value.code == 2
 
 
 def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):

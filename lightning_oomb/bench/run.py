@@ -611,7 +611,7 @@ def run(config: BenchConfig, log: Callable[[str], None] = _print_now) -> list[Po
     results: list[PointResult] = []
     total = len(config.modes) * len(config.lengths)
     launch = host_pages.AddLaunch.parse(config.add_launch) if config.add_launch else host_pages.ADD_LAUNCH
-    gather = config.gather_programs or host_pages.GATHER_AHEAD_PROGRAMS
+    gather = host_pages.GATHER_AHEAD_PROGRAMS if config.gather_programs is None else config.gather_programs
     with host_pages.side_launches(launch, gather):
         for name in config.modes:
             mode = MODES[name]
@@ -804,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     for name, value in (("--repeats", config.repeats), ("--batch", config.batch),
-                        ("--gather-programs", config.gather_programs or 1)):
+                        ("--gather-programs", 1 if config.gather_programs is None else config.gather_programs)):
         if value < 1:
             parser.error(f"{name} must be >= 1")
     if config.warmup < 0:
