@@ -68,6 +68,7 @@ class Record(Callback):
             self.before = dict(CALLS)
         if batch_idx == 0 and trainer.global_rank == 0:  # what the placement reserves beyond the shards
             torch.save(trainer.strategy.ranks.step_gpu_bytes, f"{self.out}-gathered.pt")
+            torch.save([group["foreach"] for group in trainer.optimizers[0].param_groups], f"{self.out}-foreach.pt")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         calls = {name: CALLS[name] - self.before[name] for name in CALLS}
@@ -80,6 +81,11 @@ class Record(Callback):
         final = {n: _whole(p) for n, p in pl_module.named_parameters() if p.requires_grad}
         if trainer.global_rank == 0:
             torch.save(final, f"{self.out}-weights.pt")
+
+
+class ForeachAdamW(UserModule):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=True)
 
 
 def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=None, optimizer="adamw",
@@ -137,6 +143,13 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
     # A pool sized at fit start (as for a data module with seq_len): this rank's KV heads only.
     _fit(f"{out}/tp-checkpointed", "llama", TP_ITEMS, 1, {**TP, "checkpoint_layers": True},
          callbacks=[PagedKVCallback(max_seq_len=TP_ITEMS[0]["input_ids"].shape[-1])])
+    # Last, since it ends a fit in an exception: foreach asked for a group of sharded and whole weights.
+    strategy = OOMBModelParallelStrategy(chunk_size=CHUNK, page_size=PAGE, attention="reference")
+    try:
+        Trainer(devices=WORLD, strategy=strategy, max_steps=1, use_distributed_sampler=False, **TRAINER).fit(
+            ForeachAdamW(tiny_model("qwen2")), datamodule=RankRows(ITEMS[:2]))
+    except SetupError as refusal:
+        torch.save(str(refusal), f"{out}/foreach-refusal.pt")
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +184,17 @@ def test_zero2_adamw_steps_equal_one_process(runs):
     assert_grads_close(runs("zero2", "grads"), module_grads(tiny_model("qwen2"), ITEMS[:2]), 1e-5)
     start = weights(UserModule(tiny_model("qwen2")))
     assert_adamw_updates_close(runs("zero2", "weights"), one_process_adamw("qwen2", ITEMS[:4], 2), start)
+
+
+def test_groups_of_sharded_and_whole_weights_step_tensor_by_tensor(runs):
+    """torch's foreach AdamW (its default on CUDA) cannot step DTensor shards and whole tensors in one list: the
+    strategy sets such a group's foreach to False (the update is the same, as the test above shows), and refuses
+    a group that asked for foreach=True, naming the way out."""
+    assert runs("zero2", "foreach") == [False]
+    assert runs("foreach", "refusal") == (
+        "AdamW with foreach=True: parameter group 0 holds the sharded decoder layers and the whole embeddings, "
+        "norm and output layer, which torch's foreach kernels cannot step together; leave foreach unset (the "
+        "strategy steps such a group tensor by tensor) or put the whole weights in a group of their own")
 
 
 def test_zero3_layer_checkpointing_tied_embeddings(runs):

@@ -133,6 +133,23 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> torch.Ten
     return total
 
 
+def step_sharded_and_whole_apart(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` update tensor by tensor in each parameter group that holds both sharded (DTensor) and
+    whole parameters: torch's foreach and fused kernels take one list of a kind, and mixed fail at the first step
+    (foreach is torch's default on CUDA). The per-tensor loop computes the same update. A group that asked for
+    foreach or fused is refused (``SetupError``) rather than changed."""
+    for index, group in enumerate(optimizer.param_groups):
+        if len({isinstance(p, DTensor) for p in group["params"]}) < 2 or "foreach" not in group:
+            continue
+        asked = [option for option in ("foreach", "fused") if group.get(option)]
+        if asked:
+            raise SetupError(f"{type(optimizer).__name__} with {asked[0]}=True: parameter group {index} holds the "
+                             "sharded decoder layers and the whole embeddings, norm and output layer, which torch's "
+                             f"{asked[0]} kernels cannot step together; leave {asked[0]} unset (the strategy steps "
+                             "such a group tensor by tensor) or put the whole weights in a group of their own")
+        group["foreach"] = False
+
+
 def clip_grad_value(params: Iterable[nn.Parameter], clip_value: float) -> None:
     """``torch.nn.utils.clip_grad_value_`` over sharded and whole gradients alike."""
     for p in params:
@@ -152,7 +169,8 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
     norm and output layer stay unsharded (refused otherwise: see the module docstring for why). Those stay
     whole on every rank: broadcast from rank 0 at set-up, their gradients averaged after stage 2 as oomb_ddp
     averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
-    gradients, sharded and whole (``clip_grad_norm``).
+    gradients, sharded and whole (``clip_grad_norm``), and an optimizer's parameter group holding both steps
+    tensor by tensor (``step_sharded_and_whole_apart``).
 
     data_parallel_size: "auto" (default): the run's processes divided by tensor_parallel_size; an int must be
         that number.
@@ -281,6 +299,8 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                step_sharded_and_whole_apart(optimizer)
         self.setup_precision_plugin()
         # Lightning clips through the precision plugin (chosen by the Trainer's precision flag), whose torch
         # clipping cannot mix sharded and whole gradients: this plugin instance clips with the functions above.
