@@ -237,6 +237,27 @@ def test_packed_step_costs_its_documents_attention():
         plan(shape, 1 << 20, document_length=0, **H200)
 
 
+def test_packed_chunks_in_the_portable_kernels_are_counted_at_their_rate():
+    """Dense packed chunks holding a document border, or of a document that starts mid-page, count at
+    PORTABLE_ATTENTION_EFFICIENCY (docs/planner.md); those of documents starting on a page, sparse steps and
+    unpacked ones at ATTENTION_EFFICIENCY."""
+    from lightning_oomb.core.planner import _chunk_pairs, _runs_portable
+
+    shape = ModelShape.from_name("qwen2.5-7b")
+    assert step_time(shape, 1 << 20, document_length=32 << 10).portable_attention_flops == 0
+    assert step_time(shape, 1 << 20, document_length=30000, sparse=SparseConfig()).portable_attention_flops == 0
+    # 30,000-token documents, chunks of 4096, pages of 128: chunk 7 holds the first border, chunks 8-13 belong
+    # to the document starting at 30,000 (mid-page), chunks 0-6 to the one at 0.
+    assert [_runs_portable(i * 4096, 4096, 30000, 128) for i in range(15)] == [False] * 7 + [True] * 8
+    per_pair = 4 * shape.q_width * shape.n_layers  # forward FLOPs of one (query, key) pair, all layers
+    for checkpoint_layers in (False, True):
+        # 64K tokens: chunks 7-15 portable (chunk 15's document starts at 60,000, mid-page); 0-2 kept on the host.
+        t = step_time(shape, 1 << 16, document_length=30000, checkpoint_layers=checkpoint_layers, host_kept_chunks=3)
+        pairs = sum(_chunk_pairs(i * 4096, 4096, 1 << 16, 30000) for i in range(7, 16))
+        assert t.portable_attention_flops == pytest.approx(per_pair * pairs * (4.5 + checkpoint_layers), rel=1e-12)
+        assert t.predicted_s > dataclasses.replace(t, portable_attention_flops=0).predicted_s
+
+
 def test_cli_plans_a_packed_step(capsys):
     common = ["plan", "--model", "qwen2.5-7b", "--context", "1M", "--gpu-memory", "140GiB", "--host-memory", "500GiB",
               "--checkpoint-layers", "on"]
@@ -245,6 +266,10 @@ def test_cli_plans_a_packed_step(capsys):
     assert cli_main(common + ["--document-length", "32K"]) == 0
     packed = capsys.readouterr().out
     assert "packed from documents of 32,768 tokens" in packed and "packed" not in dense
+    assert "portable" not in packed  # every 32K document starts on a page
+    assert cli_main(common + ["--document-length", "30000"]) == 0
+    assert "of it at 38%: packed chunks that hold a document border or whose document starts mid-page" in (
+        capsys.readouterr().out)
     flops = [out.split("Step FLOPs ")[1].split()[0] for out in (dense, packed)]
     assert float(flops[1]) < float(flops[0])
 

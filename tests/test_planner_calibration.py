@@ -93,9 +93,13 @@ TIMED = (
     ("h200-qwen2.5-7b-sparse-1m-warm-e88a23c.csv", "sparse", 1 << 20, {"sparse": SPARSE64, "grad_dtype": "bfloat16"}),
     ("h200-qwen2.5-7b-packed-lora16-32k-3ca4960.csv", "oomb", 32768,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16"}),
-    # Packed documents: one cold step each (the pinning subtracted); the dense one fits its own efficiency.
-    ("h200-qwen2.5-7b-packed-lora16-1m-3ca4960.csv", "oomb", 1 << 20,
+    # Packed documents: one cold step each (the pinning subtracted). Dense: documents starting on a page (their
+    # chunks in the warp-specialised kernels), and mid-page (at PORTABLE_ATTENTION_EFFICIENCY, which the same
+    # step of 32K-token documents at 3ca4960 fitted, before those kernels took documents).
+    ("h200-qwen2.5-7b-packed-lora16-1m-gluon-c58dd48.csv", "oomb", 1 << 20,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16", "document_length": 32768}),
+    ("h200-qwen2.5-7b-packed30000-lora16-1m-c58dd48.csv", "oomb", 1 << 20,
+     {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16", "document_length": 30000}),
     ("h200-qwen2.5-7b-packed-sparse-1m-3ca4960.csv", "sparse", 1 << 20,
      {"sparse": SPARSE64, "grad_dtype": "bfloat16", "document_length": 32768}),
 )

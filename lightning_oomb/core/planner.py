@@ -45,12 +45,14 @@ FIRST_STEP_RUNTIME_BYTES = GIB // 2
 # predicted within 6.1% (tests/test_planner_calibration.py).
 LINEAR_EFFICIENCY = 0.70
 ATTENTION_EFFICIENCY = 0.60
-# Dense attention over packed documents, fitted to one H200 step, 1M tokens of 32K-token documents, LoRA,
-# layer checkpointing (206.3 s at 3ca4960; docs/benchmarks.md, "Packed documents"), when it ran the portable
-# Triton kernels on Hopper too; chunks in one document run the warp-specialised kernels since, not yet measured
-# (docs/planner.md, "Time"). Sparse attention over packed documents stayed within 2% of the plan at
-# ATTENTION_EFFICIENCY.
-DENSE_DOCUMENTS_ATTENTION_EFFICIENCY = 0.38
+# Dense attention of the packed-document chunks that run in the portable Triton kernels on Hopper: chunks that
+# hold a document border, and (measured, cause not found) the chunks of a document that starts mid-page,
+# whose whole pages the warp-specialised kernels do run. Fitted to a step whose chunks all ran the portable
+# kernels (1M tokens of 32K-token documents, LoRA, layer checkpointing, 206.3 s at 3ca4960); the chunks of
+# documents that start on a page run at ATTENTION_EFFICIENCY (165.2 s at c58dd48, planned 169.1 s), those of
+# 30,000-token documents measured at this rate (199.4 s, planned 197.3 s; docs/benchmarks.md, "Packed
+# documents"). Sparse attention over packed documents stayed within 2% of the plan at ATTENTION_EFFICIENCY.
+PORTABLE_ATTENTION_EFFICIENCY = 0.38
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
 # additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
@@ -240,7 +242,7 @@ class StepTime:
     recompute_flops: float
     matmul_tflops: float
     recompute_attention_flops: float = 0.0
-    attention_efficiency: float = ATTENTION_EFFICIENCY  # DENSE_DOCUMENTS_ATTENTION_EFFICIENCY for packed dense
+    portable_attention_flops: float = 0.0  # of the attention (recompute too): packed chunks at PORTABLE_...
     stage_1_flops: float = 0.0  # of the total: stage 1's forward of every chunk
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
@@ -260,11 +262,13 @@ class StepTime:
 
     @property
     def compute_s(self) -> float:
-        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ``attention_efficiency`` of the peak."""
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
+        of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
         attention = self.attention_flops + self.recompute_attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
-        return linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * self.attention_efficiency)
+        return (linear / (peak * LINEAR_EFFICIENCY) + (attention - self.portable_attention_flops)
+                / (peak * ATTENTION_EFFICIENCY) + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
 
     @property
     def predicted_s(self) -> float:
@@ -565,8 +569,8 @@ def step_time(
         recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + recompute_attention
     n = len(chunk_pairs)
     graphs = 0 if checkpoint_layers else min(graph_chunks, n)
-    spared = per_pair * sum(chunk_pairs[i] for i in attention_kept_chunks(n, checkpoint_layers, graph_chunks,
-                                                                          kept_chunks, host_kept_chunks))
+    kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
+    spared = per_pair * sum(chunk_pairs[i] for i in kept)
     attention -= spared
     if checkpoint_layers:
         recompute_attention -= spared
@@ -574,10 +578,24 @@ def step_time(
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
-    packed = document_length is not None and document_length < context
-    efficiency = DENSE_DOCUMENTS_ATTENTION_EFFICIENCY if packed and not sparse else ATTENTION_EFFICIENCY
-    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention, attention_efficiency=efficiency,
-                    stage_1_flops=stage_1)
+    # Attention FLOPs a chunk executes, per forward pair: stage 1's, stage 2's and the backward's 4.5 forwards,
+    # the recompute's one, less the forwards a kept output spares.
+    passes = [4.5 + checkpoint_layers - (i in kept) * (1 + checkpoint_layers) for i in range(n)]
+    portable = 0.0
+    if document_length is not None and document_length < context and not sparse:
+        portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
+                                  if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
+                                                    document_length, page_size))
+    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention,
+                    portable_attention_flops=portable, stage_1_flops=stage_1)
+
+
+def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> bool:
+    """Whether the dense chunk [start, start + n) of a sequence packed from documents of ``document_length``
+    tokens runs its attention in the portable kernels on Hopper (PORTABLE_ATTENTION_EFFICIENCY): it holds a
+    document border, or its document starts mid-page."""
+    first_doc = start - start % document_length
+    return first_doc != (start + n - 1) - (start + n - 1) % document_length or first_doc % page_size != 0
 
 
 def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
@@ -856,9 +874,10 @@ class Plan:
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g})",
             f"Step time: floor {_duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
-            f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {t.attention_efficiency:.0%} "
-            "of the peak" + (" (packed documents: fitted to a step that ran the portable Triton kernels, "
-                             "docs/planner.md)" if t.attention_efficiency != ATTENTION_EFFICIENCY else "")
+            f"{_duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention at {ATTENTION_EFFICIENCY:.0%} "
+            "of the peak" + (f", {_portable_share(t):.0%} of it at {PORTABLE_ATTENTION_EFFICIENCY:.0%}: packed "
+                             "chunks that hold a document border or whose document starts mid-page run the "
+                             "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
             + (f", plus {_duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {_duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({_gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
@@ -936,6 +955,10 @@ def _bytes_name(itemsize: int) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _portable_share(t: StepTime) -> float:
+    return t.portable_attention_flops / (t.attention_flops + t.recompute_attention_flops)
 
 
 def _duration(seconds: float) -> str:
