@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Packed documents with the chunks of one document in the Hopper kernels (a476d3c), on one H200 (nvidia-h200
-# kind), about 13 minutes: first the GPU tests of that path (bf16 kernels against the fp32 reference, with
-# and without documents; the strategies on one process), then the dense LoRA rank 16 step with layer
-# checkpointing of docs/benchmarks.md "Packed documents" (1M tokens of 32K-token documents, after a 64K packed
-# step that compiles and tunes the kernels; was 206.3 s at 3ca4960, 32 separate 32K steps 147.0 s), and the
-# same with 30,000-token documents (their starts mid-page: the Triton kernels take each document's first
-# partial page). Host memory sampled every 5 s into OUT/free.log. Run under setsid, read OUT back later:
+# Packed documents with the chunks of one document in the Hopper kernels, on one H200 (nvidia-h200 kind), about
+# 13 minutes: first the GPU tests of that path (bf16 kernels against the fp32 reference, with and without
+# documents; the strategies on one process), then the dense LoRA rank 16 step with layer checkpointing of
+# docs/benchmarks.md "Packed documents" (1M tokens of 32K-token documents, after a 64K packed step that compiles
+# the kernels; 165.2 s at c58dd48, 32 separate 32K steps 147.0 s), and the same with 30,000-token documents
+# (their starts mid-page: 199.4 s at c58dd48, the portable kernels' rate; b655286 starts the Triton launches of
+# their first partial pages at the document, no longer at key 0). Host memory sampled every 5 s into
+# OUT/free.log. Run under setsid, read OUT back later:
 #   setsid nohup bash docs/bench/packed-gluon-h200.sh /root/pg > /root/pg.log 2>&1 < /dev/null &
 set -u
 out=${1:-/root/pg}
