@@ -236,3 +236,29 @@ def test_chunk_documents_name_each_chunks_first_key_and_its_one_document():
     # One row: every chunk inside a document is named, a chunk starting one too.
     first_keys, one_document = chunk_documents(position_ids[:1], chunks)
     assert first_keys == {0: 0, 8: 5, 16: 5, 24: 20} and one_document == {8: 5, 24: 20}
+
+
+def test_dense_chunks_attend_from_their_first_keys_page(monkeypatch):
+    """The engine hands the dense backend the store from the page of each chunk's first key on (positions
+    counted from there), so no kernel launches a program for an earlier document's keys: documents start at
+    0, 5, 20 (chunks of 8, pages of 4), so chunk [16, 24) sees the store from page 1 (token 4) and [24, 32)
+    from page 5 (token 20), as starts 12 and 4 with documents at 1 and 0; the gradient stays exact."""
+    from lightning_oomb.core import reference_attention
+
+    calls = []
+    forward = reference_attention.attention_forward
+
+    def recorded(q, k, v, store, start, scale, doc_start=None, one_document=None):
+        calls.append((start, store.table.seq_len, int(doc_start.min()), one_document))
+        return forward(q, k, v, store, start, scale, doc_start, one_document)
+
+    monkeypatch.setattr(reference_attention, "attention_forward", recorded)
+    model = tiny_model("qwen2")
+    position_ids = packed_positions([5, 15, 12])
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    check_packed(model, ids, position_ids, chunk_size=8, page_size=4, attention="reference")
+    # (start, tokens in the store's view, the chunk's first document start, its one document) of each chunk in
+    # stage 1's order (chunk [8, 16) belongs to the document at 5, chunk [24, 32) to the one at 20); stage 2
+    # calls again with the same.
+    want = [(0, 32, 0, None), (4, 28, 1, 1), (12, 28, 1, None), (4, 12, 0, 0)]
+    assert calls[:4] == want and set(calls) == set(want)

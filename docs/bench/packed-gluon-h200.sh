@@ -4,9 +4,9 @@
 # documents; the strategies on one process), then the dense LoRA rank 16 step with layer checkpointing of
 # docs/benchmarks.md "Packed documents" (1M tokens of 32K-token documents, after a 64K packed step that compiles
 # the kernels; 165.2 s at c58dd48, 32 separate 32K steps 147.0 s), and the same with 30,000-token documents
-# (their starts mid-page: 199.4 s at c58dd48, the portable kernels' rate; b655286 starts the Triton launches of
-# their first partial pages at the document, no longer at key 0). Host memory sampled every 5 s into
-# OUT/free.log. Run under setsid, read OUT back later:
+# (their starts mid-page: 199.4 s at c58dd48, the portable kernels' rate; since then every dense packed chunk
+# sees the store from its first key's page, so no dK/dV program is launched for earlier documents' keys).
+# Host memory sampled every 5 s into OUT/free.log. Run under setsid, read OUT back later:
 #   setsid nohup bash docs/bench/packed-gluon-h200.sh /root/pg > /root/pg.log 2>&1 < /dev/null &
 set -u
 out=${1:-/root/pg}

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..integrations.transformers import bind, causal_lm, check_supported
-from ..kernels.page_table import StoreSpec
+from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
@@ -180,6 +180,7 @@ class ChunkedSequence:
         self.doc_start = document_starts(position_ids, input_ids)
         self._chunk_doc_start: torch.Tensor | None = None  # the current chunk's (B, T), contiguous
         self._chunk_one_document: int | None = None  # the current chunk's, from self.one_document
+        self._chunk_first_page = 0  # the page of the current chunk's first key (self.first_keys)
         self.targets = ignore_across_borders(targets, self.doc_start)
         self.observer = observer
         self.model = model
@@ -299,21 +300,36 @@ class ChunkedSequence:
                 selection = self.selections[key]
         if fill and layer_idx == self._last_layer and not self._hidden_needed:
             raise _LastKVStored
+        store, start, doc_start, one_document = self._past(store, dense=selection is None)
         if fill and self._with_grads and self._keeps_attention(self._chunk):
-            self.kept[key] = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
-                                                      self._chunk_doc_start, self._chunk_one_document)
+            self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
+                                                      doc_start, one_document)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
-            out, lse = chunk_attention_with_lse(q, k, v, store, self._start, scale, self.backend, selection,
-                                                self._chunk_doc_start, self._chunk_one_document)
+            out, lse = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection, doc_start,
+                                                one_document)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
             return out
         if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
             self.kept[key] = self.host_kept.fetch(*key)
-        return chunk_attention(q, k, v, store, self._start, scale, self.backend, selection, self.kept.get(key),
-                               self._chunk_doc_start, self._chunk_one_document)
+        return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
+                               one_document)
+
+    def _past(self, store: LayerStore, dense: bool) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
+        """(store, start, doc_start, one_document) for the current chunk's attention. Dense over packed
+        documents: the store from the page of the chunk's first key on, every position counted from that page
+        (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys of earlier
+        documents (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host
+        skip those segments already (``core/offload.py``); a sparse selection names pages of the whole store."""
+        page = self._chunk_first_page
+        if not dense or not page or store.streamer is not None:
+            return store, self._start, self._chunk_doc_start, self._chunk_one_document
+        offset = page * self.config.page_size
+        one = self._chunk_one_document
+        return (store.from_page(page), self._start - offset, self._chunk_doc_start - offset,
+                None if one is None else one - offset)
 
     def _keeps_graph(self, index: int) -> bool:
         return self._with_grads and index >= len(self.chunks) - self.placement.graph_chunks
@@ -338,6 +354,7 @@ class ChunkedSequence:
         if self.doc_start is not None:  # RoPE positions restart with every document
             self._chunk_doc_start = self.doc_start[:, start:end].contiguous()
             self._chunk_one_document = self.one_document.get(start)
+            self._chunk_first_page = self.first_keys[start] // self.config.page_size
             pos = pos - self._chunk_doc_start
         try:
             return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state

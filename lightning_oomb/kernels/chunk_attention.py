@@ -570,7 +570,6 @@ def _forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
-    first = _first_page_key(store, one_document)
     if hi:
         # The document's keys before its first whole page, the chunk's own keys and the past's last partial
         # tile first, then the whole past tiles in the warp-specialised kernel, which carries that state on
@@ -580,14 +579,14 @@ def _forward(
         state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
         head = _head(lo, doc_start, one_document)
         if head:
-            launch_forward(q, k, v, store, first, lo, scale, tiles, False, *state, carry=False, doc_start=doc_start,
+            launch_forward(q, k, v, store, 0, lo, scale, tiles, False, *state, carry=False, doc_start=doc_start,
                            chunk_start=start)
         launch_forward(q, k, v, store, hi, start, scale, tiles, True, *state, carry=head, doc_start=doc_start,
                        chunk_start=start)
         past_attention_sm90.forward_past(q, store.from_page(lo // store.page_size), scale, state, out,
                                          past_end=hi - lo)
         return out, lse
-    launch_forward(q, k, v, store, first, start, scale, tiles, True, out, lse, carry=False, doc_start=doc_start,
+    launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False, doc_start=doc_start,
                    chunk_start=start)
     return out, lse
 
@@ -604,14 +603,6 @@ def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_s
     lo = 0 if doc_start is None else -(-one_document // store.page_size) * store.page_size
     hi = start - start % past_attention_sm90.BLOCK_N
     return (lo, hi) if hi > lo and past_attention_sm90.supported(q, store, hi - lo) else (0, 0)
-
-
-def _first_page_key(store: LayerStore, one_document: int | None) -> int:
-    """Where the Triton launches of a one-document chunk start: the first key of its document's first page (0
-    for other chunks). Their kernels skip the tiles of earlier documents anyway, but the key-stationary dK/dV
-    kernel has a program per past key tile: from key 0, a chunk late in a long packed sequence launched
-    thousands of programs with nothing to do."""
-    return 0 if one_document is None else one_document - one_document % store.page_size
 
 
 def _head(lo: int, doc_start: torch.Tensor | None, one_document: int | None) -> bool:
@@ -632,11 +623,10 @@ def _backward(
     row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
-    first = _first_page_key(store, one_document)
     if not hi:
-        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, first, start, start, scale, tiles, chunk=True,
+        dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True,
                              doc_start=doc_start)
-        launch_dq(dout, q, k, v, lse, delta, store, first, start, scale, tiles.dq, True, dq, accumulate=False,
+        launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False,
                   doc_start=doc_start, chunk_start=start)
         return dq, dk, dv
     # As in _forward: the whole past tiles in the warp-specialised kernels, the document's keys before them,
@@ -650,14 +640,13 @@ def _backward(
     if past_attention_sm90.rows_ok(q, dout):
         past_attention_sm90.dkdv_past(dout, q, *row_terms, pages, scale, past_end=hi - lo)
         if head:
-            launch_dkdv(dout, q, k, v, *row_terms, store, first, lo, start, scale, tiles, chunk=False,
-                        doc_start=doc_start)
+            launch_dkdv(dout, q, k, v, *row_terms, store, 0, lo, start, scale, tiles, chunk=False, doc_start=doc_start)
         dkdv_from = hi
     dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True,
                          doc_start=doc_start)
     partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if head:
-        launch_dq(dout, q, k, v, lse, delta, store, first, lo, scale, tiles.dq, False, partial, accumulate=False,
+        launch_dq(dout, q, k, v, lse, delta, store, 0, lo, scale, tiles.dq, False, partial, accumulate=False,
                   doc_start=doc_start, chunk_start=start)
     launch_dq(dout, q, k, v, lse, delta, store, hi, start, scale, tiles.dq, True, partial, accumulate=head,
               doc_start=doc_start, chunk_start=start)
