@@ -4,8 +4,10 @@
 # from it for the third step again, then train_step + AdamW in the same process for the ratio (2 steps at 1M,
 # a steady one). The YAMLs run in the order given (default: 1m lora 128k; the 1M one first, so a lease that
 # ends early still has the headline); at 1M all three parts take about 23 minutes, LoRA and 128K about 10.
+# `packed`: the 128K YAML on documents of 32,768 tokens with document masking, 3 steps and no checkpoint, then
+# 2 steps of train_step + AdamW given the same position ids (issue 31 through the user's route).
 # Results: docs/benchmarks.md, "The CLI route".
-#   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k]
+#   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k] [packed]
 set -u
 work=${1:-/root/job}
 model=${2:-/root/qwen2.5-7b}
@@ -24,7 +26,9 @@ for name in $names; do
           --out "$work/1m" ;;
     lora) route --config examples/lora.yaml --checkpoint-every 2 --resume --baseline --out "$work/lora" ;;
     128k) route --config examples/qwen2.5-7b-128k.yaml --checkpoint-every 2 --resume --baseline --out "$work/128k" ;;
-    *) echo "unknown YAML name $name (1m, lora, 128k)"; exit 2 ;;
+    packed) route --config examples/qwen2.5-7b-128k.yaml --document-length 32768 --baseline --baseline-steps 2 \
+          --out "$work/packed" ;;
+    *) echo "unknown YAML name $name (1m, lora, 128k, packed)"; exit 2 ;;
   esac
 done
 touch "$work/done"

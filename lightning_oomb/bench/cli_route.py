@@ -7,7 +7,8 @@ optimizer in the same process lease, for the ratio.
 
 ``--make-model SHAPE`` writes random bf16 weights of a built-in shape to ``--model-dir`` first (built on the
 GPU, saved with ``save_pretrained``) when it holds no model yet. The corpus is generated text (seeded),
-tokenized with the byte tokenizer in ``examples/``. The fit runs as a child process; every second its
+tokenized with the byte tokenizer in ``examples/``; with ``--document-length N``, documents of N tokens each
+trained with ``document_masking`` (packed documents), the baseline given the same position ids. The fit runs as a child process; every second its
 resident set, the machine's used and available memory (``/proc/meminfo``) and the GPU's used memory
 (``nvidia-smi``) go to ``memory.csv``; a kill by the kernel's OOM killer shows there as the last rows.
 ``summary.json`` holds: the seconds from the command to the first step's start, each step's seconds (from
@@ -57,15 +58,31 @@ def make_model(shape: str, target: Path) -> float:
     return time.perf_counter() - started
 
 
-def make_corpus(path: Path, tokens: int, seed: int = 0) -> None:
-    """Generated English-like text of at least ``tokens`` bytes (the byte tokenizer: one token a byte)."""
+def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, seed: int = 0) -> Path:
+    """Generated English-like text of at least ``tokens`` bytes (the byte tokenizer: one token a byte): one
+    text file, one document; or with ``document_tokens``, ``path`` with suffix .jsonl holding documents of
+    that many tokens each, its EOS included. Returns the file written."""
     rng = random.Random(seed)
+
+    def text(length: int) -> str:
+        words: list[str] = []
+        while sum(map(len, words)) + len(words) < length:
+            words.append(rng.choice(WORDS))
+        return " ".join(words)[:length]
+
+    if document_tokens is None:
+        with open(path, "w") as f:
+            written = 0
+            while written < tokens:
+                line = " ".join(rng.choice(WORDS) for _ in range(200)) + ".\n"
+                f.write(line)
+                written += len(line)
+        return path
+    path = path.with_suffix(".jsonl")
     with open(path, "w") as f:
-        written = 0
-        while written < tokens:
-            line = " ".join(rng.choice(WORDS) for _ in range(200)) + ".\n"
-            f.write(line)
-            written += len(line)
+        for _ in range(-(-tokens // document_tokens)):
+            f.write(json.dumps({"text": text(document_tokens - 1)}) + "\n")
+    return path
 
 
 def derived_config(config: Path, out: Path, checkpoint_every: int | None) -> Path:
@@ -193,12 +210,14 @@ def plot_trace(events, title: str, path: Path, since: float) -> bool:
     return True
 
 
-def run_fit(args, config: Path, out: Path, steps: int, name: str, extra: list[str]) -> dict:
+def run_fit(args, config: Path, corpus: Path, out: Path, steps: int, name: str, extra: list[str]) -> dict:
     """One ``lightning-oomb fit`` child process, sampled; its summary."""
     command = [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config),
-               "--model.pretrained", str(args.model_dir), "--data.init_args.paths", f"[{out / 'corpus.txt'}]",
+               "--model.pretrained", str(args.model_dir), "--data.init_args.paths", f"[{corpus}]",
                "--data.init_args.tokenizer", str(BYTE_TOKENIZER), "--trainer.max_steps", str(steps),
                "--trainer.limit_val_batches", "0", "--export", "false", *extra]
+    if args.document_length:
+        command += ["--data.init_args.document_masking", "true"]
     log_path = out / f"{name}.log"
     started = time.time()
     with open(log_path, "w") as log:
@@ -269,11 +288,14 @@ def baseline(args, config: Path, steps: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=model_args.get("learning_rate", 1e-5), fused=True)
     ids = torch.randint(0, 256, (1, seq_len), device="cuda")
+    positions = None
+    if args.document_length:
+        positions = (torch.arange(seq_len, device="cuda") % args.document_length)[None]
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        lightning_oomb.train_step(model, ids, sparse=sparse, optimizer=optimizer, **strategy)
+        lightning_oomb.train_step(model, ids, sparse=sparse, optimizer=optimizer, position_ids=positions, **strategy)
         torch.nn.utils.clip_grad_norm_(params, data["trainer"].get("gradient_clip_val") or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -297,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", action="store_true", help="then time train_step + AdamW in this process")
     parser.add_argument("--baseline-steps", type=int, default=None,
                         help="steps of the baseline (default: --steps; 2 gives a steady step at 1M in less time)")
+    parser.add_argument("--document-length", type=int, default=None,
+                        help="the corpus as documents of this many tokens, trained with document masking")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -305,19 +329,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"random {args.make_model} weights written to {args.model_dir} in {results['make_model_s']} s", flush=True)
     data = yaml.safe_load(args.config.read_text())
     seq_len = data["data"]["init_args"]["seq_len"]
-    make_corpus(args.out / "corpus.txt", int(seq_len * 2.2))  # two sequences: one to train on, one held out
+    # two sequences: one to train on, one held out
+    corpus = make_corpus(args.out / "corpus.txt", int(seq_len * 2.2), args.document_length)
     every = args.checkpoint_every
     if every is None:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
     config = derived_config(args.config, args.out, every or None)
-    results["fit"] = run_fit(args, config, args.out, args.steps, "fit", [])
+    results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", [])
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
     if args.resume and results["fit"]["returncode"] == 0 and saved:
         # up to the same last step: the steps after the checkpoint run again and no second checkpoint is
         # written beside the first (the GPU machine's disk holds one 46 GB checkpoint and the model)
-        results["resume"] = run_fit(args, config, args.out, args.steps, "resume", ["--ckpt_path", str(saved[-1])])
+        results["resume"] = run_fit(args, config, corpus, args.out, args.steps, "resume", ["--ckpt_path", str(saved[-1])])
         print(json.dumps(results["resume"]), flush=True)
     if args.delete_checkpoints:
         for path in args.out.glob("runs/*/*/checkpoints/*.ckpt"):
