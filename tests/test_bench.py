@@ -219,3 +219,17 @@ def test_packed_documents_option(tmp_path, capsys):
         cli_main(argv[:6] + ["baseline,oomb"] + argv[7:])
     assert refused.value.code == 2
     assert "would attend across their borders" in capsys.readouterr().err
+
+
+def test_cli_route_corpus_of_documents_restarts_positions_per_document(tmp_path):
+    """bench.cli_route --document-length 64: the generated corpus holds documents of 64 tokens each (EOS
+    included, byte tokenizer), so that the data module's position ids restart every 64 tokens."""
+    from lightning_oomb import TextCorpusDataModule
+    from lightning_oomb.bench.cli_route import BYTE_TOKENIZER, make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus.txt", 2 * 256, document_tokens=64)
+    assert corpus.suffix == ".jsonl"
+    data = TextCorpusDataModule(paths=[str(corpus)], tokenizer=str(BYTE_TOKENIZER), seq_len=256, batch_size=1,
+                                val_fraction=0.5, document_masking=True)
+    data.setup("fit")
+    assert torch.equal(data.train_set[0]["position_ids"], torch.arange(256) % 64)

@@ -66,7 +66,7 @@ def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, see
 
     def text(length: int) -> str:
         words: list[str] = []
-        while sum(map(len, words)) + len(words) < length:
+        while sum(map(len, words)) + len(words) - 1 < length:  # the words and the spaces between them
             words.append(rng.choice(WORDS))
         return " ".join(words)[:length]
 
