@@ -18,6 +18,7 @@ from lightning_oomb.lightning.corpus import (
     TextCorpusDataModule,
     find_files,
     load_tokenizer,
+    planning_document_length,
     tokenize_corpus,
 )
 
@@ -156,6 +157,15 @@ def test_document_masking_restarts_positions_after_eos(tmp_path, tokenizer_dir):
     batch = next(iter(dm.train_dataloader()))
     assert batch["position_ids"].shape == batch["input_ids"].shape == (2, 16)
     assert "each document attends within itself" in dm.describe()
+
+
+def test_planning_document_length_weighs_pieces_by_their_length():
+    """Pieces of 2, 6 and 8 tokens in one sequence of 16 (the last document cut by the sequence end, its rest
+    of 4 opening the next): sum(L^2) / sum(L) = (4 + 36 + 64 + 16) / 20 = 6."""
+    eos = 9
+    tokens = torch.tensor([1, eos, 1, 1, 1, 1, 1, eos] + [1] * 12)
+    assert planning_document_length(tokens, 16, eos) == 6
+    assert planning_document_length(torch.tensor([1, 1, 1, eos] * 4), 16, eos) == 4
 
 
 def test_text_field_and_large_text_pieces(tmp_path, tokenizer_dir, monkeypatch):

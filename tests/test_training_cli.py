@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,6 +218,20 @@ def test_plan_and_corpus_printed(assets, tmp_path, capsys):
     assert "TFLOP/s" not in out and "CUDA context" not in out  # no GPU-only lines on a CPU
     assert "process when the step was placed (measured resident set)" in out
     assert not (run_dir(tmp_path) / "hf_export").exists()
+
+
+def test_plan_of_packed_documents_counts_attention_within_them(assets, tmp_path, capsys, caplog):
+    """document_masking: the printed plan's time counts attention within documents of the corpus's
+    length-weighted mean length (the data module's document_length), which the corpus line names too."""
+    config = write_config(tmp_path, assets)
+    with caplog.at_level("INFO"):
+        assert fit(config, "--trainer.max_steps", "1", "--export", "false", "--trainer.limit_val_batches", "0",
+                   "--data.init_args.document_masking", "true") is None
+    out = capsys.readouterr().out
+    length = int(re.search(r"attention as in documents of ([\d,]+) tokens", caplog.text).group(1).replace(",", ""))
+    assert 1 < length < 64
+    head = next(line for line in out.splitlines() if line.startswith("Plan: "))
+    assert f"; packed from documents of {length:,} tokens" in head
 
 
 def test_print_config_shows_every_option(uninterrupted, capsys):

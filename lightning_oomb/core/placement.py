@@ -89,7 +89,7 @@ def place_step(
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
     agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
-    kv_head_split: int = 1,
+    kv_head_split: int = 1, document_length: int | None = None,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -121,6 +121,8 @@ def place_step(
     (``core.ranks``), so that every rank, placing the same step against the same memory, decides alike.
     ``kv_head_split``: this rank is one of that many tensor-parallel ranks (``Ranks.kv_head_split``), holding
     their share of the KV heads' pages and of the decoder layers: the step is planned for that part.
+    ``document_length``: the sequences are packed from documents of about that many tokens (the plan's time
+    counts attention within them; memory does not depend on it).
     """
     page = config.page_size
     sparse = config.sparse is not None
@@ -179,7 +181,7 @@ def place_step(
             placement.host_kv_layers, optimizer=optimizer,
             kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
             host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
-            loss_grads_on_host=placement.loss_grads_on_host,
+            loss_grads_on_host=placement.loss_grads_on_host, document_length=document_length,
         )
         if device.type != "cuda":
             result.gpu_lines.pop("CUDA context and workspaces (assumed)", None)

@@ -110,6 +110,7 @@ class PagedKVCallback(Callback):
             # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
             self.placement = place_step(model, *shape, config, self._device, stage_1_loss=True,
                                         optimizer=optimizer, pending_gpu_bytes=pending,
+                                        document_length=getattr(trainer.datamodule, "document_length", None),
                                         agree=trainer.strategy.ranks.least,
                                         kv_head_split=trainer.strategy.ranks.kv_head_split)
         spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype,

@@ -281,6 +281,17 @@ class PackedSequences(Dataset):
         return item
 
 
+def planning_document_length(tokens: torch.Tensor, seq_len: int, eos: int) -> int:
+    """The document length whose uniform packing costs the attention of ``tokens`` (a stream cut into
+    sequences of ``seq_len``, documents ending in ``eos``): a piece of L tokens (a document, or its part in
+    one sequence) has about L^2 / 2 query-key pairs, so the length-weighted mean sum(L^2) / sum(L)."""
+    token = torch.arange(len(tokens))
+    starts = token % seq_len == 0
+    starts[1:] |= tokens[:-1] == eos
+    lengths = torch.diff(token[starts], append=torch.tensor([len(tokens)])).double()
+    return max(1, round(float((lengths * lengths).sum() / lengths.sum())))
+
+
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7919) % (2**63))
 
@@ -426,6 +437,7 @@ class TextCorpusDataModule(LightningDataModule):
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
         self.num_tokens = self.num_documents = 0
+        self.document_length: int | None = None  # with document_masking, set by setup (planning_document_length)
         self._epoch, self._consumed = 0, 0  # the data position: epoch and training batches taken from it
         self._resume_from: dict[str, Any] | None = None
         self._sampler: ResumableBatchSampler | None = None
@@ -517,6 +529,8 @@ class TextCorpusDataModule(LightningDataModule):
         order = torch.randperm(sequences, generator=epoch_generator(self.seed, -1))
         val_rows, train_rows = order[:n_val].sort().values, order[n_val:].sort().values
         eos = self.tokenizer.eos_token_id if self.document_masking else None
+        if eos is not None:
+            self.document_length = planning_document_length(tokens, self.seq_len, eos)
         self.train_set = PackedSequences(tokens, self.seq_len, train_rows, eos)
         self.val_set = PackedSequences(tokens, self.seq_len, val_rows, eos) if n_val else None
         rank_zero_info(self.describe())
@@ -528,7 +542,8 @@ class TextCorpusDataModule(LightningDataModule):
         return (
             f"corpus: {len(self.files)} files, {self.num_documents:,} documents, {self.num_tokens:,} tokens -> "
             f"{len(self.train_set):,} training and {val:,} validation sequences of {self.seq_len:,} tokens "
-            + ("(each document attends within itself)" if self.document_masking
+            + (f"(each document attends within itself; attention as in documents of {self.document_length:,} "
+               "tokens, the length-weighted mean of the pieces the sequences hold)" if self.document_masking
                else "(attention crosses document borders inside a sequence)")
         )
 
