@@ -96,15 +96,16 @@ TIMED = (
     # Packed documents: one cold step each (the pinning subtracted). Dense: documents starting on a page (their
     # chunks in the warp-specialised kernels), and mid-page (at PORTABLE_ATTENTION_EFFICIENCY, which the same
     # step of 32K-token documents at 3ca4960 fitted, before those kernels took documents).
-    ("h200-qwen2.5-7b-packed-lora16-1m-gluon-c58dd48.csv", "oomb", 1 << 20,
+    ("h200-qwen2.5-7b-packed-lora16-1m-gluon-a34339c.csv", "oomb", 1 << 20,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16", "document_length": 32768}),
-    ("h200-qwen2.5-7b-packed30000-lora16-1m-c58dd48.csv", "oomb", 1 << 20,
+    ("h200-qwen2.5-7b-packed30000-lora16-1m-a34339c.csv", "oomb", 1 << 20,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16", "document_length": 30000}),
     ("h200-qwen2.5-7b-packed-sparse-1m-3ca4960.csv", "sparse", 1 << 20,
      {"sparse": SPARSE64, "grad_dtype": "bfloat16", "document_length": 32768}),
 )
-CLI_TIMED = (  # lightning-oomb fit, AdamW, f29543e / 5174e5a: steady step, and the placement it printed
+CLI_TIMED = (  # lightning-oomb fit, AdamW, f29543e / 5174e5a / a34339c: steady step, and the placement it printed
     ("128K YAML", 38.7, 131072, dict(kept_chunks=24, graph_chunks=2)),
+    ("128K YAML, 32K-token documents", 19.11, 131072, dict(kept_chunks=24, graph_chunks=2, document_length=32768)),
     ("LoRA YAML", 3.63, 32768, dict(lora_rank=16, kept_chunks=2, graph_chunks=6)),
     ("1M sparse YAML", 179.0, 1 << 20, dict(sparse=SPARSE64, grad_dtype="bfloat16", checkpoint_layers=True,
                                              host_grad_layers=21, host_kept_chunks=76)),

@@ -49,8 +49,8 @@ ATTENTION_EFFICIENCY = 0.60
 # hold a document border, and (measured, cause not found) the chunks of a document that starts mid-page,
 # whose whole pages the warp-specialised kernels do run. Fitted to a step whose chunks all ran the portable
 # kernels (1M tokens of 32K-token documents, LoRA, layer checkpointing, 206.3 s at 3ca4960); the chunks of
-# documents that start on a page run at ATTENTION_EFFICIENCY (165.2 s at c58dd48, planned 169.1 s), those of
-# 30,000-token documents measured at this rate (199.4 s, planned 193.2 s; docs/benchmarks.md, "Packed
+# documents that start on a page run at ATTENTION_EFFICIENCY (162.5 s at a34339c, planned 169.2 s), those of
+# 30,000-token documents measured at this rate (188.9 s, planned 193.1 s; docs/benchmarks.md, "Packed
 # documents"). Sparse attention over packed documents stayed within 2% of the plan at ATTENTION_EFFICIENCY.
 PORTABLE_ATTENTION_EFFICIENCY = 0.38
 DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/benchmarks.md)
