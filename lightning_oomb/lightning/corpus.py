@@ -285,10 +285,11 @@ def planning_document_length(tokens: torch.Tensor, seq_len: int, eos: int) -> in
     """The document length whose uniform packing costs the attention of ``tokens`` (a stream cut into
     sequences of ``seq_len``, documents ending in ``eos``): a piece of L tokens (a document, or its part in
     one sequence) has about L^2 / 2 query-key pairs, so the length-weighted mean sum(L^2) / sum(L)."""
-    token = torch.arange(len(tokens))
-    starts = token % seq_len == 0
-    starts[1:] |= tokens[:-1] == eos
-    lengths = torch.diff(token[starts], append=torch.tensor([len(tokens)])).double()
+    # Piece starts: each sequence's first token and each token after an EOS (memory of the documents' count,
+    # not of the stream's length).
+    after_eos = (tokens[:-1] == eos).nonzero().flatten() + 1
+    starts = torch.unique(torch.cat([torch.arange(0, len(tokens), seq_len), after_eos]))
+    lengths = torch.diff(starts, append=torch.tensor([len(tokens)])).double()
     return max(1, round(float((lengths * lengths).sum() / lengths.sum())))
 
 
