@@ -269,6 +269,8 @@ def baseline(args, config: Path, steps: int) -> dict:
 
     import lightning_oomb
 
+    from .run import packed_position_ids
+
     data = yaml.safe_load(config.read_text())
     strategy = dict(data["trainer"]["strategy"].get("init_args") or {})
     model_args = data["model"].get("init_args", data["model"])
@@ -288,9 +290,7 @@ def baseline(args, config: Path, steps: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=model_args.get("learning_rate", 1e-5), fused=True)
     ids = torch.randint(0, 256, (1, seq_len), device="cuda")
-    positions = None
-    if args.document_length:
-        positions = (torch.arange(seq_len, device="cuda") % args.document_length)[None]
+    positions = packed_position_ids(ids, args.document_length)
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
