@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +234,19 @@ def test_cli_route_corpus_of_documents_restarts_positions_per_document(tmp_path)
                                 val_fraction=0.5, document_masking=True)
     data.setup("fit")
     assert torch.equal(data.train_set[0]["position_ids"], torch.arange(256) % 64)
+
+
+def test_cli_route_seq_len_sets_the_sequence_and_the_pool(tmp_path):
+    """bench.cli_route --seq-len N: the derived YAML trains N-token sequences and sizes the page pool for N,
+    so that the longest context the planner names runs through the user's YAML unchanged otherwise."""
+    import yaml
+
+    from lightning_oomb.bench.cli_route import derived_config
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "qwen2.5-7b-1m-sparse.yaml"
+    data = yaml.safe_load(derived_config(example, tmp_path, None, seq_len=1_617_920).read_text())
+    assert data["data"]["init_args"]["seq_len"] == 1_617_920
+    pools = [cb["init_args"]["max_seq_len"] for cb in data["trainer"]["callbacks"]
+             if cb["class_path"].endswith("PagedKVCallback")]
+    assert pools == [1_617_920]
+    assert data["trainer"]["enable_checkpointing"] is False

@@ -86,12 +86,14 @@ def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
             return self.model(input_ids=batch, labels=batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
 
     trainer = Trainer(accelerator="gpu", devices=1, strategy=OOMBStrategy(), precision="bf16-true", max_steps=1,
                       logger=False, enable_checkpointing=False, callbacks=[PagedKVCallback(max_seq_len=48 << 20)])
-    with pytest.raises(PlanError, match="nothing was allocated"):
+    with pytest.raises(PlanError, match="nothing was allocated") as refused:
         trainer.fit(Module(), DataLoader([torch.zeros(64, dtype=torch.long)], batch_size=1))
+    # the refusal's plan (and what it suggests) counts the state AdamW's first update will make
+    assert "optimizer adamw" in str(refused.value) and "optimizer state (adamw" in str(refused.value)
 
 
 @pytest.mark.parametrize("sparse", [None, lightning_oomb.SparseConfig(budget_pages=2, sink_pages=1, local_pages=1)],

@@ -41,6 +41,21 @@ def test_default_budget_is_the_process_plus_available_less_the_headroom():
     assert 0 < budget < process_host_bytes() + 2**50
 
 
+def test_the_planners_default_budget_is_the_one_a_run_started_now_gets(monkeypatch):
+    """lightning-oomb plan without --host-memory plans against the budget a fit computes at placement (the
+    process plus MemAvailable, less the headroom), not the machine's RAM less the headroom: on the H200 machine
+    those differed by 2.2 GiB and the planner's longest context was refused by the fit it promised."""
+    from lightning_oomb.core import host_memory
+    from lightning_oomb.core.planner import plan
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: 100 * GIB)
+    monkeypatch.setattr(host_memory, "process_host_bytes", lambda: GIB)
+    monkeypatch.setattr(host_memory, "machine_host_memory", lambda: 128 * GIB)
+    assert host_budget() == 101 * GIB - int(0.1 * 128 * GIB)
+    p = plan("qwen2.5-0.5b", 65536, gpu_memory=80 * GIB)
+    assert p.host_memory == host_budget()
+
+
 def test_pages_of_a_mapped_file_are_not_held_host_memory(tmp_path):
     """A checkpoint is loaded memory-mapped (AtomicCheckpointIO); its pages, read into the resident set, are
     page cache the kernel can take back, so the budget's process bytes leave them out."""

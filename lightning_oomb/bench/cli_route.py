@@ -85,14 +85,19 @@ def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, see
     return path
 
 
-def derived_config(config: Path, out: Path, checkpoint_every: int | None) -> Path:
+def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_len: int | None = None) -> Path:
     """The example YAML with its checkpoint interval set (None: no ModelCheckpoint) and its logs under ``out``.
     Each checkpoint gets its own file and no last.ckpt is written at the end, so that a 46 GB checkpoint is
-    written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB)."""
+    written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB).
+    ``seq_len`` replaces the sequence length (tokens) and the PagedKVCallback's ``max_seq_len`` with it."""
     data = yaml.safe_load(config.read_text())
+    if seq_len is not None:
+        data["data"]["init_args"]["seq_len"] = seq_len
     callbacks = data["trainer"].get("callbacks", [])
     kept = []
     for cb in callbacks:
+        if seq_len is not None and cb["class_path"].endswith("PagedKVCallback"):
+            cb["init_args"]["max_seq_len"] = seq_len
         if cb["class_path"].endswith("ModelCheckpoint"):
             if checkpoint_every is None:
                 continue
@@ -321,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of the baseline (default: --steps; 2 gives a steady step at 1M in less time)")
     parser.add_argument("--document-length", type=int, default=None,
                         help="the corpus as documents of this many tokens, trained with document masking")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence instead of the YAML's (its PagedKVCallback's max_seq_len too), "
+                             "e.g. the planner's longest context")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -328,14 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         results["make_model_s"] = round(make_model(args.make_model, args.model_dir), 1)
         print(f"random {args.make_model} weights written to {args.model_dir} in {results['make_model_s']} s", flush=True)
     data = yaml.safe_load(args.config.read_text())
-    seq_len = data["data"]["init_args"]["seq_len"]
+    seq_len = args.seq_len or data["data"]["init_args"]["seq_len"]
     # two sequences: one to train on, one held out
     corpus = make_corpus(args.out / "corpus.txt", int(seq_len * 2.2), args.document_length)
     every = args.checkpoint_every
     if every is None:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
-    config = derived_config(args.config, args.out, every or None)
+    config = derived_config(args.config, args.out, every or None, args.seq_len)
     results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", [])
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)

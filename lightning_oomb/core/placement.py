@@ -164,9 +164,11 @@ def place_step(
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, host_kv_layers: int = 0,
                   **placed: Any) -> Plan:
         # plan() shares its host memory among the tensor-parallel ranks; budget is this process's share already.
+        # The optimizer's state is a resident line, which the checks below leave out (they count what is still
+        # pending in ``missing``); the plan names it so that a refusal's plan and suggestions count it.
         return plan(
             model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
-            lora_rank=lora_rank, optimizer=placed.pop("optimizer", "none"), precision=precision,
+            lora_rank=lora_rank, optimizer=optimizer, precision=precision,
             checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
             host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload,
             segment_tokens=segment, sparse=config.sparse, host_grad_layers=host_grad_layers,
@@ -178,7 +180,7 @@ def place_step(
         """``placement`` with its pinned-byte limit and the plan of the step as placed."""
         result = step_plan(
             placement.where == "host", placement.segment_tokens, placement.host_grad_layers,
-            placement.host_kv_layers, optimizer=optimizer,
+            placement.host_kv_layers,
             kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
             host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
             loss_grads_on_host=placement.loss_grads_on_host, document_length=document_length,

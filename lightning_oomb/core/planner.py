@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from .config import OFFLOADS, SparseConfig
-from .host_memory import host_headroom, machine_host_memory
+from .host_memory import host_budget
 from .loss import piece_rows
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
 from .pages import HostGradStaging, movable_host_layers, spread_layers, stage_2_gather_order
@@ -1355,7 +1355,8 @@ def plan(
     model: a ModelShape, a built-in name (``builtin_names()``), a config.json / model directory path, a
     transformers config (or config dict) or model. checkpoint_layers: None decides (off if it fits, else on).
     gpu_memory: bytes; None takes this machine's CUDA device (no CUDA device: error). host_memory: the run's host
-    memory budget in bytes; None: this machine's RAM less ``host_memory.host_headroom()``.
+    memory budget in bytes; None: what a run started now would get, ``host_memory.host_budget()`` (the
+    memory this machine has available, MemAvailable, less ``host_memory.host_headroom()``).
     matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
     sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
     summaries and selections.
@@ -1388,7 +1389,7 @@ def plan(
     if gpu_memory is None:
         gpu_memory, machine = this_gpu_memory()
     if host_memory is None:
-        host_memory = machine_host_memory() - host_headroom()
+        host_memory = host_budget()
     gpu_memory, host_memory = int(gpu_memory), int(host_memory)
     base = PlanConfig(
         context=context,
