@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
         matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
         document_length=args.document_length, sharding=args.sharding, tensor_parallel=args.tensor_parallel,
+        stage_1_loss=True,  # the step `lightning-oomb fit` runs: a served forward keeps every chunk's dL/dh
     )
     try:
         if args.max_context:

@@ -200,14 +200,14 @@ def test_eval_loss_matches_full_sequence(backend):
 
 
 def test_pool_is_reused_across_steps():
-    from lightning_oomb.core.schedule import _model_pools
+    from lightning_oomb.core.schedule import cached_pool
 
     model = tiny_model("qwen2")
     ids = torch.randint(0, VOCAB, (1, 30))
     lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
-    pool = _model_pools[model]
+    pool = cached_pool(model)
     lightning_oomb.train_step(model, ids[:, :20], chunk_size=8, page_size=4)
-    assert _model_pools[model] is pool and pool.pages_in_use == 0
+    assert cached_pool(model) is pool and pool.pages_in_use == 0
 
 
 def test_long_sequence_many_chunks():
@@ -219,13 +219,13 @@ def test_long_sequence_many_chunks():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_gradient_store(backend):
     """bf16 KV-gradients: the store is bf16 and the gradient moves by bf16 rounding only."""
-    from lightning_oomb.core.schedule import _model_pools
+    from lightning_oomb.core.schedule import cached_pool
 
     model = tiny_model("qwen2")
     ids = torch.randint(0, VOCAB, (2, 40))
     _, want = full_sequence_grads(model, ids)
     lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4, attention=backend, grad_dtype=torch.bfloat16)
-    assert _model_pools[model].dk.dtype == torch.bfloat16
+    assert cached_pool(model).dk.dtype == torch.bfloat16
     got = grads_of(model)
     worst = max(rel_err(got[n], want[n]) for n in want)
     assert 1e-6 < worst < 2e-2, worst

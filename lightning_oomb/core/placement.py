@@ -63,7 +63,9 @@ class Placement:
     attention call gathers the selected pages (``PagePool``).
 
     ``host_limit``: the pinned host bytes the host memory budget leaves beyond the process and its growth
-    allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
+    allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``host_budget``:
+    that budget (bytes); ``host_process``: the process's bytes from which the growth allowance counts. A step
+    that reuses the pool places itself against the same two (the run has one budget, decided once). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
     the host memory budget), for people."""
 
     where: str
@@ -76,6 +78,8 @@ class Placement:
     host_kept_chunks: int = 0
     host_limit: int | None = None
     host_kv_layers: int = 0
+    host_budget: int | None = field(default=None, compare=False)
+    host_process: int = field(default=0, compare=False)
     plan: "Plan | None" = field(default=None, compare=False, repr=False)
 
 
@@ -89,7 +93,7 @@ def place_step(
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
     agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
-    kv_head_split: int = 1, document_length: int | None = None,
+    kv_head_split: int = 1, document_length: int | None = None, reused: Placement | None = None,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -123,13 +127,19 @@ def place_step(
     their share of the KV heads' pages and of the decoder layers: the step is planned for that part.
     ``document_length``: the sequences are packed from documents of about that many tokens (the plan's time
     counts attention within them; memory does not depend on it).
+    ``reused``: the placement of the pool this step reuses (``reusable_host_bytes``): its host budget stays the
+    run's, and its growth allowance counts from the process as it was then, so that a step is not refused
+    for memory the placement that made the pool already accounted for.
     """
     page = config.page_size
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)
     keep, keep_graphs = config.keep_attention, config.keep_graphs
-    budget = host_budget(config.host_memory)
+    budget = host_budget(config.host_memory) if reused is None or reused.host_budget is None else reused.host_budget
     process = max(0, process_host_bytes() - reusable_host_bytes)
+    # the allowance for growth counts from the process when the run's pool was placed
+    grown_from = process if reused is None or reused.host_budget is None else max(process - HOST_GROWTH_BYTES,
+                                                                                   reused.host_process)
 
     def not_kept(where: str) -> tuple[int, int]:
         for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
@@ -190,8 +200,10 @@ def place_step(
             result.device = "cpu"
             result.notes.append("no CUDA device: the step's memory is this machine's RAM too, where the CPU run "
                                 "keeps everything; nothing is checked")
-        room = host_free if device.type == "cuda" else None
-        return dataclasses.replace(placement, host_limit=room, plan=result)
+        if device.type != "cuda":
+            return dataclasses.replace(placement, plan=result)
+        return dataclasses.replace(placement, host_limit=host_free, host_budget=budget, host_process=grown_from,
+                                   plan=result)
 
     if device.type != "cuda":
         gpu_total = host_free = budget
@@ -213,7 +225,7 @@ def place_step(
     free, gpu_total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
-    host_free = budget - process - HOST_GROWTH_BYTES  # room for pinned blocks
+    host_free = budget - grown_from - HOST_GROWTH_BYTES  # room for pinned blocks
     free, host_free = agree([free, host_free])
     missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
     shape = ModelShape.resolve(model).tensor_parallel_part(kv_head_split)

@@ -30,10 +30,16 @@ from .units import GIB, human_count
 
 # -- assumptions, named so that the bench can calibrate them --------------------------------------------
 # CUDA context, cuBLAS/Triton workspaces and caching-allocator slack: memory the process holds on the GPU
-# that torch.cuda.max_memory_allocated does not report.
-CUDA_CONTEXT_BYTES = 1 * GIB
-# Host memory of the process itself (Python, torch, CUDA runtime, transformers) before any pinned pool.
-HOST_PROCESS_BYTES = 2 * GIB
+# that torch.cuda.max_memory_allocated does not report. `lightning-oomb fit` on the H200 held 1.20 GiB outside
+# torch's allocator when its step was placed, and place_step sets FIRST_STEP_RUNTIME_BYTES aside for the first
+# step's workspaces: a plan that says FITS must leave both, or the fit refuses it.
+CUDA_CONTEXT_BYTES = 7 * GIB // 4
+# Host memory a training process takes from what the machine has available (MemAvailable) before any pinned
+# pool: Python, torch, transformers and the CUDA runtime in its resident set, and the CUDA driver's share
+# outside it. `lightning-oomb fit` of Qwen2.5-7B on the H200 held 1.14 GiB resident when its step was placed
+# and had taken 2.60 GiB from MemAvailable (a plan made on the idle machine said 112.68 GiB of budget, the
+# fit's own 111.22 plus its 1.14).
+HOST_PROCESS_BYTES = 3 * GIB
 # GPU memory outside torch's allocator that a process's first step adds (cuBLAS workspaces of its streams,
 # kernel modules): 0.24 GiB in a 1M-token sparse step on an H200. place_step sets it aside for a step with
 # no pool to reuse, so that the next step, which sees it gone, places no more host gradient layers.
@@ -978,7 +984,7 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     trainable = lora if c.lora_rank else shape.total_params
     head_trained = c.lora_rank == 0
     if c.host_process_bytes is None:
-        host = {"process (Python, torch, CUDA runtime; assumed)": HOST_PROCESS_BYTES}
+        host = {"process (Python, torch, CUDA runtime and driver; assumed)": HOST_PROCESS_BYTES}
     else:
         host = {"process when the step was placed (measured resident set)": c.host_process_bytes}
     host["process growth during the run (allowance)"] = HOST_GROWTH_BYTES
@@ -1323,7 +1329,7 @@ def plan(
     context: int,
     *,
     stage_1_loss: bool = False,
-    loss_grads_on_host: bool = False,
+    loss_grads_on_host: bool | None = None,
     host_process_bytes: int | None = None,
     chunk_size: int = 4096,
     batch: int = 1,
@@ -1370,7 +1376,9 @@ def plan(
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
-    stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``.
+    stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``; loss_grads_on_host None: where
+    ``place_step`` would keep a served step's dL/dh (pinned host memory when any page is there or they do not
+    fit on the GPU).
     devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
     host memory budget is ``host_memory`` divided among the ranks, as the strategies divide it.
     sharding: with devices > 1, "none" plans an oomb_ddp rank (every weight whole); "zero1", "zero2", "zero3"
@@ -1411,7 +1419,7 @@ def plan(
         host_kept_chunks=host_kept_chunks,
         fused_ops=fused_ops,
         stage_1_loss=stage_1_loss,
-        loss_grads_on_host=loss_grads_on_host,
+        loss_grads_on_host=bool(loss_grads_on_host),
         host_process_bytes=host_process_bytes,
         devices=devices,
         host_kv_layers=host_kv_layers,
@@ -1424,6 +1432,8 @@ def plan(
     host_memory //= base.devices * base.tensor_parallel
 
     def estimate(config: PlanConfig) -> Plan:
+        if loss_grads_on_host is None and config.stage_1_loss:
+            return _kept_loss_grads_placed(config, lambda c: _estimate(shape, c, gpu_memory, host_memory, machine))
         return _estimate(shape, config, gpu_memory, host_memory, machine)
 
     def placed(config: PlanConfig) -> Plan:
@@ -1565,6 +1575,16 @@ def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
     """(host gradient layers, host K/V layers) in the order a sparse step moves pages to the host: the
     KV-gradient pages first, layer by layer, then, with all of those there, the K/V pages."""
     return [(n, 0) for n in range(n_layers + 1)] + [(n_layers, m) for m in range(1, n_layers + 1)]
+
+
+def _kept_loss_grads_placed(config: PlanConfig, estimate) -> Plan:
+    """The plan with a served step's kept dL/dh where ``place_step`` puts them: in pinned host memory when any
+    page of the step is there or they do not fit on the GPU next to everything else, else on the GPU."""
+    if not (config.offload or config.host_grad_layers or config.host_kv_layers):
+        on_gpu = estimate(dataclasses.replace(config, loss_grads_on_host=False))
+        if on_gpu.peak_gpu_bytes <= on_gpu.usable_gpu_bytes:
+            return on_gpu
+    return estimate(dataclasses.replace(config, loss_grads_on_host=True))
 
 
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:

@@ -54,14 +54,14 @@ ChunkHook = Callable[[int, int], None]
 # K/V layers of a pool every step must use (None: the step chooses).
 PoolProvider = Callable[[StoreSpec, int, bool, Placement], PagePool]
 
-_model_pools: "weakref.WeakKeyDictionary[nn.Module, PagePool]" = weakref.WeakKeyDictionary()
+_model_pools: "weakref.WeakKeyDictionary[nn.Module, tuple[PagePool, Placement]]" = weakref.WeakKeyDictionary()
 
 
 def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device) -> PoolProvider:
     """Pools kept per model and reused across steps; replaced only when a step needs a bigger or other one."""
 
     def provide(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
-        pool = _model_pools.get(model)
+        pool = _model_pools.get(model, (None, None))[0]
         fits = (
             pool is not None
             and pool.spec == spec
@@ -77,14 +77,18 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
             _model_pools.pop(model, None)
             pool = None  # drop the old pool before allocating the new one
             pool = new_pool(spec, pages, page_size, device, with_grads, placement)
-            _model_pools[model] = pool
+            _model_pools[model] = pool, placement
         return pool
 
     def held_bytes() -> tuple[int, int]:
-        pool = _model_pools.get(model)
+        pool = _model_pools.get(model, (None, None))[0]
         return (0, 0) if pool is None else pool_bytes(pool)
 
+    def pool_placement() -> Placement | None:
+        return _model_pools.get(model, (None, None))[1]
+
     provide.held_bytes = held_bytes
+    provide.pool_placement = pool_placement
     return provide
 
 
@@ -111,7 +115,7 @@ def pool_bytes(pool: PagePool) -> tuple[int, int]:
 
 def cached_pool(model: nn.Module) -> PagePool | None:
     """The page pool ``train_step``/``eval_loss`` keep for ``model`` between steps, if any."""
-    return _model_pools.get(causal_lm(model))
+    return _model_pools.get(causal_lm(model), (None, None))[0]
 
 
 def release_cached_pool(model: nn.Module) -> None:
@@ -229,12 +233,13 @@ class ChunkedSequence:
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
+        pool_placement = getattr(self.pools, "pool_placement", lambda: None)()
         optimizer, pending = optimizer_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer,
                                     pending_gpu_bytes=pending + ranks.step_gpu_bytes,
                                     host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers,
-                                    kv_head_split=ranks.kv_head_split)
+                                    kv_head_split=ranks.kv_head_split, reused=pool_placement)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).

@@ -130,6 +130,7 @@ class PagedKVCallback(Callback):
         if self.pool is None:
             grads = self._fitting or with_grads
             self.pool = new_pool(spec, pages, self._page_size, self._device, grads, placement)
+            self.placement = placement
         if self.pool.spec != spec:
             raise RuntimeError(f"the page pool was built for {self.pool.spec} but this step stores {spec}")
         if with_grads and not self.pool.with_grads:
@@ -148,6 +149,10 @@ class PagedKVCallback(Callback):
     def host_grad_layers(self) -> int | None:
         """KV-gradient layers in host memory of the pool every step uses (None before there is one)."""
         return None if self.pool is None else self.pool.host_grad_layers
+
+    def pool_placement(self) -> Placement | None:
+        """The placement the pool every step uses was made with (its host memory budget is the run's)."""
+        return None if self.pool is None else self.placement
 
     def host_kv_layers(self) -> int | None:
         """K/V layers in host memory of the pool every step uses (None before there is one)."""
