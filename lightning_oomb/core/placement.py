@@ -65,8 +65,9 @@ class Placement:
     ``host_limit``: the pinned host bytes the host memory budget leaves beyond the process and its growth
     allowance, which the pool's ``HostLedger`` holds it to; None: unchecked (a CPU device). ``host_budget``:
     that budget (bytes); ``host_process``: the process's bytes from which the growth allowance counts. A step
-    that reuses the pool places itself against the same two (the run has one budget, decided once). ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and
-    the host memory budget), for people."""
+    that reuses the pool places itself against the same two (the run has one budget, decided once).
+    ``plan``: the plan of the step as placed (the run's memory by line, against the GPU and the host memory
+    budget), for people."""
 
     where: str
     segment_tokens: int
