@@ -148,3 +148,18 @@ def test_a_step_given_its_optimizer_leaves_room_for_its_state():
         seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=16, page_size=8), optimizers=optimizers)
         assert ("optimizer state (adamw" in str(seq.placement.plan)) == counted
         seq.release()
+
+
+def test_a_step_reusing_a_pool_keeps_the_runs_budget_and_growth_allowance():
+    """One budget per run: a step that reuses the pool PagedKVCallback placed at fit start places itself
+    against that placement's budget, and its growth allowance counts from the process as it was then (on the
+    H200 a fresh reading after pinning 97 GiB was 1.8 GiB lower, and a second allowance on top of the 0.69 GiB
+    the process had grown refused the step the fit had placed)."""
+    from lightning_oomb.core.placement import HOST_GROWTH_BYTES, Placement, run_host_budget
+
+    assert run_host_budget(5 * GIB, 3 * GIB, None) == (5 * GIB, 3 * GIB)  # a pool of its own: as it is now
+    placed = Placement("gpu", 8, host_budget=100 * GIB, host_process=GIB)
+    assert run_host_budget(None, GIB + GIB // 2, placed) == (100 * GIB, GIB)  # grown within the allowance
+    grown = GIB + HOST_GROWTH_BYTES + GIB
+    assert run_host_budget(None, grown, placed) == (100 * GIB, 2 * GIB)  # past it: the excess counts
+    assert run_host_budget(7 * GIB, 2 * GIB, Placement("gpu", 8)) == (7 * GIB, 2 * GIB)  # placed on a CPU device

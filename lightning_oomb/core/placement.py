@@ -89,6 +89,16 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def run_host_budget(host_memory: int | None, process: int, reused: Placement | None) -> tuple[int, int]:
+    """(the host memory budget a step places itself against, the process bytes its growth allowance
+    HOST_GROWTH_BYTES counts from), in bytes. A step with a pool of its own: ``host_budget(host_memory)`` and
+    ``process`` as it is now. A step reusing the pool that placement ``reused`` made: that placement's budget,
+    the run's one, and its process, unless the process has since grown past the allowance (then the excess)."""
+    if reused is None or reused.host_budget is None:
+        return host_budget(host_memory), process
+    return reused.host_budget, max(process - HOST_GROWTH_BYTES, reused.host_process)
+
+
 def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
@@ -136,11 +146,8 @@ def place_step(
     sparse = config.sparse is not None
     n_chunks = -(-seq_len // config.chunk_size)
     keep, keep_graphs = config.keep_attention, config.keep_graphs
-    budget = host_budget(config.host_memory) if reused is None or reused.host_budget is None else reused.host_budget
     process = max(0, process_host_bytes() - reusable_host_bytes)
-    # the allowance for growth counts from the process when the run's pool was placed
-    grown_from = process if reused is None or reused.host_budget is None else max(process - HOST_GROWTH_BYTES,
-                                                                                   reused.host_process)
+    budget, grown_from = run_host_budget(config.host_memory, process, reused)
 
     def not_kept(where: str) -> tuple[int, int]:
         for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
@@ -267,6 +274,9 @@ def place_step(
                                         loss_grads_on_host=on_host, host_kept_chunks=host_kept, host_kv_layers=m))
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
                  "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
+        if host_grad_layers is not None:  # the run's pool decided the layers
+            where = (f"with the KV-gradient pages of {n} and the K/V pages of {m} of {every} layers in host "
+                     "memory (the run's page pool)")
         gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
                     f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
         raise PlanError(
