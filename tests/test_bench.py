@@ -160,6 +160,18 @@ def test_profile_groups_our_kernels_by_exact_name():
     assert _group("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul (cuBLAS)"
 
 
+def test_profile_stream_overlap_counts_side_work_under_compute():
+    """The streams report: busy time per stream from overlapping kernel spans, the compute stream the busiest,
+    a side stream's hidden share the part of its busy time inside the compute stream's."""
+    from lightning_oomb.bench.profile_step import merged, stream_overlap
+
+    assert merged([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+    compute = [(7, 0, 4), (7, 6, 10)]
+    gathers = [(20, 3, 5), (20, 9, 12)]  # 1 + 1 of 2 + 3 under the compute
+    additions = [(30, 0, 1), (30, 0.5, 2)]  # 2 of 2
+    assert stream_overlap(gathers + compute + additions) == [(7, 8, 8), (20, 5, 2), (30, 2, 2)]
+
+
 def test_profile_chunk_ranges_and_timeline():
     """--chunks parses to sorted, non-overlapping ranges inside the step; the timeline's chunk times are the
     differences between consecutive marks, stage 2 listed last chunk first."""

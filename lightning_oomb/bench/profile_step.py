@@ -1,13 +1,18 @@
 """Where does a train_step's time go? GPU time by kernel, grouped, and the time of every chunk.
 
     python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096] [--budget-pages 64]
-        [--grad-dtype bfloat16] [--offload host] [--keep-attention 0]
+        [--selection chunk] [--grad-dtype bfloat16] [--offload host] [--checkpoint-layers] [--keep-attention 0]
 
 With --budget-pages, the step runs page-level sparse attention (SparseConfig(budget_pages=...)); its kernels
-fall into the same groups (forward, dK/dV, dQ). With --offload host a sparse step keeps every layer's
-gradient pages in host memory (their additions run on a side stream, beside the compute: GPU busy then
-counts both streams); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
+fall into the same groups (forward, dK/dV, dQ); --selection chunk makes one page selection per chunk. With
+--offload host a sparse step keeps every layer's K/V and gradient pages in host memory (the gathers of its
+selected pages ahead of their calls and the additions into its gradient pages run on side streams, beside the
+compute: GPU busy then counts every stream); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
 step must.
+
+Every report also says how the streams overlapped: each stream's busy time (kernels and copies), and for
+the side streams (gathers of host K/V pages ahead of their calls, additions into host gradient pages) how much
+of it ran while the compute stream was busy, i.e. hidden behind the compute, by the profiler's timestamps.
 
 --chunks A:B[,C:D...] profiles only those chunk ranges of one step, each stage of each range on its own
 (stage 2 runs a range last chunk first), so that a 1M-token step fits in one run, and prints the step's
@@ -147,6 +152,45 @@ class ProfiledStep:
         return chunk_seconds(self.marks, [self.start.elapsed_time(e) for e in self.events])
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals, as sorted disjoint intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted disjoint interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def stream_overlap(activity: list[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """(stream, busy, busy while the compute stream was busy) per stream, compute stream first, from
+    (stream, start, end) of every kernel and copy on the GPU (any time unit). The compute stream is the one
+    busy longest; a side stream's work that overlaps it is hidden behind the compute."""
+    by_stream: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for stream, start, end in activity:
+        by_stream[stream].append((start, end))
+    busy = {stream: merged(spans) for stream, spans in by_stream.items()}
+    length = {stream: sum(b - a for a, b in spans) for stream, spans in busy.items()}
+    compute = max(length, key=length.get)
+    rows = [(compute, length[compute], length[compute])]
+    for stream in sorted(s for s in busy if s != compute):
+        rows.append((stream, length[stream], overlap(busy[stream], busy[compute])))
+    return rows
+
+
 def report(prof, wall: float, title: str, top: int, ops: int) -> None:
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     gpu_total = sum(e.device_time_total for e in kernels) / 1e6
@@ -159,6 +203,17 @@ def report(prof, wall: float, title: str, top: int, ops: int) -> None:
     print(f"top {top} kernels by GPU time:")
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
+    activity = [(e.device_resource_id, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    if activity:
+        rows = stream_overlap(activity)
+        print(f"streams (busy; a side stream's share of it while the compute stream was busy):")
+        print(f"  compute stream {rows[0][0]:<4} {rows[0][1] / 1e6:8.3f} s")
+        side, hidden = sum(r[1] for r in rows[1:]), sum(r[2] for r in rows[1:])
+        for stream, busy, shared in rows[1:]:
+            print(f"  side stream {stream:<7} {busy / 1e6:8.3f} s, {100 * shared / busy:5.1f}% hidden")
+        if side:
+            print(f"  side streams       {side / 1e6:8.3f} s, {100 * hidden / side:5.1f}% hidden")
     if ops:
         # The op that launched each kernel: which elementwise work (norm, RoPE, SiLU, copies) costs what.
         rows = [
@@ -178,8 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", type=int, default=0, help="also list this many torch ops (with input shapes) by GPU time")
     parser.add_argument("--budget-pages", type=int, default=0, help="sparse attention with this budget (0: dense)")
+    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
+                        help="sparse: one page selection per query tile (default) or per chunk")
     parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto")
+    parser.add_argument("--checkpoint-layers", action="store_true", help="checkpoint each layer in stage 2")
     parser.add_argument("--keep-attention", type=int, default=None,
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
     parser.add_argument("--keep-graphs", type=int, default=None,
@@ -192,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeline-bin", type=int, default=16, help="with --chunks: chunks per timeline line")
     parser.add_argument("--warmup-context", default="64k", help="with --chunks: tokens of the warm-up steps")
     args = parser.parse_args(argv)
-    sparse = SparseConfig(budget_pages=args.budget_pages) if args.budget_pages else None
+    sparse = (SparseConfig(budget_pages=args.budget_pages, per_query_tile=args.selection == "tile")
+              if args.budget_pages else None)
     context = parse_tokens(args.context)
     n_chunks = -(-context // args.chunk)
     try:
@@ -205,8 +264,10 @@ def main(argv: list[str] | None = None) -> None:
     document_length = parse_tokens(args.document_length) if args.document_length else None
     positions = packed_position_ids(ids, document_length)
     options = dict(chunk_size=args.chunk, sparse=sparse, grad_dtype=getattr(torch, args.grad_dtype),
-                   offload=args.offload, keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                   offload=args.offload, checkpoint_layers=args.checkpoint_layers,
+                   keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
+    # The CPU side only when the ops are asked for: recording every op slows the host that feeds the GPU.
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops else [])
     kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
     packed = f", packed from documents of {document_length:,} tokens" if document_length else ""
     print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}{packed}", flush=True)

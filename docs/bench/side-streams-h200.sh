@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# How much of the side streams' work hides behind the compute (issue 29), by the profiler's timestamps, on one
+# H200 (nvidia-h200 kind): a warm 128K sparse step (Qwen2.5-7B shape, random bf16 weights, budget 64, one
+# selection per chunk, bf16 KV-gradients, layer checkpointing) with every page on the host, then with every
+# page on the GPU; each report ends with the streams' busy times and the side streams' hidden share. About four
+# minutes. Run under setsid and read OUT back in later calls:
+#   setsid nohup bash docs/bench/side-streams-h200.sh /root/ss > /root/ss.log 2>&1 < /dev/null &
+set -u
+out=${1:-/root/ss}
+context=${CONTEXT:-128k}
+mkdir -p "$out"
+common=(--model qwen2.5-7b --context "$context" --budget-pages 64 --selection chunk --grad-dtype bfloat16
+        --checkpoint-layers --top 20)
+for offload in host gpu; do
+    python3 -m lightning_oomb.bench.profile_step "${common[@]}" --offload "$offload" \
+        > "$out/profile-$context-$offload.txt" 2>&1
+done
+touch "$out/done"
