@@ -172,6 +172,15 @@ def test_profile_stream_overlap_counts_side_work_under_compute():
     assert stream_overlap(gathers + compute + additions) == [(7, 8, 8), (20, 5, 2), (30, 2, 2)]
 
 
+def test_profile_idle_gaps_of_a_stream_longest_first():
+    """A stream's idle gaps lie between the end of the spans so far and the next start, named by the kernels
+    on either side; spans that overlap leave none."""
+    from lightning_oomb.bench.profile_step import idle_gaps
+
+    spans = [(0, 4, "a"), (1, 2, "b"), (6, 7, "c"), (7, 8, "d"), (18, 20, "e")]
+    assert idle_gaps(spans) == [(10, "d", "e"), (2, "a", "c")]
+
+
 def test_profile_chunk_ranges_and_timeline():
     """--chunks parses to sorted, non-overlapping ranges inside the step; the timeline's chunk times are the
     differences between consecutive marks, stage 2 listed last chunk first."""

@@ -2,7 +2,7 @@
 # How much of the side streams' work hides behind the compute (issue 29), by the profiler's timestamps, on one
 # H200 (nvidia-h200 kind): a warm 128K sparse step (Qwen2.5-7B shape, random bf16 weights, budget 64, one
 # selection per chunk, bf16 KV-gradients, layer checkpointing) with every page on the host, then with every
-# page on the GPU; each report ends with the streams' busy times and the side streams' hidden share. About four
+# page on the GPU, then with the host's ops and CUDA runtime calls; each report ends with the streams' busy times and the side streams' hidden share and the compute stream's idle gaps. About six
 # minutes. Run under setsid and read OUT back in later calls:
 #   setsid nohup bash docs/bench/side-streams-h200.sh /root/ss > /root/ss.log 2>&1 < /dev/null &
 set -u
@@ -15,4 +15,7 @@ for offload in host gpu; do
     python3 -m lightning_oomb.bench.profile_step "${common[@]}" --offload "$offload" \
         > "$out/profile-$context-$offload.txt" 2>&1
 done
+# The host's side: which CUDA runtime calls (host waits among them) the host path adds.
+python3 -m lightning_oomb.bench.profile_step "${common[@]}" --offload host --ops 30 \
+    > "$out/profile-$context-host-ops.txt" 2>&1
 touch "$out/done"

@@ -191,6 +191,35 @@ def stream_overlap(activity: list[tuple[int, float, float]]) -> list[tuple[int, 
     return rows
 
 
+GAP_BUCKETS_US = (20, 100, 1000, 10000)
+
+
+def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """(length, name before, name after) of every idle gap between the consecutive (start, end, name) spans of
+    one stream, longest first (the spans' time unit)."""
+    spans = sorted(spans)
+    gaps, reach, last = [], None, ""
+    for start, end, name in spans:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, last, name))
+        if reach is None or end >= reach:
+            reach, last = end, name
+    return sorted(gaps, key=lambda g: -g[0])
+
+
+def _gap_lines(gaps: list[tuple[float, str, str]], largest: int) -> list[str]:
+    edges = (0, *GAP_BUCKETS_US, float("inf"))
+    lines = []
+    for lo, hi in zip(edges, edges[1:]):
+        part = [g for g, _, _ in gaps if lo <= g < hi]
+        if part:
+            label = f">= {lo} us" if hi == float("inf") else f"{lo}-{hi} us"
+            lines.append(f"    gaps {label:<12} {len(part):>7} x, {sum(part) / 1e6:8.3f} s")
+    for gap, before, after in gaps[:largest]:
+        lines.append(f"    {gap / 1e3:8.2f} ms after {before[:45]:<45} before {after[:45]}")
+    return lines
+
+
 def report(prof, wall: float, title: str, top: int, ops: int) -> None:
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     gpu_total = sum(e.device_time_total for e in kernels) / 1e6
@@ -203,18 +232,26 @@ def report(prof, wall: float, title: str, top: int, ops: int) -> None:
     print(f"top {top} kernels by GPU time:")
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:100]}")
-    activity = [(e.device_resource_id, e.time_range.start, e.time_range.end) for e in prof.events()
+    activity = [(e.device_resource_id, e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                 if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
     if activity:
-        rows = stream_overlap(activity)
+        rows = stream_overlap([a[:3] for a in activity])
+        gaps = idle_gaps([a[1:] for a in activity if a[0] == rows[0][0]])
         print(f"streams (busy; a side stream's share of it while the compute stream was busy):")
-        print(f"  compute stream {rows[0][0]:<4} {rows[0][1] / 1e6:8.3f} s")
+        print(f"  compute stream {rows[0][0]:<4} {rows[0][1] / 1e6:8.3f} s, idle between its first and last "
+              f"kernel {sum(g for g, _, _ in gaps) / 1e6:.3f} s:")
+        print("\n".join(_gap_lines(gaps, largest=8)))
         side, hidden = sum(r[1] for r in rows[1:]), sum(r[2] for r in rows[1:])
         for stream, busy, shared in rows[1:]:
             print(f"  side stream {stream:<7} {busy / 1e6:8.3f} s, {100 * shared / busy:5.1f}% hidden")
         if side:
             print(f"  side streams       {side / 1e6:8.3f} s, {100 * hidden / side:5.1f}% hidden")
     if ops:
+        # The host's calls into the CUDA runtime: a synchronising one (a host wait) idles the GPU behind it.
+        calls = [e for e in prof.key_averages() if e.key.startswith("cuda") and e.device_type.name == "CPU"]
+        print("top CUDA runtime calls by host time:")
+        for e in sorted(calls, key=lambda e: -e.cpu_time_total)[:12]:
+            print(f"  {e.cpu_time_total / 1e6:8.3f} s  x{e.count:<7} {e.key[:60]}")
         # The op that launched each kernel: which elementwise work (norm, RoPE, SiLU, copies) costs what.
         rows = [
             e for e in prof.key_averages(group_by_input_shape=True)
