@@ -18,4 +18,8 @@ done
 # The host's side: which CUDA runtime calls (host waits among them) the host path adds.
 python3 -m lightning_oomb.bench.profile_step "${common[@]}" --offload host --ops 30 \
     > "$out/profile-$context-host-ops.txt" 2>&1
+# Two chunks of both stages as Chrome traces with the host's side: is a gap of the compute stream a wait for
+# the host (the kernel after it launched late) or for another stream?
+python3 -u -m lightning_oomb.bench.profile_step "${common[@]}" --offload host --chunks 20:22 \
+    --trace "$out/trace-$context-host" > "$out/profile-$context-host-chunks.txt" 2>&1
 touch "$out/done"

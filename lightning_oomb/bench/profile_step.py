@@ -25,6 +25,9 @@ for a sparse step, once with every gradient page on the host, so that the profil
 from __future__ import annotations
 
 import argparse
+import gzip
+import os
+import shutil
 import time
 from collections import defaultdict
 
@@ -262,6 +265,16 @@ def report(prof, wall: float, title: str, top: int, ops: int) -> None:
             print(f"  {e.self_device_time_total / 1e6:8.3f} s  x{e.count:<6} {e.key[:40]:<40} {str(e.input_shapes)[:90]}")
 
 
+def _write_trace(prof, prefix: str, name: str) -> None:
+    if prefix:
+        path = f"{prefix}-{name}.json"
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path)
+        print(f"trace: {path}.gz", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
@@ -284,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", default="", metavar="FIRST:END,...",
                         help="profile only these chunk ranges of the step, and print its chunk timeline "
                              "(default: profile the whole step)")
+    parser.add_argument("--trace", default="", metavar="PREFIX",
+                        help="also write each profile as a gzipped Chrome trace, PREFIX-<profile>.json.gz, with the "
+                             "host's side (each kernel's launch, the runtime calls)")
     parser.add_argument("--timeline-bin", type=int, default=16, help="with --chunks: chunks per timeline line")
     parser.add_argument("--warmup-context", default="64k", help="with --chunks: tokens of the warm-up steps")
     args = parser.parse_args(argv)
@@ -304,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                    offload=args.offload, checkpoint_layers=args.checkpoint_layers,
                    keep_attention=args.keep_attention, keep_graphs=args.keep_graphs)
     # The CPU side only when the ops are asked for: recording every op slows the host that feeds the GPU.
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops else [])
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.ops or args.trace else [])
     kind = f"sparse, budget {args.budget_pages} pages" if sparse else "dense"
     packed = f", packed from documents of {document_length:,} tokens" if document_length else ""
     print(f"{args.model}, {kind}, context {context:,}, chunk {args.chunk}{packed}", flush=True)
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         report(prof, wall, "the step", args.top, args.ops)
+        _write_trace(prof, args.trace, "step")
         return
     warmup_ids = ids[:, : parse_tokens(args.warmup_context)]
     warmup_positions = None if positions is None else positions[:, : warmup_ids.shape[1]]
@@ -339,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(timeline_lines(seconds, n_chunks, args.timeline_bin)), flush=True)
     for (stage, first, end), prof in step.profiles.items():
         report(prof, step.walls[(stage, first, end)], f"stage {stage}, chunks {first}..{end - 1}", args.top, args.ops)
+        _write_trace(prof, args.trace, f"stage{stage}-chunks{first}-{end - 1}")
 
 
 if __name__ == "__main__":
