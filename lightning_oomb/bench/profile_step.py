@@ -240,7 +240,7 @@ def report(prof, wall: float, title: str, top: int, ops: int) -> None:
     if activity:
         rows = stream_overlap([a[:3] for a in activity])
         gaps = idle_gaps([a[1:] for a in activity if a[0] == rows[0][0]])
-        print(f"streams (busy; a side stream's share of it while the compute stream was busy):")
+        print("streams (busy; a side stream's share of it while the compute stream was busy):")
         print(f"  compute stream {rows[0][0]:<4} {rows[0][1] / 1e6:8.3f} s, idle between its first and last "
               f"kernel {sum(g for g, _, _ in gaps) / 1e6:.3f} s:")
         print("\n".join(_gap_lines(gaps, largest=8)))
