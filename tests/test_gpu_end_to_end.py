@@ -96,11 +96,15 @@ def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
     assert "optimizer adamw" in str(refused.value) and "optimizer state (adamw" in str(refused.value)
 
 
-@pytest.mark.parametrize("sparse", [None, lightning_oomb.SparseConfig(budget_pages=2, sink_pages=1, local_pages=1)],
-                         ids=["dense", "sparse"])
-def test_host_waits_do_not_grow_with_the_number_of_chunks(sparse):
+_SPARSE = lightning_oomb.SparseConfig(budget_pages=2, sink_pages=1, local_pages=1)
+
+
+@pytest.mark.parametrize("sparse, offload", [(None, "gpu"), (_SPARSE, "gpu"), (_SPARSE, "host")],
+                         ids=["dense", "sparse", "sparse-host-pages"])
+def test_host_waits_do_not_grow_with_the_number_of_chunks(sparse, offload):
     """A step may wait for the GPU a fixed number of times (labels per chunk, pages given back), never once per
-    chunk: each such wait leaves the GPU idle while Python launches the next kernels."""
+    chunk: each such wait leaves the GPU idle while Python launches the next kernels. Sparse steps with every
+    page on the host too (gathers of selected pages, additions into host gradient pages)."""
     import warnings
     from collections import Counter
 
@@ -110,13 +114,14 @@ def test_host_waits_do_not_grow_with_the_number_of_chunks(sparse):
 
     def waits(n_chunks: int) -> list[str]:
         ids = torch.randint(0, config.vocab_size, (1, 256 * n_chunks), device="cuda")
-        lightning_oomb.train_step(model, ids, chunk_size=256, page_size=64, sparse=sparse)  # compiles, warms
+        options = dict(chunk_size=256, page_size=64, sparse=sparse, offload=offload)
+        lightning_oomb.train_step(model, ids, **options)  # compiles, warms
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                lightning_oomb.train_step(model, ids, chunk_size=256, page_size=64, sparse=sparse)
+                lightning_oomb.train_step(model, ids, **options)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
