@@ -57,11 +57,16 @@ PoolProvider = Callable[[StoreSpec, int, bool, Placement], PagePool]
 _model_pools: "weakref.WeakKeyDictionary[nn.Module, tuple[PagePool, Placement]]" = weakref.WeakKeyDictionary()
 
 
+def _held(model: nn.Module) -> tuple[PagePool | None, Placement | None]:
+    """The pool kept for ``model`` and the placement that made it (None, None: none)."""
+    return _model_pools.get(model, (None, None))
+
+
 def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device) -> PoolProvider:
     """Pools kept per model and reused across steps; replaced only when a step needs a bigger or other one."""
 
     def provide(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
-        pool = _model_pools.get(model, (None, None))[0]
+        pool = _held(model)[0]
         fits = (
             pool is not None
             and pool.spec == spec
@@ -81,11 +86,11 @@ def cached_pool_provider(model: nn.Module, page_size: int, device: torch.device)
         return pool
 
     def held_bytes() -> tuple[int, int]:
-        pool = _model_pools.get(model, (None, None))[0]
+        pool = _held(model)[0]
         return (0, 0) if pool is None else pool_bytes(pool)
 
     def pool_placement() -> Placement | None:
-        return _model_pools.get(model, (None, None))[1]
+        return _held(model)[1]
 
     provide.held_bytes = held_bytes
     provide.pool_placement = pool_placement
@@ -115,7 +120,7 @@ def pool_bytes(pool: PagePool) -> tuple[int, int]:
 
 def cached_pool(model: nn.Module) -> PagePool | None:
     """The page pool ``train_step``/``eval_loss`` keep for ``model`` between steps, if any."""
-    return _model_pools.get(causal_lm(model), (None, None))[0]
+    return _held(causal_lm(model))[0]
 
 
 def release_cached_pool(model: nn.Module) -> None:
