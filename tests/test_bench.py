@@ -181,6 +181,20 @@ def test_profile_idle_gaps_of_a_stream_longest_first():
     assert idle_gaps(spans) == [(10, "d", "e"), (2, "a", "c")]
 
 
+def test_profile_gap_causes_split_the_host_and_the_device():
+    """A gap before a kernel launched after the stream went idle is the host's up to the launch; the rest of it,
+    and a gap before a kernel launched long before, is queued work waiting; the host spans overlapping the
+    host's part are named."""
+    from lightning_oomb.bench.profile_step import gap_causes
+
+    kernels = [(0, 10, 1), (30, 40, 2), (100, 110, 3), (111, 120, 4)]
+    launched = {1: -5, 2: 25, 3: 5, 4: 50}  # kernel 2 launched 15 into its 20 gap, kernel 3 long before
+    host = [(12, 20, "cudaStreamSynchronize"), (20, 26, "aten::copy_")]
+    host_s, device_s, unknown_s, ops = gap_causes(kernels, launched, host, min_gap=5)
+    assert (host_s, device_s, unknown_s) == (15, 65, 0)
+    assert ops == {"cudaStreamSynchronize": 8, "aten::copy_": 5}
+
+
 def test_profile_chunk_ranges_and_timeline():
     """--chunks parses to sorted, non-overlapping ranges inside the step; the timeline's chunk times are the
     differences between consecutive marks, stage 2 listed last chunk first."""

@@ -210,6 +210,36 @@ def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, s
     return sorted(gaps, key=lambda g: -g[0])
 
 
+def gap_causes(
+    kernels: list[tuple[float, float, int]], launched: dict[int, float], host: list[tuple[float, float, str]],
+    min_gap: float,
+) -> tuple[float, float, float, dict[str, float]]:
+    """Who made one stream's gaps of at least ``min_gap``: (host, device, unknown, host_ops). ``kernels`` are
+    the stream's (start, end, correlation id), ``launched`` each correlation id's launch call's end on the host,
+    ``host`` the host's (start, end, name) spans (runtime calls, ops). A gap's part before the next kernel's
+    launch returned is the host's (the GPU had nothing queued), the rest the device's (queued work waited:
+    for another stream, an event); ``host_ops`` the host spans overlapping the host's parts, by name."""
+    by_host = defaultdict(float)
+    host_s = device_s = unknown_s = 0.0
+    spans = sorted(host)
+    reach = None
+    for start, end, corr in sorted(kernels):
+        if reach is not None and start - reach >= min_gap:
+            launch = launched.get(corr)
+            if launch is None:
+                unknown_s += start - reach
+            else:
+                late = min(max(launch - reach, 0.0), start - reach)
+                host_s += late
+                device_s += start - reach - late
+                for a, b, name in spans:
+                    if a >= reach + late:
+                        break
+                    by_host[name] += max(0.0, min(b, reach + late) - max(a, reach))
+        reach = end if reach is None else max(reach, end)
+    return host_s, device_s, unknown_s, dict(by_host)
+
+
 def _gap_lines(gaps: list[tuple[float, str, str]], largest: int) -> list[str]:
     edges = (0, *GAP_BUCKETS_US, float("inf"))
     lines = []
@@ -221,6 +251,24 @@ def _gap_lines(gaps: list[tuple[float, str, str]], largest: int) -> list[str]:
     for gap, before, after in gaps[:largest]:
         lines.append(f"    {gap / 1e3:8.2f} ms after {before[:45]:<45} before {after[:45]}")
     return lines
+
+
+def _print_gap_causes(prof, compute_stream: int) -> None:
+    # From the raw events: kernels and their launch calls share a correlation id (absent without the host side).
+    events = prof.profiler.kineto_results.events()
+    kernels = [(e.start_ns(), e.end_ns(), e.correlation_id()) for e in events
+               if e.device_type().name == "CUDA" and e.device_resource_id() == compute_stream]
+    launched = {e.correlation_id(): e.end_ns() for e in events
+                if e.device_type().name == "CPU" and e.name().startswith(("cudaLaunch", "cuLaunch", "cudaMemcpy",
+                                                                         "cudaMemset"))}
+    if not launched:
+        return
+    host = [(e.start_ns(), e.end_ns(), e.name()) for e in events if e.device_type().name == "CPU"]
+    host_s, device_s, unknown_s, ops = gap_causes(kernels, launched, host, min_gap=GAP_BUCKETS_US[0] * 1e3)
+    print(f"    gaps >= {GAP_BUCKETS_US[0]} us: {host_s / 1e9:.3f} s the host's (its next kernel not yet launched), "
+          f"{device_s / 1e9:.3f} s queued work waiting, {unknown_s / 1e9:.3f} s unmatched; the host meanwhile:")
+    for name, ns in sorted(ops.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"      {ns / 1e9:8.3f} s  {name[:80]}")
 
 
 def report(prof, wall: float, title: str, top: int, ops: int) -> None:
@@ -244,6 +292,7 @@ def report(prof, wall: float, title: str, top: int, ops: int) -> None:
         print(f"  compute stream {rows[0][0]:<4} {rows[0][1] / 1e6:8.3f} s, idle between its first and last "
               f"kernel {sum(g for g, _, _ in gaps) / 1e6:.3f} s:")
         print("\n".join(_gap_lines(gaps, largest=8)))
+        _print_gap_causes(prof, rows[0][0])
         side, hidden = sum(r[1] for r in rows[1:]), sum(r[2] for r in rows[1:])
         for stream, busy, shared in rows[1:]:
             print(f"  side stream {stream:<7} {busy / 1e6:8.3f} s, {100 * shared / busy:5.1f}% hidden")
