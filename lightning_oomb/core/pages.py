@@ -157,19 +157,14 @@ class HostGradStaging:
             self.stream.synchronize()
 
 
-def stage_2_gather_order(host_layers: list[int], stored: set[int], graph: bool, checkpoint: bool) -> list[int]:
+def stage_2_gather_order(host_layers: list[int], stored: set[int], graph: bool) -> list[int]:
     """The host K/V layers whose attention a chunk's stage 2 calls, in order: the forward over the layers whose
-    attention stage 1 did not keep (``stored``), then the backward from the last layer down, each preceded by
-    its layer checkpoint's recompute; a chunk whose graph stage 1 kept (``graph``) runs only the backward."""
+    attention stage 1 did not keep (``stored``), then the backward from the last layer down (a layer
+    checkpoint's recompute takes the forward's attention outputs: it calls nothing); a chunk whose graph stage 1
+    kept (``graph``) runs only the backward."""
     if graph:
         return host_layers[::-1]
-    forward = [layer for layer in host_layers if layer not in stored]
-    backward = []
-    for layer in reversed(host_layers):
-        if checkpoint and layer not in stored:
-            backward.append(layer)  # the layer checkpoint's recompute
-        backward.append(layer)
-    return forward + backward
+    return [layer for layer in host_layers if layer not in stored] + host_layers[::-1]
 
 
 class HostKVStaging:
@@ -184,8 +179,8 @@ class HostKVStaging:
     own, wherever they live (``PagePool.host_grad_layers``).
 
     The last gather is kept until the next one (or ``forget``): the calls of one layer that follow each other
-    with the same selection (stage 2's forward of a layer and its backward, or the recompute of a layer
-    checkpoint and its backward) read the same pages, and host K/V pages do not change in stage 2.
+    with the same selection (stage 2's forward of the last layer and its backward) read the same pages, and
+    host K/V pages do not change in stage 2.
 
     Stage 2 knows every selection of a chunk before it starts (stage 1 made them), so the engine announces
     the chunk's calls (``expect``, in ``stage_2_gather_order``) and each gather runs on a side stream ahead

@@ -223,12 +223,16 @@ def activation_bytes(
     """Saved activations of one chunk's stage-2 forward (``tokens`` = batch x chunk tokens), in bytes.
 
     Without checkpointing: every layer's saved tensors. With it: each layer's input (T x hidden, residual
-    dtype, kept by the checkpoint for the recompute) plus one layer's full activations (the recompute).
+    dtype, kept by the checkpoint for the recompute) and attention output and log-sum-exp (q's dtype and
+    float32 per head, which the recompute takes instead of attending again), plus one layer's full
+    activations (the recompute).
     fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops).
     """
     one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
     if checkpoint_layers:
-        layers = shape.n_layers * tokens * shape.hidden * PROFILES[precision].residual + one_layer
+        p = PROFILES[precision]
+        per_layer = shape.hidden * p.residual + shape.q_width * p.qk + 4 * shape.n_heads
+        layers = shape.n_layers * tokens * per_layer + one_layer
     else:
         layers = shape.n_layers * one_layer
     return layers + model_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
@@ -240,15 +244,14 @@ def activation_bytes(
 @dataclass(frozen=True)
 class StepTime:
     """FLOPs one step executes and its time at ``matmul_tflops`` (floor) and at LINEAR_EFFICIENCY and
-    ATTENTION_EFFICIENCY of it (predicted). ``recompute_flops`` (layer checkpointing) holds
-    ``recompute_attention_flops`` of attention, the rest is linear."""
+    ATTENTION_EFFICIENCY of it (predicted). ``recompute_flops`` (layer checkpointing) are linear: the
+    recompute takes the attention outputs of the stage-2 forward."""
 
     linear_flops: float
     attention_flops: float
     recompute_flops: float
     matmul_tflops: float
-    recompute_attention_flops: float = 0.0
-    portable_attention_flops: float = 0.0  # of the attention (recompute too): packed chunks at PORTABLE_...
+    portable_attention_flops: float = 0.0  # of the attention: packed chunks at PORTABLE_...
     stage_1_flops: float = 0.0  # of the total: stage 1's forward of every chunk
     host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
     host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
@@ -270,7 +273,7 @@ class StepTime:
     def compute_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
         of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
-        attention = self.attention_flops + self.recompute_attention_flops
+        attention = self.attention_flops
         linear = self.total_flops - attention
         peak = self.matmul_tflops * 1e12
         return (linear / (peak * LINEAR_EFFICIENCY) + (attention - self.portable_attention_flops)
@@ -339,8 +342,7 @@ def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, head
 
 def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: int, kept_chunks: int,
                           host_kept_chunks: int) -> set[int]:
-    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it (again, in a layer
-    checkpoint's recompute too): the last ``graph_chunks`` (their whole graph; none with layer checkpointing),
+    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it: the last ``graph_chunks`` (their whole graph; none with layer checkpointing),
     the ``kept_chunks`` before them and the first ``host_kept_chunks`` (their outputs), as
     ``ChunkedSequence`` places them."""
     graphs = 0 if checkpoint_layers else min(graph_chunks, n_chunks)
@@ -349,16 +351,15 @@ def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: 
     return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
 
 
-def _host_layer_requests(host: list[int], last: int, stage: int, kind: str, skip_last: bool,
-                         checkpoint: bool) -> list[int]:
+def _host_layer_requests(host: list[int], last: int, stage: int, kind: str, skip_last: bool) -> list[int]:
     """The host K/V layers whose attention a chunk asks for, in order, in ``stage`` 1 or 2 of a step (what
     ``ChunkedSequence`` runs). ``kind``: "graph" (stage 1 keeps its autograd graph: stage 2 runs only its
-    backward), "kept" (stage 2 takes its attention outputs from stage 1, in the forward and the recompute) or
+    backward), "kept" (stage 2 takes its attention outputs from stage 1) or
     "computed"; ``skip_last``: stage 1 ends the chunk at the last layer's K/V store (its hidden state unused)."""
     computed_in_1 = [layer for layer in host if not (skip_last and layer == last)]
     if stage == 1:
         return computed_in_1
-    return stage_2_gather_order(host, set(computed_in_1) if kind == "kept" else set(), kind == "graph", checkpoint)
+    return stage_2_gather_order(host, set(computed_in_1) if kind == "kept" else set(), kind == "graph")
 
 
 def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
@@ -375,7 +376,7 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     """Bytes the host K/V layers' gathers move over the bus in stage 1 and in stage 2 of a step of ``c``, in
     expectation: each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk
     gathers once per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's
-    forward, a layer checkpoint's recompute and the backward, less the forwards ``attention_kept_chunks``
+    forward and the backward, less the forwards ``attention_kept_chunks``
     spares), except where a call follows one of the same layer and chunk, which reuses its gather
     (``_gathers``)."""
     if not c.host_kv_layers:
@@ -395,8 +396,7 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
         skip_last = kind != "graph" and not c.stage_1_loss
         key = (kind, skip_last, index == n - 1)
         if key not in per_kind:
-            requests = [_host_layer_requests(host, last, stage, kind, skip_last, c.checkpoint_layers)
-                        for stage in (1, 2)]
+            requests = [_host_layer_requests(host, last, stage, kind, skip_last) for stage in (1, 2)]
             first, held = _gathers(requests[0], None)
             # stage 2 starts with the chunk stage 1 ended with: its last gather may serve stage 2's first call
             per_kind[key] = (first, _gathers(requests[1], held if index == n - 1 else None)[0])
@@ -540,8 +540,8 @@ def step_time(
     6 * P_mm * tokens, plus 8 * P_lora * tokens for the adapters.
     attention (dense, causal): 9 * n_layers * d_q * L^2 per sequence (forward 2 d_q L^2 per layer, counted
     4.5 times: two forwards and a backward of 2.5 forwards).
-    layer checkpointing recomputes each layer's forward once more: 2 * (P_mm - lm_head) * tokens plus
-    2 * n_layers * d_q * L^2.
+    layer checkpointing recomputes each layer's forward once more but its attention (the recompute takes the
+    stage-2 forward's attention outputs): 2 * (P_mm - lm_head) * tokens.
     sparse: each query attends to at most A past tokens (A = budget_pages * page_size for a SparseConfig,
     SPARSE_ATTENDED_TOKENS for True) plus its chunk causally: per chunk of n tokens after s past tokens,
     n * (min(s, A) + n / 2) pairs instead of n * (s + n / 2).
@@ -551,8 +551,7 @@ def step_time(
     sequence.
     What stage 1 keeps is not computed again: the last ``graph_chunks`` chunks' stage-2 forward (linear and
     attention; none with layer checkpointing), the attention forward of the ``kept_chunks`` chunks before
-    them and of the first ``host_kept_chunks`` chunks, in stage 2's forward and in the recompute of layer
-    checkpointing (``attention_kept_chunks``).
+    them and of the first ``host_kept_chunks`` chunks (``attention_kept_chunks``).
     """
     shape = ModelShape.resolve(model)
     tokens = batch * context
@@ -569,31 +568,25 @@ def step_time(
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
     attention = 4.5 * forward_attention
-    recompute = recompute_attention = 0.0
-    if checkpoint_layers:
-        recompute_attention = forward_attention
-        recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens + recompute_attention
+    recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
     graphs = 0 if checkpoint_layers else min(graph_chunks, n)
     kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
     spared = per_pair * sum(chunk_pairs[i] for i in kept)
     attention -= spared
-    if checkpoint_layers:
-        recompute_attention -= spared
-        recompute -= spared
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
     # Attention FLOPs a chunk executes, per forward pair: stage 1's, stage 2's and the backward's 4.5 forwards,
-    # the recompute's one, less the forwards a kept output spares.
-    passes = [4.5 + checkpoint_layers - (i in kept) * (1 + checkpoint_layers) for i in range(n)]
+    # less the forward a kept output spares.
+    passes = [4.5 - (i in kept) for i in range(n)]
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
-    return StepTime(linear, attention, recompute, matmul_tflops, recompute_attention,
-                    portable_attention_flops=portable, stage_1_flops=stage_1)
+    return StepTime(linear, attention, recompute, matmul_tflops, portable_attention_flops=portable,
+                    stage_1_flops=stage_1)
 
 
 def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> bool:
@@ -964,7 +957,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _portable_share(t: StepTime) -> float:
-    return t.portable_attention_flops / (t.attention_flops + t.recompute_attention_flops)
+    return t.portable_attention_flops / t.attention_flops
 
 
 def _duration(seconds: float) -> str:

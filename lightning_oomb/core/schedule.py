@@ -10,7 +10,8 @@ through the decoder, which adds the past's dK, dV into the store and hands the c
 complete gradient (later chunks ran first). The output layer's gradient is summed over chunks in float32
 and delivered once at the end. Summed over chunks, the parameter gradients are those of full-sequence
 training. Stage 1 may keep attention outputs for stage 2, which then skips those attention forwards: of the
-chunks just before the kept graphs on the GPU, of the first chunks in pinned host memory.
+chunks just before the kept graphs on the GPU, of the first chunks in pinned host memory. With layer
+checkpointing, a layer's recompute in stage 2 takes the attention outputs of the chunk's stage-2 forward.
 """
 
 from __future__ import annotations
@@ -324,6 +325,13 @@ class ChunkedSequence:
             return out
         if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
             self.kept[key] = self.host_kept.fetch(*key)
+        if not fill and key not in self.kept and self.config.checkpoint_layers:
+            # The layer checkpoint's recompute takes this forward's (out, lse) rather than attending again:
+            # one layer's output per layer of the chunk, held until the chunk's backward is done. Without
+            # autograd: the checkpoint counts the tensors its forward saves.
+            with torch.no_grad():
+                self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
+                                                          doc_start, one_document)
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
                                one_document)
 
@@ -496,7 +504,7 @@ class ChunkedSequence:
         host = self.pool.host_kv_layer_ids
         saved = self.host_kept.saved if self.host_kept is not None else ()
         stored = {layer for layer in host if (index, layer) in self.kept or (index, layer) in saved}
-        order = stage_2_gather_order(host, stored, index in self.graphs, self.config.checkpoint_layers)
+        order = stage_2_gather_order(host, stored, index in self.graphs)
         staging.expect([(self.pool.layer(layer, self.table), self.selections[(index, layer)]) for layer in order],
                        start)
 
