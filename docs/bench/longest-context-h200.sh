@@ -5,14 +5,18 @@
 #   1. full training at 1,835,008 tokens (1.75M; planned 5.3 min, KV-gradient pages of every layer on the host);
 #   2. LoRA rank 16 at 2,080,768 tokens (`lightning-oomb plan --max-context`'s LoRA row; 2,097,152 is 4 GiB over
 #      the host budget with whole layers moved).
-# One cold step each (--warmup 0; run after host-kv-h200.sh, the kernels are compiled): the CSV's pin_s is the share spent page-locking host memory. 12.3 minutes at 8676b3d:
+# One cold step each (--warmup 0; a 64K step first compiles the kernels): the CSV's pin_s is the share spent page-locking host memory. 12.3 minutes at 8676b3d:
 # run it under setsid and read $OUT/*/results.csv back (device README).
-#   bash docs/bench/longest-context-h200.sh OUT
+#   bash docs/bench/longest-context-h200.sh OUT            (CASES="full" runs the first only)
 set -u
 out=${1:-/root/longest}
 mkdir -p "$out"
 common=(--model qwen2.5-7b --modes sparse --budget-pages 64 --selection chunk --grad-dtype bfloat16
         --checkpoint-layers --repeats 1 --warmup 0)
-python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 1835008 --out "$out/full"
-python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora 16 --out "$out/lora"
+for case in ${CASES:-full lora}; do
+    case $case in
+        full) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 65536,1835008 --out "$out/full" ;;
+        lora) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora 16 --out "$out/lora" ;;
+    esac
+done
 touch "$out/done"
