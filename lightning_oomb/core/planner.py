@@ -567,19 +567,17 @@ def step_time(
                    for s in range(0, context, chunk_size)]
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
-    attention = 4.5 * forward_attention
     recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
     graphs = 0 if checkpoint_layers else min(graph_chunks, n)
     kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
-    spared = per_pair * sum(chunk_pairs[i] for i in kept)
-    attention -= spared
+    # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
+    # forward a kept output spares.
+    passes = [4.5 - (i in kept) for i in range(n)]
+    attention = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs))
     linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
-    # Attention FLOPs a chunk executes, per forward pair: stage 1's, stage 2's and the backward's 4.5 forwards,
-    # less the forward a kept output spares.
-    passes = [4.5 - (i in kept) for i in range(n)]
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
