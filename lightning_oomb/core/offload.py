@@ -390,7 +390,7 @@ class Streamer:
     def _send_ahead(self, direction: str, layer: int, start: int, t: int) -> None:
         """Start the next layer's first loads now, so that they run behind the rest of this layer's work
         (its projections and MLP): forward goes up the layers, backward down. A guess that turns out wrong
-        (e.g. layer checkpointing recomputes a forward first) only costs the copies."""
+        (stage 1 ends a chunk at the last layer's K/V store, before its attention) only costs the copies."""
         nxt = layer + 1 if direction == "forward" else layer - 1
         if not 0 <= nxt < self.spec.n_layers:
             return
