@@ -273,10 +273,9 @@ class StepTime:
     def compute_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
         of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
-        attention = self.attention_flops
-        linear = self.total_flops - attention
+        linear = self.total_flops - self.attention_flops
         peak = self.matmul_tflops * 1e12
-        return (linear / (peak * LINEAR_EFFICIENCY) + (attention - self.portable_attention_flops)
+        return (linear / (peak * LINEAR_EFFICIENCY) + (self.attention_flops - self.portable_attention_flops)
                 / (peak * ATTENTION_EFFICIENCY) + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
 
     @property
@@ -342,9 +341,9 @@ def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, head
 
 def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: int, kept_chunks: int,
                           host_kept_chunks: int) -> set[int]:
-    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it: the last ``graph_chunks`` (their whole graph; none with layer checkpointing),
-    the ``kept_chunks`` before them and the first ``host_kept_chunks`` (their outputs), as
-    ``ChunkedSequence`` places them."""
+    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it: the last
+    ``graph_chunks`` (their whole graph; none with layer checkpointing), the ``kept_chunks`` before them and
+    the first ``host_kept_chunks`` (their outputs), as ``ChunkedSequence`` places them."""
     graphs = 0 if checkpoint_layers else min(graph_chunks, n_chunks)
     kept = min(kept_chunks, n_chunks - graphs)
     host_kept = min(host_kept_chunks, n_chunks - graphs - kept)
