@@ -107,6 +107,17 @@ def _first_page(sel, ssel_k, n_sel, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _document_rows(DOC, b, T, m0, offs_m, m_valid, sel, ssel_k, n_sel, BLOCK_M: tl.constexpr,
+                   PAGE_BLOCKS: tl.constexpr):
+    """Packed documents, for a query block of the forward or dQ: (key_lo, doc_first, doc_last) of ``doc_rows``
+    and the first key block of the tile's page list, past its -1 entries (no page). Keys before a row's
+    document start are masked for it, so a row may see no past key: fwd_step's and dq_step's masks keep its
+    m_i = -inf state. (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)"""
+    key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
+    return key_lo, doc_first, doc_last, _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
+
+
+@triton.jit
 def _sparse_fwd_kernel(
     Q, K, V, KP, VP, KD, VD, SLOTS, SEL, OUT, LSE, DOC,
     sq_b, sq_h, sq_t,
@@ -147,11 +158,8 @@ def _sparse_fwd_kernel(
     doc_first = 0
     doc_last = 0
     if DOC is not None:
-        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
-        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
-        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
-        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
-        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
+        key_lo, doc_first, doc_last, first_it = _document_rows(DOC, b, T, m0, offs_m, m_valid, sel, ssel_k, n_sel,
+                                                               BLOCK_M, PAGE_BLOCKS)
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
@@ -218,11 +226,8 @@ def _sparse_dq_kernel(
     doc_first = 0
     doc_last = 0
     if DOC is not None:
-        # Packed documents: the list's -1 entries (no page) are skipped; keys before a row's document start
-        # are masked for it. A row may then see no past key: fwd_step's mask keeps its m_i = -inf state.
-        # (The last tile's blocks may start past T: their first row is read at T - 1, in bounds.)
-        key_lo, doc_first, doc_last = doc_rows(DOC, b, T, tl.minimum(m0, T - 1), offs_m, m_valid, BLOCK_M)
-        first_it = _first_page(sel, ssel_k, n_sel, 64) * PAGE_BLOCKS
+        key_lo, doc_first, doc_last, first_it = _document_rows(DOC, b, T, m0, offs_m, m_valid, sel, ssel_k, n_sel,
+                                                               BLOCK_M, PAGE_BLOCKS)
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, start, offs_n, offs_d, PAGE_SIZE, PAGE_BLOCKS, BLOCK_N, HEAD_DIM,
