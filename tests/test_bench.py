@@ -272,15 +272,17 @@ def test_cli_route_corpus_of_documents_restarts_positions_per_document(tmp_path)
 
 
 def test_cli_route_seq_len_sets_the_sequence_and_the_pool(tmp_path):
-    """bench.cli_route --seq-len N: the derived YAML trains N-token sequences and sizes the page pool for N,
-    so that the longest context the planner names runs through the user's YAML unchanged otherwise."""
+    """bench.cli_route --seq-len N [--lora-rank R]: the derived YAML trains N-token sequences (LoRA adapters of
+    rank R) and sizes the page pool for N, so that the longest context the planner names runs through the
+    user's YAML unchanged otherwise."""
     import yaml
 
     from lightning_oomb.bench.cli_route import derived_config
 
     example = Path(__file__).resolve().parents[1] / "examples" / "qwen2.5-7b-1m-sparse.yaml"
-    data = yaml.safe_load(derived_config(example, tmp_path, None, seq_len=1_617_920).read_text())
+    data = yaml.safe_load(derived_config(example, tmp_path, None, seq_len=1_617_920, lora_rank=16).read_text())
     assert data["data"]["init_args"]["seq_len"] == 1_617_920
+    assert data["model"]["init_args"]["lora_rank"] == 16
     pools = [cb["init_args"]["max_seq_len"] for cb in data["trainer"]["callbacks"]
              if cb["class_path"].endswith("PagedKVCallback")]
     assert pools == [1_617_920]

@@ -85,14 +85,18 @@ def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, see
     return path
 
 
-def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_len: int | None = None) -> Path:
+def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_len: int | None = None,
+                   lora_rank: int | None = None) -> Path:
     """The example YAML with its checkpoint interval set (None: no ModelCheckpoint) and its logs under ``out``.
     Each checkpoint gets its own file and no last.ckpt is written at the end, so that a 46 GB checkpoint is
     written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB).
-    ``seq_len`` replaces the sequence length (tokens) and the PagedKVCallback's ``max_seq_len`` with it."""
+    ``seq_len`` replaces the sequence length (tokens) and the PagedKVCallback's ``max_seq_len`` with it;
+    ``lora_rank`` the model's ``lora_rank`` (its adapters on the module's default targets)."""
     data = yaml.safe_load(config.read_text())
     if seq_len is not None:
         data["data"]["init_args"]["seq_len"] = seq_len
+    if lora_rank is not None:
+        data["model"].get("init_args", data["model"])["lora_rank"] = lora_rank
     callbacks = data["trainer"].get("callbacks", [])
     kept = []
     for cb in callbacks:
@@ -329,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence instead of the YAML's (its PagedKVCallback's max_seq_len too), "
                              "e.g. the planner's longest context")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="train LoRA adapters of this rank instead of the YAML's training (0: every weight)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if every is None:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
-    config = derived_config(args.config, args.out, every or None, args.seq_len)
+    config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank)
     results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", [])
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
