@@ -17,8 +17,8 @@ from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
 from test_strategy import UserModule, weights
-from tiny_models import (VOCAB, assert_adamw_updates_close, assert_grads_close, full_sequence_grads, needs_interpreter,
-                         rel_err, tiny_model)
+from tiny_models import (VOCAB, assert_adamw_updates_close, assert_grads_close, full_sequence_grads, rel_err,
+                         tiny_model)
 
 SEQ, CHUNK, PAGE = 40, 16, 8
 TRAINER = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -118,13 +118,10 @@ def test_three_ranks_layer_checkpointing_accumulation(tmp_path):
     assert_grads_close(grads, {n: (first[n] + second[n]) / 2 for n in first}, 1e-5)
 
 
-@pytest.mark.parametrize("options", [
-    {"attention": "reference", "offload": "host"},
-    pytest.param({"attention": "triton", "keep_graphs": 2}, marks=needs_interpreter),
-], ids=["reference-host-pages", "triton-kept-graphs"])
+@pytest.mark.parametrize("options", [{"offload": "host"}, {"keep_graphs": 2}], ids=["host-pages", "kept-graphs"])
 def test_qwen3_host_pages_or_kept_graphs(tmp_path, options):
     """Qwen3 (q/k norms) on 2 ranks with every page in host memory, or with the last 2 chunks' graphs kept
-    from stage 1 and the Triton kernels (in the interpreter): the averaged gradient is transformers'."""
+    from stage 1: the averaged gradient is transformers'."""
     items = sequences(2)
     grads, _ = fit_ddp(tmp_path, UserModule(tiny_model("qwen3")), items, 2, 1, options)
     assert_grads_close(grads, module_grads(tiny_model("qwen3"), items), 1e-5)

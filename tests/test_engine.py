@@ -242,26 +242,23 @@ def test_bf16_gradient_store(backend):
 SPARSE_2 = {"budget_pages": 2, "sink_pages": 1, "local_pages": 0}
 
 
-# The kept pair is backend-independent bookkeeping: every combination on the reference, one in the (slow)
-# Triton interpreter.
-@pytest.mark.parametrize(
-    "backend,checkpoint_layers,sparse",
-    [("reference", c, s) for c in (False, True) for s in (None, SPARSE_2)]
-    + ([("triton", False, None)] if "triton" in BACKENDS else []),
-)
-def test_kept_attention_outputs_give_the_same_gradient(backend, checkpoint_layers, sparse, monkeypatch):
+# The kept pair is backend-independent bookkeeping: every combination on the reference; the Triton kernels'
+# kept outputs in the interpreter beside kept graphs (test_kept_graphs_give_the_same_gradient).
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+@pytest.mark.parametrize("sparse", [None, SPARSE_2], ids=["dense", "sparse"])
+def test_kept_attention_outputs_give_the_same_gradient(checkpoint_layers, sparse, monkeypatch):
     """Stage 2 reuses stage 1's attention outputs of the kept chunks: bitwise the same gradient, fewer forwards."""
     from lightning_oomb.core import attention
 
     model = tiny_model("qwen2")
-    ids = torch.randint(0, VOCAB, (2 if backend == "reference" else 1, 37))  # 5 chunks of 8
-    kwargs = dict(chunk_size=8, page_size=4, attention=backend, checkpoint_layers=checkpoint_layers, sparse=sparse,
-                  keep_graphs=0)
+    ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
+    kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
+                  sparse=sparse, keep_graphs=0)
     calls = []
     forward = attention._forward
     monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
     results = {}
-    keeps = (0, 2, 100) if backend == "reference" else (0, 2)  # the interpreter's steps are slow
+    keeps = (0, 2, 100)
     for keep in keeps:
         model.zero_grad(set_to_none=True)
         calls.clear()
