@@ -258,8 +258,7 @@ def test_kept_attention_outputs_give_the_same_gradient(checkpoint_layers, sparse
     forward = attention._forward
     monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
     results = {}
-    keeps = (0, 2, 100)
-    for keep in keeps:
+    for keep in (0, 2, 100):
         model.zero_grad(set_to_none=True)
         calls.clear()
         loss = lightning_oomb.train_step(model, ids, keep_attention=keep, **kwargs)
@@ -268,7 +267,7 @@ def test_kept_attention_outputs_give_the_same_gradient(checkpoint_layers, sparse
     # Stage 1 ends each chunk at the last layer's store: that layer's attention runs (and is kept) in stage 2 only.
     # Stage 2 attends once per layer, checkpointed or not: the recompute takes the forward's outputs.
     expected_calls = {0: 5 * layers, 2: 3 * layers + 2, 100: 5}
-    for keep in keeps:
+    for keep in results:
         assert results[keep][2] == 5 * (layers - 1) + expected_calls[keep], keep
         assert torch.equal(results[keep][0], results[0][0])
         for name, grad in results[0][1].items():
