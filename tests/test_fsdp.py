@@ -272,7 +272,7 @@ def test_tensor_parallel_sparse_steps_equal_one_process(runs):
 
 def test_tensor_parallel_refusals():
     """Sizes that do not split the KV heads (qwen3's 3) and LoRA: refused before any work, each naming its fix."""
-    with pytest.raises(SetupError, match="does not divide num_key_value_heads=3"):
+    with pytest.raises(SetupError, match="tensor_parallel_size=2 does not divide num_key_value_heads=3"):
         check_tensor_parallel(tiny_model("qwen3"), 2, lora=False)
     with pytest.raises(SetupError, match="LoRA"):
         check_tensor_parallel(tiny_model("qwen2"), 2, lora=True)

@@ -138,19 +138,20 @@ class ModelShape:
             return cls.from_config(model)
         raise TypeError(f"cannot read a model shape from {type(model).__name__}")
 
-    def tensor_parallel_part(self, size: int) -> "ModelShape":
+    def tensor_parallel_part(self, size: int, option: str = "tensor_parallel") -> "ModelShape":
         """What one of ``size`` tensor-parallel ranks holds and computes (OOMBModelParallelStrategy's
         ``tensor_parallel_size``): each decoder layer split by KV heads, so the query and KV heads, with their
         q/k/v rows and biases and o's columns, and the MLP's hidden units, with gate/up's rows and biases and
         down's columns, are 1/size; the hidden size, the norms, o's and down's biases (added after the sum over
-        the ranks), the embeddings and the output layer are whole. ValueError, naming the fix, when ``size``
-        does not divide the KV heads, attention heads or MLP width (as the strategy refuses them)."""
+        the ranks), the embeddings and the output layer are whole. ValueError, naming the fix and the setting
+        ``option`` that asked for ``size``, when ``size`` does not divide the KV heads, attention heads or MLP
+        width."""
         if size == 1:
             return self
         for name, count in (("num_key_value_heads", self.n_kv_heads), ("num_attention_heads", self.n_heads),
                             ("intermediate_size", self.intermediate)):
             if count % size:
-                raise ValueError(f"tensor_parallel={size} does not divide {name}={count} of {self.name}; use a "
+                raise ValueError(f"{option}={size} does not divide {name}={count} of {self.name}; use a "
                                  f"divisor of num_key_value_heads={self.n_kv_heads} (each rank computes whole KV "
                                  "heads)")
         return dataclasses.replace(self, n_heads=self.n_heads // size, n_kv_heads=self.n_kv_heads // size,

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from typing_extensions import override
 
 from ..core.errors import SetupError
+from ..core.model_shape import ModelShape
 from ..core.ranks import DataParallelRanks
 from ..core.schedule import ChunkHook
 from ..core.sparse import SparseConfig
@@ -85,13 +86,10 @@ def check_tensor_parallel(lm: nn.Module, size: int, lora: bool, sparse: SparseCo
         raise SetupError(f"tensor_parallel_size={size} with sparse per_kv_head=False: one page selection for all KV "
                          "heads needs the scores of heads on other ranks; use per_kv_head=True (each KV head its "
                          "own pages) or tensor_parallel_size=1")
-    cfg = lm.config
-    counts = {"num_key_value_heads": cfg.num_key_value_heads, "num_attention_heads": cfg.num_attention_heads,
-              "intermediate_size": cfg.intermediate_size}
-    for name, count in counts.items():
-        if count % size:
-            raise SetupError(f"tensor_parallel_size={size} does not divide {name}={count}; use a divisor of "
-                             f"num_key_value_heads={cfg.num_key_value_heads} (each rank computes whole KV heads)")
+    try:
+        ModelShape.resolve(lm).tensor_parallel_part(size, option="tensor_parallel_size")
+    except ValueError as e:
+        raise SetupError(str(e)) from None
 
 
 def parallelize_decoder_layers(lm: nn.Module, mesh: DeviceMesh) -> None:
