@@ -340,12 +340,12 @@ def test_data_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp
         assert all(torch.equal(a[key], b[key]) for key in b)
 
 
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded-folder", "one-file"])
-def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp_path, sharded):
-    """oomb_model_parallel (zero2) through the CLI on 2 gloo processes, with sharded checkpoint folders or one
-    file gathered on rank 0: every rank killed with SIGKILL after the step-2 checkpoint was written, then
-    `--ckpt_path last` takes steps 3 and 4 to the weights, optimizer state and data position of the run never
-    stopped (a folder read back whole with torch.distributed.checkpoint's converter)."""
+def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tmp_path):
+    """oomb_model_parallel (zero2) through the CLI on 2 gloo processes, with sharded checkpoint folders: every rank
+    killed with SIGKILL after the step-2 checkpoint was written, then `--ckpt_path last` takes steps 3 and 4 to the
+    weights, optimizer state and data position of the run never stopped (the folders read back whole with
+    torch.distributed.checkpoint's converter). One file gathered on rank 0 resumes in
+    tests/test_model_parallel_2d.py (with the sharded folders of a 2-D mesh)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     def sharded_config(folder: Path, kill_at: int | None = None) -> Path:
@@ -353,7 +353,7 @@ def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tm
         config = yaml.safe_load(path.read_text())
         config["trainer"].update(devices=2, max_steps=2 * EVERY, limit_val_batches=0, use_distributed_sampler=False)
         config["trainer"]["strategy"]["class_path"] = "lightning_oomb.OOMBModelParallelStrategy"
-        config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] = sharded
+        config["trainer"]["strategy"]["init_args"]["save_distributed_checkpoint"] = True
         if kill_at is not None:
             config["trainer"]["callbacks"].append({"class_path": "test_training_cli.KillAtStep",
                                                    "init_args": {"step": kill_at}})
@@ -361,9 +361,6 @@ def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tm
         return path
 
     def read(path: Path) -> dict:
-        if not sharded:
-            checkpoint = load(path)
-            return {**checkpoint, "optimizer_0": checkpoint.pop("optimizer_states")[0]}
         whole = tmp_path / "read.pt"
         dcp_to_torch_save(path, whole)
         return {**torch.load(path / "meta.pt", weights_only=False), **torch.load(whole, weights_only=False)}
@@ -379,7 +376,7 @@ def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tm
     killed = fit_subprocess(sharded_config(tmp_path / "killed", kill_at=EVERY), "--export", "false")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     last = run_dir(tmp_path / "killed") / "checkpoints" / "last.ckpt"
-    assert last.is_dir() == sharded and read(last)["global_step"] == EVERY
+    assert last.is_dir() and read(last)["global_step"] == EVERY
     resumed = fit_subprocess(sharded_config(tmp_path / "killed"), "--export", "false", "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = read(last)
