@@ -1,4 +1,5 @@
 import dataclasses
+import multiprocessing
 import os
 
 import torch
@@ -13,3 +14,8 @@ if not torch.cuda.is_available():
     if dataclasses.is_dataclass(getattr(interpreter, "interpreter_builder", None) and interpreter.interpreter_builder.options):
         interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
                                                                       sanitize_overflow=False)
+
+# The distributed tests' processes start from one fork server that imported these once (fork before any thread pool
+# or CUDA context exists), instead of each being a fresh interpreter that imports them again (~8 s of CPU each).
+# "conftest" brings the settings above into the server.
+multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli"])

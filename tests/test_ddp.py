@@ -161,7 +161,8 @@ def _mismatched_rank(rank: int, world: int, init_file: str, out: str) -> None:
 
 def test_mismatched_sequence_lengths_refused_on_every_rank(tmp_path):
     world = 3
-    mp.spawn(_mismatched_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "error")), nprocs=world)
+    mp.start_processes(_mismatched_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "error")), nprocs=world,
+                       start_method="forkserver")
     for rank in range(world):
         message = (tmp_path / f"error{rank}").read_text()
         assert message.startswith("data-parallel ranks must run batches of one shape") and "\n" not in message

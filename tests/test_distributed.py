@@ -53,7 +53,8 @@ def _rank(rank: int, world: int, init_file: str, family: str, out: str) -> None:
 @pytest.mark.parametrize("family, world", [("qwen2", 2), ("qwen2-tied", 3)])
 def test_gradients_summed_over_ranks_equal_one_process(tmp_path, family, world):
     out = tmp_path / "grads.pt"
-    mp.spawn(_rank, args=(world, str(tmp_path / "init"), family, str(out)), nprocs=world, join=True)
+    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), family, str(out)), nprocs=world, join=True,
+                       start_method="forkserver")
     summed = torch.load(out)
 
     model = tiny_model(family)

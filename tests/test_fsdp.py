@@ -104,7 +104,7 @@ def spawn_ranks(ranks, world: int, out) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(ranks, args=(world, port, str(out)), nprocs=world, join=True)
+    mp.start_processes(ranks, args=(world, port, str(out)), nprocs=world, join=True, start_method="forkserver")
 
 
 def as_torchrun_rank(rank: int, world: int, port: int) -> None:
