@@ -11,11 +11,11 @@ if not torch.cuda.is_available():
     # check only with debug=True): about a quarter of interpreted time, for test shapes far below 2**31.
     from triton.runtime import interpreter
 
-    if dataclasses.is_dataclass(getattr(interpreter, "interpreter_builder", None) and interpreter.interpreter_builder.options):
-        interpreter.interpreter_builder.options = dataclasses.replace(interpreter.interpreter_builder.options,
-                                                                      sanitize_overflow=False)
+    builder = getattr(interpreter, "interpreter_builder", None)
+    if builder is not None and dataclasses.is_dataclass(builder.options):  # else left as it is: slower, not wrong
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
-# The distributed tests' processes start from one fork server that imported these once (fork before any thread pool
-# or CUDA context exists), instead of each being a fresh interpreter that imports them again (~8 s of CPU each).
-# "conftest" brings the settings above into the server.
-multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli"])
+    # The processes the distributed tests start themselves (tiny_models.START_METHOD) fork from one server that
+    # imported these once, instead of each being a fresh interpreter importing them again (~8 s of CPU each).
+    # "conftest" brings the settings above into the server.
+    multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli"])

@@ -17,8 +17,8 @@ from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
 from test_strategy import UserModule, weights
-from tiny_models import (VOCAB, assert_adamw_updates_close, assert_grads_close, full_sequence_grads, rel_err,
-                         tiny_model)
+from tiny_models import (START_METHOD, VOCAB, assert_adamw_updates_close, assert_grads_close, full_sequence_grads,
+                         rel_err, tiny_model)
 
 SEQ, CHUNK, PAGE = 40, 16, 8
 TRAINER = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -162,7 +162,7 @@ def _mismatched_rank(rank: int, world: int, init_file: str, out: str) -> None:
 def test_mismatched_sequence_lengths_refused_on_every_rank(tmp_path):
     world = 3
     mp.start_processes(_mismatched_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "error")), nprocs=world,
-                       start_method="forkserver")
+                       start_method=START_METHOD)
     for rank in range(world):
         message = (tmp_path / f"error{rank}").read_text()
         assert message.startswith("data-parallel ranks must run batches of one shape") and "\n" not in message

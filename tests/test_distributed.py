@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lightning_oomb
-from tiny_models import VOCAB, assert_grads_close, full_sequence_grads, tiny_model
+from tiny_models import START_METHOD, VOCAB, assert_grads_close, full_sequence_grads, tiny_model
 
 SEQ, CHUNK, PAGE = 40, 16, 8
 
@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, init_file: str, family: str, out: str) -> None:
 def test_gradients_summed_over_ranks_equal_one_process(tmp_path, family, world):
     out = tmp_path / "grads.pt"
     mp.start_processes(_rank, args=(world, str(tmp_path / "init"), family, str(out)), nprocs=world, join=True,
-                       start_method="forkserver")
+                       start_method=START_METHOD)
     summed = torch.load(out)
 
     model = tiny_model(family)

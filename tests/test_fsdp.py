@@ -27,7 +27,7 @@ from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
 from test_strategy import UserModule, weights
-from tiny_models import assert_adamw_updates_close, assert_grads_close, rel_err, tiny_model
+from tiny_models import START_METHOD, assert_adamw_updates_close, assert_grads_close, rel_err, tiny_model
 
 WORLD = 2
 ITEMS = sequences(6)  # rank 1's first batch has no valid label, the others uneven counts
@@ -99,12 +99,12 @@ def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=Non
     return trainer, module
 
 
-def spawn_ranks(ranks, world: int, out) -> None:
-    """Start ``world`` processes running ``ranks(rank, world, port, out)``, on a free local port."""
+def spawn_ranks(ranks, world: int, *args) -> None:
+    """Start ``world`` processes running ``ranks(rank, world, port, *args)``, on a free local port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(ranks, args=(world, port, str(out)), nprocs=world, join=True, start_method="forkserver")
+    mp.start_processes(ranks, args=(world, port, *args), nprocs=world, join=True, start_method=START_METHOD)
 
 
 def as_torchrun_rank(rank: int, world: int, port: int) -> None:
@@ -155,7 +155,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    spawn_ranks(_ranks, WORLD, out)
+    spawn_ranks(_ranks, WORLD, str(out))
 
     def load(name, what):
         if what in ("export", "folder"):

@@ -82,7 +82,7 @@ def _runs(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_strategies_on_one_gpu_take_oomb_strategy_steps(tmp_path):
-    spawn_ranks(_runs, 1, tmp_path)
+    spawn_ranks(_runs, 1, str(tmp_path))
     runs = torch.load(tmp_path / "runs.pt")
     grads, grads32 = runs["bf16"][0], runs["fp32"][0]
     assert all(torch.isfinite(g).all() for g in grads.values())

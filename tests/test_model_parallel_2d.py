@@ -77,7 +77,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2d")
-    spawn_ranks(_ranks, WORLD, out)
+    spawn_ranks(_ranks, WORLD, str(out))
 
     def load(name, what):
         return out / f"{name}-export" if what == "export" else torch.load(out / f"{name}-{what}.pt")

@@ -126,7 +126,7 @@ def _ranks(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp-plan")
-    spawn_ranks(_ranks, WORLD, out)
+    spawn_ranks(_ranks, WORLD, str(out))
     return lambda name: torch.load(out / f"{name}.pt")
 
 

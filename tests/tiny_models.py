@@ -16,6 +16,9 @@ VOCAB = 101
 TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 needs_interpreter = pytest.mark.skipif(not TRITON_ON_CPU, reason="Triton on CPU tensors: the interpreter only")
 BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
+# How the distributed tests start their own processes: from the fork server tests/conftest.py preloads on a CPU
+# machine; spawned where CUDA is, which a child forked after the parent touched the driver cannot use.
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096,
