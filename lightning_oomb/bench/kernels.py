@@ -1,10 +1,10 @@
-"""Chunk-attention kernels against SDPA's flash backend on a CUDA GPU.
+"""Chunk-attention kernels against SDPA's flash backend (or cuDNN's) on a CUDA GPU.
 
-    python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep | --chunk-sweep]
+    python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep | --chunk-sweep] [--sdpa-backend cudnn]
 
 Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128), bf16, batch 1: a chunk of T=4096
 queries over a paged past of 0, 32K, 128K and 512K tokens (pages of 128 in random pool slots), forward and
-backward timed separately (median), next to SDPA (flash) on a full causal sequence of the same total
+backward timed separately (median), next to SDPA (flash, or cuDNN) on a full causal sequence of the same total
 length. TFLOP/s count only unmasked work: forward 4 * D * H_q * (T * past + T (T + 1) / 2), backward 2.5x
 that (FlashAttention's convention: the 5 backward matmuls; our backward actually runs 7, see
 kernels/chunk_attention.py). Before timing, every size is checked against the reference on a sub-problem
@@ -130,7 +130,12 @@ def time_kernels(past: int, t: int, tiles: tri.KernelTiles) -> tuple[float, floa
     return fwd, bwd
 
 
-def time_sdpa(length: int, repeat_kv: bool = False) -> tuple[float, float, str]:
+SDPA_BACKENDS = ("flash", "cudnn")
+
+
+def time_sdpa(length: int, repeat_kv: bool = False, backend: str = "flash") -> tuple[float, float, str]:
+    """SDPA's (forward ms, backward ms, how K/V were given) on a causal sequence of ``length`` tokens, with its
+    ``backend``: "flash" (FlashAttention 2) or "cudnn" (cuDNN's fused attention)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -139,7 +144,7 @@ def time_sdpa(length: int, repeat_kv: bool = False) -> tuple[float, float, str]:
     k = torch.randn(1, H_KV, length, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
     v = torch.randn(1, H_KV, length, D, device=DEVICE, dtype=DTYPE, requires_grad=True)
     dout = torch.randn(1, H_Q, length, D, device=DEVICE, dtype=DTYPE)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]):
         try:
             if repeat_kv:
                 raise RuntimeError("K/V repeated to H_q heads on request")
@@ -150,7 +155,7 @@ def time_sdpa(length: int, repeat_kv: bool = False) -> tuple[float, float, str]:
             def run(grad: bool):
                 with torch.set_grad_enabled(grad):
                     return sdpa(q, k, v, is_causal=True, enable_gqa=True)
-        except RuntimeError:  # flash without GQA support: repeat K/V (its cost is not timed)
+        except RuntimeError:  # a backend without GQA support: repeat K/V (its cost is not timed)
             mode = "repeat_kv"
             kr = k.detach().repeat_interleave(H_Q // H_KV, 1).requires_grad_()
             vr = v.detach().repeat_interleave(H_Q // H_KV, 1).requires_grad_()
@@ -277,6 +282,8 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
     ap.add_argument("--sdpa-repeat-kv", action="store_true",
                     help="time SDPA on K/V repeated to all query heads (multi-head) instead of enable_gqa")
+    ap.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="flash",
+                    help="SDPA's backend for the baseline: flash (FlashAttention 2, default) or cudnn")
     args = ap.parse_args()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -307,11 +314,11 @@ def main() -> None:
                "fwd_tflops": f / fwd / 1e9, "bwd_tflops": 2.5 * f / bwd / 1e9}
         if not args.no_sdpa:
             length = past + t
-            sf, sb, mode = time_sdpa(length, args.sdpa_repeat_kv)
+            sf, sb, mode = time_sdpa(length, args.sdpa_repeat_kv, args.sdpa_backend)
             torch.cuda.empty_cache()
             s = sdpa_flops(length)
             row.update({"sdpa_fwd_ms": sf, "sdpa_bwd_ms": sb, "sdpa_fwd_tflops": s / sf / 1e9,
-                        "sdpa_bwd_tflops": 2.5 * s / sb / 1e9, "sdpa_mode": mode})
+                        "sdpa_bwd_tflops": 2.5 * s / sb / 1e9, "sdpa_mode": f"{args.sdpa_backend} {mode}"})
             row["fwd_ratio"] = row["fwd_tflops"] / row["sdpa_fwd_tflops"]
             row["bwd_ratio"] = row["bwd_tflops"] / row["sdpa_bwd_tflops"]
         print("  " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
