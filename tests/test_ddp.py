@@ -17,8 +17,8 @@ from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
 from test_strategy import UserModule, weights
-from tiny_models import (START_METHOD, VOCAB, assert_adamw_updates_close, assert_grads_close, full_sequence_grads,
-                         rel_err, tiny_model)
+from tiny_models import (START_METHOD, VOCAB, as_torchrun_rank, assert_adamw_updates_close, assert_grads_close,
+                         full_sequence_grads, rel_err, spawn_ranks, tiny_model)
 
 SEQ, CHUNK, PAGE = 40, 16, 8
 TRAINER = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -72,14 +72,29 @@ class Record(Callback):
         torch.save(weights(pl_module), self.out / f"weights{trainer.global_rank}.pt")
 
 
-def fit_ddp(tmp_path, module, items, world, steps, strategy_kwargs=None, **trainer_kwargs):
-    """Fit over ``world`` spawned gloo processes, each its own rows of ``items`` (``RankRows``); returns rank 0's
-    (first gradients, final weights)."""
-    strategy = OOMBDDPStrategy(**{"chunk_size": CHUNK, "page_size": PAGE, "attention": "reference",
-                                  "start_method": "spawn", **(strategy_kwargs or {})})
-    trainer = Trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[Record(tmp_path)],
-                      use_distributed_sampler=False, **TRAINER, **trainer_kwargs)
-    trainer.fit(module, datamodule=RankRows(items))
+def _ddp_trainer(world, steps, out, strategy_kwargs, trainer_kwargs) -> Trainer:
+    strategy = OOMBDDPStrategy(**{"chunk_size": CHUNK, "page_size": PAGE, "attention": "reference", **strategy_kwargs})
+    return Trainer(devices=world, strategy=strategy, max_steps=steps, callbacks=[Record(out)],
+                   use_distributed_sampler=False, **TRAINER, **trainer_kwargs)
+
+
+def _fit_rank(rank, world, port, out, family, module_kwargs, items, steps, strategy_kwargs, trainer_kwargs) -> None:
+    as_torchrun_rank(rank, world, port)
+    module = UserModule(tiny_model(family), **module_kwargs)  # built here: a module passed in would share its memory
+    _ddp_trainer(world, steps, out, strategy_kwargs, trainer_kwargs).fit(module, datamodule=RankRows(items))
+
+
+def fit_ddp(tmp_path, family, items, world, steps, strategy_kwargs=None, module_kwargs=None, spawn=False,
+            **trainer_kwargs):
+    """Fit ``UserModule(tiny_model(family), **module_kwargs)`` over ``world`` gloo processes, each its own rows of
+    ``items`` (``RankRows``): started as torchrun starts them, or with ``spawn`` by Lightning's own launcher (Trainer
+    and module pickled to each); returns rank 0's (first gradients, final weights)."""
+    strategy_kwargs, module_kwargs = strategy_kwargs or {}, module_kwargs or {}
+    if spawn:
+        trainer = _ddp_trainer(world, steps, tmp_path, {"start_method": "spawn", **strategy_kwargs}, trainer_kwargs)
+        trainer.fit(UserModule(tiny_model(family), **module_kwargs), datamodule=RankRows(items))
+    else:
+        spawn_ranks(_fit_rank, world, tmp_path, family, module_kwargs, items, steps, strategy_kwargs, trainer_kwargs)
     grads = [torch.load(tmp_path / f"grads{r}.pt") for r in range(world)]
     final = [torch.load(tmp_path / f"weights{r}.pt") for r in range(world)]
     for r in range(1, world):  # every rank takes the same steps
@@ -95,10 +110,12 @@ def module_grads(model, items):
 
 
 def test_adamw_steps_equal_one_process(tmp_path):
-    """Two AdamW steps on 2 ranks (rank 1's first batch has no valid label): the averaged gradient is
-    transformers' of both rows, the weights those of OOMBStrategy on one process with both rows per batch."""
+    """Two AdamW steps on 2 ranks that Lightning spawns (rank 1's first batch has no valid label): the averaged
+    gradient is transformers' of both rows, the weights those of OOMBStrategy on one process with both rows per
+    batch."""
     items = sequences(4)
-    grads, got = fit_ddp(tmp_path, UserModule(tiny_model("qwen2"), lr=1e-2, optimizer="adamw"), items, 2, 2)
+    grads, got = fit_ddp(tmp_path, "qwen2", items, 2, 2, module_kwargs={"lr": 1e-2, "optimizer": "adamw"},
+                         spawn=True)
     assert_grads_close(grads, module_grads(tiny_model("qwen2"), items[:2]), 1e-5)
 
     one = UserModule(tiny_model("qwen2"), lr=1e-2, optimizer="adamw")
@@ -112,7 +129,7 @@ def test_three_ranks_layer_checkpointing_accumulation(tmp_path):
     """3 ranks, layer checkpointing, 2 micro-batches per step: the gradient the optimizer sees is the mean of
     transformers' gradients of the two micro-batches of 3 rows each."""
     items = sequences(6)
-    grads, _ = fit_ddp(tmp_path, UserModule(tiny_model("qwen2-tied")), items, 3, 1,
+    grads, _ = fit_ddp(tmp_path, "qwen2-tied", items, 3, 1,
                        {"checkpoint_layers": True}, accumulate_grad_batches=2)
     first, second = module_grads(tiny_model("qwen2-tied"), items[:3]), module_grads(tiny_model("qwen2-tied"), items[3:])
     assert_grads_close(grads, {n: (first[n] + second[n]) / 2 for n in first}, 1e-5)
@@ -123,7 +140,7 @@ def test_qwen3_host_pages_or_kept_graphs(tmp_path, options):
     """Qwen3 (q/k norms) on 2 ranks with every page in host memory, or with the last 2 chunks' graphs kept
     from stage 1: the averaged gradient is transformers'."""
     items = sequences(2)
-    grads, _ = fit_ddp(tmp_path, UserModule(tiny_model("qwen3")), items, 2, 1, options)
+    grads, _ = fit_ddp(tmp_path, "qwen3", items, 2, 1, options)
     assert_grads_close(grads, module_grads(tiny_model("qwen3"), items), 1e-5)
 
 
@@ -131,7 +148,7 @@ def test_clipping_after_the_average(tmp_path):
     """Clipped SGD steps on 2 ranks give plain one-process training's weights: the norm is taken over the
     averaged gradient (clipping each rank's own would scale the updates differently)."""
     items = sequences(4)
-    _, got = fit_ddp(tmp_path, UserModule(tiny_model("llama")), items, 2, 2, gradient_clip_val=0.05)
+    _, got = fit_ddp(tmp_path, "llama", items, 2, 2, gradient_clip_val=0.05)
     plain = UserModule(tiny_model("llama"))
     start = weights(plain)
     Trainer(devices=1, max_steps=2, gradient_clip_val=0.05, **TRAINER).fit(plain, DataLoader(items, batch_size=2))

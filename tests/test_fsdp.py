@@ -8,13 +8,9 @@ starting processes costs far more than these tiny steps."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
@@ -27,7 +23,8 @@ from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
 from test_strategy import UserModule, weights
-from tiny_models import START_METHOD, assert_adamw_updates_close, assert_grads_close, rel_err, tiny_model
+from tiny_models import (as_torchrun_rank, assert_adamw_updates_close, assert_grads_close, rel_err, spawn_ranks,
+                         tiny_model)
 
 WORLD = 2
 ITEMS = sequences(6)  # rank 1's first batch has no valid label, the others uneven counts
@@ -97,20 +94,6 @@ def _fit(out, family, items, steps, strategy_kwargs, callbacks=(), ckpt_path=Non
                       use_distributed_sampler=False, **trainer_kwargs)
     trainer.fit(module, datamodule=RankRows(items), ckpt_path=ckpt_path)
     return trainer, module
-
-
-def spawn_ranks(ranks, world: int, *args) -> None:
-    """Start ``world`` processes running ``ranks(rank, world, port, *args)``, on a free local port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(ranks, args=(world, port, *args), nprocs=world, join=True, start_method=START_METHOD)
-
-
-def as_torchrun_rank(rank: int, world: int, port: int) -> None:
-    """The environment torchrun gives a process, which Lightning's strategies read."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
 
 
 def _ranks(rank: int, world: int, port: int, out: str) -> None:

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lightning_oomb import OOMBDDPStrategy, OOMBModelParallelStrategy, OOMBStrategy
-from test_fsdp import _whole, as_torchrun_rank, spawn_ranks
-from tiny_models import rel_err
+from test_fsdp import _whole
+from tiny_models import as_torchrun_rank, rel_err, spawn_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -18,9 +18,9 @@ from lightning_oomb.cli import export_hf
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.planner import plan
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
-from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, as_torchrun_rank, one_process_adamw, spawn_ranks
+from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, one_process_adamw
 from test_strategy import UserModule, weights
-from tiny_models import assert_grads_close, rel_err, tiny_model
+from tiny_models import as_torchrun_rank, assert_grads_close, rel_err, spawn_ranks, tiny_model
 
 DP, TP = 2, 2
 WORLD = DP * TP

@@ -27,7 +27,7 @@ from lightning.pytorch import Callback
 from lightning_oomb.cli import main
 from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO, partial_path
 from test_corpus import make_model_dir, write_corpus
-from test_fsdp import as_torchrun_rank, spawn_ranks
+from tiny_models import as_torchrun_rank, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 8, 2  # 11 training sequences in batches of 2: 6 batches per epoch, so step 8 is in epoch 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 
 import pytest
 import torch
@@ -19,6 +20,21 @@ BACKENDS = ["reference"] + (["triton"] if TRITON_ON_CPU else [])
 # How the distributed tests start their own processes: from the fork server tests/conftest.py preloads on a CPU
 # machine; spawned where CUDA is, which a child forked after the parent touched the driver cannot use.
 START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def spawn_ranks(ranks, world: int, *args) -> None:
+    """Start ``world`` processes running ``ranks(rank, world, port, *args)``, on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(ranks, args=(world, port, *args), nprocs=world, join=True,
+                                          start_method=START_METHOD)
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives a process, which Lightning's strategies read (they then start none)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096,
