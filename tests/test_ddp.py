@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
@@ -17,7 +16,7 @@ from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
 from test_strategy import UserModule, weights
-from tiny_models import (START_METHOD, VOCAB, as_torchrun_rank, assert_adamw_updates_close, assert_grads_close,
+from tiny_models import (VOCAB, as_torchrun_rank, assert_adamw_updates_close, assert_grads_close,
                          full_sequence_grads, rel_err, spawn_ranks, tiny_model)
 
 SEQ, CHUNK, PAGE = 40, 16, 8
@@ -158,8 +157,9 @@ def test_clipping_after_the_average(tmp_path):
     assert worst[0] <= 1e-4, f"update of {worst[1]} differs by {worst[0]:.2e}"
 
 
-def _mismatched_rank(rank: int, world: int, init_file: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _mismatched_rank(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
+    dist.init_process_group("gloo")
     try:
         ranks = DataParallelRanks(torch.device("cpu"))
         assert ranks.least([10 + rank, 20 - rank]) == [10, 20 - world + 1]
@@ -178,8 +178,7 @@ def _mismatched_rank(rank: int, world: int, init_file: str, out: str) -> None:
 
 def test_mismatched_sequence_lengths_refused_on_every_rank(tmp_path):
     world = 3
-    mp.start_processes(_mismatched_rank, args=(world, str(tmp_path / "init"), str(tmp_path / "error")), nprocs=world,
-                       start_method=START_METHOD)
+    spawn_ranks(_mismatched_rank, world, str(tmp_path / "error"))
     for rank in range(world):
         message = (tmp_path / f"error{rank}").read_text()
         assert message.startswith("data-parallel ranks must run batches of one shape") and "\n" not in message

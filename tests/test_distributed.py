@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lightning_oomb
-from tiny_models import START_METHOD, VOCAB, assert_grads_close, full_sequence_grads, tiny_model
+from tiny_models import VOCAB, as_torchrun_rank, assert_grads_close, full_sequence_grads, spawn_ranks, tiny_model
 
 SEQ, CHUNK, PAGE = 40, 16, 8
 
@@ -30,8 +29,9 @@ def valid_labels(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
-def _rank(rank: int, world: int, init_file: str, family: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, port: int, family: str, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
+    dist.init_process_group("gloo")
     try:
         model = tiny_model(family)
         ids, labels = whole_batch(world)
@@ -53,8 +53,7 @@ def _rank(rank: int, world: int, init_file: str, family: str, out: str) -> None:
 @pytest.mark.parametrize("family, world", [("qwen2", 2), ("qwen2-tied", 3)])
 def test_gradients_summed_over_ranks_equal_one_process(tmp_path, family, world):
     out = tmp_path / "grads.pt"
-    mp.start_processes(_rank, args=(world, str(tmp_path / "init"), family, str(out)), nprocs=world, join=True,
-                       start_method=START_METHOD)
+    spawn_ranks(_rank, world, family, str(out))
     summed = torch.load(out)
 
     model = tiny_model(family)
