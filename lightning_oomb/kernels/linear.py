@@ -42,7 +42,9 @@ def _adds_in_place(weight: torch.Tensor) -> bool:
 
 def _weight_gradient(weight: torch.Tensor, dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
     """dW = dy2^T x2 for (tokens, out) dy2 and (tokens, in) x2: added into ``weight.grad`` in place where it
-    can be (then None), else returned for autograd."""
+    can be (then None), else returned for autograd. ``weight`` is the parameter the forward was given, not
+    the saved tensor: inside a layer checkpoint (torch.utils.checkpoint, non-reentrant) saved tensors come
+    back from the recomputation as detached aliases, whose ``.grad`` is always None."""
     # (grad mode is on here only in a backward with create_graph=True, which needs dW's graph)
     if not torch.is_grad_enabled() and _adds_in_place(weight):
         weight.grad.addmm_(dy2.t(), x2)
@@ -61,6 +63,7 @@ class _AccumulatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
+        ctx.parameter = weight  # where .grad lives (see _weight_gradient)
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
@@ -72,7 +75,7 @@ class _AccumulatingLinear(torch.autograd.Function):
             dx = dy @ weight
         dy2 = dy.reshape(-1, dy.shape[-1])
         if ctx.needs_input_grad[1]:
-            dw = _weight_gradient(weight, dy2, x.reshape(-1, x.shape[-1]))
+            dw = _weight_gradient(ctx.parameter, dy2, x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
         return dx, dw, db
@@ -92,6 +95,7 @@ class _SwigluLinear(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias):
         gate, up = gate.contiguous(), up.contiguous()
         ctx.save_for_backward(gate, up, weight)
+        ctx.parameter = weight
         ctx.has_bias = bias is not None
         return F.linear(swiglu.silu_mul_forward(gate, up), weight, bias)
 
@@ -102,7 +106,7 @@ class _SwigluLinear(torch.autograd.Function):
         dw = db = None
         if ctx.needs_input_grad[2]:
             # The product lives only for dW: one (tokens, intermediate) tensor less at the input gradients.
-            dw = _weight_gradient(weight, dy2, swiglu.silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
+            dw = _weight_gradient(ctx.parameter, dy2, swiglu.silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy2.sum(0)
         dgate, dup = swiglu.silu_mul_backward(dy @ weight, gate, up)
