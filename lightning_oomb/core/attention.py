@@ -159,7 +159,7 @@ class ChunkAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         store = _staged(ctx.store, ctx.selection, ctx.start)
-        args = (dout.contiguous(), q, k, v, out, lse, store, ctx.start, ctx.scale)
+        args = (dout, q, k, v, out, lse, store, ctx.start, ctx.scale)
         if store.streamer is not None:
             dq, dk, dv = store.streamer.backward(ctx.backend, *args, ctx.doc_start)
         elif ctx.selection is not None:

@@ -484,8 +484,7 @@ def launch_dkdv(
     n_past_tiles = triton.cdiv(past_hi - past_lo, kt.block_n)
     split = _chunk_split(tiles, n_past_tiles * b * hkv, group, q.device) if chunk else 1
     if not chunk or split == 1:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         dk_out, dv_out, s_stride = dk, dv, 0
     else:
         dk_out = torch.empty((split, *k.shape), dtype=torch.float32, device=k.device)
@@ -567,7 +566,9 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Laid out like q, which is the model's (B, T, H_q, D) rows seen as (B, H_q, T, D): transformers' transpose
+    # back to (B, T, H_q, D) then copies nothing (nor does the view of dq, dk, dv below in backward).
+    out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
     if hi:
@@ -576,7 +577,7 @@ def _forward(
         # and writes the output.
         from . import past_attention_sm90
 
-        state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
+        state = torch.empty_like(q, dtype=torch.float32), lse
         head = _head(lo, doc_start, one_document)
         if head:
             launch_forward(q, k, v, store, 0, lo, scale, tiles, False, *state, carry=False, doc_start=doc_start,
@@ -621,7 +622,7 @@ def _backward(
     lse = lse.contiguous()
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty_like(q)  # laid out like q, as out in _forward
     lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
     if not hi:
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True,
@@ -644,7 +645,7 @@ def _backward(
         dkdv_from = hi
     dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, start, start, scale, tiles, chunk=True,
                          doc_start=doc_start)
-    partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    partial = torch.empty_like(q, dtype=torch.float32)
     if head:
         launch_dq(dout, q, k, v, lse, delta, store, 0, lo, scale, tiles.dq, False, partial, accumulate=False,
                   doc_start=doc_start, chunk_start=start)
@@ -693,7 +694,7 @@ def forward_state(
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     carry = state is not None
     if not carry:
-        state = (torch.empty(q.shape, dtype=torch.float32, device=q.device),
+        state = (torch.empty_like(q, dtype=torch.float32),
                  torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
     tiles = default_tiles(q.shape[-1], q.dtype).fwd
     launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry, doc_start=doc_start,

@@ -432,7 +432,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     hkv = k.shape[1]
     slots = store.table.slots.to(torch.int32)
     sel, ssel = _selection_args(selection, hkv)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)  # laid out like q: see chunk_attention._forward
     lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     ps = store.page_size
     if _warp_specialized_pages(q, store, start, sel, doc_start):
@@ -440,7 +440,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
         # which carries that state on and writes the output.
         from . import past_attention_sm90
 
-        state = torch.empty(q.shape, dtype=torch.float32, device=q.device), lse
+        state = torch.empty_like(q, dtype=torch.float32), lse
         launch_forward(q, k, v, store, start, start, scale, dense_tiles(d, q.dtype).fwd, True, *state,
                         carry=False)
         past_attention_sm90.forward_past(q, store, scale, state, out, selection=sel)
@@ -524,7 +524,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     qk_scale = scale * 1.4426950408889634
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty_like(q)
     n_past = -(-start // ps)
     staging = store.grad_staging
     doc_rows = _doc_rows(doc_start)
@@ -553,7 +553,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                 staging.add_into(store, pages, counts, start)
 
         if warp_specialized:  # as in _forward
-            partial = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            partial = torch.empty_like(q, dtype=torch.float32)
             launch_dq(dout, q, k, v, lse, delta, store, start, start, scale, chunk_tiles.dq, True, partial,
                        accumulate=False)
             past_attention_sm90.dq_past(dout, q, lse, delta, store, scale, partial, dq, selection=sel)
