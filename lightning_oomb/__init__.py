@@ -2,12 +2,13 @@
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
 (``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``CausalLMModule``, ``PasskeyDataModule``,
-``TextCorpusDataModule``) loads on first use.
+``TextCorpusDataModule``) loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
+needs neither.
 """
 
-from .core import ChunkConfig, SparseConfig, eval_loss, train_step
-from .core.served import serve
+from .core.config import ChunkConfig, SparseConfig
 
+_CORE = {"eval_loss": "schedule", "train_step": "schedule", "serve": "served"}
 _LIGHTNING = (
     "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule",
     "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
@@ -18,8 +19,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name in _LIGHTNING:
-        from . import lightning
+    import importlib
 
-        return getattr(lightning, name)
+    if name in _CORE:
+        return getattr(importlib.import_module(f".core.{_CORE[name]}", __name__), name)
+    if name in _LIGHTNING:
+        return getattr(importlib.import_module(".lightning", __name__), name)
     raise AttributeError(f"module 'lightning_oomb' has no attribute {name!r}")

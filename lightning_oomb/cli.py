@@ -1,252 +1,9 @@
-"""The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs, plus the
-plain ``plan`` and ``bench`` commands."""
+"""The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs
+(lightning_oomb/lightning/cli.py), plus the plain ``plan`` and ``bench`` commands."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import difflib
-import importlib
-import inspect
-import json
-import re
-import shutil
 import sys
-from argparse import ArgumentError
-from pathlib import Path
-from typing import Optional
-
-import torch
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.plugins.io import TorchCheckpointIO
-from typing_extensions import override
-
-from .core.config import ChunkConfig
-from .core.errors import SetupError
-from .core.served import serve
-from .integrations.transformers import find_causal_lm
-from .lightning import CausalLMModule
-from .lightning.callback import PagedKVCallback
-from .lightning.checkpoint import AtomicCheckpointIO
-from .lightning.strategy import OOMBStrategy, OOMBStrategyMixin
-
-
-
-# Arguments of from_pretrained that transformers keeps in a tokenizer's saved config.
-LOAD_ONLY_FLAGS = ("local_files_only", "cache_dir", "force_download", "token", "revision")
-
-
-class OOMBCLI(LightningCLI):
-    """LightningCLI for CausalLMModule (or a subclass named by ``model.class_path``, such as
-    SparseCausalLMModule; without one, CausalLMModule) and any DataModule.
-
-    Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
-    another CheckpointIO plugin), the plan of a step as placed is printed before the first one, and
-    afterwards the model (or LoRA adapter) is exported in Hugging Face format with its tokenizer and the
-    held-out result is reported.
-    """
-
-    @override
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_argument(
-            "--export_dir", type=Optional[str], default=None,
-            help="fit: where the trained model (or LoRA adapter) and tokenizer are saved in Hugging Face format "
-                 "(default: <log_dir>/hf_export, next to the checkpoints folder)",
-        )
-        parser.add_argument("--export", type=bool, default=True, help="fit: export the trained model at the end")
-        parser.add_argument("--plan", type=bool, default=True,
-                            help="fit: print the plan of a step as placed (memory against the GPU and host budget)")
-        parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        config = self.config.get(str(self.subcommand), self.config)
-        precision = str(config.get("trainer", {}).get("precision"))
-        # Lightning turns 16-mixed into bf16-mixed on a CPU with only a warning: refuse it on every device.
-        if precision in ("16", "16-mixed", "16-true", "half"):
-            raise SetupError(
-                f"trainer.precision {precision} (float16) is not supported: it needs a gradient scaler that "
-                "lightning_oomb does not replay exactly; use bf16-true, bf16-mixed or 32-true"
-            )
-        # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
-        strategy = config.get("trainer", {}).get("strategy")
-        class_path = str(getattr(strategy, "class_path", ""))
-        if class_path.endswith(("OOMBStrategy", "OOMBDDPStrategy")) and strategy.get("init_args"):
-            names = {f.name for f in dataclasses.fields(ChunkConfig)}
-            # A nested option (sparse) is still a jsonargparse Namespace here: the strategy takes its dict.
-            options = {k: v.as_dict() if hasattr(v, "as_dict") else v
-                       for k, v in vars(strategy.init_args).items() if k in names}
-            try:
-                OOMBStrategy(**options)  # checks its options; allocates nothing
-            except SetupError as e:
-                raise SetupError(f"trainer.strategy.init_args: {e}") from None
-        # TextCorpusDataModule without a tokenizer takes the model's directory: write it into the config so
-        # that the saved config.yaml says which tokenizer was used.
-        data, model = config.get("data"), config.get("model")
-        if data is None or model is None or not str(getattr(data, "class_path", "")).endswith("TextCorpusDataModule"):
-            return
-        pretrained = model.init_args.get("pretrained")
-        if data.init_args.get("tokenizer") is None and pretrained and Path(pretrained).expanduser().is_dir():
-            data.init_args.tokenizer = pretrained  # (a missing directory is reported as model.pretrained)
-
-    # -- fit -------------------------------------------------------------------------------------------
-    @override
-    def before_fit(self) -> None:
-        if self._get(self.config, "ckpt_path") == "last":
-            require_last_checkpoint(self.trainer)
-        strategy = self.trainer.strategy
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:
-            strategy.checkpoint_io = AtomicCheckpointIO()
-        if isinstance(strategy, OOMBStrategyMixin):
-            # The plan of the step as placed is printed by the callback that places it, at fit start.
-            callback = next((cb for cb in self.trainer.callbacks if isinstance(cb, PagedKVCallback)), None)
-            if callback is None:
-                callback = PagedKVCallback()
-                self.trainer.callbacks.append(callback)
-            callback.print_plan = self._get(self.config, "plan", True)
-
-    @override
-    def after_fit(self) -> None:
-        # Every rank of a run on several devices comes here: the export and the validation gather from all.
-        trainer, module = self.trainer, self.model
-        if trainer.interrupted:
-            if trainer.is_global_zero:
-                print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
-            return
-        if self._get(self.config, "export", True):
-            export_hf(trainer, module, self.datamodule,
-                      self._get(self.config, "export_dir") or default_export_dir(trainer))
-        self.report_held_out()
-
-    def report_held_out(self) -> None:
-        trainer, module = self.trainer, self.model
-        if self.datamodule is not None and not _has_val_data(self.datamodule):
-            return
-        results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
-        if not results or not trainer.is_global_zero:
-            return
-        print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(results[0].items())))
-        example = getattr(self.datamodule, "val_set", None)
-        n = module.hparams.get("answer_tokens", 0)
-        if example is None or not n:
-            return
-        item = example[0]
-        ids = item["input_ids"][None].to(module.device)
-        config = trainer.strategy.chunk_config if isinstance(trainer.strategy, OOMBStrategyMixin) else None
-        model = find_causal_lm(module)
-        with torch.no_grad(), serve(model, config) if config else contextlib.nullcontext():
-            logits = model(input_ids=ids, labels=item["labels"][None].to(module.device), logits_to_keep=n + 1).logits
-        answer = logits[0, :-1].argmax(-1).tolist()
-        print(f"example: {ids.shape[1]} tokens, passkey {ids[0, -n:].tolist()} stated near the start; "
-              f"the model answers {answer}")
-
-
-def require_last_checkpoint(trainer) -> None:
-    """``--ckpt_path last`` resumes; with no last checkpoint where the run's ModelCheckpoint writes, Lightning
-    would warn and train from scratch: refuse instead, saying where it looked."""
-    folders, found = [], False
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            found = found or bool(callback._find_last_checkpoints(trainer))
-            logger = trainer.loggers[0] if trainer.loggers else None
-            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
-            folders.append(str(Path(folder).resolve()))
-    if not found:
-        where = " or ".join(folders) or "nowhere (the run has no ModelCheckpoint with save_last: true)"
-        raise SetupError(
-            f"--ckpt_path last: no last checkpoint in {where}. Run without --ckpt_path to start training, give "
-            "the path of a checkpoint file, or run from the folder (and with the logger version) of the run to "
-            "continue"
-        )
-
-
-def _has_val_data(datamodule) -> bool:
-    if hasattr(datamodule, "val_set"):
-        return datamodule.val_set is not None
-    return True
-
-
-def _save_tokenizer(tokenizer, folder: Path) -> None:
-    """The tokenizer's files, without the flags it was loaded with (``local_files_only``): they are how this
-    machine read it, not part of the tokenizer, and would follow it to every machine that loads the export."""
-    tokenizer.save_pretrained(folder)
-    config_path = folder / "tokenizer_config.json"
-    if config_path.is_file():
-        config = json.loads(config_path.read_text())
-        for flag in LOAD_ONLY_FLAGS:
-            config.pop(flag, None)
-        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-def _set_eos(folder: Path, eos_token_id: int | None) -> None:
-    """The EOS token the training data ended its documents with, in the exported config and generation config
-    where they have none (a randomly initialised config has none: generate would never stop)."""
-    if eos_token_id is None:
-        return
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if not path.is_file():
-            continue
-        config = json.loads(path.read_text())
-        if config.get("eos_token_id") is None:
-            config["eos_token_id"] = eos_token_id
-            path.write_text(json.dumps(config, indent=2) + "\n")
-
-
-def default_export_dir(trainer) -> Path:
-    return Path(trainer.log_dir or trainer.default_root_dir) / "hf_export"
-
-
-def export_hf(trainer, module, datamodule, target) -> Path:
-    """Save the trained model (a LoRA adapter for peft models) and its tokenizer with save_pretrained, from
-    global rank 0; every rank calls it (sharded weights are gathered whole from all of them first).
-
-    The files are written to ``<target>.partial`` and moved into place when complete.
-    """
-    from torch.distributed.tensor import DTensor
-
-    target = Path(target)
-    model = module.model
-    state = None
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not trainer.is_global_zero:
-        return target
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    if state is None:
-        model.save_pretrained(partial)
-    else:
-        model.save_pretrained(partial, state_dict=state)
-    tokenizer = getattr(datamodule, "tokenizer", None)
-    pretrained = module.hparams.get("pretrained") if hasattr(module, "hparams") else None
-    if tokenizer is None and pretrained:
-        try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(pretrained, local_files_only=True)
-        except Exception:
-            tokenizer = None
-    if tokenizer is not None:
-        _save_tokenizer(tokenizer, partial)
-        _set_eos(partial, tokenizer.eos_token_id)
-    if target.exists():
-        shutil.rmtree(target)
-    partial.rename(target)
-    is_adapter = hasattr(model, "peft_config")
-    how = (
-        f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({pretrained!r}), {str(target)!r})"
-        if is_adapter
-        else f"AutoModelForCausalLM.from_pretrained({str(target)!r})"
-    )
-    print(f"\nexported the trained {'LoRA adapter' if is_adapter else 'model'}"
-          f"{' and tokenizer' if tokenizer is not None else ''} to {target}; load it with {how}")
-    return target
-
 
 USAGE = """usage: lightning-oomb COMMAND [options]
 
@@ -261,76 +18,24 @@ commands:
 
 
 def main(args: list[str] | None = None) -> int | None:
-    args = list(args if args is not None else sys.argv[1:])
-    if not args or args[0] in ("-h", "--help"):
+    """Run ``lightning-oomb ARGS`` (None: the command line's). Returns the exit status (None: 0)."""
+    argv = list(args if args is not None else sys.argv[1:])
+    if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else 2
-    # `plan` and `bench` are plain argparse commands, not Lightning CLI subcommands.
-    if args and args[0] == "plan":
+        return 0 if argv else 2
+    # Each command imports what it needs here: `plan` and `--help` answer without loading Lightning and
+    # transformers. `plan` and `bench` are plain argparse commands, the others Lightning CLI subcommands.
+    if argv[0] == "plan":
         from .planner_cli import main as plan_main
 
-        return plan_main(args[1:])
-    if args and args[0] == "bench":
+        return plan_main(argv[1:])
+    if argv[0] == "bench":
         from .bench.run import main as bench_main
 
-        return bench_main(args[1:])
-    try:
-        OOMBCLI(
-            CausalLMModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            # Errors come back to main as exceptions, to be told in one line rather than after the whole usage.
-            parser_kwargs={"exit_on_error": False, **{c: {"exit_on_error": False} for c in ("fit", "validate", "test")}},
-            args=args,
-        )
-    except ArgumentError as e:
-        print(f"lightning-oomb: error: {argument_error_line(e)}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
-        cause = _setup_error(e)
-        if cause is None:
-            raise
-        print(f"lightning-oomb: error: {cause}", file=sys.stderr)
-        return 2
-    return None
+        return bench_main(argv[1:])
+    from .lightning.cli import run
 
-
-def argument_error_line(error: ArgumentError) -> str:
-    """jsonargparse's report of a bad option, in one line: an option a class does not accept is named with the
-    closest one it does; anything else is its first lines joined."""
-    text = str(error)
-    option = re.search(r"Option '([^']+)' is not accepted", text)
-    class_path = re.search(r"given class_path '([^']+)'", text)
-    key = re.search(r'Parser key "([^"]+)"', text)
-    if option and class_path:
-        module, _, name = class_path.group(1).rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-            # A strategy's options are spread over the classes it is built from (OOMBStrategyMixin, Lightning's).
-            inits = [c.__init__ for c in cls.__mro__ if "__init__" in vars(c)]
-            accepted = [p for init in inits for p in inspect.signature(init).parameters]
-        except (ImportError, AttributeError, ValueError):
-            accepted = []
-        close = difflib.get_close_matches(option.group(1), accepted, n=1)
-        where = f"{key.group(1)}.init_args" if key else class_path.group(1)
-        return (f"{where}: {class_path.group(1)} has no option {option.group(1)!r}"
-                + (f"; did you mean {close[0]!r}?" if close else "")
-                + " (`lightning-oomb fit --print_config` shows every option with its value)")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return " ".join(lines[:3]) + (" (`lightning-oomb fit --help` lists the options)" if lines else "")
-
-
-def _setup_error(e: BaseException | None) -> SetupError | None:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, SetupError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return run(args)
 
 
 if __name__ == "__main__":

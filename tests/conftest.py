@@ -18,4 +18,4 @@ if not torch.cuda.is_available():
     # The processes the distributed tests start themselves (tiny_models.START_METHOD) fork from one server that
     # imported these once, instead of each being a fresh interpreter importing them again (~8 s of CPU each).
     # "conftest" brings the settings above into the server.
-    multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli"])
+    multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli", "lightning_oomb.lightning.cli"])

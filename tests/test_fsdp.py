@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import lightning_oomb
 from lightning_oomb import OOMBModelParallelStrategy, OOMBStrategy, PagedKVCallback, SparseConfig
-from lightning_oomb.cli import export_hf
+from lightning_oomb.lightning.cli import export_hf
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning.model_parallel import check_tensor_parallel
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBModelParallelStrategy
-from lightning_oomb.cli import export_hf
+from lightning_oomb.lightning.cli import export_hf
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.planner import plan
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
