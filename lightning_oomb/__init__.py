@@ -8,7 +8,7 @@ needs neither.
 
 from .core.config import ChunkConfig, SparseConfig
 
-_CORE = {"eval_loss": "schedule", "train_step": "schedule", "serve": "served"}
+_CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (
     "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "CausalLMModule", "PasskeyDataModule",
     "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
@@ -22,7 +22,9 @@ def __getattr__(name: str):
     import importlib
 
     if name in _CORE:
-        return getattr(importlib.import_module(f".core.{_CORE[name]}", __name__), name)
+        return getattr(importlib.import_module(".core", __name__), name)
+    if name == "serve":
+        return importlib.import_module(".core.served", __name__).serve
     if name in _LIGHTNING:
         return getattr(importlib.import_module(".lightning", __name__), name)
     raise AttributeError(f"module 'lightning_oomb' has no attribute {name!r}")
