@@ -174,11 +174,29 @@ def test_silu_mul_saves_inputs_only():
     assert len(saved) == 2 and {t.data_ptr() for t in saved} == {gate.data_ptr(), up.data_ptr()}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_backward_and_product_gives_both_passes_bits(dtype):
+    """One pass gives silu_mul_backward's (dgate, dup) and silu_mul_forward's product bit for bit, dgate in
+    the memory of dout; a dout it cannot take over is refused."""
+    from lightning_oomb.kernels.swiglu import silu_mul_backward, silu_mul_backward_and_product, silu_mul_forward
+
+    torch.manual_seed(0)
+    gate, up, dout = ((torch.randn(2, 3, 700, device=DEVICE) * 4).to(dtype) for _ in range(3))
+    expected = (*silu_mul_backward(dout, gate, up), silu_mul_forward(gate, up))
+    consumed = dout.clone()
+    got = silu_mul_backward_and_product(consumed, gate, up)
+    for name, a, b in zip(("dgate", "dup", "product"), got, expected):
+        assert torch.equal(a, b), name
+    assert got[0].data_ptr() == consumed.data_ptr()
+    with pytest.raises(ValueError, match="dout must be contiguous"):
+        silu_mul_backward_and_product(dout.transpose(0, 1), gate.transpose(0, 1), up.transpose(0, 1))
+
+
 @pytest.mark.parametrize("grad_exists", [False, True], ids=["new-grad", "grad-in-place"])
 def test_swiglu_linear_is_the_down_projection_of_silu_mul_bitwise(grad_exists):
     """swiglu_linear gives F.linear(silu_mul(gate, up)) and its gradients bit for bit (the product recomputed
-    in backward by the same kernel; dW added into an existing .grad in place), and keeps gate, up and the
-    weight for backward, not the product."""
+    in backward by the SwiGLU backward's pass; dW added into an existing .grad in place), and keeps gate, up
+    and the weight for backward, not the product."""
     from lightning_oomb.kernels.linear import swiglu_linear
 
     torch.manual_seed(0)

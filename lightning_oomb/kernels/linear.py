@@ -12,9 +12,9 @@ double-backward graph, a process group whose gradient hooks wait for it), the gr
 autograd as usual.
 
 ``swiglu_linear`` is the MLP's down projection with its input ``silu(gate) * up`` computed inside: it saves
-gate and up (which the SwiGLU's own backward needs anyway), not the product, and recomputes the product for
-dW (the same kernel, the same bits). The product is the MLP's largest activation after gate and up: at a
-4096-token chunk of Qwen2.5-7B, 155 MB per layer, 4.3 GB per chunk.
+gate and up (which the SwiGLU's own backward needs anyway), not the product, and the SwiGLU backward's pass
+writes the product again for dW (the forward's expression, the same bits). The product is the MLP's largest
+activation after gate and up: at a 4096-token chunk of Qwen2.5-7B, 155 MB per layer, 4.3 GB per chunk.
 """
 
 from __future__ import annotations
@@ -105,19 +105,23 @@ class _SwigluLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = None
         if ctx.needs_input_grad[2]:
-            # The product lives only for dW: one (tokens, intermediate) tensor less at the input gradients.
-            dw = _weight_gradient(ctx.parameter, dy2, swiglu.silu_mul_forward(gate, up).reshape(-1, gate.shape[-1]))
+            # The product comes out of the SwiGLU backward's pass over gate and up (dgate takes the memory of
+            # d(product), so no more is held than with a separate recompute).
+            dgate, dup, product = swiglu.silu_mul_backward_and_product(dy @ weight, gate, up)
+            dw = _weight_gradient(ctx.parameter, dy2, product.reshape(-1, gate.shape[-1]))
+        else:
+            dgate, dup = swiglu.silu_mul_backward(dy @ weight, gate, up)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy2.sum(0)
-        dgate, dup = swiglu.silu_mul_backward(dy @ weight, gate, up)
         return dgate, dup, dw, db
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(silu(gate) * up, weight, bias)`` with the fused SwiGLU kernel (lightning_oomb.kernels.swiglu):
     gate, up (..., intermediate), weight (out, intermediate) -> (..., out). For a trained weight, backward
-    recomputes the product instead of keeping it and adds dW as ``accumulating_linear`` does; otherwise (frozen
-    weight, no grad, autocast, mixed dtypes) it is ``F.linear`` of ``silu_mul``, which keeps what it needs."""
+    recomputes the product (in the SwiGLU backward's pass) instead of keeping it and adds dW as
+    ``accumulating_linear`` does; otherwise (frozen weight, no grad, autocast, mixed dtypes) it is
+    ``F.linear`` of ``silu_mul``, which keeps what it needs."""
     swiglu.check_gate_up(gate, up)
     if _trains_weight(gate, weight):
         return _SwigluLinear.apply(gate, up, weight, bias)

@@ -34,7 +34,7 @@ def _silu_mul_fwd_kernel(G, U, OUT, n_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_bwd_kernel(DOUT, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
+def _silu_mul_bwd_kernel(DOUT, G, U, DG, DU, OUT, n_elements, BLOCK: tl.constexpr, WRITE_OUT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
     dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
@@ -43,6 +43,8 @@ def _silu_mul_bwd_kernel(DOUT, G, U, DG, DU, n_elements, BLOCK: tl.constexpr):
     s = tl.sigmoid(g)
     tl.store(DG + offs, (dout * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, (dout * g * s).to(DU.dtype.element_ty), mask=mask)
+    if WRITE_OUT:  # the forward's expression, so the forward's bits
+        tl.store(OUT + offs, (g * s * u).to(OUT.dtype.element_ty), mask=mask)
 
 
 def check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -70,16 +72,36 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_mul_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) of ``silu(gate) * up`` for contiguous gate, up and the output gradient ``dout``."""
-    dout = dout.contiguous()
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+def _backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dgate: torch.Tensor,
+              out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    dup = torch.empty_like(up)
     if dout.numel():
         with on_device_of(gate):
             _silu_mul_bwd_kernel[_grid(dout.numel())](
-                dout, gate, up, dgate, dup, dout.numel(), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+                dout, gate, up, dgate, dup, dout if out is None else out, dout.numel(),
+                BLOCK=_BLOCK, WRITE_OUT=out is not None, num_warps=_NUM_WARPS,
             )
     return dgate, dup
+
+
+def silu_mul_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of ``silu(gate) * up`` for contiguous gate, up and the output gradient ``dout``."""
+    dout = dout.contiguous()
+    return _backward(dout, gate, up, torch.empty_like(gate), None)
+
+
+def silu_mul_backward_and_product(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dgate, dup, silu(gate) * up) in one pass, for a backward that needs the product again (the down
+    projection's weight gradient): the product has the forward's bits. ``dout`` (contiguous, of gate's
+    shape and dtype) is consumed: dgate is written into its memory, so the pass allocates what
+    ``silu_mul_backward`` plus a separate ``silu_mul_forward`` would, and reads gate and up once."""
+    if not dout.is_contiguous() or dout.shape != gate.shape or dout.dtype != gate.dtype:
+        raise ValueError(f"dout must be contiguous of gate's shape {tuple(gate.shape)} and dtype {gate.dtype}, "
+                         f"got {tuple(dout.shape)} {dout.dtype}")
+    out = torch.empty_like(gate)
+    dgate, dup = _backward(dout, gate, up, dout, out)
+    return dgate, dup, out
 
 
 class SiluMulFunction(torch.autograd.Function):
