@@ -104,13 +104,14 @@ class _SwigluLinear(torch.autograd.Function):
         gate, up, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = None
+        d_product = dy @ weight
         if ctx.needs_input_grad[2]:
             # The product comes out of the SwiGLU backward's pass over gate and up (dgate takes the memory of
             # d(product), so no more is held than with a separate recompute).
-            dgate, dup, product = swiglu.silu_mul_backward_and_product(dy @ weight, gate, up)
+            dgate, dup, product = swiglu.silu_mul_backward_and_product(d_product, gate, up)
             dw = _weight_gradient(ctx.parameter, dy2, product.reshape(-1, gate.shape[-1]))
         else:
-            dgate, dup = swiglu.silu_mul_backward(dy @ weight, gate, up)
+            dgate, dup = swiglu.silu_mul_backward(d_product, gate, up)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy2.sum(0)
         return dgate, dup, dw, db
