@@ -368,7 +368,9 @@ class PositionedLoader(DataLoader):
     the sampler. The DataModule's own state restores the same position (and refuses other data)."""
 
     def __init__(self, dataset: Dataset, batch_sampler: ResumableBatchSampler, position):
-        super().__init__(dataset, batch_sampler=batch_sampler)
+        # Its own generator: starting an iterator then draws no number from the global RNG, whose stream the
+        # training step's own draws (stochastic rounding, dropout) must find where a resumed run left it.
+        super().__init__(dataset, batch_sampler=batch_sampler, generator=torch.Generator().manual_seed(0))
         self._position = position
 
     def state_dict(self) -> dict[str, int]:
@@ -566,7 +568,7 @@ class TextCorpusDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
             return []
-        return DataLoader(self.val_set, batch_size=self.batch_size)
+        return DataLoader(self.val_set, batch_size=self.batch_size, generator=torch.Generator().manual_seed(0))
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
