@@ -117,22 +117,22 @@ def test_a_step_past_the_budget_is_refused_before_anything_is_allocated():
         PagePool(spec, 16, 4, "cpu", placement="host", segment_tokens=8, host_limit=1000)
 
 
-def test_optimizer_state_still_to_come_is_counted():
+def test_pending_optimizer_state_is_counted():
     """At fit start torch's optimizers have no state yet: their first update creates it (AdamW two buffers per
     trainable parameter, SGD with momentum one), and the placement must leave room for it."""
-    from lightning_oomb.core.placement import optimizer_state
+    from lightning_oomb.core.optimizers import pending_state
 
     model = tiny_model("qwen2")
     params = [p for p in model.parameters() if p.requires_grad]
     nbytes = sum(p.numel() * p.element_size() for p in params)
     adamw = torch.optim.AdamW(params)
-    assert optimizer_state([adamw]) == ("adamw", 2 * nbytes)
-    assert optimizer_state([torch.optim.SGD(params, lr=0.1, momentum=0.9)]) == ("sgd", nbytes)
-    assert optimizer_state([torch.optim.SGD(params, lr=0.1)]) == ("none", 0)
+    assert pending_state([adamw]) == ("adamw", 2 * nbytes, 0)
+    assert pending_state([torch.optim.SGD(params, lr=0.1, momentum=0.9)]) == ("sgd", nbytes, 0)
+    assert pending_state([torch.optim.SGD(params, lr=0.1)]) == ("none", 0, 0)
     for p in params:
         p.grad = torch.zeros_like(p)
     adamw.step()
-    assert optimizer_state([adamw]) == ("adamw", 0)  # the state exists now: nothing more to come
+    assert pending_state([adamw]) == ("adamw", 0, 0)  # the state exists now: nothing more to come
 
 
 def test_a_step_given_its_optimizer_leaves_room_for_its_state():

@@ -25,6 +25,7 @@ import yaml
 from lightning.pytorch import Callback
 
 from lightning_oomb.cli import main
+from lightning_oomb.core.optimizers import OPTIMIZERS
 from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO, partial_path
 from test_corpus import make_model_dir, write_corpus
 from tiny_models import as_torchrun_rank, spawn_ranks
@@ -399,6 +400,28 @@ def test_model_parallel_job_killed_after_a_checkpoint_resumes_bitwise(assets, tm
         assert torch.equal(got_tensors[name], tensor), f"{name} differs"
 
 
+@pytest.mark.parametrize("optimizer", [name for name in OPTIMIZERS if name != "adamw"])
+def test_sigkill_then_resume_is_bitwise_for_each_optimizer(optimizer, assets, tmp_path):
+    """Under bf16-true, where the choices differ (8-bit moments, Kahan compensation, stochastic rounding from the
+    RNG): a job SIGKILLed right after a checkpoint resumes to the uninterrupted run's weights and state, bit for
+    bit."""
+    pytest.importorskip("torchao")
+    options = ("--trainer.precision", "bf16-true", "--model.optimizer", optimizer, "--model.learning_rate", "1e-3")
+    reference = write_config(tmp_path / "whole", assets)
+    assert fit(reference, *options) is None
+    want = load(run_dir(tmp_path / "whole") / "checkpoints" / "last.ckpt")
+    config = write_config(tmp_path / "killed", assets)
+    killed = fit_subprocess(config, *options, killer(kill_after_save=2))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    last = run_dir(tmp_path / "killed") / "checkpoints" / "last.ckpt"
+    assert fit(config, *options, "--ckpt_path", "last") is None
+    got = load(last)
+    assert_same_training_state(got, want)
+    state = got["optimizer_states"][0]["state"]
+    if OPTIMIZERS[optimizer].kahan:
+        assert all("compensation" in s for s in state.values())
+
+
 def test_sigkill_during_checkpoint_save_keeps_previous(uninterrupted, assets, tmp_path):
     config = write_config(tmp_path, assets)
     killed = fit_subprocess(config, killer(kill_during_save=2))  # halfway through writing the step-4 checkpoint
@@ -469,6 +492,9 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "negative learning rate": (["--model.learning_rate", "-1"], "model.learning_rate must be > 0, got -1.0"),
         "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
         "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),
+        "unknown optimizer": (["--model.optimizer", "adamw9"], "model.optimizer: unknown optimizer 'adamw9'"),
+        "optimizer argument": (["--model.optimizer", "adamw8bit", "--model.optimizer_args", '{"momentum": 0.9}'],
+                               "model.optimizer: adamw8bit takes no argument 'momentum'"),
     }
 
 
@@ -547,6 +573,9 @@ def test_example_configs_parse(name, capsys):
         assert type(built).__name__ == strategy.rsplit(".", 1)[1] and getattr(built, "sharding", None) == sharding
         one, several = (yaml.safe_load((ROOT / "examples" / f"{n}.yaml").read_text()) for n in (one_gpu, name))
         assert several["trainer"].pop("use_distributed_sampler") is False  # the corpus splits the ranks' data
+        # the Kahan choices step whole tensors: the sharded examples take adamw-sr instead
+        optimizers = [c["model"].get("init_args", c["model"]).pop("optimizer") for c in (one, several)]
+        assert optimizers == ["adamw8bit-kahan", "adamw-sr" if sharding else "adamw8bit-kahan"]
         for config in (one, several):
             config["trainer"].pop("devices")
             config["trainer"]["strategy"].pop("class_path")

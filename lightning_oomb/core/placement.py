@@ -28,26 +28,6 @@ from .units import GIB
 _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copies", "CUDA context")
 
 
-def optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[str, int]:
-    """(the planner's name for the optimizers' kind, bytes of state their first update will create): the state
-    of torch's optimizers appears at their first ``step``, after the first step's pages are placed. Adam and
-    AdamW keep two buffers per parameter (three with amsgrad), SGD one with momentum; others are counted as
-    two."""
-    kind, pending = "none", 0
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            if isinstance(optimizer, torch.optim.SGD):
-                copies = 1 if group.get("momentum", 0) else 0
-            else:
-                copies = 3 if group.get("amsgrad", False) else 2
-            if copies:
-                kind = "sgd" if copies == 1 and kind != "adamw" else "adamw"
-            for p in group["params"]:
-                if p.requires_grad and not optimizer.state.get(p):
-                    pending += copies * p.numel() * p.element_size()
-    return kind, pending
-
-
 @dataclass(frozen=True)
 class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
@@ -102,7 +82,8 @@ def run_host_budget(host_memory: int | None, process: int, reused: Placement | N
 def place_step(
     model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
-    optimizer: str = "none", pending_gpu_bytes: int = 0, host_grad_layers: int | None = None,
+    optimizer: str = "none", pending_gpu_bytes: int = 0, pending_host_bytes: int = 0,
+    host_grad_layers: int | None = None,
     agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
     kv_head_split: int = 1, document_length: int | None = None, reused: Placement | None = None,
 ) -> Placement:
@@ -114,7 +95,8 @@ def place_step(
     fit with "auto" (``host_layer_counts``; ``host_grad_layers`` and ``host_kv_layers``, when given: those
     of a pool every step must use). On CUDA compares what the step allocates (pages or their staging, one chunk's activations,
     the loss pieces, parameter gradients not yet allocated, ``pending_gpu_bytes`` the run allocates later,
-    such as optimizer state its first update creates) with the device's free memory plus
+    such as optimizer state its first update creates; ``pending_host_bytes`` what that update adds to the
+    process's host memory beyond the growth allowance) with the device's free memory plus
     ``reusable_gpu_bytes`` (a pool the step would reuse or replace). Host memory has one budget
     (``config.host_memory``, else ``host_memory.host_budget()``): what the process holds now (less
     ``reusable_host_bytes`` of a pool it reuses), HOST_GROWTH_BYTES for what it may add, and every pinned
@@ -129,7 +111,7 @@ def place_step(
 
     ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
-    for stage 2), else in pinned host memory. ``optimizer`` ("adamw", "sgd", "none") is only for the plan
+    for stage 2), else in pinned host memory. ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan
     the placement carries.
 
     ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
@@ -177,7 +159,8 @@ def place_step(
     if torch.is_autocast_enabled(device.type):
         precision = "bf16-mixed"
     else:
-        precision = "32-true" if trainable and trainable[0].dtype == torch.float32 else "bf16-true"
+        # the weights' dtype (LoRA adapters may train in float32 under bf16-true)
+        precision = "32-true" if params and params[0].dtype == torch.float32 else "bf16-true"
 
     def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, host_kv_layers: int = 0,
                   **placed: Any) -> Plan:
@@ -191,6 +174,7 @@ def place_step(
             host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload,
             segment_tokens=segment, sparse=config.sparse, host_grad_layers=host_grad_layers,
             fused_ops=uses_triton(config.attention, device), host_process_bytes=process,
+            host_pending_bytes=pending_host_bytes,
             host_kv_layers=host_kv_layers, **placed,
         )
 
@@ -210,8 +194,9 @@ def place_step(
                                 "keeps everything; nothing is checked")
         if device.type != "cuda":
             return dataclasses.replace(placement, plan=result)
-        return dataclasses.replace(placement, host_limit=host_free, host_budget=budget, host_process=grown_from,
-                                   plan=result)
+        # the next step's growth allowance counts from what this one planned the process to reach
+        return dataclasses.replace(placement, host_limit=host_free, host_budget=budget,
+                                   host_process=grown_from + pending_host_bytes, plan=result)
 
     if device.type != "cuda":
         gpu_total = host_free = budget
@@ -233,7 +218,7 @@ def place_step(
     free, gpu_total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
-    host_free = budget - grown_from - HOST_GROWTH_BYTES  # room for pinned blocks
+    host_free = budget - grown_from - HOST_GROWTH_BYTES - pending_host_bytes  # room for pinned blocks
     free, host_free = agree([free, host_free])
     missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
     shape = ModelShape.resolve(model).tensor_parallel_part(kv_head_split)

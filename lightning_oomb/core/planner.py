@@ -23,6 +23,7 @@ import torch
 from .config import OFFLOADS, SparseConfig
 from .host_memory import host_budget
 from .loss import piece_rows
+from .optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, PLAN_OPTIMIZERS, plan_state_bytes
 from .model_shape import PRECISIONS, PROFILES, ModelShape, Precision, _itemsize, _kv_dtype
 from .pages import HostGradStaging, movable_host_layers, spread_layers, stage_2_gather_order
 from .ranks import GRADIENT_BUCKET_BYTES
@@ -109,8 +110,8 @@ SPARSE_ATTENDED_TOKENS = 16384
 # Smallest chunk the planner suggests: below it matmuls get too thin to keep the GPU busy.
 MIN_SUGGESTED_CHUNK = 256
 
-Optimizer = Literal["adamw", "sgd", "none"]
-OPTIMIZERS = ("adamw", "sgd", "none")
+# The optimizer a plan counts: a name of core.optimizers.OPTIMIZERS, or "none".
+OPTIMIZERS = PLAN_OPTIMIZERS
 # Several GPUs: "none" is oomb_ddp (every rank whole); the others are oomb_model_parallel's sharding of the
 # decoder layers (its class docstring says what each gathers and reduces per chunk).
 Sharding = Literal["none", "zero1", "zero2", "zero3"]
@@ -632,6 +633,8 @@ class PlanConfig:
     stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy) and keeps
     every chunk's dL/dh for stage 2: in pinned host memory where ``loss_grads_on_host``, else on the GPU.
     host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
+    host_pending_bytes: host memory the run adds before its next step beyond HOST_GROWTH_BYTES (the first
+    compilation of a torchao optimizer's step); None: the optimizer's ``compile_host_bytes``.
     devices: data-parallel ranks, each running this step on its own ``batch`` sequences: memory is per GPU,
     the time includes the collectives (``step_collectives``). sharding: "none": every rank whole (oomb_ddp,
     plus the gradients' all-reduce bucket); "zero1", "zero2", "zero3": oomb_model_parallel's sharding of the
@@ -669,6 +672,7 @@ class PlanConfig:
     stage_1_loss: bool = False
     loss_grads_on_host: bool = False
     host_process_bytes: int | None = None
+    host_pending_bytes: int | None = None
     devices: int = 1
     host_kv_layers: int = 0
     document_length: int | None = None
@@ -970,7 +974,6 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     p = PROFILES[c.precision]
     param_dtype = _bytes_name(p.param)
     lora = shape.lora_params(c.lora_rank) if c.lora_rank else 0
-    all_params = shape.total_params + lora
     trainable = lora if c.lora_rank else shape.total_params
     head_trained = c.lora_rank == 0
     if c.host_process_bytes is None:
@@ -978,21 +981,28 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     else:
         host = {"process when the step was placed (measured resident set)": c.host_process_bytes}
     host["process growth during the run (allowance)"] = HOST_GROWTH_BYTES
-    # torch.optim.AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (zeros_like(param));
-    # SGD here means with momentum: one buffer; plain SGD (momentum=0) keeps none, like "none".
-    state_copies = {"adamw": 2, "sgd": 1, "none": 0}[c.optimizer]
+    pending = c.host_pending_bytes
+    if pending is None:
+        pending = OPTIMIZER_CHOICES[c.optimizer].compile_host_bytes if c.optimizer in OPTIMIZER_CHOICES else 0
+    if pending:
+        host["optimizer: torch.compile of its step at the first update (allowance)"] = pending
+    state = _state_rate(c, p.param)
     if c.tensor_parallel > 1 and c.sharding == "none":
-        gpu = _tensor_parallel_lines(shape, c, state_copies)
+        gpu = _tensor_parallel_lines(shape, c, state)
     elif c.sharding == "none":
+        # LoRA adapters train in float32 whatever the precision (CausalLMModule's lora_dtype default).
+        trained_bytes = 4 if c.lora_rank else p.param
+        trained_dtype = _bytes_name(trained_bytes)
+        adapters = f" + {human_count(lora)} LoRA in float32" if c.lora_rank else ""
+        what, rate = _state_rate(c, trained_bytes)
         gpu: dict[str, int] = {
-            f"weights ({param_dtype}, {human_count(all_params)} params)": all_params * p.param,
-            f"gradients ({param_dtype}, {human_count(trainable)} trainable)": trainable * p.param,
-            f"optimizer state ({c.optimizer}, {state_copies} x {param_dtype} per trainable)": (
-                state_copies * trainable * p.param
-            ),
+            f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})":
+                shape.total_params * p.param + lora * 4,
+            f"gradients ({trained_dtype}, {human_count(trainable)} trainable)": trainable * trained_bytes,
+            f"optimizer state ({what})": int(rate * trainable),
         }
     else:
-        gpu = _sharded_lines(shape, c, state_copies)
+        gpu = _sharded_lines(shape, c, state)
     if p.autocast_weight_copies:
         # Autocast's cast of every weight to bf16 lives for the whole autocast region (its cache), and
         # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
@@ -1122,7 +1132,15 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     return gpu, host
 
 
-def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[str, int]:
+def _state_rate(c: PlanConfig, weight_bytes: int) -> tuple[str, float]:
+    """(what the optimizer-state lines say, bytes of state per trained parameter of ``weight_bytes`` bytes)
+    for ``c.optimizer``."""
+    rate = plan_state_bytes(c.optimizer, weight_bytes)
+    summary = OPTIMIZER_CHOICES[c.optimizer].summary if c.optimizer in OPTIMIZER_CHOICES else "no optimizer"
+    return f"{c.optimizer}: {summary}, {rate:.3g} bytes per trainable", rate
+
+
+def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -> dict[str, int]:
     """Weights, gradients and optimizer state on one GPU of oomb_model_parallel, by named line, in bytes.
 
     The decoder layers are FSDP2-sharded: each rank keeps 1/N of their weights, and of their gradients and
@@ -1162,16 +1180,16 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[
         gpu[f"gradients: decoder layers, {shard} ({dtype})"] = -(-layer_trainable // n) * p.param
     gpu[f"reduce-scatter in flight: one layer's gradients ({dtype}) and their float32 copy"] = (
         layer_trainable // shape.n_layers * (p.param + 4))
-    what = f"{c.optimizer}, {state_copies} x {dtype} per trainable"
+    what, rate = state
     if root_trainable:
-        gpu[f"optimizer state: root ({what}, whole)"] = state_copies * root_trainable * p.param
-    gpu[f"optimizer state: decoder layers, {shard} ({what})"] = state_copies * -(-layer_trainable // n) * p.param
+        gpu[f"optimizer state: root ({what}, whole)"] = int(rate * root_trainable)
+    gpu[f"optimizer state: decoder layers, {shard} ({what})"] = int(rate * -(-layer_trainable // n))
     if root_trainable:
         gpu["gradient all-reduce bucket (float32, the root's)"] = min(GRADIENT_BUCKET_BYTES, 4 * root_trainable)
     return gpu
 
 
-def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state_copies: int) -> dict[str, int]:
+def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -> dict[str, int]:
     """Weights, gradients and optimizer state on one GPU of a tensor-parallel group, by named line, in bytes
     (``shape``: one rank's part, ``ModelShape.tensor_parallel_part``): the decoder layers' 1/T split by KV heads
     (their norms and o's and down's biases whole), the root (embeddings, final norm, output layer) whole. The
@@ -1180,7 +1198,7 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state_copies: int) 
     dtype = _bytes_name(p.param)
     layers, root = shape.n_layers * shape.layer_params, shape.root_params
     part = f"1/{c.tensor_parallel} by KV heads"
-    what = f"{c.optimizer}, {state_copies} x {dtype} per trainable"
+    what, rate = state
     replicated = shape.n_layers * shape.layer_replicated_params + root
     return {
         f"weights: root (embeddings, final norm, output layer; {dtype}, whole, {human_count(root)} params)":
@@ -1188,8 +1206,8 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state_copies: int) 
         f"weights: decoder layers, {part} ({dtype}, {human_count(layers)} params)": layers * p.param,
         f"gradients: root ({dtype}, whole)": root * p.param,
         f"gradients: decoder layers, {part} ({dtype})": layers * p.param,
-        f"optimizer state: root ({what}, whole)": state_copies * root * p.param,
-        f"optimizer state: decoder layers, {part} ({what})": state_copies * layers * p.param,
+        f"optimizer state: root ({what}, whole)": int(rate * root),
+        f"optimizer state: decoder layers, {part} ({what})": int(rate * layers),
         "gradient all-reduce bucket (float32, the whole weights')": min(GRADIENT_BUCKET_BYTES, 4 * replicated),
     }
 
@@ -1321,11 +1339,12 @@ def plan(
     stage_1_loss: bool = False,
     loss_grads_on_host: bool | None = None,
     host_process_bytes: int | None = None,
+    host_pending_bytes: int | None = None,
     chunk_size: int = 4096,
     batch: int = 1,
     page_size: int = 128,
     lora_rank: int = 0,
-    optimizer: Optimizer = "adamw",
+    optimizer: str = "adamw",
     precision: Precision = "bf16-true",
     checkpoint_layers: bool | None = None,
     grad_dtype: torch.dtype = torch.float32,
@@ -1366,7 +1385,7 @@ def plan(
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
-    stage_1_loss, loss_grads_on_host, host_process_bytes: see ``PlanConfig``; loss_grads_on_host None: where
+    stage_1_loss, loss_grads_on_host, host_process_bytes, host_pending_bytes: see ``PlanConfig``; loss_grads_on_host None: where
     ``place_step`` would keep a served step's dL/dh (pinned host memory when any page is there or they do not
     fit on the GPU).
     devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
@@ -1411,6 +1430,7 @@ def plan(
         stage_1_loss=stage_1_loss,
         loss_grads_on_host=bool(loss_grads_on_host),
         host_process_bytes=host_process_bytes,
+        host_pending_bytes=host_pending_bytes,
         devices=devices,
         host_kv_layers=host_kv_layers,
         document_length=document_length,

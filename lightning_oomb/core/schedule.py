@@ -30,7 +30,8 @@ from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_ac
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
 from .pages import PagePool, stage_2_gather_order
-from .placement import Placement, optimizer_state, place_step
+from .optimizers import pending_state
+from .placement import Placement, place_step
 from .ranks import Ranks
 from .sparse import select_pages, update_summaries
 
@@ -240,10 +241,10 @@ class ChunkedSequence:
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
         pool_placement = getattr(self.pools, "pool_placement", lambda: None)()
-        optimizer, pending = optimizer_state(optimizers)
+        optimizer, pending, pending_host = pending_state(optimizers)
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer,
-                                    pending_gpu_bytes=pending + ranks.step_gpu_bytes,
+                                    pending_gpu_bytes=pending + ranks.step_gpu_bytes, pending_host_bytes=pending_host,
                                     host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers,
                                     kv_head_split=ranks.kv_head_split, reused=pool_placement)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is

@@ -149,7 +149,7 @@ def serve(
     """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
 
     ``optimizers``: those that update the model after the step (the state their first update creates is
-    counted when the step is placed: ``placement.optimizer_state``). ``ranks``: the data-parallel ranks a
+    counted when the step is placed: ``optimizers.pending_state``). ``ranks``: the data-parallel ranks a
     training forward agrees with (``core.ranks``; evaluation forwards agree nothing). ``before_chunk``: the
     engine's hook before each chunk of both stages (``schedule.ChunkHook``), for training and evaluation.
 

@@ -11,7 +11,8 @@ from typing_extensions import override
 from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool
-from ..core.placement import Placement, optimizer_state, place_step
+from ..core.optimizers import pending_state
+from ..core.placement import Placement, place_step
 from ..core.ranks import Ranks
 from ..core.schedule import ChunkedSequence, new_pool, pool_bytes
 from ..integrations.transformers import find_causal_lm
@@ -105,11 +106,12 @@ class PagedKVCallback(Callback):
             return
         model = find_causal_lm(pl_module)
         config = trainer.strategy.chunk_config
-        optimizer, pending = optimizer_state(trainer.optimizers)
+        optimizer, pending, pending_host = pending_state(trainer.optimizers)
         with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
             # OOMBStrategy's steps are served: they keep each chunk's dL/dh from stage 1 to stage 2
             self.placement = place_step(model, *shape, config, self._device, stage_1_loss=True,
                                         optimizer=optimizer, pending_gpu_bytes=pending,
+                                        pending_host_bytes=pending_host,
                                         document_length=getattr(trainer.datamodule, "document_length", None),
                                         agree=trainer.strategy.ranks.least,
                                         kv_head_split=trainer.strategy.ranks.kv_head_split)

@@ -19,9 +19,11 @@ from transformers.utils import is_accelerate_available
 from typing_extensions import override
 
 from ..core.errors import SetupError
+from ..core.optimizers import OptimizerSpec
 from ..core.units import human_count
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
+LORA_DTYPES = {"float32": torch.float32, "weights": None}
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 
@@ -70,7 +72,14 @@ class CausalLMModule(LightningModule):
             the weights are created in bfloat16 whatever this says.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
         lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
-        learning_rate, weight_decay: AdamW settings. warmup_steps: linear warm-up, then cosine decay to 0 at
+        lora_dtype: "float32" (default): the adapters train in float32 whatever the precision (under
+            ``bf16-true`` too: they are small, and bf16 would round their updates away); "weights": in the
+            weights' dtype.
+        optimizer: a name ("adamw", "adamw-sr", "adamw8bit", "adamw-kahan", "adamw8bit-kahan", "sgd") or a
+            class path ("torch.optim.NAdam"); docs/optimizers.md says what each costs and how close to float32
+            each trains under ``bf16-true`` (there: "adamw8bit-kahan", at the memory of plain "adamw").
+        optimizer_args: further keyword arguments of the optimizer (``{"betas": [0.9, 0.95]}``).
+        learning_rate, weight_decay: the optimizer's. warmup_steps: linear warm-up, then cosine decay to 0 at
             ``schedule_steps`` (None: the Trainer's ``max_steps``; resuming with a larger ``max_steps`` then
             stretches the cosine from the resumed step on, so the learning rate jumps up: set ``schedule_steps``
             to keep one schedule over runs that extend each other).
@@ -86,8 +95,7 @@ class CausalLMModule(LightningModule):
     ``train/tokens_per_s`` (input tokens over the wall time of the step, forward to optimizer step),
     ``val/loss`` (token-weighted mean), ``val/ppl`` and, if asked, ``val/retrieval_acc``.
 
-    AdamW keeps its state (``exp_avg``, ``exp_avg_sq``) in each parameter's dtype: float32 under
-    ``32-true`` and ``bf16-mixed``, bfloat16 under ``bf16-true``. Checkpoints also carry the RNG states; with
+    Checkpoints carry the optimizer's whole state (8-bit moments and Kahan compensation too) and the RNG states; with
     ``pretrained`` they leave out the weights that do not train (under LoRA all but the adapters), which
     resuming takes from ``pretrained`` again.
     """
@@ -100,6 +108,9 @@ class CausalLMModule(LightningModule):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
+        lora_dtype: str = "float32",
+        optimizer: str = "adamw",
+        optimizer_args: dict | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -113,6 +124,9 @@ class CausalLMModule(LightningModule):
             raise SetupError("give exactly one of model.pretrained (a local model directory) or model.config (a dict)")
         if dtype not in DTYPES:
             raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if lora_dtype not in LORA_DTYPES:
+            raise SetupError(f"model.lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {lora_dtype!r}")
+        self.optimizer_spec = OptimizerSpec.parse(optimizer, optimizer_args)  # before any model is read
         for name, value, low in (("learning_rate", learning_rate, 0.0), ("weight_decay", weight_decay, 0.0),
                                  ("warmup_steps", warmup_steps, 0), ("lora_rank", lora_rank, 0),
                                  ("schedule_steps", 1 if schedule_steps is None else schedule_steps, 1),
@@ -228,6 +242,11 @@ class CausalLMModule(LightningModule):
 
         if not isinstance(self.trainer.strategy, OOMBStrategyMixin):
             return
+        choice = self.optimizer_spec.choice
+        if stage == "fit" and choice is not None and choice.kahan and self.trainer.strategy.strategy_name == (
+                "oomb_model_parallel"):
+            raise SetupError(f"model.optimizer {choice.name} steps whole tensors, not oomb_model_parallel's shards: "
+                             f"use {choice.name.removesuffix('-kahan')} or adamw-sr there")
         lm = causal_lm(self.model)
         seq_len = getattr(self.trainer.datamodule, "seq_len", None) or getattr(lm.config, "max_position_embeddings", 1)
         was_training = lm.training
@@ -286,6 +305,17 @@ class CausalLMModule(LightningModule):
         for name in self._frozen_names():
             state.setdefault(name, current[name])
 
+    def _adapters_to_lora_dtype(self) -> None:
+        """Cast the LoRA adapters to ``lora_dtype`` where the precision plugin converted them with the model
+        (``bf16-true``); called when the optimizer is built, after that conversion and before a checkpoint
+        is restored into them."""
+        dtype = LORA_DTYPES[self.hparams.lora_dtype]
+        if self.hparams.lora_rank <= 0 or dtype is None:
+            return
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and "lora_" in name and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
     def _frozen_names(self) -> list[str]:
         """State-dict names of the parameters that do not train (every name of a tied weight)."""
         return [name for name, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad]
@@ -321,11 +351,15 @@ class CausalLMModule(LightningModule):
 
     @override
     def configure_optimizers(self):
+        self._adapters_to_lora_dtype()
         params = [p for p in self.parameters() if p.requires_grad]
-        fused = all(p.is_cuda for p in params)
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, fused=fused or None
-        )
+        optimizer = self.optimizer_spec.build(params, self.hparams.learning_rate, self.hparams.weight_decay)
+        choice = self.optimizer_spec.choice
+        if choice is not None and not choice.kahan and choice.name != "adamw-sr" and any(
+                p.dtype == torch.bfloat16 for p in params):
+            _print_rank_zero(f"optimizer: {choice.name} rounds each update to the bf16 weights, which loses most "
+                             "updates below ~1e-4 of a weight; model.optimizer: adamw8bit-kahan keeps them at the "
+                             "same memory (docs/optimizers.md)")
         total = self.hparams.schedule_steps or max(1, int(self.trainer.estimated_stepping_batches))
         warmup = self.hparams.warmup_steps
 

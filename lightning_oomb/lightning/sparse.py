@@ -61,6 +61,9 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
+        lora_dtype: str = "float32",
+        optimizer: str = "adamw",
+        optimizer_args: dict | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -79,6 +82,8 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
                          per_kv_head=per_kv_head, per_query_tile=per_query_tile)
         super().__init__(
             pretrained=pretrained, config=config, dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            lora_target_modules=lora_target_modules, learning_rate=learning_rate, weight_decay=weight_decay,
+            lora_target_modules=lora_target_modules, lora_dtype=lora_dtype, optimizer=optimizer,
+            optimizer_args=optimizer_args,
+            learning_rate=learning_rate, weight_decay=weight_decay,
             warmup_steps=warmup_steps, schedule_steps=schedule_steps, answer_tokens=answer_tokens, seed=seed,
         )

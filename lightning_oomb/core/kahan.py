@@ -1,0 +1,107 @@
+"""AdamW with Kahan-compensated bf16 weights: torchao's AdamW arithmetic on weight + compensation.
+
+Each bf16 weight ``p`` has a bf16 buffer ``c`` holding what rounding the last update to bf16 left out. A step
+forms ``hi = p + c`` in float32, runs torchao's ``single_param_adam`` on ``hi`` (its moments stay torchao's:
+bf16 for ``KahanAdamW``, 8-bit for ``KahanAdamW8bit``), then writes ``p = bf16(hi)`` and ``c = bf16(hi - p)``.
+The forward sees ``p``; the next update starts from ``p + c``, about 16 bits of mantissa, so updates far below
+bf16's spacing accumulate instead of being rounded away. Float32 weights (``32-true``, LoRA adapters) get
+no buffer and step as torchao's own optimizer does.
+
+The per-tensor step is one fused kernel on CUDA (``torch.compile``, as torchao compiles its own step); it
+asks Inductor to keep the float32 -> bf16 -> float32 round trip that defines ``c``
+(``emulate_precision_casts``), which it would otherwise fold away. On the CPU it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torchao.optim import AdamW8bit, _AdamW
+from torchao.optim.adam import single_param_adam
+
+from .errors import SetupError
+
+
+def compensated_adam_step(
+    hi: Tensor, p: Tensor, compensation: Tensor, grad: Tensor, step: Tensor, exp_avg: Tensor,
+    exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None, lr: Tensor, beta1: float, beta2: float,
+    weight_decay: float, eps: float, is_adamw: bool,
+) -> None:
+    """One AdamW update of bf16 ``p`` (any shape) with its bf16 ``compensation`` (same shape), in place.
+
+    ``hi``: a float32 scratch tensor of ``p``'s shape (an input, so that compiled code writes it). The moments
+    are torchao's (plain or 8-bit subclass tensors), updated in place by ``single_param_adam``."""
+    hi.copy_(p.float() + compensation.float())
+    single_param_adam(hi, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta1, beta2, weight_decay, eps,
+                      is_adamw, False)
+    rounded = hi.to(p.dtype)
+    p.copy_(rounded)
+    compensation.copy_(hi - rounded.float())
+
+
+_compiled_step = torch.compile(compensated_adam_step, fullgraph=True, dynamic=False,
+                               options={"emulate_precision_casts": True})
+
+
+class _Kahan:
+    """The step of a torchao ``_AdamBase`` subclass with compensated bf16 weights (mixed into one below)."""
+
+    def _check_params(self) -> None:
+        for group in self.param_groups:
+            if any(isinstance(p, DTensor) for p in group["params"]):
+                raise SetupError(f"{type(self).__name__} steps whole tensors, not sharded (DTensor) weights: "
+                                 "use adamw8bit or adamw-sr with oomb_model_parallel")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch._dynamo.utils.disable_cache_limit():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise RuntimeError("sparse gradients are not supported")
+                    state = self.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if group["amsgrad"]:
+                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        if p.dtype == torch.bfloat16:
+                            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["step"] += 1
+                    moments = (state["step"], state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
+                               group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+                               group["eps"], self.is_adamw)
+                    if "compensation" in state:
+                        step = _compiled_step if p.is_cuda else compensated_adam_step
+                        hi = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                        step(hi, p.detach(), state["compensation"], p.grad, *moments)
+                    else:
+                        single = torch.compile(single_param_adam, fullgraph=True, dynamic=False) if p.is_cuda \
+                            else single_param_adam
+                        single(p.detach(), p.grad, *moments, False)
+        return loss
+
+
+class KahanAdamW(_Kahan, _AdamW):
+    """torchao's AdamW (moments in the weights' dtype) with compensated bf16 weights."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
+        self._check_params()
+
+
+class KahanAdamW8bit(_Kahan, AdamW8bit):
+    """torchao's AdamW8bit (8-bit moments) with compensated bf16 weights."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 block_size=256):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, block_size=block_size)
+        self._check_params()
