@@ -86,17 +86,20 @@ def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, see
 
 
 def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_len: int | None = None,
-                   lora_rank: int | None = None) -> Path:
+                   lora_rank: int | None = None, optimizer: str | None = None) -> Path:
     """The example YAML with its checkpoint interval set (None: no ModelCheckpoint) and its logs under ``out``.
     Each checkpoint gets its own file and no last.ckpt is written at the end, so that a 46 GB checkpoint is
     written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB).
     ``seq_len`` replaces the sequence length (tokens) and the PagedKVCallback's ``max_seq_len`` with it;
-    ``lora_rank`` the model's ``lora_rank`` (its adapters on the module's default targets)."""
+    ``lora_rank`` the model's ``lora_rank`` (its adapters on the module's default targets); ``optimizer`` the
+    model's ``optimizer`` (a name of ``core.optimizers.OPTIMIZERS``)."""
     data = yaml.safe_load(config.read_text())
     if seq_len is not None:
         data["data"]["init_args"]["seq_len"] = seq_len
     if lora_rank is not None:
         data["model"].get("init_args", data["model"])["lora_rank"] = lora_rank
+    if optimizer is not None:
+        data["model"].get("init_args", data["model"])["optimizer"] = optimizer
     callbacks = data["trainer"].get("callbacks", [])
     kept = []
     for cb in callbacks:
@@ -278,6 +281,7 @@ def baseline(args, config: Path, steps: int) -> dict:
 
     import lightning_oomb
 
+    from ..core.optimizers import OptimizerSpec
     from .run import packed_position_ids
 
     data = yaml.safe_load(config.read_text())
@@ -297,7 +301,8 @@ def baseline(args, config: Path, steps: int) -> dict:
             target_modules=model_args.get("lora_target_modules") or ["q_proj", "k_proj", "v_proj", "o_proj"]))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=model_args.get("learning_rate", 1e-5), fused=True)
+    optimizer = OptimizerSpec.parse(model_args.get("optimizer", "adamw")).build(
+        params, model_args.get("learning_rate", 1e-5), model_args.get("weight_decay", 0.0))
     ids = torch.randint(0, 256, (1, seq_len), device="cuda")
     positions = packed_position_ids(ids, args.document_length)
     times = []
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="ModelCheckpoint's every_n_train_steps (default: the YAML's; 0: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="then continue from the last checkpoint to the same last step")
     parser.add_argument("--delete-checkpoints", action="store_true", help="remove the checkpoints at the end (disk)")
-    parser.add_argument("--baseline", action="store_true", help="then time train_step + AdamW in this process")
+    parser.add_argument("--baseline", action="store_true", help="then time train_step + the optimizer in this process")
     parser.add_argument("--baseline-steps", type=int, default=None,
                         help="steps of the baseline (default: --steps; 2 gives a steady step at 1M in less time)")
     parser.add_argument("--document-length", type=int, default=None,
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                              "e.g. the planner's longest context")
     parser.add_argument("--lora-rank", type=int, default=None,
                         help="train LoRA adapters of this rank instead of the YAML's training (0: every weight)")
+    parser.add_argument("--optimizer", default=None, help="the model's optimizer instead of the YAML's (a name)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if every is None:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
-    config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank)
+    config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank, args.optimizer)
     results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", [])
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
