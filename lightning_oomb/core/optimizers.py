@@ -151,13 +151,15 @@ class OptimizerSpec:
             raise SetupError(f"{where}: {self.class_path} is not a torch.optim.Optimizer class")
         return cls
 
-    def build(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """The optimizer over ``params`` (one parameter group)."""
+    def build(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
+              fused: bool = True) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (one parameter group). ``fused=False`` keeps torch AdamW unfused on CUDA
+        (Lightning's mixed precision refuses to clip the gradients of a fused optimizer)."""
         cls = self.optimizer_class()
         choice = self.choice
         kwargs: dict[str, Any] = {**(choice.defaults if choice else {}), **self.init_args}
         if choice is not None and choice.name == "adamw" and "fused" not in kwargs:
-            kwargs["fused"] = all(p.is_cuda for p in params) or None
+            kwargs["fused"] = (fused and all(p.is_cuda for p in params)) or None
         if choice is not None and choice.name == "adamw-sr":
             kwargs.setdefault("bf16_stochastic_round", True)
         takes_decay = "weight_decay" in inspect.signature(cls.__init__).parameters

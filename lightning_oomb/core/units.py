@@ -61,6 +61,14 @@ def argparse_type(parse, many: bool = False):
     return convert
 
 
+def human_tokens(n: int) -> str:
+    """A token count as ``parse_tokens`` reads it: 65536 -> 64K, 1048576 -> 1M, 1536 -> 1.5K, 1000 -> 1000."""
+    for unit in ("M", "K"):
+        size = _TOKEN_UNITS[unit.lower()]
+        if n >= size and (n * 2) % size == 0:
+            return f"{n / size:g}{unit}"
+    return str(n)
+
 
 def human_count(n: float) -> str:
     """7.62B, 10.1M, 22.1K: a parameter count for people."""

@@ -10,6 +10,7 @@ from .data import PasskeyDataModule
 from .ddp import OOMBDDPStrategy
 from .model_parallel import OOMBModelParallelStrategy
 from .module import CausalLMModule
+from .passkey_text import PasskeyTextDataModule
 from .sparse import SparseAttentionMixin, SparseCausalLMModule
 from .strategy import OOMBStrategy
 
@@ -22,6 +23,7 @@ __all__ = [
     "OOMBStrategy",
     "PagedKVCallback",
     "PasskeyDataModule",
+    "PasskeyTextDataModule",
     "SetupError",
     "SparseAttentionMixin",
     "SparseCausalLMModule",

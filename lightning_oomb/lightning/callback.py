@@ -50,8 +50,8 @@ class PagedKVCallback(Callback):
 
     Args:
         max_seq_len, max_batch_size: the largest batch the pool must hold. By default they are read from
-            the DataModule's ``seq_len`` and ``batch_size``; without them the pool is sized by the first
-            batch, and a larger batch later is refused with a message.
+            the DataModule's ``seq_len`` (or its longest ``val_lengths``) and ``batch_size``; without them the
+            pool is sized by the first batch, and a larger batch later is refused with a message.
         Where the pages live follows the strategy's ``offload``; it is decided once, for the largest batch.
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
             ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
@@ -92,10 +92,14 @@ class PagedKVCallback(Callback):
         self._page_size = config.page_size
         self._device = trainer.strategy.root_device
         self._fitting = stage == "fit"  # only training steps need gradient pages
+        shape = self._largest_batch(trainer)
+        self._largest_pages = shape[0] * -(-shape[1] // self._page_size) if shape else 0
 
     def _largest_batch(self, trainer: Trainer) -> tuple[int, int] | None:
         dm = trainer.datamodule
         seq_len = self.max_seq_len or getattr(dm, "seq_len", None)
+        if seq_len and not self.max_seq_len:  # held-out sequences may be longer (PasskeyTextDataModule)
+            seq_len = max([seq_len, *getattr(dm, "val_lengths", ())])
         batch = self.max_batch_size or getattr(dm, "batch_size", None) or 1
         return (batch, seq_len) if seq_len else None
 
@@ -129,8 +133,9 @@ class PagedKVCallback(Callback):
     def __call__(self, spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
         """The engine's pool provider: the pool for a step that needs ``pages`` pages of ``spec``. The pool
         keeps the placement decided when it was built (for the largest batch)."""
-        if self.pool is None:
+        if self.pool is None:  # a step outside fit (validate, test): sized for the largest batch all the same
             grads = self._fitting or with_grads
+            pages = max(pages, getattr(self, "_largest_pages", 0))
             self.pool = new_pool(spec, pages, self._page_size, self._device, grads, placement)
             self.placement = placement
         if self.pool.spec != spec:

@@ -126,7 +126,8 @@ class OOMBCLI(LightningCLI):
         results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
         if not results or not trainer.is_global_zero:
             return
-        print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(results[0].items())))
+        merged = {k: v for result in results for k, v in result.items()}  # one dict per validation loader
+        print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(merged.items())))
         example = getattr(self.datamodule, "val_set", None)
         n = module.hparams.get("answer_tokens", 0)
         if example is None or not n:
@@ -137,9 +138,11 @@ class OOMBCLI(LightningCLI):
         model = find_causal_lm(module)
         with torch.no_grad(), serve(model, config) if config else contextlib.nullcontext():
             logits = model(input_ids=ids, labels=item["labels"][None].to(module.device), logits_to_keep=n + 1).logits
-        answer = logits[0, :-1].argmax(-1).tolist()
-        print(f"example: {ids.shape[1]} tokens, passkey {ids[0, -n:].tolist()} stated near the start; "
-              f"the model answers {answer}")
+        answer, key = logits[0, :-1].argmax(-1).tolist(), ids[0, -n:].tolist()
+        tokenizer = getattr(self.datamodule, "tokenizer", None)
+        if tokenizer is not None:
+            answer, key = repr(tokenizer.decode(answer)), repr(tokenizer.decode(key))
+        print(f"example: {ids.shape[1]} tokens, passkey {key} stated near the start; the model answers {answer}")
 
 
 def require_last_checkpoint(trainer) -> None:

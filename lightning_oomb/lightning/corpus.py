@@ -183,13 +183,23 @@ def read_documents(file: Path, text_field: str) -> Iterator[tuple[str, bool, boo
 # == tokenizing and packing ================================================================================
 
 
-def load_tokenizer(path: str, option: str = "data.init_args.tokenizer"):
-    """A local tokenizer directory (no network), with an EOS token."""
+def load_tokenizer(path: str, option: str = "data.init_args.tokenizer", gguf_file: str | None = None):
+    """A local tokenizer directory (no network), or the tokenizer inside the GGUF file ``gguf_file`` there,
+    with an EOS token."""
     from transformers import AutoTokenizer
 
     where = Path(path).expanduser()
     if not where.is_dir():
         raise CorpusError(f"{option}: the tokenizer directory {path} does not exist")
+    if gguf_file is not None:
+        if not (where / gguf_file).is_file():
+            raise CorpusError(f"{option}: {path} has no GGUF file {gguf_file}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(where), gguf_file=gguf_file, local_files_only=True)
+        except Exception as e:
+            raise CorpusError(f"{option}: the tokenizer in {path}/{gguf_file} could not be loaded "
+                              f"({type(e).__name__}: {e})") from None
+        return _with_eos(tokenizer, f"{path}/{gguf_file}")
     if not any((where / name).exists() for name in TOKENIZER_FILES):
         raise CorpusError(
             f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)} missing); set {option} to a directory that has "
@@ -206,9 +216,13 @@ def load_tokenizer(path: str, option: str = "data.init_args.tokenizer"):
             tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True)
     except Exception as e:
         raise CorpusError(f"{option}: the tokenizer in {path} could not be loaded ({type(e).__name__}: {e})") from None
+    return _with_eos(tokenizer, path)
+
+
+def _with_eos(tokenizer, where: str):
     if tokenizer.eos_token_id is None:
         raise CorpusError(
-            f"the tokenizer in {path} has no EOS token, which joins the documents; set eos_token in its "
+            f"the tokenizer in {where} has no EOS token, which joins the documents; set eos_token in its "
             "tokenizer_config.json"
         )
     return tokenizer

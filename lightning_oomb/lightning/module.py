@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import random
@@ -20,7 +21,7 @@ from typing_extensions import override
 
 from ..core.errors import SetupError
 from ..core.optimizers import OptimizerSpec
-from ..core.units import human_count
+from ..core.units import human_count, human_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 LORA_DTYPES = {"float32": torch.float32, "weights": None}
@@ -67,6 +68,13 @@ class CausalLMModule(LightningModule):
     Args:
         pretrained: a local Hugging Face model directory (config and weights; nothing is downloaded); or
         config: a transformers config as a dict (with ``model_type``) for a randomly initialised model.
+        gguf_file: with ``pretrained``, the GGUF file in that directory to load instead of config.json and
+            safetensors (llama.cpp's format, as ``from_pretrained(pretrained, gguf_file=...)``: quantised tensors
+            are dequantised to ``dtype``; needs the ``gguf`` package, the ``[gguf]`` extra).
+        config_overrides: with ``pretrained``, fields set on its config before the model is built, as
+            ``from_pretrained(pretrained, **config_overrides)`` sets them: e.g. RoPE scaling to extend the
+            context, ``{"rope_parameters": {"rope_type": "yarn", "factor": 8.0, ...},
+            "max_position_embeddings": 65536}``. A field the config does not have is refused.
         dtype: the dtype the weights are created in: "float32" (default), "bfloat16" or "auto" (the
             checkpoint's or config's). The Trainer's precision still decides the training dtype: under bf16-true
             the weights are created in bfloat16 whatever this says.
@@ -104,6 +112,8 @@ class CausalLMModule(LightningModule):
         self,
         pretrained: str | None = None,
         config: dict | None = None,
+        gguf_file: str | None = None,
+        config_overrides: dict | None = None,
         dtype: str = "float32",
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
@@ -134,8 +144,11 @@ class CausalLMModule(LightningModule):
             if value < low or (name == "learning_rate" and value == 0):
                 bound = "> 0" if name == "learning_rate" else f">= {low}"
                 raise SetupError(f"model.{name} must be {bound}, got {value!r}")
+        if pretrained is None and (gguf_file is not None or config_overrides):
+            option = "gguf_file" if gguf_file is not None else "config_overrides"
+            raise SetupError(f"model.{option} applies to model.pretrained; with model.config write the fields there")
         if pretrained is not None:
-            hf_config = pretrained_config(pretrained)
+            hf_config = pretrained_config(pretrained, gguf_file, config_overrides)
         else:
             hf_config = config_from_dict(config)
         # Only the structure, on the meta device (no memory, no RNG draws, seconds for 7B): config, module
@@ -146,8 +159,9 @@ class CausalLMModule(LightningModule):
                 skeleton.to(DTYPES[dtype])
             self.model = self._with_lora(skeleton)
         self.model.train()
-        self.val_loss = MeanMetric()
-        self.val_acc = MulticlassExactMatch(num_classes=self.model.config.vocab_size) if answer_tokens else None
+        # One set of held-out metrics per validation loader (a DataModule may hold out several lengths).
+        self.val_metrics = torch.nn.ModuleList()
+        self._val_lengths: list[int] = []
 
     # -- the model's weights ------------------------------------------------------------------------------
     @property
@@ -191,8 +205,10 @@ class CausalLMModule(LightningModule):
         dtype = self._weights_dtype()
         started = time.perf_counter()
         if self.hparams.pretrained is not None:
-            base = load_pretrained(self.hparams.pretrained, dtype or "auto", device)
-            what = f"loaded {self.hparams.pretrained}"
+            hparams = self.hparams
+            config = pretrained_config(hparams.pretrained, hparams.gguf_file, hparams.config_overrides)
+            base = load_pretrained(hparams.pretrained, dtype or "auto", device, hparams.gguf_file, config)
+            what = f"loaded {hparams.pretrained}" + (f"/{hparams.gguf_file}" if hparams.gguf_file else "")
             where = "onto"
         else:
             torch.manual_seed(self.hparams.seed)
@@ -328,7 +344,7 @@ class CausalLMModule(LightningModule):
         return loss
 
     @override
-    def validation_step(self, batch: dict, batch_idx: int) -> None:
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         ids, labels = batch["input_ids"], batch["labels"]
         n = self.hparams.answer_tokens
         position_ids = batch.get("position_ids")
@@ -336,24 +352,48 @@ class CausalLMModule(LightningModule):
         valid = (labels[:, 1:] != -100).sum()
         if position_ids is not None:  # a document's last token predicts nothing (core/documents.py)
             valid -= (position_ids[:, 1:] == 0).logical_and(labels[:, 1:] != -100).sum()
-        self.val_loss.update(out.loss.detach(), weight=valid)
+        metrics = self._val_metrics(dataloader_idx, ids.shape[1])
+        metrics["loss"].update(out.loss.detach(), weight=valid)
         if n:
-            self.val_acc.update(out.logits[:, :-1].argmax(-1), ids[:, -n:])
+            metrics["retrieval_acc"].update(out.logits[:, :-1].argmax(-1), ids[:, -n:])
+
+    def _val_metrics(self, dataloader_idx: int, seq_len: int) -> torch.nn.ModuleDict:
+        while len(self.val_metrics) <= dataloader_idx:
+            metrics = {"loss": MeanMetric()}
+            if self.hparams.answer_tokens:
+                metrics["retrieval_acc"] = MulticlassExactMatch(num_classes=self.model.config.vocab_size)
+            self.val_metrics.append(torch.nn.ModuleDict(metrics).to(self.device))
+            self._val_lengths.append(seq_len)
+        self._val_lengths[dataloader_idx] = seq_len
+        return self.val_metrics[dataloader_idx]
 
     @override
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()
-        self.log_dict({"val/loss": loss, "val/ppl": torch.exp(loss)}, prog_bar=True)
-        self.val_loss.reset()
-        if self.val_acc is not None:
-            self.log("val/retrieval_acc", self.val_acc.compute(), prog_bar=True)
-            self.val_acc.reset()
+        """Logs ``val/loss``, ``val/ppl`` and ``val/retrieval_acc``; with several validation loaders each name
+        ends in its sequence length (``val/retrieval_acc_64K``)."""
+        several = len(self.val_metrics) > 1
+        for metrics, seq_len in zip(self.val_metrics, self._val_lengths):
+            if metrics["loss"].update_count == 0:
+                continue
+            suffix = f"_{human_tokens(seq_len)}" if several else ""
+            loss = metrics["loss"].compute()
+            values = {f"val/loss{suffix}": loss, f"val/ppl{suffix}": torch.exp(loss)}
+            if "retrieval_acc" in metrics:
+                values[f"val/retrieval_acc{suffix}"] = metrics["retrieval_acc"].compute()
+            self.log_dict(values, prog_bar=not several, add_dataloader_idx=False)
+            if several and "retrieval_acc" in metrics:
+                self.log(f"acc_{human_tokens(seq_len)}", values[f"val/retrieval_acc{suffix}"], prog_bar=True,
+                         logger=False, add_dataloader_idx=False)
+            for metric in metrics.values():
+                metric.reset()
 
     @override
     def configure_optimizers(self):
         self._adapters_to_lora_dtype()
         params = [p for p in self.parameters() if p.requires_grad]
-        optimizer = self.optimizer_spec.build(params, self.hparams.learning_rate, self.hparams.weight_decay)
+        clipped_mixed = bool(self.trainer.gradient_clip_val) and "mixed" in str(self.trainer.precision)
+        optimizer = self.optimizer_spec.build(params, self.hparams.learning_rate, self.hparams.weight_decay,
+                                              fused=not clipped_mixed)
         choice = self.optimizer_spec.choice
         if choice is not None and not choice.kahan and choice.name != "adamw-sr" and any(
                 p.dtype == torch.bfloat16 for p in params):
@@ -385,15 +425,26 @@ def config_from_dict(config: dict):
         raise SetupError(f"model.config: {_one_line(e)}") from None
 
 
-def check_pretrained_dir(path: str) -> Path:
-    """The model directory, if it has a config and weights; else a SetupError naming what is missing."""
+def check_pretrained_dir(path: str, gguf_file: str | None = None) -> Path:
+    """The model directory, if it has a config and weights (or the GGUF file named); else a SetupError
+    naming what is missing."""
     where = Path(path).expanduser()
     if not where.is_dir():
         raise SetupError(f"model.pretrained: the model directory {path} does not exist")
+    if gguf_file is not None:
+        if not (where / gguf_file).is_file():
+            found = sorted(p.name for p in where.glob("*.gguf"))
+            raise SetupError(f"model.gguf_file: {path} has no file {gguf_file}"
+                             + (f"; it holds {', '.join(found)}" if found else ""))
+        if importlib.util.find_spec("gguf") is None:
+            raise SetupError("model.gguf_file: reading GGUF needs the gguf package: "
+                             "pip install 'lightning-oomb[gguf]' (or pip install gguf)")
+        return where
     if not (where / "config.json").is_file():
+        gguf = next(where.glob("*.gguf"), None)
         raise SetupError(
             f"model.pretrained: {path} has no config.json; give a directory written by save_pretrained "
-            "(config.json and *.safetensors)"
+            "(config.json and *.safetensors)" + (f", or set model.gguf_file: {gguf.name}" if gguf else "")
         )
     if not any(next(where.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise SetupError(
@@ -403,28 +454,42 @@ def check_pretrained_dir(path: str) -> Path:
     return where
 
 
-def pretrained_config(path: str):
-    """The config of a local model directory (checked by ``check_pretrained_dir``; no weights read)."""
-    where = check_pretrained_dir(path)
+def pretrained_config(path: str, gguf_file: str | None = None, overrides: dict | None = None):
+    """The config of a local model directory (checked by ``check_pretrained_dir``; no weights read), with the
+    fields in ``overrides`` set as ``from_pretrained`` sets keyword arguments; a field it lacks is refused."""
+    where = check_pretrained_dir(path, gguf_file)
+    source = f"{path}/{gguf_file}" if gguf_file else str(path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        return AutoConfig.from_pretrained(str(where), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise SetupError(f"model.pretrained: the config in {path} could not be read ({type(e).__name__}: "
+        config, unused = AutoConfig.from_pretrained(str(where), local_files_only=True, return_unused_kwargs=True,
+                                                    **extra, **(overrides or {}))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SetupError(f"model.pretrained: the config in {source} could not be read ({type(e).__name__}: "
                          f"{_one_line(e)})") from None
+    unknown = sorted(set(unused) - set(extra))
+    if unknown:
+        raise SetupError(f"model.config_overrides: the {config.model_type} config has no field "
+                         f"{', '.join(map(repr, unknown))}; `AutoConfig.from_pretrained({str(path)!r})` lists them")
+    return config
 
 
-def load_pretrained(path: str, dtype, device: torch.device | str | None = None) -> torch.nn.Module:
-    """A causal LM from a local Hugging Face directory (never downloads), loaded straight onto ``device``
-    (default CPU), with errors that name the directory, in one line."""
-    where = check_pretrained_dir(path)
+def load_pretrained(path: str, dtype, device: torch.device | str | None = None, gguf_file: str | None = None,
+                    config=None) -> torch.nn.Module:
+    """A causal LM from a local Hugging Face directory or a GGUF file in it (never downloads), loaded straight
+    onto ``device`` (default CPU), with errors that name the directory, in one line. ``config``: the
+    directory's config as ``pretrained_config`` returns it (None: read it)."""
+    where = check_pretrained_dir(path, gguf_file)
     device = torch.device(device if device is not None else "cpu")
     via_cpu = device.type != "cpu" and not is_accelerate_available()  # transformers' device_map needs accelerate
     device_map = None if device.type == "cpu" or via_cpu else {"": device}
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    if config is not None:
+        extra["config"] = config
     try:
         # Under a device context (Lightning's, in configure_model) transformers would infer a device_map itself.
         with torch.device("cpu"):
             model = AutoModelForCausalLM.from_pretrained(
-                str(where), local_files_only=True, dtype=dtype, device_map=device_map
+                str(where), local_files_only=True, dtype=dtype, device_map=device_map, **extra
             )
     except torch.OutOfMemoryError:
         raise
