@@ -27,13 +27,10 @@ class PasskeyDataset(Dataset):
       ``key_window <= chunk_size``: then the passkey is in the first chunk only.
     * The filler is one sentence of ``filler_len`` tokens (drawn once, the same for every sequence) repeated
       from a random phase. ``filler_len=1`` is one filler token repeated (a haystack of padding).
-      ``decoys=True`` instead draws every filler token at random (each sequence its own) from all ids but the
-      two markers, passkeys included: X then occurs as a decoy too, and only the ``KEY`` before it tells the
-      stated X apart, which a model of two layers or more finds by composing attention inside the statement's
-      chunk, learnable only through gradients that cross chunk borders.
     * The only label is the last token, X (``labels`` are -100 elsewhere): the loss is the retrieval itself.
-      Nothing in the later chunks tells X: it is reachable only by attending across chunk borders, back over
-      ``seq_len - key_window`` tokens or more.
+      X occurs in the input only inside the first ``key_window`` tokens, so nothing in the later chunks
+      tells it: it is reachable only by attending across chunk borders, back over ``seq_len - key_window``
+      tokens or more.
 
     Item i is drawn from its own seed, so the data are the same on every run and every worker.
     """
@@ -48,7 +45,6 @@ class PasskeyDataset(Dataset):
         filler_len: int,
         seed: int,
         key_repeats: int = 2,
-        decoys: bool = False,
     ):
         if key_repeats < 1 or filler_len < 1 or num_keys < 1:
             raise ValueError("key_repeats, filler_len and num_keys must be >= 1")
@@ -60,7 +56,6 @@ class PasskeyDataset(Dataset):
             raise ValueError(f"vocab_size {vocab_size} leaves no filler tokens beside {num_keys} passkeys")
         self.size, self.seq_len, self.vocab_size = size, seq_len, vocab_size
         self.num_keys, self.key_window, self.key_repeats, self.seed = num_keys, key_window, key_repeats, seed
-        self.decoys = decoys
         g = torch.Generator().manual_seed(0)  # the same sentence for training and held-out data
         self.sentence = torch.randint(FIRST_KEY + num_keys, vocab_size, (filler_len,), generator=g)
 
@@ -70,10 +65,7 @@ class PasskeyDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         phase = int(torch.randint(len(self.sentence), (1,), generator=g))
-        if self.decoys:
-            ids = torch.randint(FIRST_KEY, self.vocab_size, (self.seq_len,), generator=g)
-        else:
-            ids = self.sentence.roll(-phase).repeat(self.seq_len // len(self.sentence) + 1)[: self.seq_len].clone()
+        ids = self.sentence.roll(-phase).repeat(self.seq_len // len(self.sentence) + 1)[: self.seq_len].clone()
         key = FIRST_KEY + int(torch.randint(self.num_keys, (1,), generator=g))
         span = 2 * self.key_repeats
         at = int(torch.randint(0, self.key_window - span + 1, (1,), generator=g))
@@ -94,7 +86,6 @@ class PasskeyDataModule(LightningDataModule):
         key_window: the statement lies within the first ``key_window`` tokens (keep it <= the chunk size).
         filler_len: tokens of the repeated filler sentence (1: one filler token repeated).
         key_repeats: how many times ``KEY X`` is stated.
-        decoys: random filler with passkeys among it (see ``PasskeyDataset``).
         train_size, val_size: sequences per epoch; validation sequences are held out (another seed).
 
     See ``PasskeyDataset`` for the token layout.
@@ -114,14 +105,13 @@ class PasskeyDataModule(LightningDataModule):
         val_size: int = 100,
         seed: int = 0,
         key_repeats: int = 2,
-        decoys: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.seq_len, self.batch_size = seq_len, batch_size
         common = dict(
             seq_len=seq_len, vocab_size=vocab_size, num_keys=num_keys, key_window=key_window,
-            filler_len=filler_len, key_repeats=key_repeats, decoys=decoys,
+            filler_len=filler_len, key_repeats=key_repeats,
         )
         self.train_set = PasskeyDataset(train_size, seed=seed, **common)
         self.val_set = PasskeyDataset(val_size, seed=seed + 1, **common)
