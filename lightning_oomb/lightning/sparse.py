@@ -83,7 +83,8 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
             SparseConfig(budget_pages=budget_pages, sink_pages=sink_pages, local_pages=local_pages, score=sparse_score,
                          per_kv_head=per_kv_head, per_query_tile=per_query_tile)
         super().__init__(
-            pretrained=pretrained, config=config, gguf_file=gguf_file, config_overrides=config_overrides, dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            pretrained=pretrained, config=config, gguf_file=gguf_file, config_overrides=config_overrides,
+            dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
             lora_target_modules=lora_target_modules, lora_dtype=lora_dtype, optimizer=optimizer,
             optimizer_args=optimizer_args,
             learning_rate=learning_rate, weight_decay=weight_decay,
