@@ -17,6 +17,9 @@ commands:
 `lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration)."""
 
 
+COMMANDS = ("fit", "validate", "test", "plan", "bench")
+
+
 def main(args: list[str] | None = None) -> int | None:
     """Run ``lightning-oomb ARGS`` (None: the command line's). Returns the exit status (None: 0)."""
     argv = list(args if args is not None else sys.argv[1:])
@@ -33,6 +36,13 @@ def main(args: list[str] | None = None) -> int | None:
         from .bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        print(f"lightning-oomb: error: unknown command {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+              + f" (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
     from .lightning.cli import run
 
     return run(args)

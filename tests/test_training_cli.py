@@ -473,6 +473,8 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
     for f in no_tokenizer.glob("tokenizer*"):
         f.unlink()
     gpt2 = make_model_dir(tmp / "gpt2", model_type="gpt2")
+    junk = tmp / "junk.ckpt"
+    junk.write_bytes(bytes(range(256)) * 4)
     bad_jsonl = tmp / "bad.jsonl"
     bad_jsonl.write_text(json.dumps({"text": "the cat"}) + "\n{oops}\n")
     return {
@@ -492,6 +494,11 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "negative learning rate": (["--model.learning_rate", "-1"], "model.learning_rate must be > 0, got -1.0"),
         "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
         "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),
+        "missing checkpoint": (["--ckpt_path", str(tmp / "nope.ckpt")], f"--ckpt_path {tmp / 'nope.ckpt'}: no such file"),
+        "junk checkpoint": (["--ckpt_path", str(junk)], "is not a checkpoint: not a torch.save archive"),
+        "max_steps": (["--trainer.max_steps", "-3"], "trainer: `max_steps` must be a non-negative integer"),
+        **({} if torch.cuda.is_available() else {
+            "no GPU": (["--trainer.accelerator", "gpu"], "trainer: No supported gpu backend found!")}),
         "unknown optimizer": (["--model.optimizer", "adamw9"], "model.optimizer: unknown optimizer 'adamw9'"),
         "optimizer argument": (["--model.optimizer", "adamw8bit", "--model.optimizer_args", '{"momentum": 0.9}'],
                                "model.optimizer: adamw8bit takes no argument 'momentum'"),
@@ -617,3 +624,13 @@ def test_top_level_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for command in ("fit", "validate", "test", "plan", "bench"):
         assert f"\n  {command} " in out, out
+
+
+def test_unknown_command_is_one_line(capsys):
+    """A mistyped command names the closest one and the list (plan and bench included); predict, which the
+    chunked engine does not serve, is not offered."""
+    assert main(["fitt"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "lightning-oomb: error: unknown command 'fitt'; did you mean 'fit'? (commands: fit, validate, test, plan, bench)")
+    assert main(["predict", "--config", "x.yaml"]) == 2
+    assert "unknown command 'predict'" in capsys.readouterr().err

@@ -13,11 +13,13 @@ import json
 import re
 import shutil
 import sys
+import zipfile
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Optional
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -58,6 +60,22 @@ class OOMBCLI(LightningCLI):
         parser.add_argument("--plan", type=bool, default=True,
                             help="fit: print the plan of a step as placed (memory against the GPU and host budget)")
         parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        # predict would need a forward that returns logits for a whole sequence, which the chunked engine does
+        # not give (its served forward computes the loss chunk by chunk): not offered.
+        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI torch.loads a --ckpt_path file here, before any hook, for its hyperparameters: check it first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path not in (None, "last", "best", "hpc", "registry"):
+            check_checkpoint_file(ckpt_path)
+        super()._parse_ckpt_path()
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -162,6 +180,25 @@ def require_last_checkpoint(trainer) -> None:
             "the path of a checkpoint file, or run from the folder (and with the logger version) of the run to "
             "continue"
         )
+
+
+def check_checkpoint_file(path: str) -> None:
+    """``--ckpt_path FILE``: a file that ``torch.save`` wrote (a zip archive holding a pickle), checked before the
+    model loads; a folder (a distributed checkpoint) is left to the strategy."""
+    where = Path(path).expanduser()
+    if where.is_dir():
+        return
+    if not where.exists():
+        raise SetupError(f"--ckpt_path {path}: no such file; give a checkpoint this run's ModelCheckpoint wrote "
+                         "(its checkpoints folder), or --ckpt_path last")
+    try:
+        with zipfile.ZipFile(where) as archive:
+            pickled = any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile) as e:
+        raise SetupError(f"--ckpt_path {path} is not a checkpoint: not a torch.save archive "
+                         f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+    if not pickled:
+        raise SetupError(f"--ckpt_path {path} is not a checkpoint: a zip archive without torch.save's data.pkl")
 
 
 def _has_val_data(datamodule) -> bool:
@@ -303,10 +340,14 @@ def argument_error_line(error: ArgumentError) -> str:
 
 
 def _setup_error(e: BaseException | None) -> SetupError | None:
+    """The SetupError behind ``e``; Lightning's own refusal of a Trainer option (MisconfigurationException) is
+    one too, named as a trainer option."""
     seen = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, SetupError):
             return e
+        if isinstance(e, MisconfigurationException):
+            return SetupError(f"trainer: {' '.join(str(e).split())} (`lightning-oomb fit --help` lists the options)")
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
