@@ -149,6 +149,7 @@ class CausalLMModule(LightningModule):
             raise SetupError(f"model.{option} applies to model.pretrained; with model.config write the fields there")
         if pretrained is not None:
             hf_config = pretrained_config(pretrained, gguf_file, config_overrides)
+            self._pretrained_config = hf_config  # materialize builds the model from it
         else:
             hf_config = config_from_dict(config)
         # Only the structure, on the meta device (no memory, no RNG draws, seconds for 7B): config, module
@@ -206,8 +207,8 @@ class CausalLMModule(LightningModule):
         started = time.perf_counter()
         if self.hparams.pretrained is not None:
             hparams = self.hparams
-            config = pretrained_config(hparams.pretrained, hparams.gguf_file, hparams.config_overrides)
-            base = load_pretrained(hparams.pretrained, dtype or "auto", device, hparams.gguf_file, config)
+            base = load_pretrained(hparams.pretrained, dtype or "auto", device, hparams.gguf_file,
+                                   self._pretrained_config)
             what = f"loaded {hparams.pretrained}" + (f"/{hparams.gguf_file}" if hparams.gguf_file else "")
             where = "onto"
         else:
