@@ -254,9 +254,10 @@ class DtypeProfile:
 PROFILES: dict[str, DtypeProfile] = {
     "bf16-true": DtypeProfile(param=2, linear=2, residual=2, qk=2, v=2, autocast_weight_copies=False),
     "32-true": DtypeProfile(param=4, linear=4, residual=4, qk=4, v=4, autocast_weight_copies=False),
-    # fp32 parameters under bf16 autocast: linear outputs are bf16, the residual stream stays fp32, and RoPE
-    # multiplies the bf16 projections by fp32 cos/sin, so q and k (hence the K/V store) are fp32.
-    "bf16-mixed": DtypeProfile(param=4, linear=2, residual=4, qk=4, v=2, autocast_weight_copies=True),
+    # fp32 parameters under bf16 autocast: linear outputs are bf16, the residual stream stays fp32; RoPE's fp32
+    # cos/sin make q and k fp32, which attention casts to bf16 as SDPA does under autocast (what it saves and
+    # the K/V store are bf16).
+    "bf16-mixed": DtypeProfile(param=4, linear=2, residual=4, qk=2, v=2, autocast_weight_copies=True),
 }
 
 

@@ -55,10 +55,12 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if not getattr(module, "is_causal", True):
         raise ValueError("lightning_oomb attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if value.dtype != query.dtype:
-        # bf16-mixed: RoPE's float32 cos/sin make q and k float32 while v stays autocast's bf16; attention and
-        # the K/V store then run in float32 (model_shape.PROFILES), the kernels taking one dtype.
-        value = value.to(query.dtype)
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # As SDPA under autocast (transformers' own bf16-mixed attention): q, k, v in the autocast dtype. RoPE's
+        # float32 cos/sin make q and k float32 under bf16-mixed while v stays bf16; the K/V store is bf16 too.
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = _active.attend(module.layer_idx, query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
 
