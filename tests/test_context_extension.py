@@ -87,6 +87,22 @@ def test_gguf_file_loads_the_model_it_holds(gguf_dir):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
 
+def test_a_model_loaded_from_gguf_exports_as_a_plain_model(gguf_dir, tmp_path):
+    """Its weights are unpacked: nothing of the GGUF loader stays attached, so the export (save_pretrained)
+    writes an ordinary directory holding the same weights."""
+    folder, source = gguf_dir
+    module = lightning_oomb.CausalLMModule(pretrained=str(folder), gguf_file="tiny.gguf")
+    module.materialize("cpu")
+    assert getattr(module.model, "hf_quantizer", None) is None
+    assert all(type(m).__name__ in ("Linear", "Embedding") or not hasattr(m, "weight") or type(m).__name__.endswith(
+        "RMSNorm") for m in module.model.modules())
+    module.model.save_pretrained(tmp_path)
+    again = lightning_oomb.CausalLMModule(pretrained=str(tmp_path))
+    again.materialize("cpu")
+    for name, want in source.state_dict().items():
+        torch.testing.assert_close(again.model.state_dict()[name], want, rtol=0, atol=0)
+
+
 def test_config_overrides_set_rope_scaling(gguf_dir):
     folder, _ = gguf_dir
     module = lightning_oomb.CausalLMModule(pretrained=str(folder), gguf_file="tiny.gguf", config_overrides={

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import math
 import random
@@ -483,7 +484,7 @@ def load_pretrained(path: str, dtype, device: torch.device | str | None = None, 
     device = torch.device(device if device is not None else "cpu")
     via_cpu = device.type != "cpu" and not is_accelerate_available()  # transformers' device_map needs accelerate
     device_map = None if device.type == "cpu" or via_cpu else {"": device}
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    extra = {"gguf_file": gguf_file, **_gguf_dequantized()} if gguf_file else {}
     if config is not None:
         extra["config"] = config
     try:
@@ -497,7 +498,33 @@ def load_pretrained(path: str, dtype, device: torch.device | str | None = None, 
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # unreadable, corrupt, mismatched
         raise SetupError(f"model.pretrained: the model in {path} could not be loaded ({type(e).__name__}: "
                          f"{_one_line(e)})") from None
+    if gguf_file:
+        _forget_gguf_quantizer(model)
     return model.to(device) if via_cpu else model
+
+
+def _gguf_dequantized() -> dict:
+    """from_pretrained's keyword asking for a GGUF's weights unpacked into plain float tensors, where this
+    transformers could keep them packed (its GgufConfig takes ``dequantize``); older ones always unpack."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _forget_gguf_quantizer(model: torch.nn.Module) -> None:
+    """A GGUF model loaded with its weights unpacked is a plain dense model, but some transformers versions
+    keep its GGUF quantizer attached, which makes ``save_pretrained`` (our export) refuse it. Drop it."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if any(type(m).__name__.startswith("Gguf") for m in model.modules()):  # packed after all: say so, not drop
+        raise SetupError("model.gguf_file: this transformers kept the GGUF's weights packed, which cannot be "
+                         "trained; save the model as safetensors (save_pretrained) and load that directory")
+    quantizer.remove_quantization_config(model)
 
 
 def _one_line(e: BaseException) -> str:
