@@ -89,6 +89,36 @@ def test_output_layer_runs_once_per_chunk(family, monkeypatch):
     assert_grads_close(grads_of(model), {name: 0.5 * g for name, g in want.items()}, TOL)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-tied"])
+def test_served_step_without_room_for_dlh_runs_the_output_layer_again(family, monkeypatch):
+    """Where the placement leaves no room to keep every chunk's dL/dh (``loss_grads="recomputed"``), a served
+    step's stage 1 computes the loss alone and stage 2 runs the output layer again: the loss and every
+    gradient are the full sequence's."""
+    import dataclasses
+
+    from lightning_oomb.core import schedule
+
+    calls = []
+    loss_fn = schedule.linear_cross_entropy
+    monkeypatch.setattr(schedule, "linear_cross_entropy",
+                        lambda *a, **k: calls.append(k["with_grad_hidden"]) or loss_fn(*a, **k))
+    place = schedule.place_step
+    monkeypatch.setattr(schedule, "place_step",
+                        lambda *a, **k: dataclasses.replace(place(*a, **k), loss_grads="recomputed"))
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
+    labels = ids.clone()
+    labels[1, 20:] = -100
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    config = lightning_oomb.ChunkConfig(chunk_size=8, page_size=4, attention="reference", keep_graphs=0)
+    with lightning_oomb.serve(model, config):
+        out = model(input_ids=ids, labels=labels)
+    assert calls == [False] * 5 and rel_err(out.loss.detach(), want_loss) <= TOL
+    (0.5 * out.loss).backward()
+    assert calls == [False] * 5 + [True] * 5
+    assert_grads_close(grads_of(model), {name: 0.5 * g for name, g in want.items()}, TOL)
+
+
 def test_served_step_training_only_the_output_layer_runs_the_decoder_once(monkeypatch):
     """With the decoder frozen, a served step's stage 1 already holds the output layer's gradient: stage 2
     runs no chunk again, and the gradient is the full-sequence one."""

@@ -504,7 +504,7 @@ def test_served_loss_gradients_in_the_placement():
     assert loss_grad_bytes(shape, 4096, 1, "32-true") == 4096 * 3584 * 4
     model = tiny_model("qwen2")
     placement = place_step(model, 1, 32, ChunkConfig(chunk_size=8), torch.device("cpu"), stage_1_loss=True)
-    assert not placement.loss_grads_on_host
+    assert placement.loss_grads == "gpu"
 
 
 @pytest.mark.parametrize("options", [
@@ -523,6 +523,24 @@ def test_max_context_is_the_longest_that_fits(options):
     assert limit.plan.fits and limit.plan.config.context == limit.context
     assert not plan_placed("qwen2.5-7b", limit.context + 4096, **H200, **options).fits
     assert limit.physical_tokens >= limit.context
+
+
+def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
+    """A served step keeps every chunk's dL/dh where it fits (here pinned on the host, with the pages of some
+    layers); past the context where it fits nowhere, stage 2 computes it again, which lets 8-bit AdamW's
+    smaller state hold more than 10% more tokens than plain AdamW's kept-dL/dh limit of 1,490,944."""
+    from lightning_oomb.core.planner import max_context, plan_placed
+
+    sparse = dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, stage_1_loss=True,
+                  gpu_memory=140 * 2**30, host_memory=112 * 2**30)  # as `plan --max-context` in docs/optimizers.md
+    kept = plan_placed("qwen2.5-7b", 1_490_944, **sparse)
+    assert kept.fits and kept.config.loss_grads == "host"
+    assert any(k.startswith("pinned loss: dL/dh of every chunk") for k in kept.host_lines)
+    limit = max_context("qwen2.5-7b", optimizer="adamw8bit", **sparse)
+    assert limit.context >= 1.1 * 1_490_944 and limit.plan.config.loss_grads == "recomputed"
+    assert not any("dL/dh of every chunk" in k for k in [*limit.plan.gpu_lines, *limit.plan.host_lines])
+    assert "dL/dh computed again in stage 2" in str(limit.plan)
+    assert not plan_placed("qwen2.5-7b", limit.context, loss_grads="host", optimizer="adamw8bit", **sparse).fits
 
 
 def test_max_context_when_nothing_fits():
@@ -549,7 +567,7 @@ def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
                      "112GiB", "--sparse-budget", "64", "--grad-dtype", "bfloat16"])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1
-    assert "What 4,194,304 tokens would take" in out and "the longest context that fits here is 1,490,944 tokens" in out  # K/V of some layers on the host
+    assert "What 4,194,304 tokens would take" in out and "the longest context that fits here is 1,597,440 tokens" in out  # K/V of some layers on the host
     assert "4,194,304 tokens store 448.00 GiB" in out
 
 

@@ -36,8 +36,9 @@ class Placement:
     pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
     autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
-    computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2, in pinned host
-    memory where ``loss_grads_on_host``, else on the device. With the pages on the GPU, stage 1 may also keep
+    computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2 where
+    ``loss_grads`` says: "gpu" (the device), "host" (pinned host memory), or "recomputed" (not kept: stage 2
+    runs the output layer again). With the pages on the GPU, stage 1 may also keep
     the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory. With sparse
     attention, the K/V pages of ``host_kv_layers`` layers may live in pinned host memory too, of which each
     attention call gathers the selected pages (``PagePool``).
@@ -55,7 +56,7 @@ class Placement:
     host_grad_layers: int = 0
     kept_chunks: int = 0
     graph_chunks: int = 0
-    loss_grads_on_host: bool = False
+    loss_grads: str = "gpu"
     host_kept_chunks: int = 0
     host_limit: int | None = None
     host_kv_layers: int = 0
@@ -111,7 +112,9 @@ def place_step(
 
     ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
-    for stage 2), else in pinned host memory. ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan
+    for stage 2), else in pinned host memory. Only where no placement of the pages leaves room for them
+    anywhere does stage 2 compute them again (``loss_grads="recomputed"``: the output layer's forward once
+    more, about 2 x vocab x hidden FLOPs a token), so every step that fits with them keeps them. ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan
     the placement carries.
 
     ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
@@ -185,7 +188,7 @@ def place_step(
             placement.host_kv_layers,
             kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
             host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
-            loss_grads_on_host=placement.loss_grads_on_host, document_length=document_length,
+            loss_grads=placement.loss_grads, document_length=document_length,
         )
         if device.type != "cuda":
             result.gpu_lines.pop("CUDA context and workspaces (assumed)", None)
@@ -246,17 +249,20 @@ def place_step(
         counts = {"gpu": [(0, 0)], "auto": host_layer_counts(every), "host": [(every, every)]}[config.offload]
         if host_grad_layers is not None:
             counts = [(host_grad_layers, host_kv_layers or 0)]
-        for n, m in counts:
-            step = step_plan(False, page, n, m)
-            needed = needed_on_gpu(step)
-            on_host = n > 0 or needed + loss_grads > free
-            pinned = pinned_of(step) + (loss_grads if on_host else 0)
-            if needed <= free and pinned <= host_free:
-                spare = free - needed - (0 if on_host else loss_grads)
-                kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
-                host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
-                return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
-                                        loss_grads_on_host=on_host, host_kept_chunks=host_kept, host_kv_layers=m))
+        for recomputed in (False, True) if loss_grads else (False,):
+            kept_bytes = 0 if recomputed else loss_grads
+            for n, m in counts:
+                step = step_plan(False, page, n, m)
+                needed = needed_on_gpu(step)
+                on_host = n > 0 or needed + kept_bytes > free
+                pinned = pinned_of(step) + (kept_bytes if on_host else 0)
+                if needed <= free and pinned <= host_free:
+                    spare = free - needed - (0 if on_host else kept_bytes)
+                    kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
+                    host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
+                    where = "recomputed" if recomputed else "host" if on_host else "gpu"
+                    return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
+                                            loss_grads=where, host_kept_chunks=host_kept, host_kv_layers=m))
         where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
                  "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
         if host_grad_layers is not None:  # the run's pool decided the layers
@@ -273,14 +279,14 @@ def place_step(
     if config.offload in ("auto", "gpu"):
         on_gpu = step_plan(False, page)
         needed = needed_on_gpu(on_gpu)
-        on_host = needed + loss_grads > free
-        if needed <= free and (not on_host or loss_grads <= host_free):
-            spare = free - needed - (0 if on_host else loss_grads)
+        if needed <= free:
+            where = "gpu" if needed + loss_grads <= free else "host" if loss_grads <= host_free else "recomputed"
+            spare = free - needed - (loss_grads if where == "gpu" else 0)
             kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
-            host_spare = host_free - (loss_grads if on_host else 0)
+            host_spare = host_free - (loss_grads if where == "host" else 0)
             return placed(Placement(
                 "gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept, graph_chunks=graphs,
-                loss_grads_on_host=on_host, host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep),
+                loss_grads=where, host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep),
             ))
         if config.offload == "gpu":
             raise PlanError(
@@ -302,10 +308,13 @@ def place_step(
     step = step_plan(True, segment)
     needed = needed_on_gpu(step)
     pinned = pinned_of(step) + loss_grads
+    where = "host" if pinned <= host_free else "recomputed"
+    if where == "recomputed":
+        pinned -= loss_grads
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
             f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {host_short(pinned)}; "
             f"nothing was allocated for it.\n\n{step}"
         )
-    return placed(Placement("host", segment, batch, loss_grads_on_host=bool(loss_grads)))
+    return placed(Placement("host", segment, batch, loss_grads=where if loss_grads else "gpu"))

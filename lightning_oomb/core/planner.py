@@ -112,6 +112,9 @@ MIN_SUGGESTED_CHUNK = 256
 
 # The optimizer a plan counts: a name of core.optimizers.OPTIMIZERS, or "none".
 OPTIMIZERS = PLAN_OPTIMIZERS
+# Where a served step keeps each chunk's dL/dh from stage 1 for stage 2; "recomputed": not kept, stage 2
+# runs the output layer again (PlanConfig.loss_grads).
+LOSS_GRADS = ("gpu", "host", "recomputed")
 # Several GPUs: "none" is oomb_ddp (every rank whole); the others are oomb_model_parallel's sharding of the
 # decoder layers (its class docstring says what each gathers and reduces per chunk).
 Sharding = Literal["none", "zero1", "zero2", "zero3"]
@@ -630,8 +633,10 @@ class PlanConfig:
     and those chunks need no kept attention outputs). host_kept_chunks: attention outputs of the first that
     many chunks kept from stage 1 in pinned host memory. fused_ops: the fused Triton
     RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
-    stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy) and keeps
-    every chunk's dL/dh for stage 2: in pinned host memory where ``loss_grads_on_host``, else on the GPU.
+    stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy).
+    loss_grads: where such a step keeps each chunk's dL/dh for stage 2 (``LOSS_GRADS``): "gpu", "host" (one
+    pinned block), or "recomputed": none kept, stage 2 runs the output layer again (its forward then runs in
+    both stages, as ``step_time`` counts it for every step).
     host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
     host_pending_bytes: host memory the run adds before its next step beyond HOST_GROWTH_BYTES (the first
     compilation of a torchao optimizer's step); None: the optimizer's ``compile_host_bytes``.
@@ -670,7 +675,7 @@ class PlanConfig:
     host_kept_chunks: int = 0
     fused_ops: bool = True
     stage_1_loss: bool = False
-    loss_grads_on_host: bool = False
+    loss_grads: str = "gpu"
     host_process_bytes: int | None = None
     host_pending_bytes: int | None = None
     devices: int = 1
@@ -703,6 +708,8 @@ class PlanConfig:
         if self.sharding != "none" and self.devices == 1:
             raise ValueError(f"sharding={self.sharding!r} shards the decoder layers over data-parallel ranks, and "
                              "there is one device: give devices >= 2 (--devices N), or sharding 'none'")
+        if self.loss_grads not in LOSS_GRADS:
+            raise ValueError(f"loss_grads must be one of {', '.join(LOSS_GRADS)}, got {self.loss_grads!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.precision not in PROFILES:
@@ -851,6 +858,8 @@ class Plan:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
         if c.host_kv_layers:
             head += f"; K/V pages of {c.host_kv_layers} of {s.n_layers} layers in pinned host memory"
+        if c.stage_1_loss and c.loss_grads == "recomputed":
+            head += "; each chunk's dL/dh computed again in stage 2 (no room to keep it)"
         if not c.fused_ops:
             head += "; transformers' own RMSNorm/RoPE/SwiGLU"
         if isinstance(c.sparse, SparseConfig):
@@ -1019,10 +1028,11 @@ def _memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dic
     # (an assumption, see docs/planner.md).
     gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
-    if c.stage_1_loss:
+    if c.stage_1_loss and c.loss_grads != "recomputed":
         kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
         name = f"loss: dL/dh of every chunk, kept from stage 1 for stage 2 ({c.n_chunks} chunks)"
-        (host if c.loss_grads_on_host else gpu)[("pinned " if c.loss_grads_on_host else "") + name] = kept_grads
+        on_host = c.loss_grads == "host"
+        (host if on_host else gpu)[("pinned " if on_host else "") + name] = kept_grads
     rows = min(piece_rows(shape.vocab), t)
     # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast; the
     # fused kernel (kernels.cross_entropy) writes the gradient over the logits.
@@ -1337,7 +1347,7 @@ def plan(
     context: int,
     *,
     stage_1_loss: bool = False,
-    loss_grads_on_host: bool | None = None,
+    loss_grads: str | None = None,
     host_process_bytes: int | None = None,
     host_pending_bytes: int | None = None,
     chunk_size: int = 4096,
@@ -1385,9 +1395,8 @@ def plan(
     kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
-    stage_1_loss, loss_grads_on_host, host_process_bytes, host_pending_bytes: see ``PlanConfig``; loss_grads_on_host None: where
-    ``place_step`` would keep a served step's dL/dh (pinned host memory when any page is there or they do not
-    fit on the GPU).
+    stage_1_loss, loss_grads, host_process_bytes, host_pending_bytes: see ``PlanConfig``; loss_grads None: where
+    ``place_step`` would keep a served step's dL/dh (``_loss_grads_placed``).
     devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
     host memory budget is ``host_memory`` divided among the ranks, as the strategies divide it.
     sharding: with devices > 1, "none" plans an oomb_ddp rank (every weight whole); "zero1", "zero2", "zero3"
@@ -1428,7 +1437,7 @@ def plan(
         host_kept_chunks=host_kept_chunks,
         fused_ops=fused_ops,
         stage_1_loss=stage_1_loss,
-        loss_grads_on_host=bool(loss_grads_on_host),
+        loss_grads=loss_grads or "gpu",
         host_process_bytes=host_process_bytes,
         host_pending_bytes=host_pending_bytes,
         devices=devices,
@@ -1442,15 +1451,24 @@ def plan(
     host_memory //= base.devices * base.tensor_parallel
 
     def estimate(config: PlanConfig) -> Plan:
-        if loss_grads_on_host is None and config.stage_1_loss:
+        if loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed":
             return _kept_loss_grads_placed(config, lambda c: _estimate(shape, c, gpu_memory, host_memory, machine))
         return _estimate(shape, config, gpu_memory, host_memory, machine)
 
-    def placed(config: PlanConfig) -> Plan:
+    def pages_placed(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
         if host_grad_layers is None and config.sparse:
             return fewest_host_grad_layers(config, shape, estimate)
         return estimate(config)
+
+    def placed(config: PlanConfig) -> Plan:
+        # As place_step: a served step recomputes dL/dh only when keeping it fits nowhere.
+        result = pages_placed(config)
+        if loss_grads is None and config.stage_1_loss and not result.fits:
+            recomputed = pages_placed(dataclasses.replace(config, loss_grads="recomputed"))
+            if recomputed.fits:
+                return recomputed
+        return result
 
     result = placed(base)
     other = placed(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
@@ -1591,10 +1609,10 @@ def _kept_loss_grads_placed(config: PlanConfig, estimate) -> Plan:
     """The plan with a served step's kept dL/dh where ``place_step`` puts them: in pinned host memory when any
     page of the step is there or they do not fit on the GPU next to everything else, else on the GPU."""
     if not (config.offload or config.host_grad_layers or config.host_kv_layers):
-        on_gpu = estimate(dataclasses.replace(config, loss_grads_on_host=False))
+        on_gpu = estimate(dataclasses.replace(config, loss_grads="gpu"))
         if on_gpu.peak_gpu_bytes <= on_gpu.usable_gpu_bytes:
             return on_gpu
-    return estimate(dataclasses.replace(config, loss_grads_on_host=True))
+    return estimate(dataclasses.replace(config, loss_grads="host"))
 
 
 def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:

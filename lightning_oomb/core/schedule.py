@@ -160,8 +160,9 @@ class ChunkedSequence:
     stage_1_loss: stage 1 computes every chunk's loss, so that ``fill`` returns it (a served forward must
     return the loss before its backward). When training it computes each chunk's dL/dh and the output
     layer's gradient right there and keeps dL/dh for stage 2 (on the GPU, or in pinned host memory where the
-    placement says), which then backpropagates the decoder only: the output layer runs once per chunk
-    either way.
+    placement says), which then backpropagates the decoder only: the output layer runs once per chunk.
+    Where the placement finds no room for them (``Placement.loss_grads == "recomputed"``), stage 1 computes
+    the loss alone and stage 2 runs the output layer again, as without stage_1_loss.
 
     ranks: the data-parallel ranks this step agrees its batch shape, loss normaliser and placement with
     (``core.ranks``); the default is one process. before_chunk: called before each chunk of both stages
@@ -409,7 +410,7 @@ class ChunkedSequence:
         return loss, grad.view_as(hidden)
 
     def _keep_loss_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        if grad is None or not self.placement.loss_grads_on_host:
+        if grad is None or self.placement.loss_grads != "host":
             return grad
         rows = self.input_ids.shape[0] * min(self.config.chunk_size, self.input_ids.shape[1])
         block = self.pool.loss_grad_buffer(len(self.chunks), rows * grad.shape[-1], grad.dtype)
@@ -439,10 +440,11 @@ class ChunkedSequence:
                 with torch.set_grad_enabled(keeps_graph):
                     hidden = self._chunk_hidden(start, end)
                 if keeps_graph or self.stage_1_loss:
-                    loss, grad = self._chunk_loss(hidden, start, end, with_grads)
+                    keeps_grads = with_grads and (keeps_graph or self.placement.loss_grads != "recomputed")
+                    loss, grad = self._chunk_loss(hidden, start, end, keeps_grads)
                     if keeps_graph:
                         self.graphs[index] = (hidden, grad, loss)
-                    elif with_grads:
+                    elif keeps_grads:
                         self.loss_grads[index] = (loss, self._keep_loss_grad(grad))
                     if self.stage_1_loss:
                         total += loss
