@@ -15,9 +15,11 @@ import textwrap
 import torch
 
 from .core.config import SparseConfig
+from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
 from .core.planner import (
     DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, _duration, _gib, max_context, plan_placed,
+    this_gpu_memory,
 )
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
@@ -25,8 +27,33 @@ CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
 GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class _Parser(argparse.ArgumentParser):
+    """An error is one line (the usage block is for --help), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _join_negative_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--gpu-memory -80GiB`` as ``--gpu-memory=-80GiB``: argparse takes a value starting with '-' for an option
+    and says "expected one argument"; joined, the option's own check names what is wrong with the value."""
+    takes_value = {o for a in parser._actions if a.option_strings and a.nargs is None and a.const is None
+                   for o in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1] not in parser._option_string_actions:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lightning-oomb plan",
         description="Memory and time of one chunk-recurrent training step, before running it. "
         "Token counts: K = 1024, M = 1024*1024 (1M = 1,048,576). Memory: 141GB = 141e9 bytes, 80GiB = 80*2^30.",
@@ -86,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Print the plan; 0 when the step fits, 1 when it does not."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if (args.context is None) == (not args.max_context):
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv), parser))
+    if args.context is not None and args.max_context:
+        parser.error("--context and --max-context exclude each other: --context TOKENS plans one step, "
+                     "--max-context finds the longest that fits")
+    if args.context is None and not args.max_context:
         parser.error("give --context TOKENS (one plan) or --max-context (the longest context that fits)")
     common = dict(
         offload=args.offload, chunk_size=args.chunk, batch=args.batch, page_size=args.page_size,
@@ -97,20 +127,44 @@ def main(argv: list[str] | None = None) -> int:
         document_length=args.document_length, sharding=args.sharding, tensor_parallel=args.tensor_parallel,
         stage_1_loss=True,  # the step `lightning-oomb fit` runs: a served forward keeps every chunk's dL/dh
     )
-    try:
+    try:  # the answer is printed whole, so that a refused option prints nothing but its one line
+        lines = [assumptions(args), ""]
         if args.max_context:
-            print(context_table(args.model, args, common))
+            print("\n".join([*lines, context_table(args.model, args, common)]))
             return 0
         options = dict(sparse=_sparse(args.sparse_budget, args.selection) if args.sparse_budget else None,
                        lora_rank=args.lora, optimizer=args.optimizer, **common)
         result = plan_placed(args.model, args.context, **options)
         result.suggestion_style = "cli"
-        print(result)
+        lines.append(str(result))
         if not result.fits and not any(s.plan.fits for s in result.suggestions if s.goal == "memory"):
-            print("\n" + what_it_would_take(args.model, result, max_context(args.model, **options)))
+            lines += ["", what_it_would_take(args.model, result, max_context(args.model, **options))]
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
+    print("\n".join(lines))
     return 0 if result.fits else 1
+
+
+def assumptions(args: argparse.Namespace) -> str:
+    """The first lines of every answer: the GPU memory, host budget and matmul rate planned for, and whence."""
+    if args.gpu_memory is None:
+        total, name = this_gpu_memory()
+        gpu = f"GPU {_gib(total)} GiB (this machine's {name}; --gpu-memory plans for another)"
+    else:
+        gpu = f"GPU {_gib(args.gpu_memory)} GiB (--gpu-memory)"
+    ram = machine_host_memory()
+    if args.host_memory is None:
+        host = (f"host budget {_gib(host_budget())} GiB (this machine's: available memory less a "
+                f"{_gib(host_headroom())} GiB headroom; --host-memory plans for another)")
+    elif args.host_memory > ram:
+        host = (f"host budget {_gib(args.host_memory)} GiB (--host-memory; more than this machine's "
+                f"{_gib(ram)} GiB of RAM: planning for another machine)")
+    else:
+        host = f"host budget {_gib(args.host_memory)} GiB (--host-memory)"
+    rate = ("an H200's dense bf16 peak" if args.matmul_tflops == DEFAULT_MATMUL_TFLOPS else "--matmul-tflops")
+    return textwrap.fill(f"Assumed: {gpu}; {host}; matmul peak {args.matmul_tflops:g} TFLOP/s ({rate}"
+                         + ("; --matmul-tflops sets another GPU's" if rate != "--matmul-tflops" else "") + ").",
+                         width=110, break_on_hyphens=False)
 
 
 def _sparse(budget_pages: int, selection: str) -> SparseConfig:

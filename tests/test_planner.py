@@ -367,6 +367,55 @@ def test_cli_rejects_bad_sizes(capsys):
     assert "token count" in capsys.readouterr().err
 
 
+def test_cli_says_first_what_it_assumed(capsys):
+    """The first lines name the GPU memory, the host budget (given, this machine's, or more than this
+    machine has: another machine's) and the matmul rate the times assume."""
+    cli_main(["plan", "--model", "qwen2.5-7b", "--context", "64K", "--gpu-memory", "80GiB"])
+    first = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert first.startswith("Assumed: GPU 80.00 GiB (--gpu-memory); host budget")
+    assert "(this machine's: available memory less" in first and "matmul peak 790 TFLOP/s (an H200's" in first
+    cli_main(["plan", "--model", "qwen2.5-7b", "--context", "64K", "--gpu-memory", "80GiB", "--host-memory", "512TiB",
+              "--matmul-tflops", "165"])
+    first = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert "host budget 524288.00 GiB (--host-memory; more than this machine's" in first
+    assert "planning for another machine" in first and "matmul peak 165 TFLOP/s (--matmul-tflops)" in first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--context", "1M", "--max-context"], "--context and --max-context exclude each other"),
+    (["--context", "1M", "--gpu-memory", "-80GiB"], "argument --gpu-memory: cannot read a memory size '-80GiB'"),
+    (["--max-context", "--gpu-memory", "80GiB", "--batch", "0"], "batch must be an integer >= 1"),
+])
+def test_cli_errors_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plan", "--model", "qwen2.5-7b", *args])
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and not captured.out
+    assert captured.err.count("\n") == 1 and message in captured.err and "usage" not in captured.err
+
+
+def test_cli_names_a_config_json_it_cannot_read(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["plan", "--model", str(tmp_path), "--context", "8K", "--gpu-memory", "80GiB"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert f"{tmp_path / 'config.json'} is not a readable config.json (JSONDecodeError" in err
+
+
+def test_faster_suggestions_are_only_those_that_fit(capsys):
+    """A step that fits (here dense, its pages streamed from a large host) is offered sparse attention only
+    where the sparse step fits too (at 1M on 80 GiB its host layers' staging does not)."""
+    code = cli_main(["plan", "--model", "qwen3-8b", "--context", "1M", "--gpu-memory", "80GiB", "--host-memory",
+                     "500GiB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "FITS" in out and "still does not fit" not in out and "--sparse-budget" not in out
+    code = cli_main(["plan", "--model", "qwen3-8b", "--context", "256K", "--gpu-memory", "140GiB", "--host-memory",
+                     "500GiB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "What would make it faster:" in out and "--sparse-budget 64): GPU" in out
+
+
 def test_size_parsing():
     assert parse_tokens("4096") == 4096
     assert parse_tokens("32K") == parse_tokens("32k") == 32768
@@ -492,6 +541,17 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
     assert not any("attention outputs" in n for n in offloaded.notes)
 
 
+def test_a_cpu_runs_plan_prints_only_lines_that_hold_something():
+    """A CPU run's plan (printed at fit start) leaves out lines of nothing and counts a small step in MiB."""
+    from lightning_oomb.core.placement import place_step
+
+    model = tiny_model("qwen2")
+    text = str(place_step(model, 1, 64, ChunkConfig(chunk_size=16), torch.device("cpu"), stage_1_loss=True,
+                          optimizer="adamw").plan)
+    assert "Step memory (this CPU run: host RAM)" in text and "MiB" in text and "GiB" not in text.split("Note:")[0]
+    assert not any(line.rstrip().endswith(" 0.00") for line in text.splitlines())
+
+
 def test_served_loss_gradients_in_the_placement():
     """A served step keeps every chunk's dL/dh for stage 2 (pinned: one block of the pool, its exact size). On a
     CPU device they stay where the step runs."""
@@ -541,6 +601,22 @@ def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
     assert not any("dL/dh of every chunk" in k for k in [*limit.plan.gpu_lines, *limit.plan.host_lines])
     assert "dL/dh computed again in stage 2" in str(limit.plan)
     assert not plan_placed("qwen2.5-7b", limit.context, loss_grads="host", optimizer="adamw8bit", **sparse).fits
+
+
+@pytest.mark.parametrize("gpu_gib", [24, 40, 48, 80, 140])
+def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
+    """Over the built-in shapes, 16 and 64 GiB hosts, dense and sparse: the longest context that fits is at
+    most what the machine holds in all (GPU and host budget over the bytes a token stores)."""
+    from lightning_oomb.core.model_shape import builtin_names
+    from lightning_oomb.core.planner import max_context
+
+    for name in builtin_names():
+        for host_gib in (16, 64):
+            for case in (dict(), dict(sparse=SparseConfig(budget_pages=64), lora_rank=16)):
+                limit = max_context(name, gpu_memory=gpu_gib * 2**30, host_memory=host_gib * 2**30,
+                                    stage_1_loss=True, **case)
+                assert limit.context <= limit.physical_tokens, (name, host_gib, case, limit.context,
+                                                                limit.physical_tokens)
 
 
 def test_max_context_when_nothing_fits():

@@ -37,8 +37,14 @@ def load_config_dict(model: str | os.PathLike) -> dict[str, Any]:
                 f"{text!r} is neither a built-in model shape ({', '.join(builtin_names())}) nor a config.json "
                 "file or a directory holding one"
             )
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable config.json ({type(e).__name__}: {e})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} is not a config.json: it holds a JSON {type(fields).__name__}, not an object")
+    return fields
 
 
 def transformers_config(config: dict[str, Any]):

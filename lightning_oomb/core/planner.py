@@ -869,14 +869,22 @@ class Plan:
                 f"{sp.local_pages} local), score {sp.score}, {'per KV head' if sp.per_kv_head else 'shared'}"
                 + ("" if sp.per_query_tile else ", one selection per chunk")
             )
-        width = max(len(k) for k in [*self.gpu_lines, *self.host_lines]) + 2
         cpu = self.device == "cpu"
-        rows = [head, "", f"{'Step memory (this CPU run: host RAM)' if cpu else 'GPU memory':<{width}}{'GiB':>10}"]
-        rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.gpu_lines.items()]
-        rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_gpu_bytes):>10}")
-        rows += ["", f"{'Host memory':<{width}}{'GiB':>10}"]
-        rows += [f"  {k:<{width - 2}}{_gib(v):>10}" for k, v in self.host_lines.items()]
-        rows.append(f"  {'total':<{width - 2}}{_gib(self.peak_host_bytes):>10}")
+        gpu_lines, host_lines = self.gpu_lines, self.host_lines
+        unit, amount = "GiB", _gib
+        if cpu:
+            # A CPU run is small: MiB when the step is under a GiB, and lines that round to nothing left out.
+            if self.peak_gpu_bytes < GIB:
+                unit, amount = "MiB", lambda n: f"{n / 2**20:.2f}"
+            gpu_lines = {k: v for k, v in gpu_lines.items() if float(amount(v))}
+            host_lines = {k: v for k, v in host_lines.items() if float(amount(v))}
+        width = max(len(k) for k in [*gpu_lines, *host_lines]) + 2
+        rows = [head, "", f"{'Step memory (this CPU run: host RAM)' if cpu else 'GPU memory':<{width}}{unit:>10}"]
+        rows += [f"  {k:<{width - 2}}{amount(v):>10}" for k, v in gpu_lines.items()]
+        rows.append(f"  {'total':<{width - 2}}{amount(self.peak_gpu_bytes):>10}")
+        rows += ["", f"{'Host memory':<{width}}{unit:>10}"]
+        rows += [f"  {k:<{width - 2}}{amount(v):>10}" for k, v in host_lines.items()]
+        rows.append(f"  {'total':<{width - 2}}{amount(self.peak_host_bytes):>10}")
         t = self.time
         rows += [] if cpu else [
             "",
@@ -902,7 +910,7 @@ class Plan:
                      for x in collectives]
         if self.other_activation_bytes is not None:
             other = "on" if not c.checkpoint_layers else "off"
-            rows.append(f"Activations with layer checkpointing {other}: {_gib(self.other_activation_bytes)} GiB")
+            rows.append(f"Activations with layer checkpointing {other}: {amount(self.other_activation_bytes)} {unit}")
         rows += [f"Note: {n}" for n in self.notes]
         if cpu:
             return "\n".join(rows)
@@ -1555,7 +1563,9 @@ def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, li
     per_token = c.batch * (least.shape.kv_bytes_per_token(_kv_dtype(c.precision))
                            + least.shape.kv_bytes_per_token(c.grad_dtype))
     host_room = least.host_memory - sum(v for k, v in least.host_lines.items() if k.startswith("process"))
-    gpu_room = least.usable_gpu_bytes - least.peak_gpu_bytes
+    # The one-chunk step's own pages on the GPU are room for tokens too (its pinned ones are in host_room).
+    own_pages = sum(v for k, v in least.gpu_lines.items() if k.startswith(("K/V pages", "KV-gradient pages")))
+    gpu_room = least.usable_gpu_bytes - least.peak_gpu_bytes + own_pages
     physical = max(0, gpu_room + host_room) // per_token
     if not one.fits:
         return ContextLimit(0, one, physical, per_token)
@@ -1694,9 +1704,10 @@ def _suggestions(result: Plan, estimate) -> list[Suggestion]:
         sparse = estimate(dataclasses.replace(c, sparse=config, offload=False))
         if c.offload:  # sparse moves the fewest layers' pages to host memory, gradient pages first
             sparse = fewest_host_grad_layers(sparse.config, result.shape, estimate)
-        found.append(Suggestion(
-            f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per query",
-            sparse, f"--sparse-budget {config.budget_pages}",
-            f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
+        if sparse.fits:  # a faster step that does not fit here is no suggestion
+            found.append(Suggestion(
+                f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per "
+                "query", sparse, f"--sparse-budget {config.budget_pages}",
+                f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
     return found
 
