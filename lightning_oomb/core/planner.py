@@ -64,7 +64,7 @@ DEFAULT_MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/be
 # What host gradient layers (sparse) add to a step: per host layer and chunk, the bus time of the chunk's
 # additions (dK, dV of every distinct selected (page, KV head), read and written) at HOST_ADD_GBPS, less
 # what hides behind the compute, HOST_ADD_HIDDEN_S. Fitted to whole steps on the H200 with every layer's
-# pages on the host (+3.7 s at 256K, +15.6 s at 512K; docs/benchmarks.md, eighth session).
+# pages on the host (+3.7 s at 256K, +15.6 s at 512K, measured on the H200).
 HOST_ADD_GBPS = 61.5
 HOST_ADD_HIDDEN_S = 5.4e-3
 # What host K/V layers (sparse) add: per host layer and attention call, the gather of the pages the chunk

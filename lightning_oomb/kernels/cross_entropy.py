@@ -3,7 +3,7 @@
 The unfused form (``core.loss``, as transformers computes it) casts a piece of logits to float32,
 takes ``log_softmax``, exponentiates it back, subtracts the one-hot targets, divides and rounds: about seven
 passes over a float32 copy of the piece, ~7 ms per 4096-token chunk of a 152K vocabulary on an H200 (the
-64K profile in docs/benchmarks.md, twelfth session), paid again in every chunk of stage 2. Here one program per row reads its logits twice in their own
+64K profile), paid again in every chunk of stage 2. Here one program per row reads its logits twice in their own
 dtype and writes the gradient once, all arithmetic in float32 as there:
 
     lse   = max + log(sum_j exp(x_j - max))        (online over blocks of the row)
