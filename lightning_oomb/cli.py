@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
+import warnings
 
 USAGE = """usage: lightning-oomb COMMAND [options]
 
@@ -20,6 +23,36 @@ commands:
 COMMANDS = ("fit", "validate", "test", "plan", "bench")
 
 
+class _DropMessage(logging.Filter):
+    """Drops the records of the logger it filters whose message starts as ``pattern`` matches."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+# Printed on every run and nothing a user of this command can act on: Lightning's advertisements of its cloud
+# services, and deprecations inside Lightning's and torchao's own calls of torch's pytree (torch deprecated LeafSpec
+# and register_constant on enums; the calls are theirs to change). Each is matched by its text and by the logger or
+# module that emits it, so that every other message of those libraries still shows.
+_NOISE = {
+    "lightning.pytorch.utilities.rank_zero": _DropMessage(r"💡 Tip: For seamless cloud (logging|uploads)"),
+    "torch.utils._pytree": _DropMessage(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
+                                        r"torch\.compile"),
+}
+
+
+def quiet_known_noise() -> None:
+    """Filters the messages above; called before a command imports torchao, which logs its deprecation then."""
+    for name, drop in _NOISE.items():
+        logging.getLogger(name).addFilter(drop)  # once: a filter already there is not added again
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+
+
 def main(args: list[str] | None = None) -> int | None:
     """Run ``lightning-oomb ARGS`` (None: the command line's). Returns the exit status (None: 0)."""
     argv = list(args if args is not None else sys.argv[1:])
@@ -32,6 +65,7 @@ def main(args: list[str] | None = None) -> int | None:
         from .planner_cli import main as plan_main
 
         return plan_main(argv[1:])
+    quiet_known_noise()
     if argv[0] == "bench":
         from .bench.run import main as bench_main
 

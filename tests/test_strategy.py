@@ -234,11 +234,15 @@ def test_offload_traffic_in_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("host_has_room", [True, False])
 def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, monkeypatch, host_has_room):
-    """Checkpoints are copied and written on a background thread. Where the host memory budget holds a copy,
-    the thread copies the tensors to host memory and the write reads the copies: the next update waits for the
-    copy (slowed here), not for the write; where it does not, the write reads the live weights and the next
-    update waits for it (OOMBStrategy.backward). Either way a slow copy or write holds the weights of the step
-    it was taken at."""
+    """Checkpoints are copied and written on a background thread while training goes on. Where the host memory
+    budget holds a copy, the thread copies the tensors to host memory and the write reads the copies: the next
+    update waits for the copy, not for the write; where it does not, the write reads the live weights and the
+    next update waits for it (OOMBStrategy.backward). Either way the checkpoint holds the weights of the step it
+    was taken at.
+
+    The thread's copy (or write, without room) is held until step 3's gradients are computed, so that step 3's
+    update would come before it unless the update waits; with room the write is held until step 3's update has
+    happened, which it can only if the update does not wait for it. What each thread did is recorded in order."""
     import threading
     import time
 
@@ -247,47 +251,73 @@ def test_asynchronous_checkpoint_holds_the_weights_of_its_step(tmp_path, monkeyp
     from lightning_oomb.lightning import checkpoint as checkpoint_module
     from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO
 
+    caller = threading.current_thread()
+    order: list[tuple[str, bool]] = []  # (what happened, on the training thread)
+
+    def record(what: str) -> None:
+        order.append((what, threading.current_thread() is caller))
+
+    step_3_backward, step_3_updated = threading.Event(), threading.Event()
+
+    def wait_for(event: threading.Event) -> None:
+        # Only an order that is wrong (each thread waiting for the other) lets this run out: fail, not hang.
+        assert event.wait(timeout=120), "the checkpoint thread and the training step waited for each other"
+        # An update that did not wait would come first within this pause; one that waits comes after it however
+        # long it is, so the recorded order does not depend on the machine's speed.
+        time.sleep(0.5)
+
     copy_to_host = checkpoint_module.copy_to_host
 
-    def slow_copy_to_host(tree):
-        time.sleep(1.0)  # longer than step 3's forward and backward: the update must wait for it
-        return copy_to_host(tree)
+    def held_copy_to_host(tree):
+        wait_for(step_3_backward)
+        copied = copy_to_host(tree)
+        record("copied to host memory")
+        return copied
 
-    monkeypatch.setattr(checkpoint_module, "copy_to_host", slow_copy_to_host)
+    monkeypatch.setattr(checkpoint_module, "copy_to_host", held_copy_to_host)
 
-    step_3_updated = threading.Event()
-
-    class SlowCheckpointIO(AtomicCheckpointIO):
+    class HeldCheckpointIO(AtomicCheckpointIO):
         def _write(self, checkpoint, f):
-            # Reading the live weights, the write must come before step 3's update, which then never comes
-            # before it and this times out; reading copies, step 3's update comes first.
-            step_3_updated.wait(timeout=3.0)
+            wait_for(step_3_updated if host_has_room else step_3_backward)
             super()._write(checkpoint, f)
+            record("written")
 
-    class NoRoomCheckpointIO(SlowCheckpointIO):
+    class NoRoomCheckpointIO(HeldCheckpointIO):
         host_room = property(lambda self: (lambda: -1), lambda self, value: None)
 
     class Record(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 2:
+                record("step 3 gradients")
+                step_3_backward.set()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                record("step 3 update")
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 2:
                 self.weights = {n: p.detach().clone() for n, p in pl_module.state_dict().items()}
             if trainer.global_step == 3:
                 step_3_updated.set()
 
-    record, io = Record(), SlowCheckpointIO() if host_has_room else NoRoomCheckpointIO()
+    recorder, io = Record(), HeldCheckpointIO() if host_has_room else NoRoomCheckpointIO()
     module = UserModule(tiny_model("qwen2"))
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=False)
     fit(module, OOMBStrategy(chunk_size=8, page_size=4, checkpoint_io=io), enable_checkpointing=True,
-        callbacks=[record, checkpoint])
+        callbacks=[recorder, checkpoint])
+    if host_has_room:  # the update waited for the copy only; the write went on past it
+        assert order == [("step 3 gradients", True), ("copied to host memory", False), ("step 3 update", True),
+                         ("written", False)]
+        assert io.last_staged_s is not None
+    else:  # the write read the live weights: the update waited for it
+        assert order == [("step 3 gradients", True), ("written", False), ("step 3 update", True)]
+        assert io.last_staged_s is None
     saved = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)["state_dict"]
-    assert saved.keys() == record.weights.keys()
-    assert all(torch.equal(saved[n], record.weights[n]) for n in saved)
+    assert saved.keys() == recorder.weights.keys()
+    assert all(torch.equal(saved[n], recorder.weights[n]) for n in saved)
     assert not torch.equal(saved["model.lm_head.weight"], module.model.lm_head.weight.detach())  # step 3 moved them
     assert io.last_size == (tmp_path / "epoch=0-step=2.ckpt").stat().st_size
-    if host_has_room:
-        assert 1.0 <= io.last_staged_s and io.last_save_s < 3.0  # step 3 did not wait for the write
-    else:
-        assert io.last_staged_s is None and io.last_save_s >= 3.0
 
 
 def test_checkpoint_copy_keeps_shared_tensors_shared():

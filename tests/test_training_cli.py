@@ -25,6 +25,7 @@ import yaml
 from lightning.pytorch import Callback
 
 from lightning_oomb.cli import main
+from lightning_oomb.core.host_memory import machine_host_memory
 from lightning_oomb.core.optimizers import OPTIMIZERS
 from lightning_oomb.lightning.checkpoint import AtomicCheckpointIO, partial_path
 from test_corpus import make_model_dir, write_corpus
@@ -249,6 +250,37 @@ def test_plan_of_packed_documents_counts_attention_within_them(assets, tmp_path,
     assert f"; packed from documents of {length:,} tokens" in head
 
 
+class BarRecorder(Callback):
+    """What the progress bar shows as each training epoch ends: its description, count and total, and the
+    version among its metrics (in ``BarRecorder.seen``)."""
+
+    seen: list[tuple[str, float, float, dict]] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        bar = trainer.progress_bar_callback
+        task = next(t for t in bar.progress.tasks if t.id == bar.train_progress_bar_id)
+        metrics = bar.get_metrics(trainer, pl_module)
+        BarRecorder.seen.append((task.description.strip(), task.completed, task.total,
+                                 {k: metrics.get(k) for k in ("version", "v_num")}))
+
+
+def test_progress_bar_counts_after_a_resume(assets, tmp_path):
+    """A run that max_steps ends, resumed mid-epoch: the bar counts the epoch's batches against a total that
+    includes those taken before the resume (Lightning's own showed 6/4), the epoch out of the last one the run
+    reaches (Lightning's: 0/-2), and the logger's version whole (Lightning's: its last 4 characters)."""
+    pytest.importorskip("rich")
+    config = write_config(tmp_path, assets)
+    args = ("--trainer.enable_progress_bar", "true", "--trainer.logger.init_args.version", "resumed-run",
+            "--trainer.callbacks+=test_training_cli.BarRecorder", "--trainer.limit_val_batches", "0",
+            "--export", "false")
+    BarRecorder.seen.clear()
+    assert fit(config, *args, "--trainer.max_steps", "4") is None  # checkpointed at step 4, batch 4 of 6
+    assert fit(config, *args, "--trainer.max_steps", "8", "--ckpt_path", "last") is None
+    version = {"version": "resumed-run", "v_num": None}
+    assert BarRecorder.seen == [("Epoch 0/0", 4, 4, version),
+                                ("Epoch 0/1", 6, 6, version), ("Epoch 1/1", 2, 2, version)]
+
+
 def test_print_config_shows_every_option(uninterrupted, capsys):
     with pytest.raises(SystemExit) as info:
         fit(uninterrupted["config"], "--data.init_args.seq_len", "32", "--print_config")
@@ -316,6 +348,11 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise(uninterrupted, assets, 
     config = write_config(tmp_path, assets)
     killed = fit_subprocess(config, killer(kill_after_save=2))  # right after the step-4 checkpoint
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # What a run prints, less Lightning's advertisement and the pytree deprecations inside Lightning and torchao;
+    # the same logger's other lines still show.
+    for noise in ("Tip: For seamless cloud", "LeafSpec", "is an Enum subclass"):
+        assert noise not in killed.stderr, killed.stderr[-3000:]
+    assert "GPU available: False" in killed.stderr
     last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
     assert load(last)["global_step"] == 2 * EVERY
     with warnings.catch_warnings(record=True) as caught:
@@ -491,6 +528,9 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "chunk size 0": (["--trainer.strategy.init_args.chunk_size", "0"],
                          "trainer.strategy.init_args: chunk_size must be an integer >= 1, got 0"),
         "host budget without unit": (["--trainer.strategy.init_args.host_memory", "12"], "12 is less than 1 GiB"),
+        "host budget above the RAM": (["--trainer.strategy.init_args.host_memory", "5TiB"],
+                                      "host_memory 5TiB is more than this machine's "
+                                      f"{machine_host_memory() / 2**30:.1f} GiB of RAM; give at most that"),
         "negative learning rate": (["--model.learning_rate", "-1"], "model.learning_rate must be > 0, got -1.0"),
         "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
         "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),

@@ -16,12 +16,12 @@ import sys
 import zipfile
 from argparse import ArgumentError
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
@@ -33,6 +33,7 @@ from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 from .module import CausalLMModule
+from .progress import run_progress_bar
 from .strategy import OOMBStrategy, OOMBStrategyMixin
 
 # Arguments of from_pretrained that transformers keeps in a tokenizer's saved config.
@@ -69,6 +70,17 @@ class OOMBCLI(LightningCLI):
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
     @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # The progress bar Lightning would add, with the counts of a run that max_steps ends (progress.py); a bar
+        # the config names stays, and none is added where the config turns it off.
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, run_progress_bar()])
+        return super().instantiate_trainer(**kwargs)
+
+    @override
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads a --ckpt_path file here, before any hook, for its hyperparameters: check it first.
         subcommand = self.config.get("subcommand")
@@ -90,7 +102,8 @@ class OOMBCLI(LightningCLI):
         # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
         strategy = config.get("trainer", {}).get("strategy")
         class_path = str(getattr(strategy, "class_path", ""))
-        if class_path.endswith(("OOMBStrategy", "OOMBDDPStrategy")) and strategy.get("init_args"):
+        oomb_strategies = ("OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy")
+        if class_path.endswith(oomb_strategies) and strategy.get("init_args"):
             names = {f.name for f in dataclasses.fields(ChunkConfig)}
             # A nested option (sparse) is still a jsonargparse Namespace here: the strategy takes its dict.
             options = {k: v.as_dict() if hasattr(v, "as_dict") else v

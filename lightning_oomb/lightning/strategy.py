@@ -16,7 +16,9 @@ from typing_extensions import override
 
 from ..core.config import ChunkConfig, SparseConfig
 from ..core.errors import SetupError
-from ..core.host_memory import available_host_memory, host_budget, host_headroom, process_host_bytes
+from ..core.host_memory import (
+    GIB, available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
+)
 from ..core.planner import HOST_GROWTH_BYTES
 from ..core.ranks import Ranks
 from ..core.schedule import ChunkHook
@@ -37,6 +39,14 @@ def _host_memory(value: int | str) -> int:
     if size < 1 << 30:
         raise SetupError(f"host_memory is the run's host memory budget in bytes, or a size with its unit such as "
                          f"100GiB; {value!r} is less than 1 GiB")
+    # A budget the machine cannot give would only fail later, at a pinned allocation or by the OOM killer, with
+    # the placement's plan wrong in between: a budget is of the machine the run trains on.
+    ram = machine_host_memory()
+    if size > ram:
+        given = value if isinstance(value, str) else f"{value} bytes ({size / GIB:.1f} GiB)"
+        raise SetupError(f"host_memory {given} is more than this machine's {ram / GIB:.1f} GiB of RAM; give at most "
+                         "that, or leave host_memory out to use what the machine has available (`lightning-oomb "
+                         "plan --host-memory` plans for another machine)")
     return size
 
 
