@@ -281,3 +281,19 @@ def test_schedule_steps_fixes_the_cosine_length():
     assert factors == pytest.approx([0.5, 1.0, 0.5, 0.0, 0.0])
     with pytest.raises(ValueError, match="model.schedule_steps must be >= 1"):
         CausalLMModule(config=TINY, schedule_steps=0)
+
+
+def test_new_token_ids_start_at_the_mean_of_the_other_embedding_rows():
+    """As resize_token_embeddings initialises added tokens: the rows of ``new_token_ids`` equal, at the mean of
+    the other rows, which keep the seed's values."""
+    plain, new = CausalLMModule(config=TINY, seed=3), CausalLMModule(config=TINY, seed=3, new_token_ids=[3, 4, 5])
+    plain.materialize("cpu")
+    new.materialize("cpu")
+    before, after = (m.model.get_input_embeddings().weight.detach() for m in (plain, new))
+    others = torch.ones(TINY["vocab_size"], dtype=torch.bool)
+    others[3:6] = False
+    assert torch.equal(after[others], before[others])
+    torch.testing.assert_close(after[3:6], before[others].mean(0, keepdim=True).expand(3, -1), rtol=0, atol=1e-7)
+    for bad in ([], [64], [-1], list(range(64))):
+        with pytest.raises(SetupError, match="model.new_token_ids must be ids in"):
+            CausalLMModule(config=TINY, new_token_ids=bad)

@@ -95,6 +95,10 @@ class CausalLMModule(LightningModule):
         answer_tokens: > 0 also reports ``val/retrieval_acc``, the teacher-forced exact match of the last
             ``answer_tokens`` tokens of each validation sequence (the passkey task).
         seed: seeds the random initialisation (see ``materialize``).
+        new_token_ids: token ids the model has not learned yet (as tokens added to a vocabulary): their input
+            embedding rows start at the mean of the other rows, as ``resize_token_embeddings`` initialises added
+            tokens, so that the model starts unable to tell them apart. The CPU passkey demo states its passkeys
+            so: only gradients that reach the chunk stating them can teach the model which is which.
 
     Construction builds only the model's structure, on the meta device: a 7B model in seconds, no memory.
     ``configure_model`` (called by the Trainer) builds the weights on the strategy's device, or loads them
@@ -128,6 +132,7 @@ class CausalLMModule(LightningModule):
         schedule_steps: int | None = None,
         answer_tokens: int = 0,
         seed: int = 0,
+        new_token_ids: list[int] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -153,6 +158,11 @@ class CausalLMModule(LightningModule):
             self._pretrained_config = hf_config  # materialize builds the model from it
         else:
             hf_config = config_from_dict(config)
+        vocab = hf_config.vocab_size
+        if new_token_ids is not None and not (0 < len(set(new_token_ids)) < vocab
+                                              and all(0 <= i < vocab for i in new_token_ids)):
+            raise SetupError(f"model.new_token_ids must be ids in [0, {vocab}) (the vocabulary) leaving some "
+                             f"others, got {new_token_ids!r}")
         # Only the structure, on the meta device (no memory, no RNG draws, seconds for 7B): config, module
         # names, LoRA wrapping and the set-up checks work on it; configure_model builds the weights.
         with torch.device("meta"):
@@ -220,6 +230,8 @@ class CausalLMModule(LightningModule):
                 base.to(dtype)
             what = f"built {base.config.model_type} from model.config"
             where = "on"
+        if self.hparams.get("new_token_ids"):
+            start_as_new_tokens(base, self.hparams.new_token_ids)
         params, built_dtype = sum(p.numel() for p in base.parameters()), next(base.parameters()).dtype
         with torch.device(device):
             model = self._with_lora(base)
@@ -501,6 +513,15 @@ def load_pretrained(path: str, dtype, device: torch.device | str | None = None, 
     if gguf_file:
         _forget_gguf_quantizer(model)
     return model.to(device) if via_cpu else model
+
+
+def start_as_new_tokens(model: torch.nn.Module, token_ids: list[int]) -> None:
+    """Set the input embedding rows of ``token_ids`` to the mean of the other rows (in place)."""
+    weight = model.get_input_embeddings().weight
+    rows = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    rows[list(token_ids)] = True
+    with torch.no_grad():
+        weight[rows] = weight[~rows].float().mean(0, keepdim=True).to(weight.dtype)
 
 
 def _gguf_dequantized() -> dict:

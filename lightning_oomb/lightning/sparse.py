@@ -72,6 +72,7 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         schedule_steps: int | None = None,
         answer_tokens: int = 0,
         seed: int = 0,
+        new_token_ids: list[int] | None = None,
         budget_pages: int | None = 64,
         sink_pages: int = 1,
         local_pages: int = 4,
@@ -89,4 +90,5 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
             optimizer_args=optimizer_args,
             learning_rate=learning_rate, weight_decay=weight_decay,
             warmup_steps=warmup_steps, schedule_steps=schedule_steps, answer_tokens=answer_tokens, seed=seed,
+            new_token_ids=new_token_ids,
         )

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The CPU demo (examples/passkey_cpu.yaml) over seeds 0, 1, 2: the exact run and the ablation without gradients
+# across chunk borders, two runs at a time on one thread each; each run's held-out line in OUT/<arm>-<seed>.log.
+#   bash docs/bench/passkey-cpu-seeds.sh OUT
+set -u
+out=${1:?OUT}; mkdir -p "$out"
+for seed in 0 1 2; do
+  seeds=(--seed_everything "$seed" --model.seed "$seed" --data.init_args.seed "$seed" --trainer.logger false
+         --trainer.enable_progress_bar false)
+  OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
+    > "$out/exact-$seed.log" 2>&1 &
+  OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
+    --trainer.strategy.init_args.cross_chunk_gradients false > "$out/nocross-$seed.log" 2>&1 &
+  wait
+done
+grep -H "held-out" "$out"/*.log
