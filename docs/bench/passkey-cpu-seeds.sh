@@ -6,7 +6,7 @@ set -u
 out=${1:?OUT}; mkdir -p "$out"
 for seed in 0 1 2; do
   seeds=(--seed_everything "$seed" --model.seed "$seed" --data.init_args.seed "$seed" --trainer.logger false
-         --trainer.enable_progress_bar false)
+         --trainer.enable_progress_bar false --export false)
   OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
     > "$out/exact-$seed.log" 2>&1 &
   OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
