@@ -8,9 +8,10 @@ for seed in 0 1 2; do
   seeds=(--seed_everything "$seed" --model.seed "$seed" --data.init_args.seed "$seed" --trainer.logger false
          --trainer.enable_progress_bar false --export false)
   OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
-    > "$out/exact-$seed.log" 2>&1 &
+    --trainer.default_root_dir "$out/exact-$seed" > "$out/exact-$seed.log" 2>&1 &
   OMP_NUM_THREADS=1 python3 -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml "${seeds[@]}" \
-    --trainer.strategy.init_args.cross_chunk_gradients false > "$out/nocross-$seed.log" 2>&1 &
+    --trainer.default_root_dir "$out/nocross-$seed" --trainer.strategy.init_args.cross_chunk_gradients false \
+    > "$out/nocross-$seed.log" 2>&1 &
   wait
 done
 grep -H "held-out" "$out"/*.log
