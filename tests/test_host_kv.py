@@ -208,7 +208,7 @@ def test_host_kv_layers_are_refused_where_they_cannot_work(monkeypatch):
 def test_planner_moves_gradient_pages_first_then_kv_pages():
     """offload='auto' on an H200 (140 GiB, 112 GiB host budget): Qwen2.5-7B sparse, bf16 KV-gradients, no
     optimizer, layer checkpointing. 1M keeps 8 layers' gradient pages on the host, 1.75M all of them and the
-    K/V pages of 2 layers (the bench's step at 8676b3d, placed against the GPU's measured free memory, needed
+    K/V pages of 2 layers (the bench's step, placed against the GPU's measured free memory, needed
     none: the planner counts 1.75 GiB of CUDA context and first-step workspaces, what a fit measured); without
     layer checkpointing 1.75M needs K/V pages of 5 layers there (and then the host budget is 8 GiB short). With 'host' every page and its summary is there; past the point where one gather's staging stops
     growing (every tile's selection distinct), the GPU grows by the selections only."""

@@ -10,7 +10,7 @@ from lightning_oomb.core.planner import CUDA_CONTEXT_BYTES, plan
 BENCH = Path(__file__).parents[1] / "docs" / "bench"
 # (file, measured with the fused Triton RMSNorm/RoPE/SwiGLU): the first run used transformers' own ops and
 # kept no attention outputs; the later ones record the chunks they kept (outputs, then also graphs, whose
-# output-layer gradient has gone into the step's one float32 sum since d49b5f5).
+# output-layer gradient goes into the step's one float32 sum).
 MEASURED = (
     ("h200-qwen2.5-7b-dense.csv", False),
     ("h200-qwen2.5-7b-dense-kept-fused.csv", True),
@@ -94,8 +94,8 @@ TIMED = (
     ("h200-qwen2.5-7b-packed-lora16-32k-3ca4960.csv", "oomb", 32768,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16"}),
     # Packed documents: one cold step each (the pinning subtracted). Dense: documents starting on a page (their
-    # chunks in the warp-specialised kernels), and mid-page (at PORTABLE_ATTENTION_EFFICIENCY, which the same
-    # step of 32K-token documents at 3ca4960 fitted, before those kernels took documents).
+    # chunks in the warp-specialised kernels), and mid-page (at PORTABLE_ATTENTION_EFFICIENCY, which a step
+    # of 32K-token documents whose chunks all ran the portable kernels fitted).
     ("h200-qwen2.5-7b-packed-lora16-1m-gluon-a34339c.csv", "oomb", 1 << 20,
      {"lora_rank": 16, "checkpoint_layers": True, "grad_dtype": "bfloat16", "document_length": 32768}),
     ("h200-qwen2.5-7b-packed30000-lora16-1m-a34339c.csv", "oomb", 1 << 20,

@@ -55,8 +55,8 @@ ATTENTION_EFFICIENCY = 0.60
 # Dense attention of the packed-document chunks that run in the portable Triton kernels on Hopper: chunks that
 # hold a document border, and (measured, cause not found) the chunks of a document that starts mid-page,
 # whose whole pages the warp-specialised kernels do run. Fitted to a step whose chunks all ran the portable
-# kernels (1M tokens of 32K-token documents, LoRA, layer checkpointing, 206.3 s at 3ca4960); the chunks of
-# documents that start on a page run at ATTENTION_EFFICIENCY (162.5 s at a34339c, planned 169.2 s), those of
+# kernels (1M tokens of 32K-token documents, LoRA, layer checkpointing: 206.3 s on the H200); the chunks of
+# documents that start on a page run at ATTENTION_EFFICIENCY (162.5 s, planned 169.2 s), those of
 # 30,000-token documents measured at this rate (188.9 s, planned 193.1 s; docs/benchmarks.md, "Packed
 # documents"). Sparse attention over packed documents stayed within 2% of the plan at ATTENTION_EFFICIENCY.
 PORTABLE_ATTENTION_EFFICIENCY = 0.38
