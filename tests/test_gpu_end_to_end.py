@@ -25,12 +25,17 @@ def two_layer_bf16_qwen2():
     return AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).train()
 
 
-def test_bf16_train_step_within_full_sequence_bf16_error():
+def four_layer_fp32_qwen2_and_tokens() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A random 4-layer Qwen2 in float32 on the GPU (SDPA attention), training, and 3000 random tokens (1, 3000)."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
-    model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float().train()
-    ids = torch.randint(0, config.vocab_size, (1, 3000), device="cuda")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float().train()
+    return model, torch.randint(0, config.vocab_size, (1, 3000), device="cuda")
+
+
+def test_bf16_train_step_within_full_sequence_bf16_error():
+    model32, ids = four_layer_fp32_qwen2_and_tokens()
 
     model32(input_ids=ids, labels=ids).loss.backward()
     truth = grads(model32)
@@ -60,11 +65,7 @@ def test_bf16_mixed_train_step_within_full_sequence_bf16_mixed_error():
     """Under bf16 autocast (float32 weights, as Lightning's bf16-mixed) attention runs in bf16, as SDPA does
     there. The gradient against transformers' own autocast full-sequence run, each measured against float32
     without autocast."""
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float().train()
-    ids = torch.randint(0, config.vocab_size, (1, 3000), device="cuda")
+    model, ids = four_layer_fp32_qwen2_and_tokens()
     model(input_ids=ids, labels=ids).loss.backward()
     truth = grads(model)
     model.zero_grad(set_to_none=True)

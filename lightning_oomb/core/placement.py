@@ -114,8 +114,8 @@ def place_step(
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
     for stage 2), else in pinned host memory. Only where no placement of the pages leaves room for them
     anywhere does stage 2 compute them again (``loss_grads="recomputed"``: the output layer's forward once
-    more, about 2 x vocab x hidden FLOPs a token), so every step that fits with them keeps them. ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan
-    the placement carries.
+    more, about 2 x vocab x hidden FLOPs a token), so every step that fits with them keeps them.
+    ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan the placement carries.
 
     ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
     (``core.ranks``), so that every rank, placing the same step against the same memory, decides alike.
@@ -307,10 +307,8 @@ def place_step(
         segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
     step = step_plan(True, segment)
     needed = needed_on_gpu(step)
-    pinned = pinned_of(step) + loss_grads
-    where = "host" if pinned <= host_free else "recomputed"
-    if where == "recomputed":
-        pinned -= loss_grads
+    where = "host" if pinned_of(step) + loss_grads <= host_free else "recomputed"
+    pinned = pinned_of(step) + (loss_grads if where == "host" else 0)
     if needed > free or pinned > host_free:
         raise PlanError(
             f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
