@@ -163,3 +163,9 @@ def test_a_step_reusing_a_pool_keeps_the_runs_budget_and_growth_allowance():
     grown = GIB + HOST_GROWTH_BYTES + GIB
     assert run_host_budget(None, grown, placed) == (100 * GIB, 2 * GIB)  # past it: the excess counts
     assert run_host_budget(7 * GIB, 2 * GIB, Placement("gpu", 8)) == (7 * GIB, 2 * GIB)  # placed on a CPU device
+    # The fit-start placement set 2.5 GiB aside for the optimizer's first update (host_process 1 + 2.5 GiB);
+    # the first step, placed before that update, counts the same 2.5 GiB as pending: counted once, not twice.
+    compile_bytes = 5 * GIB // 2
+    fit_start = Placement("gpu", 8, host_budget=100 * GIB, host_process=GIB + compile_bytes)
+    assert run_host_budget(None, GIB, fit_start, compile_bytes) == (100 * GIB, GIB)
+    assert run_host_budget(None, GIB + compile_bytes, fit_start) == (100 * GIB, GIB + compile_bytes)  # after it

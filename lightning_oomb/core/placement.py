@@ -70,14 +70,18 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def run_host_budget(host_memory: int | None, process: int, reused: Placement | None) -> tuple[int, int]:
+def run_host_budget(host_memory: int | None, process: int, reused: Placement | None,
+                    pending_host_bytes: int = 0) -> tuple[int, int]:
     """(the host memory budget a step places itself against, the process bytes its growth allowance
     HOST_GROWTH_BYTES counts from), in bytes. A step with a pool of its own: ``host_budget(host_memory)`` and
     ``process`` as it is now. A step reusing the pool that placement ``reused`` made: that placement's budget,
-    the run's one, and its process, unless the process has since grown past the allowance (then the excess)."""
+    the run's one, and its process, unless the process has since grown past the allowance (then the excess).
+    ``reused.host_process`` includes what that placement set aside for the optimizer's first update; while
+    the update is still pending (``pending_host_bytes``, which this step counts again) it is left out, so
+    the second step before the first update is not refused for the same bytes counted twice."""
     if reused is None or reused.host_budget is None:
         return host_budget(host_memory), process
-    return reused.host_budget, max(process - HOST_GROWTH_BYTES, reused.host_process)
+    return reused.host_budget, max(process - HOST_GROWTH_BYTES, reused.host_process - pending_host_bytes)
 
 
 def place_step(
@@ -132,7 +136,7 @@ def place_step(
     n_chunks = -(-seq_len // config.chunk_size)
     keep, keep_graphs = config.keep_attention, config.keep_graphs
     process = max(0, process_host_bytes() - reusable_host_bytes)
-    budget, grown_from = run_host_budget(config.host_memory, process, reused)
+    budget, grown_from = run_host_budget(config.host_memory, process, reused, pending_host_bytes)
 
     def not_kept(where: str) -> tuple[int, int]:
         for name, value in (("keep_attention", keep), ("keep_graphs", keep_graphs)):
