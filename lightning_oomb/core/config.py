@@ -1,17 +1,22 @@
 """How a step is computed, in two plain dataclasses: ``ChunkConfig`` (chunks, pages, attention backend,
 checkpointing, where the pages live, what stage 1 keeps, the host memory budget) and ``SparseConfig``
-(page-level sparse attention). Each field is documented and validated here, once; ``train_step``,
-``eval_loss``, ``OOMBStrategy`` and ``lightning-oomb plan`` take these options and build one of these.
+(page-level sparse attention). Each field is declared, defaulted, documented and validated here, once:
+``train_step`` and ``eval_loss`` take the fields as keywords, ``OOMBStrategy`` takes them as its arguments
+with these defaults and documents them with this docstring (``option_docs``), and ``SparseCausalLMModule``
+takes ``SparseConfig``'s fields with its defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import textwrap
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
 from .errors import SetupError
+from .units import parse_bytes
 
 Attention = Literal["auto", "reference", "triton"]
 Offload = Literal["auto", "gpu", "host"]
@@ -86,41 +91,42 @@ class SparseConfig:
 class ChunkConfig:
     """How a sequence is cut and computed.
 
-    chunk_size: tokens per chunk (activation memory is that of one chunk).
-    page_size: tokens per page of the KV store.
-    attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton". The Triton kernels
-        cover attention and the fused RMSNorm, RoPE and SwiGLU ops swapped in for the step
-        (lightning_oomb.kernels; the same functions, rounded once instead of after every elementwise op).
-    checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
-    cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
-        (an ablation: training then no longer follows the full-sequence gradient).
-    grad_dtype: dtype of the KV-gradient store, torch.float32 (default) or torch.bfloat16 (half the
-        memory; each chunk's contribution is rounded to bf16 as it is added: see docs/benchmarks.md).
-    sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
-        attention over the past (lightning_oomb.core.sparse).
-    offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
-        the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
-        host; lightning_oomb.core.placement.place_step).
-    segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
-        memory the step leaves free (on a CPU device: one chunk).
-    keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks
-        before those whose graphs it keeps (``keep_graphs``) for stage 2, which then skips their attention
-        forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
-        per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
-        pages live in host memory or on a CPU device; then, when that leaves chunks to recompute, the
-        outputs of the first chunks in pinned host memory, as many as fit in what the host memory budget
-        leaves (``host_memory``; lightning_oomb.core.kept_attention).
-    keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
-        starts with their backward and recomputes only the chunks before them: the same numbers, one forward
-        less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
-        other one a chunk's activations. None: the last chunk's, plus as many as fit in
-        planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
-        pages live in host memory or layers are checkpointed.
-    host_memory: the run's host memory budget in bytes: what the training process may hold in host memory in
-        all, its own resident set and every pinned page included. None: what it holds when the step is placed
-        plus what the machine has available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
-        Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
-        refused.
+    Args:
+        chunk_size: tokens per chunk (activation memory is that of one chunk).
+        page_size: tokens per page of the KV store.
+        attention: "auto" (Triton on CUDA, reference elsewhere), "reference" or "triton". The Triton kernels
+            cover attention and the fused RMSNorm, RoPE and SwiGLU ops swapped in for the step
+            (lightning_oomb.kernels; the same functions, rounded once instead of after every elementwise op).
+        checkpoint_layers: checkpoint each decoder layer inside a chunk's stage-2 forward.
+        cross_chunk_gradients: False drops the gradient that later chunks send to earlier chunks' K, V
+            (an ablation: training then no longer follows the full-sequence gradient).
+        grad_dtype: dtype of the KV-gradient store, "float32" or "bfloat16" (or the torch dtype): bfloat16
+            halves its memory, each chunk's contribution rounded to bf16 as it is added (docs/benchmarks.md).
+        sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
+            attention over the past (lightning_oomb.core.sparse).
+        offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
+            the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
+            host; lightning_oomb.core.placement.place_step).
+        segment_tokens: with offload, tokens per sequence of each streamed segment; None: chosen from the GPU
+            memory the step leaves free (on a CPU device: one chunk).
+        keep_attention: stage 1 keeps the attention outputs (and log-sum-exps) of the last that many chunks
+            before those whose graphs it keeps (``keep_graphs``) for stage 2, which then skips their attention
+            forward: the same numbers, one attention pass less per kept chunk, at the memory of one query tensor
+            per layer and chunk. None: as many as fit in half the GPU memory the step leaves free, none when
+            pages live in host memory or on a CPU device; then, when that leaves chunks to recompute, the
+            outputs of the first chunks in pinned host memory, as many as fit in what the host memory budget
+            leaves (``host_memory``; lightning_oomb.core.kept_attention).
+        keep_graphs: stage 1 runs the last that many chunks with autograd and keeps their graphs; stage 2
+            starts with their backward and recomputes only the chunks before them: the same numbers, one forward
+            less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
+            other one a chunk's activations. None: the last chunk's, plus as many as fit in
+            planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
+            pages live in host memory or layers are checkpointed.
+        host_memory: the run's host memory budget, bytes or a size with its unit such as "100GiB": what the
+            training process may hold in host memory in all, its own resident set and every pinned page included. None: what it holds when the step is placed
+            plus what the machine has available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
+            Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
+            refused.
     """
 
     chunk_size: int = 4096
@@ -128,16 +134,21 @@ class ChunkConfig:
     attention: Attention = "auto"
     checkpoint_layers: bool = False
     cross_chunk_gradients: bool = True
-    grad_dtype: torch.dtype | str = torch.float32
+    grad_dtype: torch.dtype | str = "float32"
     sparse: SparseConfig | None = None
     offload: Offload = "auto"
     segment_tokens: int | None = None
     keep_attention: int | None = None
     keep_graphs: int | None = None
-    host_memory: int | None = None
+    host_memory: int | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
+        if isinstance(self.host_memory, str):
+            try:
+                object.__setattr__(self, "host_memory", parse_bytes(self.host_memory))
+            except ValueError as e:
+                raise SetupError(f"host_memory: {e}") from None
         dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise SetupError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
@@ -167,3 +178,25 @@ class ChunkConfig:
                 "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "
                 "avoid; set keep_graphs=None (or 0)"
             )
+
+    @classmethod
+    def build(cls, config: "ChunkConfig | None" = None, **options: Any) -> "ChunkConfig":
+        """``config`` (None: every field's default) with the fields named in ``options`` replaced; an unknown
+        name is refused with the known ones."""
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SetupError(f"unknown step option(s) {', '.join(sorted(unknown))}; the options are ChunkConfig's "
+                             f"fields: {', '.join(cls.__dataclass_fields__)}")
+        return cls(**options) if config is None else dataclasses.replace(config, **options)
+
+
+def option_defaults(cls: type) -> dict[str, Any]:
+    """The declared default of each field of the dataclass ``cls``, by name, as written (grad_dtype "float32")."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def option_docs(cls: type) -> str:
+    """The "Args:" section of the dataclass ``cls``'s docstring: its fields' documentation, for the docstring
+    of an entry point that takes them as arguments (the Lightning CLI's help reads it there)."""
+    doc = textwrap.dedent(cls.__doc__.split("\n", 1)[1])
+    return doc[doc.index("Args:"):].rstrip() + "\n"

@@ -17,7 +17,7 @@ checkpointing, a layer's recompute in stage 2 takes the attention outputs of the
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -532,19 +532,10 @@ def train_step(
     labels: torch.Tensor | None = None,
     *,
     position_ids: torch.Tensor | None = None,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    attention: str = "auto",
-    checkpoint_layers: bool = False,
-    grad_dtype: torch.dtype = torch.float32,
-    sparse: SparseConfig | dict | None = None,
-    offload: str = "auto",
-    segment_tokens: int | None = None,
-    keep_attention: int | None = None,
-    keep_graphs: int | None = None,
-    host_memory: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    config: ChunkConfig | None = None,
+    **options: Any,
 ) -> torch.Tensor:
     """Add to every ``param.grad`` what ``model(input_ids=input_ids, labels=labels).loss.backward()`` adds.
 
@@ -555,26 +546,16 @@ def train_step(
     nothing (core/documents.py). Returns the loss (float32 scalar, detached): the mean token
     cross-entropy over the valid labels of the batch, in nats. Memory: activations of one chunk of
     ``chunk_size`` tokens plus the paged K/V store and its gradients (``grad_dtype``, float32 by default).
-    sparse: a ``SparseConfig`` for page-level sparse attention (the gradient is then that of the sparse
-    model, exact for the pages selected in stage 1); None: dense.
-    offload: "auto" (pages on the GPU when the step fits there, else in pinned host memory), "gpu" or "host";
-    segment_tokens: tokens per streamed segment with offload (None: chosen from free GPU memory).
-    keep_attention: chunks whose attention outputs stage 1 keeps for stage 2 (None: as many as fit in half
-    the GPU memory left free; see ``ChunkConfig``). keep_graphs: chunks whose autograd graphs stage 1 keeps
-    for stage 2 (None: the last chunk's, plus as many as fit; see ``ChunkConfig``). host_memory: the run's
-    host memory budget in bytes (None: what the machine has available less a headroom; see ``ChunkConfig``).
+    config, options: the step's ``ChunkConfig`` (None: its defaults) with any of its fields given by name
+    (``chunk_size=8192, sparse=SparseConfig()``); with sparse attention the gradient is that of the sparse
+    model, exact for the pages selected in stage 1.
     optimizer: the optimizer whose ``step`` follows: the state its first step creates (AdamW: two copies of
     the trainable weights) is left free when the step is placed, so that the update fits after it.
     num_items_in_batch: the count of valid (shifted) labels the loss is divided by; None: this batch's. Data
     parallel ranks pass the count over all ranks' batches, so that their gradients summed (one all-reduce
     after the step) are one process's gradient of all the batches together (tests/test_distributed.py).
     """
-    config = ChunkConfig(
-        chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
-        grad_dtype=grad_dtype, sparse=sparse,
-        offload=offload, segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
-        host_memory=host_memory,
-    )
+    config = ChunkConfig.build(config, **options)
     seq = ChunkedSequence(model, input_ids, labels, config, num_items_in_batch=num_items_in_batch,
                           optimizers=() if optimizer is None else (optimizer,), position_ids=position_ids)
     try:
@@ -590,24 +571,15 @@ def eval_loss(
     labels: torch.Tensor | None = None,
     *,
     position_ids: torch.Tensor | None = None,
-    chunk_size: int = 4096,
-    page_size: int = 128,
-    attention: str = "auto",
-    sparse: SparseConfig | dict | None = None,
-    offload: str = "auto",
-    segment_tokens: int | None = None,
-    host_memory: int | None = None,
+    config: ChunkConfig | None = None,
+    **options: Any,
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
-    Same shapes, label and position_ids rules as ``train_step``; holds K/V pages but no gradient pages. ``sparse``,
-    ``offload``, ``segment_tokens``, ``host_memory``: as in ``train_step``.
+    Same shapes, label and position_ids rules, ``config`` and ``options`` as ``train_step`` (the options of
+    the backward, such as ``grad_dtype``, do nothing here); holds K/V pages but no gradient pages.
     """
-    config = ChunkConfig(
-        chunk_size=chunk_size, page_size=page_size, attention=attention, sparse=sparse, offload=offload,
-        segment_tokens=segment_tokens,
-        host_memory=host_memory,
-    )
+    config = ChunkConfig.build(config, **options)
     seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True, position_ids=position_ids)
     try:
         return seq.fill(with_grads=False)[0]

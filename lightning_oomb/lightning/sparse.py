@@ -17,8 +17,12 @@ sparse Triton kernels run (``attention="auto"``); on CPU the PyTorch reference.
 
 from __future__ import annotations
 
-from ..core.config import SparseConfig
+from typing import Any
+
+from ..core.config import SparseConfig, option_defaults
 from .module import CausalLMModule
+
+_SPARSE = option_defaults(SparseConfig)
 
 SPARSE_HPARAMS = {
     "budget_pages": "budget_pages",
@@ -48,47 +52,24 @@ class SparseAttentionMixin:
 class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
     """``CausalLMModule`` trained with page-level sparse attention.
 
-    Args (besides CausalLMModule's): budget_pages, sink_pages, local_pages, sparse_score, per_kv_head,
-        per_query_tile: the
-    fields of ``lightning_oomb.SparseConfig`` (``sparse_score`` is its ``score``); budget_pages=None is dense.
+    Args:
+        budget_pages: past pages each query tile attends to; None: dense attention.
+        sink_pages, local_pages, per_kv_head, per_query_tile: ``SparseConfig``'s fields, with its defaults.
+        sparse_score: ``SparseConfig.score``, "mean" or "minmax".
+        **kwargs: ``CausalLMModule``'s arguments.
     """
 
     def __init__(
         self,
-        pretrained: str | None = None,
-        config: dict | None = None,
-        gguf_file: str | None = None,
-        config_overrides: dict | None = None,
-        dtype: str = "float32",
-        lora_rank: int = 0,
-        lora_alpha: float = 16.0,
-        lora_target_modules: list[str] | None = None,
-        lora_dtype: str = "float32",
-        optimizer: str = "adamw",
-        optimizer_args: dict | None = None,
-        learning_rate: float = 3e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule_steps: int | None = None,
-        answer_tokens: int = 0,
-        seed: int = 0,
-        new_token_ids: list[int] | None = None,
-        budget_pages: int | None = 64,
-        sink_pages: int = 1,
-        local_pages: int = 4,
-        sparse_score: str = "mean",
-        per_kv_head: bool = True,
-        per_query_tile: bool = True,
+        budget_pages: int | None = _SPARSE["budget_pages"],
+        sink_pages: int = _SPARSE["sink_pages"],
+        local_pages: int = _SPARSE["local_pages"],
+        sparse_score: str = _SPARSE["score"],
+        per_kv_head: bool = _SPARSE["per_kv_head"],
+        per_query_tile: bool = _SPARSE["per_query_tile"],
+        **kwargs: Any,
     ):
         if budget_pages is not None:  # refuse bad options before loading a model
             SparseConfig(budget_pages=budget_pages, sink_pages=sink_pages, local_pages=local_pages, score=sparse_score,
                          per_kv_head=per_kv_head, per_query_tile=per_query_tile)
-        super().__init__(
-            pretrained=pretrained, config=config, gguf_file=gguf_file, config_overrides=config_overrides,
-            dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            lora_target_modules=lora_target_modules, lora_dtype=lora_dtype, optimizer=optimizer,
-            optimizer_args=optimizer_args,
-            learning_rate=learning_rate, weight_decay=weight_decay,
-            warmup_steps=warmup_steps, schedule_steps=schedule_steps, answer_tokens=answer_tokens, seed=seed,
-            new_token_ids=new_token_ids,
-        )
+        super().__init__(**kwargs)

@@ -7,6 +7,7 @@ The body is ``OOMBStrategyMixin``, which the single-device ``OOMBStrategy``, the
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from ..core.config import ChunkConfig, SparseConfig
+from ..core.config import ChunkConfig, SparseConfig, option_defaults, option_docs
 from ..core.errors import SetupError
 from ..core.host_memory import (
     GIB, available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
@@ -29,6 +30,7 @@ from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
+_DEFAULT = option_defaults(ChunkConfig)
 
 
 def _host_memory(value: int | str) -> int:
@@ -59,40 +61,26 @@ class OOMBStrategyMixin:
     accumulation, under the precision plugin) runs stage 2. Validation and test steps get the same
     served forward without gradients.
 
-    Args:
-        chunk_size: tokens per chunk. page_size: tokens per page of the KV store.
-        attention: "auto" | "reference" | "triton". checkpoint_layers: checkpoint decoder layers in stage 2.
-        cross_chunk_gradients: False is an ablation that drops gradients crossing chunk borders.
-        grad_dtype: "float32" (default) or "bfloat16" for the KV-gradient store (half its memory).
-        sparse: None (dense), a ``SparseConfig`` or a dict of its fields (YAML): page-level sparse attention.
-            A LightningModule with ``SparseAttentionMixin`` whose ``sparse_config`` is not None overrides it.
-        offload: "auto" (pages on the GPU when the largest batch fits there, else in pinned host memory),
-            "gpu" or "host". segment_tokens: tokens per streamed segment with host pages (None: chosen from
-            the GPU memory the step leaves free).
-        keep_attention: chunks whose attention outputs stage 1 keeps so that stage 2 skips their attention
-            forward (same numbers, faster); None: as many as fit in half the GPU memory the step leaves free.
-        keep_graphs: chunks whose autograd graphs stage 1 keeps so that stage 2 skips their forward (same
-            numbers, faster); None: the last chunk's (free), plus as many as fit in the memory left.
-        host_memory: the run's host memory budget, bytes or a size such as "100GiB": what the training
-            process may hold in host memory in all, pinned pages included. None: what it holds at fit start
-            plus what the machine has available, less max(8 GiB, 10% of its RAM). A run that cannot fit in it
-            is refused at fit start with its plan.
+    The arguments are ``ChunkConfig``'s fields, with its defaults and documentation (below); the rest go
+    to the Lightning strategy class. ``sparse`` is overridden by a LightningModule with
+    ``SparseAttentionMixin`` whose ``sparse_config`` is not None. ``host_memory`` is of this machine: a
+    budget above its RAM is refused.
     """
 
     def __init__(
         self,
-        chunk_size: int = 4096,
-        page_size: int = 128,
-        attention: str = "auto",
-        checkpoint_layers: bool = False,
-        cross_chunk_gradients: bool = True,
-        grad_dtype: str = "float32",
-        sparse: SparseConfig | dict | None = None,
-        offload: str = "auto",
-        segment_tokens: int | None = None,
-        keep_attention: int | None = None,
-        keep_graphs: int | None = None,
-        host_memory: int | str | None = None,
+        chunk_size: int = _DEFAULT["chunk_size"],
+        page_size: int = _DEFAULT["page_size"],
+        attention: str = _DEFAULT["attention"],
+        checkpoint_layers: bool = _DEFAULT["checkpoint_layers"],
+        cross_chunk_gradients: bool = _DEFAULT["cross_chunk_gradients"],
+        grad_dtype: str = _DEFAULT["grad_dtype"],
+        sparse: SparseConfig | dict | None = _DEFAULT["sparse"],
+        offload: str = _DEFAULT["offload"],
+        segment_tokens: int | None = _DEFAULT["segment_tokens"],
+        keep_attention: int | None = _DEFAULT["keep_attention"],
+        keep_graphs: int | None = _DEFAULT["keep_graphs"],
+        host_memory: int | str | None = _DEFAULT["host_memory"],
         **kwargs: Any,
     ):
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind. Set after
@@ -237,6 +225,10 @@ class OOMBStrategyMixin:
         if self.lightning_module is not None:
             self.lightning_module.zero_grad(set_to_none=True)
         super().teardown()
+
+
+# The Lightning CLI's help (`fit --help`) reads each argument's text from the class docstring: ChunkConfig's own.
+OOMBStrategyMixin.__doc__ = OOMBStrategyMixin.__doc__.rstrip() + "\n\n" + textwrap.indent(option_docs(ChunkConfig), "    ")
 
 
 class OOMBStrategy(OOMBStrategyMixin, SingleDeviceStrategy):
