@@ -64,6 +64,7 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
         lora_dtype: str = "float32",
+        quantization: str | dict | None = None,
         optimizer: str = "adamw",
         optimizer_args: dict | None = None,
         learning_rate: float = 3e-4,
@@ -86,8 +87,8 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         super().__init__(
             pretrained=pretrained, config=config, gguf_file=gguf_file, config_overrides=config_overrides,
             dtype=dtype, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            lora_target_modules=lora_target_modules, lora_dtype=lora_dtype, optimizer=optimizer,
-            optimizer_args=optimizer_args,
+            lora_target_modules=lora_target_modules, lora_dtype=lora_dtype, quantization=quantization,
+            optimizer=optimizer, optimizer_args=optimizer_args,
             learning_rate=learning_rate, weight_decay=weight_decay,
             warmup_steps=warmup_steps, schedule_steps=schedule_steps, answer_tokens=answer_tokens, seed=seed,
             new_token_ids=new_token_ids,
