@@ -288,6 +288,10 @@ def test_bf16_qlora_within_full_sequence_bf16_error(tmp_path):
     assert all(torch.equal(w, four_bit_weights(model32)[n]) for n, w in four_bit_weights(model16).items())
     adapters = {n: p for n, p in model16.named_parameters() if p.requires_grad}
     assert all(p.dtype == torch.float32 for p in adapters.values())  # as lora_dtype "float32" trains them
+    with torch.no_grad():  # the same adapters in both (peft draws A from the global RNG)
+        for name, p in model32.named_parameters():
+            if p.requires_grad:
+                adapters[name].copy_(p)
     ids = torch.randint(0, config.vocab_size, (1, 3000), device="cuda")
 
     _, truth = full_sequence_grads(model32, ids)
