@@ -7,7 +7,6 @@ On the CPU bitsandbytes computes its 4-bit layers in float32, so the comparison 
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 
 import pytest
