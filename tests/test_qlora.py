@@ -241,7 +241,8 @@ def test_cli_exports_the_adapter_and_resumes_bitwise(assets, tmp_path, capsys):
     assert cli_fit(halves, "--trainer.max_steps", str(EVERY)) is None
     assert cli_fit(halves, "--trainer.max_steps", str(2 * EVERY), "--ckpt_path", "last") is None
     got = load(run_dir(tmp_path / "halves") / "checkpoints" / "last.ckpt")
-    assert got["global_step"] == want["global_step"] == 2 * EVERY and got["state_dict"].keys() == want["state_dict"].keys()
+    assert got["global_step"] == want["global_step"] == 2 * EVERY
+    assert got["state_dict"].keys() == want["state_dict"].keys()
     for name, tensor in want["state_dict"].items():
         assert torch.equal(got["state_dict"][name], tensor), name
     for a, b in zip(got["optimizer_states"][0]["state"].values(), want["optimizer_states"][0]["state"].values()):
