@@ -252,8 +252,9 @@ def default_export_dir(trainer) -> Path:
 
 
 def export_hf(trainer, module, datamodule, target) -> Path:
-    """Save the trained model (a LoRA adapter for peft models) and its tokenizer with save_pretrained, from
-    global rank 0; every rank calls it (sharded weights are gathered whole from all of them first).
+    """Save the trained model (a LoRA adapter for peft models, QLoRA's too: never the 4-bit base) and its
+    tokenizer with save_pretrained, from global rank 0; every rank calls it (sharded weights are gathered whole
+    from all of them first).
 
     The files are written to ``<target>.partial`` and moved into place when complete.
     """
@@ -290,8 +291,14 @@ def export_hf(trainer, module, datamodule, target) -> Path:
         shutil.rmtree(target)
     partial.rename(target)
     is_adapter = hasattr(model, "peft_config")
+    # QLoRA exports the adapter alone, as LoRA does: the 4-bit base is neither saved nor merged into it, and the
+    # adapter was trained on the base quantised as this BitsAndBytesConfig quantises it.
+    quantization = getattr(module, "quantization", None)
+    bnb = "" if quantization is None else ", quantization_config=BitsAndBytesConfig(" + ", ".join(
+        ["load_in_4bit=True", f"bnb_4bit_quant_type={quantization.quant_type!r}"]
+        + (["bnb_4bit_use_double_quant=True"] if quantization.double_quant else [])) + ")"
     how = (
-        f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({pretrained!r}), {str(target)!r})"
+        f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({pretrained!r}{bnb}), {str(target)!r})"
         if is_adapter
         else f"AutoModelForCausalLM.from_pretrained({str(target)!r})"
     )

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import math
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from typing_extensions import override
 from ..core.errors import SetupError
 from ..core.optimizers import OptimizerSpec
 from ..core.units import human_count, human_tokens
+from .quantization import Quantization, check_installed, keep_trainable_on_cpu, parameter_count, restore_quant_states
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 LORA_DTYPES = {"float32": torch.float32, "weights": None}
@@ -84,6 +86,11 @@ class CausalLMModule(LightningModule):
         lora_dtype: "float32" (default): the adapters train in float32 whatever the precision (under
             ``bf16-true`` too: they are small, and bf16 would round their updates away); "weights": in the
             weights' dtype.
+        quantization: QLoRA: "nf4" (or "fp4", or a dict ``{"quant_type": "nf4", "double_quant": true}``)
+            loads the base model's linear layers in 4 bits through bitsandbytes (transformers'
+            ``BitsAndBytesConfig``, computing in the weights' dtype), frozen under the LoRA adapters, which
+            ``lora_rank`` must ask for. With ``config`` the random model is built, saved to a temporary
+            directory and loaded from there as ``pretrained`` would be. Needs the ``[qlora]`` extra.
         optimizer: a name ("adamw", "adamw-sr", "adamw8bit", "adamw-kahan", "adamw8bit-kahan", "sgd") or a
             class path ("torch.optim.NAdam"); docs/optimizers.md says what each costs and how close to float32
             each trains under ``bf16-true`` (there: "adamw8bit-kahan", at the memory of plain "adamw").
@@ -110,7 +117,8 @@ class CausalLMModule(LightningModule):
 
     Checkpoints carry the optimizer's whole state (8-bit moments and Kahan compensation too) and the RNG states; with
     ``pretrained`` they leave out the weights that do not train (under LoRA all but the adapters), which
-    resuming takes from ``pretrained`` again.
+    resuming takes from ``pretrained`` again; with ``config`` they hold every weight (4-bit ones with their
+    quantisation state).
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class CausalLMModule(LightningModule):
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
         lora_dtype: str = "float32",
+        quantization: str | dict | None = None,
         optimizer: str = "adamw",
         optimizer_args: dict | None = None,
         learning_rate: float = 3e-4,
@@ -150,6 +159,15 @@ class CausalLMModule(LightningModule):
             if value < low or (name == "learning_rate" and value == 0):
                 bound = "> 0" if name == "learning_rate" else f">= {low}"
                 raise SetupError(f"model.{name} must be {bound}, got {value!r}")
+        self.quantization = Quantization.parse(quantization)
+        if self.quantization is not None:
+            if lora_rank == 0:
+                raise SetupError("model.quantization freezes the base weights in 4 bits for LoRA adapters to train: "
+                                 "set model.lora_rank > 0 (e.g. 16)")
+            if gguf_file is not None:
+                raise SetupError("model.quantization quantises safetensors weights; model.gguf_file loads a GGUF "
+                                 "file dequantised: use one of them")
+            check_installed()
         if pretrained is None and (gguf_file is not None or config_overrides):
             option = "gguf_file" if gguf_file is not None else "config_overrides"
             raise SetupError(f"model.{option} applies to model.pretrained; with model.config write the fields there")
@@ -203,6 +221,8 @@ class CausalLMModule(LightningModule):
         the same device gives the same weights; the values come from that device's RNG (a CUDA build differs
         from a CPU one) and, as before, the global RNGs are left seeded from ``seed``.
         With ``pretrained``: ``from_pretrained`` straight onto ``device``.
+        With ``quantization``: ``from_pretrained`` with transformers' ``BitsAndBytesConfig`` (the ``config``
+        model after a round trip through a temporary directory), computing in the weights' dtype.
 
         The weights are created in ``model.dtype``, except where the default dtype is not float32 (Lightning's
         ``bf16-true`` inside ``configure_model``): the precision would convert them to it anyway, so they are
@@ -216,10 +236,13 @@ class CausalLMModule(LightningModule):
             raise ValueError("materialize() builds real weights: give a device other than meta")
         dtype = self._weights_dtype()
         started = time.perf_counter()
+        quantization = self.quantization
         if self.hparams.pretrained is not None:
             hparams = self.hparams
+            bnb = None if quantization is None else quantization.hf_config(
+                dtype or config_dtype(self._pretrained_config))
             base = load_pretrained(hparams.pretrained, dtype or "auto", device, hparams.gguf_file,
-                                   self._pretrained_config)
+                                   self._pretrained_config, quantization_config=bnb)
             what = f"loaded {hparams.pretrained}" + (f"/{hparams.gguf_file}" if hparams.gguf_file else "")
             where = "onto"
         else:
@@ -228,11 +251,15 @@ class CausalLMModule(LightningModule):
                 base = AutoModelForCausalLM.from_config(config_from_dict(self.hparams.config))
             if dtype is not None:
                 base.to(dtype)
+            if quantization is not None:
+                base = quantized_copy(base, device, quantization.hf_config(next(base.parameters()).dtype))
             what = f"built {base.config.model_type} from model.config"
             where = "on"
         if self.hparams.get("new_token_ids"):
             start_as_new_tokens(base, self.hparams.new_token_ids)
-        params, built_dtype = sum(p.numel() for p in base.parameters()), next(base.parameters()).dtype
+        params, built_dtype = parameter_count(base), next(base.parameters()).dtype
+        if quantization is not None:
+            keep_trainable_on_cpu(base)
         with torch.device(device):
             model = self._with_lora(base)
         if device.type == "cuda":
@@ -240,6 +267,8 @@ class CausalLMModule(LightningModule):
         seconds = time.perf_counter() - started
         self.model = model.train()  # from_pretrained returns eval mode, which Lightning keeps
         detail = f"{human_count(params)} params, {str(built_dtype).removeprefix('torch.')}"
+        if quantization is not None:
+            detail += f", linear layers in {quantization.describe()}"
         if self.hparams.lora_rank > 0:
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             detail += f"; LoRA rank {self.hparams.lora_rank}, {human_count(trainable)} trainable"
@@ -277,6 +306,9 @@ class CausalLMModule(LightningModule):
                 "oomb_model_parallel"):
             raise SetupError(f"model.optimizer {choice.name} steps whole tensors, not oomb_model_parallel's shards: "
                              f"use {choice.name.removesuffix('-kahan')} or adamw-sr there")
+        if self.quantization is not None and self.trainer.strategy.strategy_name == "oomb_model_parallel":
+            raise SetupError("model.quantization: oomb_model_parallel does not shard 4-bit weights; "
+                             "use OOMBStrategy or oomb_ddp")
         lm = causal_lm(self.model)
         seq_len = getattr(self.trainer.datamodule, "seq_len", None) or getattr(lm.config, "max_position_embeddings", 1)
         was_training = lm.training
@@ -306,20 +338,27 @@ class CausalLMModule(LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Adds the RNG states. With ``pretrained``, leaves out the frozen weights (all but the adapters under
-        LoRA: 15 GB of a 7B model that ``model.pretrained`` holds already), which loading takes from there."""
+        LoRA: 15 GB of a 7B model that ``model.pretrained`` holds already; a 4-bit weight with its quantisation
+        state), which loading takes from there."""
         checkpoint["rng_states"] = collect_rng_states()
+        state = checkpoint["state_dict"]
         frozen = self._frozen_names()
         if self.hparams.pretrained is not None and frozen:
-            for name in frozen:
-                checkpoint["state_dict"].pop(name, None)
-            checkpoint["frozen_weights"] = {"pretrained": str(self.hparams.pretrained), "tensors": len(frozen)}
+            names, quant_states = set(frozen), tuple(f"{name}." for name in frozen)  # <weight>.absmax, ...
+            left_out = [key for key in state if key in names or key.startswith(quant_states)]
+            for key in left_out:
+                del state[key]
+            checkpoint["frozen_weights"] = {"pretrained": str(self.hparams.pretrained), "tensors": len(left_out)}
 
     @override
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Restores the RNG states, and the frozen weights a checkpoint left out from the model as loaded
-        from ``model.pretrained``."""
+        """Restores the RNG states, the 4-bit weights a checkpoint holds (with ``config``: their quantisation
+        state, which ``load_state_dict`` does not take), and the frozen weights a checkpoint left out from the
+        model as loaded from ``model.pretrained``."""
         if "rng_states" in checkpoint:
             restore_rng_states(checkpoint["rng_states"])
+        if self.quantization is not None:
+            restore_quant_states(self, checkpoint["state_dict"])
         left_out = checkpoint.get("frozen_weights")
         if left_out is None:
             return
@@ -332,7 +371,7 @@ class CausalLMModule(LightningModule):
             _print_rank_zero(f"checkpoint: the frozen weights come from model.pretrained={self.hparams.pretrained} "
                              f"(the checkpoint was trained on {left_out['pretrained']})")
         state, current = checkpoint["state_dict"], self.state_dict()
-        for name in self._frozen_names():
+        for name in self._frozen_names():  # a 4-bit weight's quantisation state stays as loaded
             state.setdefault(name, current[name])
 
     def _adapters_to_lora_dtype(self) -> None:
@@ -488,15 +527,20 @@ def pretrained_config(path: str, gguf_file: str | None = None, overrides: dict |
 
 
 def load_pretrained(path: str, dtype, device: torch.device | str | None = None, gguf_file: str | None = None,
-                    config=None) -> torch.nn.Module:
+                    config=None, quantization_config=None) -> torch.nn.Module:
     """A causal LM from a local Hugging Face directory or a GGUF file in it (never downloads), loaded straight
     onto ``device`` (default CPU), with errors that name the directory, in one line. ``config``: the
-    directory's config as ``pretrained_config`` returns it (None: read it)."""
+    directory's config as ``pretrained_config`` returns it (None: read it). ``quantization_config``:
+    transformers' ``BitsAndBytesConfig`` for 4-bit weights (QLoRA)."""
     where = check_pretrained_dir(path, gguf_file)
     device = torch.device(device if device is not None else "cpu")
     via_cpu = device.type != "cpu" and not is_accelerate_available()  # transformers' device_map needs accelerate
     device_map = None if device.type == "cpu" or via_cpu else {"": device}
     extra = {"gguf_file": gguf_file, **_gguf_dequantized()} if gguf_file else {}
+    if quantization_config is not None:
+        # bitsandbytes quantises as it places the weights: on ``device`` (without a map it would pick a GPU)
+        device_map, via_cpu = {"": device}, False
+        extra["quantization_config"] = quantization_config
     if config is not None:
         extra["config"] = config
     try:
@@ -513,6 +557,27 @@ def load_pretrained(path: str, dtype, device: torch.device | str | None = None, 
     if gguf_file:
         _forget_gguf_quantizer(model)
     return model.to(device) if via_cpu else model
+
+
+def quantized_copy(model: torch.nn.Module, device: torch.device, quantization_config) -> torch.nn.Module:
+    """``model`` with its linear layers quantised as ``from_pretrained`` quantises a checkpoint's: saved to a
+    temporary directory and loaded back through ``quantization_config``, so that a ``model.config`` model gets
+    the 4-bit weights it would get saved and loaded as ``model.pretrained`` (transformers quantises while
+    loading; it has no public call that quantises a built model)."""
+    with tempfile.TemporaryDirectory(prefix="lightning_oomb-") as folder:
+        model.save_pretrained(folder)
+        quantized = load_pretrained(folder, "auto", device, quantization_config=quantization_config)
+    quantized.config.name_or_path = model.config.name_or_path  # not the temporary directory's (plans name it)
+    return quantized
+
+
+def config_dtype(config) -> torch.dtype:
+    """The dtype a config names for its weights (what ``from_pretrained(dtype="auto")`` loads them in);
+    float32 where it names none."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
 
 
 def start_as_new_tokens(model: torch.nn.Module, token_ids: list[int]) -> None:
