@@ -33,7 +33,6 @@ import argparse
 import csv
 import datetime
 import gc
-import math
 import platform
 import shlex
 import statistics
@@ -52,156 +51,8 @@ from ..core.model_shape import LORA_TARGETS, ModelShape, load_config_dict, trans
 from ..core.planner import CUDA_CONTEXT_BYTES, DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, plan, step_time
 from ..core.units import GIB, argparse_type, human_count, parse_tokens
 from ..kernels import host_pages
-
-CSV_COLUMNS = (
-    "mode", "context", "batch", "chunk_size", "lora_rank", "dtype", "status",
-    "step_time_s", "step_times_s", "tokens_per_s", "peak_gpu_bytes", "peak_gpu_gib",
-    "peak_host_bytes", "peak_host_gib", "floor_s", "floor_fraction",
-    "planned_gpu_allocated_bytes", "planned_gpu_gib", "planned_host_gib", "planned_step_s", "loss",
-    "segment_tokens", "h2d_bytes", "d2h_bytes", "h2d_s", "d2h_s", "grad_dtype", "host_grad_layers", "kept_chunks",
-    "graph_chunks", "host_kept_chunks", "alloc_retries", "host_grads_moved_at", "document_length", "host_kv_layers",
-    "kv_pages_gathered", "kv_gather_s", "kv_gather_ahead_s", "grad_add_s", "pin_s",
-)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What the sweep runs. Lengths are tokens per sequence; times in seconds."""
-
-    model: str = "qwen2.5-7b"
-    lengths: tuple[int, ...] = (16384, 32768, 65536, 131072)
-    modes: tuple[str, ...] = ("baseline", "oomb")
-    chunk_size: int = 4096
-    page_size: int = 128
-    batch: int = 1
-    lora_rank: int = 0
-    repeats: int = 3
-    warmup: int = 1
-    attention: str = "auto"
-    checkpoint_layers: bool = False
-    grad_dtype: str = "float32"
-    budget_pages: int = 64
-    # sparse: one page selection per query tile (True) or per chunk (SparseConfig.per_query_tile).
-    per_query_tile: bool = True
-    # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
-    # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
-    add_launch: str = ""
-    # sparse with host K/V layers: persistent programs of the gathers that run ahead on a side stream;
-    # None keeps host_pages.GATHER_AHEAD_PROGRAMS.
-    gather_programs: int | None = None
-    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
-    # Packed documents: each sequence made of documents of this many tokens; None: one per sequence.
-    document_length: int | None = None
-    out: Path = Path("bench-results")
-    device: str = "auto"
-    seed: int = 0
-
-
-@dataclass
-class PointResult:
-    """One (mode, context length) measurement. Bytes are peaks over the timed steps."""
-
-    mode: str
-    context: int
-    batch: int
-    chunk_size: int
-    lora_rank: int
-    dtype: str
-    status: str = "ok"
-    step_time_s: float = math.nan
-    step_times_s: tuple[float, ...] = ()
-    tokens_per_s: float = math.nan
-    peak_gpu_bytes: int | None = None
-    peak_host_bytes: int | None = None
-    floor_s: float = math.nan
-    planned_gpu_allocated_bytes: int | None = None
-    planned_host_bytes: int | None = None
-    planned_step_s: float | None = None
-    loss: float = math.nan
-    # Offload modes: the streamed segment (tokens per sequence) and one timed step's host<->GPU traffic.
-    segment_tokens: int | None = None
-    h2d_bytes: int | None = None
-    d2h_bytes: int | None = None
-    h2d_s: float | None = None
-    d2h_s: float | None = None
-    # oomb modes: dtype of the KV-gradient pages; sparse: layers whose gradient pages the step put on the host.
-    grad_dtype: str = ""
-    host_grad_layers: int | None = None
-    # sparse: layers whose K/V pages the step put on the host, and the pages it gathered from there (every
-    # attention call of the point's steps, warm-up included).
-    host_kv_layers: int | None = None
-    kv_pages_gathered: int | None = None
-    # ... and the seconds the timed steps' gathers took (median step): stage 1's on the compute stream, stage
-    # 2's on the side stream, ahead of their calls (hidden behind the compute as far as the step time shows).
-    kv_gather_s: float | None = None
-    kv_gather_ahead_s: float | None = None
-    # sparse with host gradient layers: seconds the side stream spent adding the chunks' page gradients into
-    # the host pages (median step; hidden behind the compute as far as the step time shows).
-    grad_add_s: float | None = None
-    # Seconds the timed steps spent page-locking host memory (a pool or host buffer made in them: every timed
-    # step with --warmup 0, which then carries this once-per-run cost).
-    pin_s: float | None = None
-    # oomb modes: chunks whose attention outputs stage 1 kept for stage 2 (place_step's choice).
-    kept_chunks: int | None = None
-    graph_chunks: int | None = None
-    # oomb modes: first chunks whose attention outputs stage 1 kept in pinned host memory.
-    host_kept_chunks: int | None = None
-    # CUDA: times the caching allocator, out of memory, freed its cache and retried during the timed steps
-    # (each such retry synchronises the device).
-    alloc_retries: int | None = None
-    # sparse with host gradient layers: live tokens of stage 2 when each of them moved into dead K/V pages.
-    host_grads_moved_at: tuple[int, ...] = ()
-    # Packed documents of this many tokens per sequence (--document-length); None: one document.
-    document_length: int | None = None
-
-    @property
-    def floor_fraction(self) -> float:
-        """FLOP-floor time over measured time: 1.0 would be every FLOP at the matmul peak."""
-        return self.floor_s / self.step_time_s if self.status == "ok" else math.nan
-
-    def row(self) -> dict[str, object]:
-        gib = lambda n: "" if n is None else f"{n / GIB:.3f}"  # noqa: E731
-        return {
-            "mode": self.mode, "context": self.context, "batch": self.batch, "chunk_size": self.chunk_size,
-            "lora_rank": self.lora_rank, "dtype": self.dtype, "status": self.status,
-            "step_time_s": _num(self.step_time_s), "step_times_s": ";".join(f"{t:.6g}" for t in self.step_times_s),
-            "tokens_per_s": _num(self.tokens_per_s),
-            "peak_gpu_bytes": _blank_if_none(self.peak_gpu_bytes),
-            "peak_gpu_gib": gib(self.peak_gpu_bytes),
-            "peak_host_bytes": _blank_if_none(self.peak_host_bytes),
-            "peak_host_gib": gib(self.peak_host_bytes),
-            "floor_s": _num(self.floor_s), "floor_fraction": _num(self.floor_fraction),
-            "planned_gpu_allocated_bytes": _blank_if_none(self.planned_gpu_allocated_bytes),
-            "planned_gpu_gib": gib(self.planned_gpu_allocated_bytes),
-            "planned_host_gib": gib(self.planned_host_bytes),
-            "planned_step_s": "" if self.planned_step_s is None else _num(self.planned_step_s),
-            "loss": _num(self.loss),
-            "segment_tokens": _blank_if_none(self.segment_tokens),
-            "h2d_bytes": _blank_if_none(self.h2d_bytes), "d2h_bytes": _blank_if_none(self.d2h_bytes),
-            "h2d_s": "" if self.h2d_s is None else _num(self.h2d_s),
-            "d2h_s": "" if self.d2h_s is None else _num(self.d2h_s),
-            "grad_dtype": self.grad_dtype, "host_grad_layers": _blank_if_none(self.host_grad_layers),
-            "host_kv_layers": _blank_if_none(self.host_kv_layers),
-            "kv_pages_gathered": _blank_if_none(self.kv_pages_gathered),
-            "kv_gather_s": "" if self.kv_gather_s is None else _num(self.kv_gather_s),
-            "kv_gather_ahead_s": "" if self.kv_gather_ahead_s is None else _num(self.kv_gather_ahead_s),
-            "grad_add_s": "" if self.grad_add_s is None else _num(self.grad_add_s),
-            "pin_s": "" if self.pin_s is None else _num(self.pin_s),
-            "kept_chunks": _blank_if_none(self.kept_chunks),
-            "graph_chunks": _blank_if_none(self.graph_chunks),
-            "host_kept_chunks": _blank_if_none(self.host_kept_chunks),
-            "alloc_retries": _blank_if_none(self.alloc_retries),
-            "host_grads_moved_at": ";".join(str(t) for t in self.host_grads_moved_at),
-            "document_length": _blank_if_none(self.document_length),
-        }
-
-
-def _blank_if_none(x: int | None) -> int | str:
-    return "" if x is None else x
-
-
-def _num(x: float) -> str:
-    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.6g}"
+from .config import BenchConfig
+from .results import CSV_COLUMNS, PointResult, float_cell
 
 
 # == modes ================================================================================================
@@ -638,11 +489,11 @@ def markdown_table(results: list[PointResult]) -> str:
         row = r.row()
         cells = [
             r.mode, f"{r.context:,}", r.status,
-            _num(r.step_time_s) and f"{r.step_time_s:.4g}", _num(r.tokens_per_s) and f"{r.tokens_per_s:,.0f}",
+            float_cell(r.step_time_s) and f"{r.step_time_s:.4g}", float_cell(r.tokens_per_s) and f"{r.tokens_per_s:,.0f}",
             row["peak_gpu_gib"] and f"{float(row['peak_gpu_gib']):.2f}",
             row["planned_gpu_gib"] and f"{float(row['planned_gpu_gib']):.2f}",
             row["peak_host_gib"] and f"{float(row['peak_host_gib']):.2f}",
-            f"{r.floor_s:.4g}", _num(r.floor_fraction) and f"{r.floor_fraction:.1%}",
+            f"{r.floor_s:.4g}", float_cell(r.floor_fraction) and f"{r.floor_fraction:.1%}",
         ]
         rows.append("| " + " | ".join(c or "–" for c in cells) + " |")
     return "\n".join(rows)
