@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_oomb.bench import run as bench
+from lightning_oomb.bench.modes import MODES, BenchMode, register_mode
 from lightning_oomb.kernels import host_pages
 from lightning_oomb.cli import main as cli_main
 
@@ -106,9 +107,9 @@ def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     def step(model, input_ids, config):
         if input_ids.shape[1] > 64:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-        return bench.MODES["oomb"].step(model, input_ids, config)
+        return MODES["oomb"].step(model, input_ids, config)
 
-    bench.register_mode(bench.BenchMode("oom-above-64", "oomb that runs out of memory above 64 tokens", step))
+    register_mode(BenchMode("oom-above-64", "oomb that runs out of memory above 64 tokens", step))
     try:
         config = bench.BenchConfig(model=str(tiny_config(tmp_path)), lengths=(64, 128, 64),
                                    modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
@@ -117,7 +118,7 @@ def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
         # A sweep whose only point failed still writes its files (no memory to draw on a log scale).
         bench.write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
     finally:
-        del bench.MODES["oom-above-64"]
+        del MODES["oom-above-64"]
     assert [r.status for r in results] == ["ok", "OOM", "ok"]
     _, rows = read_rows(tmp_path / "o" / "results.csv")
     assert rows[1]["status"] == "OOM" and rows[1]["step_time_s"] == ""
