@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_oomb.bench import run as bench
-from lightning_oomb.bench import sweep
 from lightning_oomb.bench.config import BenchConfig
 from lightning_oomb.bench.modes import MODES, BenchMode, register_mode
+from lightning_oomb.bench.report import write_outputs
 from lightning_oomb.bench.results import CSV_COLUMNS, PointResult
-from lightning_oomb.bench.sweep import build_model, progress_line
+from lightning_oomb.bench.sweep import build_model, progress_line, run
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.planner import step_time
 from lightning_oomb.kernels import host_pages
@@ -119,10 +118,10 @@ def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     try:
         config = BenchConfig(model=str(tiny_config(tmp_path)), lengths=(64, 128, 64),
                              modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
-        results = sweep.run(config, log=lambda line: None)
-        bench.write_outputs(results, config, "test", "cpu")
+        results = run(config, log=lambda line: None)
+        write_outputs(results, config, "test", "cpu")
         # A sweep whose only point failed still writes its files (no memory to draw on a log scale).
-        bench.write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
+        write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
     finally:
         del MODES["oom-above-64"]
     assert [r.status for r in results] == ["ok", "OOM", "ok"]

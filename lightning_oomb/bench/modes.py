@@ -1,10 +1,6 @@
-"""The modes ``lightning-oomb bench`` can measure, each a way to train one step, and their registry.
+"""The modes ``lightning-oomb bench`` measures, each a way to train one step, and the registry ``--modes`` picks from.
 
-- baseline: transformers' full-sequence forward and backward, SDPA attention, gradient checkpointing
-  (non-reentrant), ``model(input_ids, labels=input_ids).loss``;
-- oomb: ``lightning_oomb.train_step`` (chunk-recurrent, exact gradient);
-- sparse: ``train_step`` with page-level sparse attention, ``SparseConfig(budget_pages=--budget-pages)``;
-- sparse-offload, offload: the same with pages in pinned host memory.
+baseline is transformers' own step; oomb, sparse, sparse-offload and offload run ``lightning_oomb.train_step``.
 Later modes join through ``register_mode``. The lightning_oomb modes can pack documents
 (``packed_position_ids``); the baseline cannot (its SDPA attention would cross the borders).
 """

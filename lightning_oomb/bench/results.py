@@ -88,7 +88,8 @@ class PointResult:
         return {
             "mode": self.mode, "context": self.context, "batch": self.batch, "chunk_size": self.chunk_size,
             "lora_rank": self.lora_rank, "dtype": self.dtype, "status": self.status,
-            "step_time_s": float_cell(self.step_time_s), "step_times_s": ";".join(f"{t:.6g}" for t in self.step_times_s),
+            "step_time_s": float_cell(self.step_time_s),
+            "step_times_s": ";".join(f"{t:.6g}" for t in self.step_times_s),
             "tokens_per_s": float_cell(self.tokens_per_s),
             "peak_gpu_bytes": _blank_if_none(self.peak_gpu_bytes),
             "peak_gpu_gib": gib(self.peak_gpu_bytes),
