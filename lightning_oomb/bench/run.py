@@ -48,7 +48,7 @@ from .sweep import bench_device, machine_name, run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of ``lightning-oomb bench`` (K = 1024 tokens, M = 1024^2 in lengths)."""
+    """The options of ``lightning-oomb bench``."""
     parser = argparse.ArgumentParser(
         prog="lightning-oomb bench",
         description="Step time and peak memory of training modes over context lengths (K = 1024 tokens, M = 1024^2).",
