@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_oomb.bench import run as bench
+from lightning_oomb.bench.config import BenchConfig
+from lightning_oomb.bench.modes import MODES, BenchMode, register_mode
+from lightning_oomb.bench.report import write_outputs
+from lightning_oomb.bench.results import CSV_COLUMNS, PointResult
+from lightning_oomb.bench.sweep import build_model, progress_line, run
+from lightning_oomb.core.model_shape import ModelShape
+from lightning_oomb.core.planner import step_time
 from lightning_oomb.kernels import host_pages
 from lightning_oomb.cli import main as cli_main
 
@@ -45,7 +51,7 @@ def test_bench_writes_csv_markdown_and_plot(tmp_path, capsys):
     for name in ("results.csv", "results.md", "results.png"):
         assert (out / name).stat().st_size > 0, name
     columns, rows = read_rows(out / "results.csv")
-    assert tuple(columns) == bench.CSV_COLUMNS
+    assert tuple(columns) == CSV_COLUMNS
     assert [(r["mode"], int(r["context"])) for r in rows] == [
         ("baseline", 64), ("baseline", 128), ("oomb", 64), ("oomb", 128), ("offload", 64), ("offload", 128)]
     for r in rows:
@@ -106,18 +112,18 @@ def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     def step(model, input_ids, config):
         if input_ids.shape[1] > 64:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-        return bench.MODES["oomb"].step(model, input_ids, config)
+        return MODES["oomb"].step(model, input_ids, config)
 
-    bench.register_mode(bench.BenchMode("oom-above-64", "oomb that runs out of memory above 64 tokens", step))
+    register_mode(BenchMode("oom-above-64", "oomb that runs out of memory above 64 tokens", step))
     try:
-        config = bench.BenchConfig(model=str(tiny_config(tmp_path)), lengths=(64, 128, 64),
-                                   modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
-        results = bench.run(config, log=lambda line: None)
-        bench.write_outputs(results, config, "test", "cpu")
+        config = BenchConfig(model=str(tiny_config(tmp_path)), lengths=(64, 128, 64),
+                             modes=("oom-above-64",), chunk_size=32, repeats=1, warmup=0, out=tmp_path / "o")
+        results = run(config, log=lambda line: None)
+        write_outputs(results, config, "test", "cpu")
         # A sweep whose only point failed still writes its files (no memory to draw on a log scale).
-        bench.write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
+        write_outputs(results[1:2], dataclasses.replace(config, out=tmp_path / "p"), "test", "cpu")
     finally:
-        del bench.MODES["oom-above-64"]
+        del MODES["oom-above-64"]
     assert [r.status for r in results] == ["ok", "OOM", "ok"]
     _, rows = read_rows(tmp_path / "o" / "results.csv")
     assert rows[1]["status"] == "OOM" and rows[1]["step_time_s"] == ""
@@ -214,14 +220,14 @@ def test_profile_chunk_ranges_and_timeline():
 
 
 def test_progress_line_names_what_stage_1_kept_and_where():
-    r = bench.PointResult("sparse", 1 << 20, 1, 4096, 0, "bfloat16", step_time_s=148.4, tokens_per_s=7065.0,
-                          loss=12.65, peak_host_bytes=1 << 30, graph_chunks=1, kept_chunks=0, host_kept_chunks=104)
-    line = bench.progress_line(2, 2, r, 369.0)
+    r = PointResult("sparse", 1 << 20, 1, 4096, 0, "bfloat16", step_time_s=148.4, tokens_per_s=7065.0,
+                    loss=12.65, peak_host_bytes=1 << 30, graph_chunks=1, kept_chunks=0, host_kept_chunks=104)
+    line = progress_line(2, 2, r, 369.0)
     kept = "graphs of the last 1, attention outputs of the first 104 on the host"
     assert f"(kept from stage 1, in chunks: {kept})" in line
     assert "on the GPU" not in line
     nothing_kept = dataclasses.replace(r, graph_chunks=0, host_kept_chunks=0)
-    assert "kept from stage 1" not in bench.progress_line(1, 2, nothing_kept, 1.0)
+    assert "kept from stage 1" not in progress_line(1, 2, nothing_kept, 1.0)
 
 
 def test_packed_documents_option(tmp_path, capsys):
@@ -237,18 +243,18 @@ def test_packed_documents_option(tmp_path, capsys):
     assert [(r["mode"], r["status"], r["document_length"]) for r in rows] == [("oomb", "ok", "32"), ("offload", "ok", "32")]
     assert "documents of 32 tokens" in (out / "results.md").read_text()
 
-    config = bench.BenchConfig(model=model_path, seed=0)
-    model = bench.build_model(config, torch.device("cpu"), torch.float32)
+    config = BenchConfig(model=model_path, seed=0)
+    model = build_model(config, torch.device("cpu"), torch.float32)
     generator = torch.Generator().manual_seed(config.seed + 128)
     ids = torch.randint(0, TINY_QWEN2["vocab_size"], (1, 128), generator=generator)
     with torch.no_grad():  # four documents of 32 tokens, 31 labels each
         separate = sum(model(input_ids=doc[None], labels=doc[None]).loss for doc in ids[0].split(32)) / 4
     for r in rows:
         assert math.isclose(float(r["loss"]), separate.item(), rel_tol=1e-5)
-    shape = bench.ModelShape.resolve(model_path)
-    unpacked = bench.step_time(shape, 128, chunk_size=32).attention_flops
-    assert bench.step_time(shape, 128, chunk_size=32, document_length=32).attention_flops == unpacked / 4
-    assert math.isclose(float(rows[0]["floor_s"]), bench.step_time(shape, 128, chunk_size=32, document_length=32).floor_s,
+    shape = ModelShape.resolve(model_path)
+    unpacked = step_time(shape, 128, chunk_size=32).attention_flops
+    assert step_time(shape, 128, chunk_size=32, document_length=32).attention_flops == unpacked / 4
+    assert math.isclose(float(rows[0]["floor_s"]), step_time(shape, 128, chunk_size=32, document_length=32).floor_s,
                         rel_tol=1e-5)
 
     with pytest.raises(SystemExit) as refused:

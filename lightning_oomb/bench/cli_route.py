@@ -282,7 +282,7 @@ def baseline(args, config: Path, steps: int) -> dict:
     import lightning_oomb
 
     from ..core.optimizers import OptimizerSpec
-    from .run import packed_position_ids
+    from .modes import packed_position_ids
 
     data = yaml.safe_load(config.read_text())
     strategy = dict(data["trainer"]["strategy"].get("init_args") or {})

@@ -17,7 +17,8 @@ from .. import train_step
 from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
 from ..core.units import parse_tokens
-from .run import BenchConfig, build_model
+from .config import BenchConfig
+from .sweep import build_model
 
 
 def _grads(model: torch.nn.Module, ids: torch.Tensor, chunk: int, grad_dtype: torch.dtype) -> list[torch.Tensor]:

@@ -22,7 +22,8 @@ from .. import OOMBStrategy, train_step
 from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
 from ..core.units import parse_tokens
-from .run import BenchConfig, build_model
+from .config import BenchConfig
+from .sweep import build_model
 
 
 class _Module(LightningModule):

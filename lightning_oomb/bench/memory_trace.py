@@ -21,7 +21,8 @@ from ..core.model_shape import ModelShape
 from ..core.planner import CUDA_CONTEXT_BYTES, plan
 from ..core.schedule import ChunkedSequence, release_cached_pool
 from ..core.units import GIB, parse_tokens
-from .run import BenchConfig, build_model
+from .config import BenchConfig
+from .sweep import build_model
 
 
 def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bool) -> tuple[int, int, float, ChunkedSequence]:

@@ -39,7 +39,9 @@ from ..core.config import ChunkConfig, SparseConfig
 from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkedSequence
 from ..core.units import parse_tokens
-from .run import BenchConfig, build_model, packed_position_ids
+from .config import BenchConfig
+from .modes import packed_position_ids
+from .sweep import build_model
 
 # Our kernels by exact name (dense, sparse and Hopper Gluon kernels of each direction); cuBLAS by substring.
 KERNEL_GROUPS = {

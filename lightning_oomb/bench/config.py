@@ -1,0 +1,41 @@
+"""What a ``lightning-oomb bench`` sweep runs: the model, the context lengths, the modes and their settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.planner import DEFAULT_MATMUL_TFLOPS
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the sweep runs. Lengths are tokens per sequence; times in seconds."""
+
+    model: str = "qwen2.5-7b"
+    lengths: tuple[int, ...] = (16384, 32768, 65536, 131072)
+    modes: tuple[str, ...] = ("baseline", "oomb")
+    chunk_size: int = 4096
+    page_size: int = 128
+    batch: int = 1
+    lora_rank: int = 0
+    repeats: int = 3
+    warmup: int = 1
+    attention: str = "auto"
+    checkpoint_layers: bool = False
+    grad_dtype: str = "float32"
+    budget_pages: int = 64
+    # sparse: one page selection per query tile (True) or per chunk (SparseConfig.per_query_tile).
+    per_query_tile: bool = True
+    # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
+    # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
+    add_launch: str = ""
+    # sparse with host K/V layers: persistent programs of the gathers that run ahead on a side stream;
+    # None keeps host_pages.GATHER_AHEAD_PROGRAMS.
+    gather_programs: int | None = None
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
+    # Packed documents: each sequence made of documents of this many tokens; None: one per sequence.
+    document_length: int | None = None
+    out: Path = Path("bench-results")
+    device: str = "auto"
+    seed: int = 0
