@@ -106,6 +106,25 @@ def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexp
 
 
 @triton.jit
+def query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The start of a query-stationary program (forward, dQ): query rows [m0, m_end) of sequence b and query
+    head h, named by grid axis 1 as bh = b * H_Q + h; h reads KV head hk. Returns (bh, b, h, hk, offs_m,
+    offs_n, offs_d, m_valid, q): q is the (BLOCK_M, D_PAD) tile of Q (B, H_Q, T, D), rows from m_end on 0."""
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < m_end
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    return bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q
+
+
+@triton.jit
 def query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                 ROWS_TMA: tl.constexpr):
     """Query rows [t0 + m0, t0 + m0 + BLOCK_M) of head h of sequence b of a (B, H_q, T, D) tensor.

@@ -49,7 +49,7 @@ import triton.language as tl
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, doc_tiles, dot_precision, dq_chunk,
     dq_step, fwd_chunk, fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
-    pool_descriptors, pool_rows, query_descriptors, softmax_row_terms, store_tile,
+    pool_descriptors, pool_rows, query_descriptors, query_program, softmax_row_terms, store_tile,
 )
 from .launch import on_device_of
 from .page_table import LayerStore
@@ -76,16 +76,8 @@ def _fwd_kernel(
 ):
     # Tiles with the longest causal part first, so the last wave of the grid is the cheapest.
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < T
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
+                                                                     D_PAD, BLOCK_M, BLOCK_N)
 
     out_ptrs = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     lse_ptrs = LSE + bh.to(tl.int64) * T + offs_m
@@ -304,16 +296,10 @@ def _dq_kernel(
     CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < T
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
+                                                                     D_PAD, BLOCK_M, BLOCK_N)
+    # The same loads as sparse_attention._sparse_dq_kernel's, kept inline in both: as one jit helper they give the same
+    # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E

@@ -47,9 +47,8 @@ import triton.language as tl
 
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, dot_precision, dq_chunk, dq_step,
-    fwd_chunk,
-    fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
-    query_descriptors, softmax_row_terms, store_tile,
+    fwd_chunk, fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
+    query_descriptors, query_program, softmax_row_terms, store_tile,
 )
 from .chunk_attention import default_tiles as dense_tiles
 from .chunk_attention import launch_delta, launch_dkdv, launch_dq, launch_forward
@@ -133,16 +132,8 @@ def _sparse_fwd_kernel(
     PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < m_end
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
+                                                                     HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -202,16 +193,10 @@ def _sparse_dq_kernel(
     PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < m_end
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
+                                                                     HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
+    # The same loads as chunk_attention._dq_kernel's, kept inline in both: as one jit helper they give the same
+    # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
