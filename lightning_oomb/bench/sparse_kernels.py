@@ -87,7 +87,7 @@ def _selection(past: int, t: int, budget: int, n_kv: int = 4, ps: int = 128) -> 
 
 
 SWEEP = {
-    # The first of each list was the default before the sweep of docs/bench/h200-sparse-kernels-sweep.txt.
+    # Candidate (BLOCK_M, BLOCK_N, warps, stages) of each kernel; sparse_attention.default_tiles holds the pick.
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3)],
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
     "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
