@@ -1,42 +1,12 @@
-"""Triton sparse chunk attention over per-tile page lists.
+"""Triton sparse chunk attention over per-tile page lists, with the contract of :mod:`lightning_oomb.core.sparse`.
 
-Contract of :mod:`lightning_oomb.core.sparse` (the reference): the queries of the chunk at tokens
-[start, start + T) are cut into query tiles of ``page_size`` tokens aligned to the chunk start; tile i of
-KV head h attends to the past pages ``selection[b, h or 0, i, :]`` (logical page numbers, past page p being
-tokens [p*ps, min((p+1)*ps, start))) and causally to the whole chunk. Pages are found through the page table.
-Packed documents (``doc_start`` (B, T) int32, None compiles the kernels without it): entries of -1 are no page
-(sorted first: the forward and dQ loops start after them, ``invert_selection`` drops them) and each query sees
-only keys at or after its document start (per-element masks in every loop; the chunk's as the dense kernels').
-
-Kernels (built from :mod:`lightning_oomb.kernels.attention_blocks`; the chunk's own keys run the dense launchers of
-:mod:`lightning_oomb.kernels.chunk_attention`):
-- forward, query-stationary: one program per (query block, query head); a query block is at most
-  BLOCK_M queries of ONE query tile (a tile of page_size queries takes cdiv(page_size, BLOCK_M) blocks), so
-  every program has one page list. It loops over the tile's pages (each in key blocks of BLOCK_N rows,
-  only over the page's past rows), then over the chunk's keys causally, with the dense kernel's online
-  softmax step.
-- dQ: the same loops with the dense kernel's dQ step.
-- On Hopper, when the chunk starts on a page boundary (every selected page whole), the page loops of both
-  read each key block with one bulk copy through the dense kernels' pool descriptors.
-- On an H200 (sm_90), pages of 128 and a chunk that starts on a page, the selected pages of both run in
-  the warp-specialised Gluon kernels of :mod:`.past_attention_sm90` instead, after the dense kernels have
-  covered the chunk's own keys.
-- dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
-  (every query sees the whole causal chunk, exactly as in dense attention).
-- dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
-  device (torch ops, no host sync) into, per (sequence, KV head), the list of distinct selected pages and,
-  per page, the list of query tiles that chose it. One program per (selected page, KV head) loads the
-  page's K, V, loops over the tiles that chose it and the group's query heads accumulating dK, dV in fp32
-  registers, adds the gradient already stored for the page and writes it once. Concurrent tiles that pick
-  the same page are therefore summed inside one program, in a fixed order: no atomics, each gradient row
-  written by one program, results bit-reproducible. For a layer whose gradient pages live in host memory
-  the program writes its fp32 share to a GPU staging area instead, and a side stream adds that into the
-  host pages (``lightning_oomb.kernels.host_pages.add_staged_pages``: the same sum, the same bits). The
-  alternative, fp32 atomic adds from the query-stationary programs, would make every step's gradient
-  order-dependent and, with sink and local pages chosen by every tile, serialise all tiles of a chunk on
-  the same rows; the page-stationary pass costs two extra matmuls per (tile, page) pair (P and dP are
-  recomputed, as in the dense kernel's split of dQ from dK/dV). Programs of pages nobody chose exit
-  without touching memory.
+Query tile i (``page_size`` queries from the chunk start) of KV head h attends to the past pages
+``selection[b, h or 0, i, :]`` (logical page numbers found through the page table; -1 is no page) and
+causally to the whole chunk; with packed documents (``doc_start``, None compiles it out) each query sees only
+keys from its document's start. Forward and dQ are query-stationary over blocks of one tile, the chunk's own
+dK/dV is the dense key-stationary kernel, and the selected pages' dK/dV is page-stationary: one program per
+(selected page, KV head) sums every tile that chose it, so no atomics and bit-reproducible gradients.
+docs/architecture.md, "Page-level sparse attention" and "The attention kernels", says how and why.
 """
 
 from __future__ import annotations
