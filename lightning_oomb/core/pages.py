@@ -174,9 +174,8 @@ class HostKVStaging:
     into GPU staging (the union found on the device, so the host never waits) and the layer's view remapped onto
     it. Stage 2's gathers run ahead of their calls on a side stream (``expect``); the last gather serves a call of
     the same layer, chunk and selection (docs/architecture.md, "Host K/V pages for sparse steps").
-    ``pages_staged`` counts the pages gathered (on the device; reading it waits for the GPU), ``calls`` the
-    gathers, ``prefetched`` those that ran ahead of their call; ``busy`` and ``busy_ahead`` the time their copies
-    took on the compute stream and on the side stream.
+    ``pages_staged`` counts the pages gathered (on the device: reading it waits for the GPU), ``calls`` the
+    gathers, ``prefetched`` those run ahead; ``busy``, ``busy_ahead``: the copies' time on the compute, side stream.
     """
 
     def __init__(self, device: torch.device):
@@ -300,8 +299,8 @@ class PagePool:
         through the GPU in segments of ``segment_tokens`` tokens (core.offload; on a CPU with synchronous copies).
     host_grad_layers, host_kv_layers (placement "gpu", sparse attention): that many layers, spread over the depth,
         keep their KV-gradient pages, or their K/V pages and summaries, in pinned host memory.
-    host_limit: the pinned bytes its placement left for the pool (``host``, a ``HostLedger``).
-    docs/architecture.md, "Memory" and the host-page sections after it, says how each is used.
+    host_limit: the pinned bytes its placement left for the pool (``host``, a ``HostLedger``). docs/architecture.md,
+    "Memory" and the host-page sections after it, says how each is used.
     """
 
     def __init__(
