@@ -3,19 +3,10 @@
     python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096]
         [--grad-dtype float32|bfloat16] [--sweep]
 
-Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128), bf16, one chunk of --chunk queries. The sparse
-kernels run over a past of --past tokens with --budget pages of 128 per query tile (1 sink, 4 local, the
-rest random and distinct per tile and KV head, so that tiles share only the sink and local pages); the dense
-kernels over a past of budget * 128 tokens, where every query attends to the same number of keys. The ratio
-is the cost of the page lists and of the page-stationary dK/dV pass against the dense key-stationary one.
-The sparse backward is also timed with the KV-gradient pages in pinned host memory (``PagePool(host_grad_layers=
-...)``: the selected pages' share is staged on the GPU and added into the host pages on a side stream),
-back to back (the side stream's throughput bounds it) and as one layer of a step among others: the
-backward followed by the matmuls of a Qwen2.5-7B layer's linear backward, over --layers layers whose
-gradient pages all live on the GPU, or --host-layers of them (default all, spread over the layers as in a
-step) on the host. The difference is what a host layer costs a chunk.
-With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
-the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
+Qwen2.5-7B heads in bf16, one chunk: the sparse kernels over --past tokens with --budget pages per query tile,
+the dense kernels over budget pages of past, so that every query attends to as many keys; then the sparse
+backward with its gradient pages in pinned host memory, alone and among a layer's other work; with --sweep,
+candidate tile shapes (docs/benchmarks.md, "The measurement scripts").
 """
 
 from __future__ import annotations
