@@ -1,8 +1,8 @@
-"""What the dense and the sparse attention kernels share: the Triton building blocks of their loops (tile
-loads and stores through a page table, one online-softmax step, one dQ step, one dK/dV step, the chunk's own
-causal keys) and the launch-side helpers (tile shapes, tensor descriptors for Hopper's bulk copies, input
-checks). ``chunk_attention`` and ``sparse_attention`` build their kernels from these; neither imports the
-other's private names.
+"""What the dense and the sparse attention kernels share: the Triton building blocks of their programs (the
+start of a query-stationary one, tile loads and stores through a page table, one online-softmax step, one dQ
+step, one dK/dV step, the chunk's own causal keys) and the launch-side helpers (tile shapes, tensor
+descriptors for Hopper's bulk copies, input checks). ``chunk_attention`` and ``sparse_attention`` build their
+kernels from these; neither imports the other's private names.
 """
 
 from __future__ import annotations
