@@ -86,7 +86,7 @@ SWEEP = {
 
 
 def sweep(store, q, k, v, do, sel, past: int, scale: float, pairs: float) -> None:
-    """Print the time and rate of each candidate tile shape (see the module notes)."""
+    """Print the time and rate of each candidate tile shape (docs/benchmarks.md, "The measurement scripts")."""
     import dataclasses
 
     from ..kernels import chunk_attention as dense
