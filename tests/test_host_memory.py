@@ -44,7 +44,7 @@ def test_default_budget_is_the_process_plus_available_less_the_headroom():
 def test_the_planners_default_budget_is_the_one_a_run_started_now_gets(monkeypatch):
     """lightning-oomb plan without --host-memory plans against the budget a fit computes at placement (the
     process plus MemAvailable, less the headroom), not the machine's RAM less the headroom: on the H200 machine
-    those differed by 2.2 GiB and the planner's longest context was refused by the fit it promised."""
+    the two differ by 2.2 GiB, enough for a fit to refuse the longest context the planner names."""
     from lightning_oomb.core import host_memory
     from lightning_oomb.core.planner import plan
 
@@ -152,9 +152,9 @@ def test_a_step_given_its_optimizer_leaves_room_for_its_state():
 
 def test_a_step_reusing_a_pool_keeps_the_runs_budget_and_growth_allowance():
     """One budget per run: a step that reuses the pool PagedKVCallback placed at fit start places itself
-    against that placement's budget, and its growth allowance counts from the process as it was then (on the
-    H200 a fresh reading after pinning 97 GiB was 1.8 GiB lower, and a second allowance on top of the 0.69 GiB
-    the process had grown refused the step the fit had placed)."""
+    against that placement's budget, and its growth allowance counts from the process as it was at fit start
+    (on the H200 a fresh reading after pinning 97 GiB is 1.8 GiB lower, and a second allowance on top of what
+    the process grew refuses the step the fit placed)."""
     from lightning_oomb.core.placement import HOST_GROWTH_BYTES, Placement, run_host_budget
 
     assert run_host_budget(5 * GIB, 3 * GIB, None) == (5 * GIB, 3 * GIB)  # a pool of its own: as it is now

@@ -248,7 +248,7 @@ def test_materialized_on_cuda_is_a_model_built_there():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_7b_materializes_on_cuda_in_seconds():
-    """The issue's case: a random-init Qwen2.5-7B under bf16-true took 5 min 25 s to build on the CPU."""
+    """A random-init Qwen2.5-7B under bf16-true, which takes minutes to build on the CPU (5 min 25 s)."""
     config = json.loads((ROOT / "lightning_oomb" / "model_shapes" / "qwen2.5-7b.json").read_text())
     config.pop("architectures")
     module = CausalLMModule(config=config)

@@ -8,9 +8,9 @@ import pytest
 from lightning_oomb.core.planner import CUDA_CONTEXT_BYTES, plan
 
 BENCH = Path(__file__).parents[1] / "docs" / "bench"
-# (file, measured with the fused Triton RMSNorm/RoPE/SwiGLU): the first run used transformers' own ops and
-# kept no attention outputs; the later ones record the chunks they kept (outputs, then also graphs, whose
-# output-layer gradient goes into the step's one float32 sum).
+# (file, measured with the fused Triton RMSNorm/RoPE/SwiGLU): h200-qwen2.5-7b-dense.csv ran transformers' own
+# ops and kept no attention outputs; the others record the chunks they kept (outputs, and in some also graphs,
+# whose output-layer gradient goes into the step's one float32 sum).
 MEASURED = (
     ("h200-qwen2.5-7b-dense.csv", False),
     ("h200-qwen2.5-7b-dense-kept-fused.csv", True),
@@ -21,8 +21,9 @@ MEASURED = (
 
 
 def product_bytes(context: int, chunks: int) -> int:
-    """What the measured steps (all before kernels.linear.swiglu_linear) kept and the plan no longer counts: the
-    SwiGLU product of every layer, (chunk tokens, intermediate) in bf16, per chunk of activations held."""
+    """What the measured steps kept and the plan does not count, since they ran without
+    kernels.linear.swiglu_linear: the SwiGLU product of every layer, (chunk tokens, intermediate) in bf16, per
+    chunk of activations held."""
     return chunks * 28 * min(context, 4096) * 18944 * 2
 
 
@@ -103,7 +104,7 @@ TIMED = (
     ("h200-qwen2.5-7b-packed-sparse-1m-3ca4960.csv", "sparse", 1 << 20,
      {"sparse": SPARSE64, "grad_dtype": "bfloat16", "document_length": 32768}),
 )
-CLI_TIMED = (  # lightning-oomb fit, AdamW, f29543e / 5174e5a / a34339c: steady step, and the placement it printed
+CLI_TIMED = (  # lightning-oomb fit on the example YAMLs, AdamW, on the H200: a steady step, the placement it printed
     ("128K YAML", 38.7, 131072, dict(kept_chunks=24, graph_chunks=2)),
     ("128K YAML, 32K-token documents", 19.11, 131072, dict(kept_chunks=24, graph_chunks=2, document_length=32768)),
     ("LoRA YAML", 3.63, 32768, dict(lora_rank=16, kept_chunks=2, graph_chunks=6)),

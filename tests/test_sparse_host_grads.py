@@ -328,10 +328,8 @@ def test_plan_placed_places_like_a_step():
     sparse = {o: plan_placed("qwen2.5-7b", 1 << 20, offload=o, sparse=SparseConfig(), **kwargs).config
               for o in ("gpu", "auto", "host")}
     assert sparse["gpu"].host_grad_layers == 0 and sparse["host"].host_grad_layers == 28
-    # The measured 1M steps (docs/benchmarks.md): 7 layers on the host with transformers' own norm/SwiGLU ops,
-    # 6 with the fused ops' smaller activations, 7 again with the 2 GiB of float32 staging buffers that
-    # keep the host traffic off the attention kernel, 8 with each layer's attention output kept for the
-    # checkpoint's recompute.
+    # 8 layers with the fused ops' activations, the 2 GiB of float32 staging buffers that keep the host traffic
+    # off the attention kernel and each layer's attention output kept for the checkpoint's recompute.
     assert sparse["auto"].host_grad_layers == 8
     assert not any(c.offload for c in sparse.values())
 

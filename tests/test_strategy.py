@@ -86,7 +86,7 @@ def test_same_weights_as_plain_training(backend):
 def test_gradient_accumulation_and_clipping():
     # Clipping scales every update by the total gradient norm, so rounding anywhere reaches every entry: here
     # plain float32 training itself lands 7e-4 from the same training in float64, and the served run 3.6e-5
-    # from plain (transformers 5.24; under STEPS_TOL with the earlier releases CI had). Hence 1e-4.
+    # from plain with transformers 5.24 (within STEPS_TOL with older releases). Hence 1e-4.
     compare(lambda: UserModule(tiny_model("llama")), 1e-4, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=2)
 
 
@@ -334,8 +334,8 @@ def test_checkpoint_copy_keeps_shared_tensors_shared():
 
 def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():
     """Lightning's strategy teardown moves the model to host memory; the pinned pool must be gone by then (a
-    1M-token run was killed by the OOM killer holding both), and the optimizer state and gradients are not
-    copied along (43 GiB for a 7B model with AdamW)."""
+    1M-token run's host memory cannot hold both), and the optimizer state and gradients are not copied along
+    (43 GiB for a 7B model with AdamW)."""
     seen = []
 
     class Module(UserModule):

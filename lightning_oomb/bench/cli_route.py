@@ -5,17 +5,8 @@ optimizer in the same process lease, for the ratio.
     python -m lightning_oomb.bench.cli_route --config examples/qwen2.5-7b-128k.yaml --model-dir /dev/shm/qwen \\
         --make-model qwen2.5-7b --steps 3 --out runs/cli-route [--checkpoint-every 2] [--resume] [--baseline]
 
-``--make-model SHAPE`` writes random bf16 weights of a built-in shape to ``--model-dir`` first (built on the
-GPU, saved with ``save_pretrained``) when it holds no model yet. The corpus is generated text (seeded),
-tokenized with the byte tokenizer in ``examples/``; with ``--document-length N``, documents of N tokens each
-trained with ``document_masking`` (packed documents), the baseline given the same position ids. The fit runs as a child process; every second its
-resident set, the machine's used and available memory (``/proc/meminfo``) and the GPU's used memory
-(``nvidia-smi``) go to ``memory.csv``; a kill by the kernel's OOM killer shows there as the last rows.
-``summary.json`` holds: the seconds from the command to the first step's start, each step's seconds (from
-``train/tokens_per_s``), the GPU peak of each step (``memory/gpu_peak_gib``), the host peak (sampled), the
-plan's GPU and host totals (parsed from the printed plan), the checkpoint writes (size, seconds), and with
-``--baseline`` the steady step of ``train_step`` + the same optimizer in this process. Where the YAML's
-PagedKVCallback traces a step (``trace_step``), ``<name>-trace.png`` draws the memory after every chunk.
+Writes ``memory.csv`` (sampled every second) and ``summary.json`` (times, peaks, the plan's totals,
+checkpoint writes); docs/benchmarks.md, "The measurement scripts", says what each holds.
 """
 
 from __future__ import annotations

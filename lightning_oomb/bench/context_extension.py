@@ -3,12 +3,9 @@
     python -m lightning_oomb.bench.context_extension RUNS_DIR --out DIR
     python -m lightning_oomb.bench.context_extension DIR/summary.json --out DIR   # redraw from a summary
 
-``RUNS_DIR`` holds one TensorBoard run per folder (``RUNS_DIR/<arm>-<seed>/version_0``, as
-``docs/bench/context-extension-h200.sh`` writes them with ``examples/smollm2-passkey-64k.yaml``; a run named
-``before`` is the pretrained model's ``lightning-oomb validate``). Written to ``DIR``: ``summary.json`` (every
-run's ``val/retrieval_acc_<length>`` by step, its steps, training time and last training loss),
-``summary.md`` (the final accuracies, arm by arm, seed by seed) and, with matplotlib, ``accuracy.png``
-(accuracy against length after training, and against step at the training length).
+``RUNS_DIR/<arm>-<seed>/version_0`` as ``docs/bench/context-extension-h200.sh`` writes them (``before``: the
+pretrained model's ``lightning-oomb validate``). Writes ``summary.json``, ``summary.md`` and, with
+matplotlib, ``accuracy.png`` to ``DIR`` (docs/benchmarks.md, "The measurement scripts").
 """
 
 from __future__ import annotations

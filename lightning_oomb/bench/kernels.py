@@ -2,13 +2,9 @@
 
     python -m lightning_oomb.bench.kernels [--out kernels.csv] [--sweep | --chunk-sweep] [--sdpa-backend cudnn]
 
-Qwen2.5-7B attention shape (28 query heads, 4 KV heads, head dim 128), bf16, batch 1: a chunk of T=4096
-queries over a paged past of 0, 32K, 128K and 512K tokens (pages of 128 in random pool slots), forward and
-backward timed separately (median), next to SDPA (flash, or cuDNN) on a full causal sequence of the same total
-length. TFLOP/s count only unmasked work: forward 4 * D * H_q * (T * past + T (T + 1) / 2), backward 2.5x
-that (FlashAttention's convention: the 5 backward matmuls; our backward actually runs 7, see
-kernels/chunk_attention.py). Before timing, every size is checked against the reference on a sub-problem
-(T=256 queries at the end of the full past).
+Qwen2.5-7B's attention heads in bf16: a chunk of 4096 queries over a paged past of 0 to 512K tokens, forward
+and backward timed apart, next to SDPA on a causal sequence of the same total length; every size is first
+checked against the reference (docs/benchmarks.md, "The measurement scripts", says what TFLOP/s count).
 """
 
 from __future__ import annotations

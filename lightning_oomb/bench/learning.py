@@ -3,19 +3,9 @@
     python -m lightning_oomb.bench.learning --out docs/bench/learning-cpu [--steps 100] [--lr 1e-5]
         [--optimizers adamw,adamw-sr,adamw8bit,adamw-kahan,adamw8bit-kahan] [--accelerator cpu]
 
-A Qwen2-shaped model (``--hidden``, ``--layers``; random init) first trains briefly in float32 on a
-synthetic language (each token drawn from a fixed random bigram table: there is always more to learn), with
-AdamW at ``--warm-lr``; its weights, rounded to bf16 so that every run starts from the same numbers, are the
-start. From there each run takes ``--steps`` steps at ``--lr`` (constant) through a Lightning ``Trainer``
-with ``OOMBStrategy`` on the same batches: the reference in ``32-true`` with torch AdamW, then each optimizer
-in ``bf16-true``. Reported for each run, over all parameters as one vector of weight changes d = w_end -
-w_start (the weights the model computes with; for the Kahan choices without their compensation):
-
-- changed: the fraction of weights that moved at all;
-- cosine and norm ratio of d against the 32-true run's d;
-- the held-out loss (float32 forward of the final weights on fixed batches) before and after, and the
-  decrease as a fraction of the 32-true run's;
-- the training loss at every step (results.csv, and results.png with matplotlib).
+A Qwen2-shaped model, warmed up in float32 on a synthetic bigram language and rounded to bf16, takes the same
+steps once in ``32-true`` with torch AdamW and once per optimizer in ``bf16-true``, through a Lightning
+``Trainer`` with ``OOMBStrategy``. docs/optimizers.md, "How close to float32 each trains", has the method.
 """
 
 from __future__ import annotations

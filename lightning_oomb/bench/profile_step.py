@@ -3,23 +3,10 @@
     python -m lightning_oomb.bench.profile_step --model qwen2.5-7b --context 32k [--chunk 4096] [--budget-pages 64]
         [--selection chunk] [--grad-dtype bfloat16] [--offload host] [--checkpoint-layers] [--keep-attention 0]
 
-With --budget-pages, the step runs page-level sparse attention (SparseConfig(budget_pages=...)); its kernels
-fall into the same groups (forward, dK/dV, dQ); --selection chunk makes one page selection per chunk. With
---offload host a sparse step keeps every layer's K/V and gradient pages in host memory (the gathers of its
-selected pages ahead of their calls and the additions into its gradient pages run on side streams, beside the
-compute: GPU busy then counts every stream); --keep-attention 0 recomputes every chunk's attention in stage 2, as a 1M-token
-step must.
-
-Every report also says how the streams overlapped: each stream's busy time (kernels and copies), and for
-the side streams (gathers of host K/V pages ahead of their calls, additions into host gradient pages) how much
-of it ran while the compute stream was busy, i.e. hidden behind the compute, by the profiler's timestamps.
-
---chunks A:B[,C:D...] profiles only those chunk ranges of one step, each stage of each range on its own
-(stage 2 runs a range last chunk first), so that a 1M-token step fits in one run, and prints the step's
-chunk timeline: the seconds of every chunk of both stages from CUDA events between chunks (--timeline-bin
-chunks per line; the profiled ranges include the profiler's own cost and a synchronisation at each end).
-The warm-up steps then run at --warmup-context tokens (default 64k), once with every page on the GPU and,
-for a sparse step, once with every gradient page on the host, so that the profiled ranges compile nothing.
+Each report also gives every stream's busy time and how much of the side streams' ran behind the compute.
+--offload host keeps a sparse step's pages in host memory, --keep-attention 0 recomputes every chunk's
+attention in stage 2 (as a 1M-token step must), --chunks A:B profiles chunk ranges of one step and prints
+its chunk timeline (docs/benchmarks.md, "The measurement scripts").
 """
 
 from __future__ import annotations

@@ -3,22 +3,10 @@
     python -m lightning_oomb.bench.sparse_fidelity --config examples/passkey_cpu.yaml --page-size 16 \\
         --out docs/bench/cpu-sparse-fidelity.md
 
-Random weights attend almost uniformly, so fidelity measured on them means little. This trains the demo's
-model on the demo's passkey task (the YAML's model, data, steps and learning rate; pages of --page-size
-tokens so that the past has many pages) through a Lightning Trainer with OOMBStrategy, densely, then:
-
-1. on --sequences held-out sequences, compares the full parameter gradient of the sparse model
-   (``train_step(..., sparse=...)``) with the dense one for every budget of --budgets pages, both scores
-   ("mean", "minmax") and three selections (per query tile and KV head, per query tile shared by the KV
-   heads, per chunk and KV head: ``per_query_tile=False``): cosine similarity and relative error
-   ||g_sparse - g_dense|| / ||g_dense|| of the gradient of all parameters as one vector, and of the loss;
-   and the distinct past pages one attention call of a chunk reads (the union over its tiles and KV heads:
-   what a layer with K/V pages in host memory gathers; the sparse steps run with ``offload="host"``, which
-   gives the same gradient bit for bit);
-2. trains the same model from the same initialisation with sparse attention (``SparseCausalLMModule``,
-   --train-budget pages) on the same data, and reports both models' held-out retrieval accuracy.
-
-Runs on the CPU (float32, reference attention) in minutes; writes a markdown report.
+Random weights attend almost uniformly, so this first trains the demo's model densely on its passkey task;
+then it compares the sparse gradient with the dense one for each budget (--budgets), score and selection,
+and trains the same model sparsely (--train-budget) to compare held-out accuracy. Runs on the CPU in minutes
+and writes a markdown report (docs/benchmarks.md, "The measurement scripts").
 """
 
 from __future__ import annotations

@@ -3,19 +3,10 @@
     python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096]
         [--grad-dtype float32|bfloat16] [--sweep]
 
-Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128), bf16, one chunk of --chunk queries. The sparse
-kernels run over a past of --past tokens with --budget pages of 128 per query tile (1 sink, 4 local, the
-rest random and distinct per tile and KV head, so that tiles share only the sink and local pages); the dense
-kernels over a past of budget * 128 tokens, where every query attends to the same number of keys. The ratio
-is the cost of the page lists and of the page-stationary dK/dV pass against the dense key-stationary one.
-The sparse backward is also timed with the KV-gradient pages in pinned host memory (``PagePool(host_grad_layers=
-...)``: the selected pages' share is staged on the GPU and added into the host pages on a side stream),
-back to back (the side stream's throughput bounds it) and as one layer of a step among others: the
-backward followed by the matmuls of a Qwen2.5-7B layer's linear backward, over --layers layers whose
-gradient pages all live on the GPU, or --host-layers of them (default all, spread over the layers as in a
-step) on the host. The difference is what a host layer costs a chunk.
-With --sweep it also times the sparse kernels over candidate tile shapes (BLOCK_M, BLOCK_N, warps, stages):
-the forward alone, then the backward with one kernel's tiles varied and the others at their defaults.
+Qwen2.5-7B heads in bf16, one chunk: the sparse kernels over --past tokens with --budget pages per query tile,
+the dense kernels over budget pages of past, so that every query attends to as many keys; then the sparse
+backward with its gradient pages in pinned host memory, alone and among a layer's other work; with --sweep,
+candidate tile shapes (docs/benchmarks.md, "The measurement scripts").
 """
 
 from __future__ import annotations
@@ -87,7 +78,7 @@ def _selection(past: int, t: int, budget: int, n_kv: int = 4, ps: int = 128) -> 
 
 
 SWEEP = {
-    # The first of each list was the default before the sweep of docs/bench/h200-sparse-kernels-sweep.txt.
+    # Candidate (BLOCK_M, BLOCK_N, warps, stages) of each kernel; sparse_attention.default_tiles holds the pick.
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 3)],
     "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3)],
     "dkdv": [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
@@ -95,7 +86,7 @@ SWEEP = {
 
 
 def sweep(store, q, k, v, do, sel, past: int, scale: float, pairs: float) -> None:
-    """Print the time and rate of each candidate tile shape (see the module notes)."""
+    """Print the time and rate of each candidate tile shape (docs/benchmarks.md, "The measurement scripts")."""
     import dataclasses
 
     from ..kernels import chunk_attention as dense

@@ -1,24 +1,11 @@
-"""One autograd function: a chunk's queries attend to the stored past plus the chunk itself, causally.
+"""The attention op: ``ChunkAttention``, one autograd function in which a chunk's queries attend to the stored
+past plus the chunk itself, causally; the backend interface it calls and ``resolve_backend``.
 
-Backward adds the past's dK, dV into the store's gradient pages and returns the chunk's own dk, dv with
-what later chunks stored for them already added (docs/architecture.md, "The algorithm in one page": stage 2).
-
-With a page selection (``lightning_oomb.core.sparse``) the same function runs sparse attention: the past is
-only the selected pages of each query tile, and the backend is the sparse one (``resolve_backend(...,
-sparse=True)``), whose ``attention_forward``/``attention_backward`` take the selection as a last argument.
-
-Packed documents (``core.documents``): ``doc_start`` (B, T) int32 gives every query of the chunk the token
-position where its document starts; the query attends to the keys [doc_start, its own position] only. Dense
-and sparse backends take it (None: one document, every past key visible); a sparse selection made with it
-(``core.sparse.select_pages``) holds only pages of the tiles' documents, -1 for no page. Where the engine
-knows that all of the chunk's queries belong to one document, the same in every row, it also passes that
-document's start as a host int, ``one_document``, to the dense backend: the chunk is then an unpacked chunk over
-the keys from there on, which the Triton backend runs in the Hopper kernels that know no documents.
-
-A store whose pages live in host memory (``store.streamer`` set) is streamed through the GPU by its
-streamer (lightning_oomb.core.offload), which calls the backend on one key range at a time. A sparse
-layer whose K/V pages live in host memory (``store.kv_stager`` set) has the pages its chunk selected
-gathered to the GPU for each call (``core.pages.HostKVStaging``).
+Backward adds the past's dK, dV into the store's gradient pages and returns the chunk's own dk, dv with what
+later chunks stored for them already added (docs/architecture.md, "The algorithm in one page"). The same op
+takes a sparse page selection, packed documents (``doc_start``, ``one_document``), pages streamed from the
+host (``store.streamer``) and a sparse layer's host K/V pages (``store.kv_stager``): docs/architecture.md,
+"The attention backend" and the sections after it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """AdamW with Kahan-compensated bf16 weights: torchao's AdamW arithmetic on weight + compensation.
 
-Each bf16 weight ``p`` has a bf16 buffer ``c`` holding what rounding the last update to bf16 left out. A step
-forms ``hi = p + c`` in float32, runs torchao's ``single_param_adam`` on ``hi`` (its moments stay torchao's:
-bf16 for ``KahanAdamW``, 8-bit for ``KahanAdamW8bit``), then writes ``p = bf16(hi)`` and ``c = bf16(hi - p)``.
-The forward sees ``p``; the next update starts from ``p + c``, about 16 bits of mantissa, so updates far below
-bf16's spacing accumulate instead of being rounded away. Float32 weights (``32-true``, LoRA adapters) get
-no buffer and step as torchao's own optimizer does.
-
-The per-tensor step is one fused kernel on CUDA (``torch.compile``, as torchao compiles its own step); it
-asks Inductor to keep the float32 -> bf16 -> float32 round trip that defines ``c``
-(``emulate_precision_casts``), which it would otherwise fold away. On the CPU it runs eagerly.
+Each bf16 weight ``p`` has a bf16 buffer ``c`` with what rounding the last update left out; a step runs
+torchao's ``single_param_adam`` on ``p + c`` in float32 and writes back ``p = bf16(hi)``, ``c = bf16(hi - p)``,
+so updates far below bf16's spacing accumulate (docs/optimizers.md). On CUDA the per-tensor step is one
+``torch.compile`` kernel that keeps that round trip (``emulate_precision_casts``); on the CPU it runs eagerly.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Attention outputs of a step's first chunks, kept by stage 1 in pinned host memory for stage 2.
 
-Stage 2 re-runs each chunk's forward, attention included, unless stage 1 kept that chunk's attention outputs.
-Where the GPU has no room for them (a 1M-token step) the host may: stage 1 copies each layer's (out, lse) of
-the first ``n_chunks`` chunks out on a side stream as it computes them, and stage 2, which reaches those
-chunks last, copies each back one layer ahead of its use (the next layer's, or after a chunk's last kept
-layer the previous chunk's first). Both directions run on the one side stream, so a step's copies back
-always follow its copies out; the compute stream waits only for the layer it is about to use.
-
-On a CPU device the copies run where they are issued, which is how this is tested.
+Where the GPU has no room for them (a 1M-token step), stage 1 copies each layer's (out, lse) of the first
+``n_chunks`` chunks out on a side stream, and stage 2, which reaches those chunks last, copies each back one
+layer ahead of its use. One side stream carries both directions, so a step's copies back follow its copies
+out; the compute stream waits only for the layer it is about to use. On a CPU the copies run where issued.
 """
 
 from __future__ import annotations

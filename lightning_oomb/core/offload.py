@@ -1,26 +1,11 @@
 """Pages in host memory, streamed through the GPU (docs/architecture.md, "Host pages").
 
-A host-placed PagePool keeps K, V, dK and dV of every layer in (pinned) host memory. Attention over such a
-past never holds it on the GPU: the past is cut into segments of ``segment_tokens`` tokens, each brought
-into one half of a double-buffered staging area on a copy stream while the other half is computed on.
-
-- forward: the chunk's own causal part first (no copy needed), then segment after segment, carrying the
-  online-softmax state (out in fp32, lse) from one to the next (``backend.forward_state``);
-- backward: the chunk's own part starts from the gradient later chunks stored for its tokens (staged from
-  the host), then every segment brings in K, V, dK, dV, adds this chunk's dK, dV
-  (``backend.backward_part``) and sends dK, dV back on a second copy stream;
-- stage 1 sends each chunk's K, V to the host (through a staging buffer, on the device-to-host stream).
-
-Ordering is by CUDA events only: no host synchronisation inside a step, no Python threads. Gradient pages
-on the host are never zeroed: a step's first backward pass over a layer (the last chunk's, whose past is
-every other token) starts its staged gradients from zero and writes every page back.
-
-Packed documents: the segments wholly before a chunk's earliest document start (a host value per chunk,
-``PagePool.allocate(first_keys=...)``) are neither copied nor computed, forward or backward. A backward pass
-then writes back only the gradient pages from its first segment on, so each layer remembers from which token
-its host gradient pages hold this step's sums; below it they are staged as zeros, as on the first pass.
-
-On a CPU device the same code runs with synchronous copies and no events, which is how it is tested.
+A host-placed PagePool keeps K, V, dK and dV of every layer in pinned host memory. Attention over that past
+runs segment by segment (``segment_tokens`` tokens), each copied into one half of a double-buffered staging
+area while the other half is computed on: the forward carries the online-softmax state across segments
+(``backend.forward_state``), the backward adds each segment's dK, dV (``backend.backward_part``) and sends
+them back on a second copy stream. CUDA events order it all: no host synchronisation inside a step, no
+Python threads. On a CPU device the same code runs with synchronous copies, which is how it is tested.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The optimizers a run chooses by name, the bytes each keeps per trained parameter, and how one is built.
 
-A bf16 weight near 0.02 is spaced about 1.2e-4 from its neighbours, so under ``bf16-true`` an AdamW update of
-about the learning rate (1e-5) is rounded away for most elements (docs/optimizers.md measures how much).
-The choices, all stepping AdamW's arithmetic in float32:
-
-- ``adamw``: ``torch.optim.AdamW`` (fused on CUDA); state in the weights' dtype.
-- ``adamw-sr``: torchao's AdamW with bf16 stochastic rounding of the weights (unbiased, noisy).
-- ``adamw8bit``: torchao's ``AdamW8bit``: both moments in 8 bits (blocks of 256 with a float32 scale).
-- ``adamw-kahan``, ``adamw8bit-kahan``: the two above with a bf16 compensation buffer per bf16 weight, which
-  keeps the low bits each update leaves behind (Kahan summation; ``core/kahan.py``): the weight the next
-  update starts from is weight + compensation, about 16 bits of mantissa.
-- ``sgd``: ``torch.optim.SGD`` with momentum 0.9.
-
-The torchao choices need the ``optim`` extra (``pip install 'lightning_oomb[optim]'``). A class path
-(``"bitsandbytes.optim.AdamW8bit"``) builds that class instead; the planner then counts its state as
-AdamW's (two copies in the weights' dtype).
+``adamw`` (torch, fused on CUDA), ``adamw-sr`` (torchao, bf16 stochastic rounding), ``adamw8bit`` (torchao),
+``adamw-kahan`` and ``adamw8bit-kahan`` (a bf16 compensation buffer per bf16 weight, ``core/kahan.py``) and
+``sgd`` (momentum 0.9); or a class path, whose state the planner counts as AdamW's. Why under ``bf16-true``
+the choice matters, and what each costs: docs/optimizers.md. The torchao choices need the ``optim`` extra.
 """
 
 from __future__ import annotations

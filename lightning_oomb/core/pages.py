@@ -170,29 +170,12 @@ def stage_2_gather_order(host_layers: list[int], stored: set[int], graph: bool) 
 class HostKVStaging:
     """Brings the pages a sparse chunk selected of a host K/V layer to the GPU, for its attention calls.
 
-    Per sequence, the union of the pages its query tiles and KV heads selected (every KV head of a page comes
-    with it: a page's K of all heads is one block) is copied from the host-mapped pinned pages into a GPU
-    staging area in one batched gather, and the layer's view is remapped onto it: the sparse kernels read it
-    as they read GPU pages. The union is found on the device (a bitmap over the past pages and its running
-    count), so the staging area is sized for the worst case, ``min(past pages, selected entries)`` pages per
-    sequence, and the host never waits. Gradients do not travel this way: the layer's gradient pages are its
-    own, wherever they live (``PagePool.host_grad_layers``).
-
-    The last gather is kept until the next one (or ``forget``): the calls of one layer that follow each other
-    with the same selection (stage 2's forward of the last layer and its backward) read the same pages, and
-    host K/V pages do not change in stage 2.
-
-    Stage 2 knows every selection of a chunk before it starts (stage 1 made them), so the engine announces
-    the chunk's calls (``expect``, in ``stage_2_gather_order``) and each gather runs on a side stream ahead
-    of its call: the next one starts when the previous one is taken, behind the compute in between. So at
-    most two layers' staging are alive, the one in use and the next. Stage 1 makes each selection just before
-    its call and gathers on the compute stream. A call the announcement did not foresee is gathered where it
-    is made (nothing is ever read from a gather of other pages: a gather serves only the layer, chunk and
-    selection tensor it was made for).
-
-    ``pages_staged`` counts the pages gathered (on the device; reading it waits for the GPU), ``calls`` the
-    gathers, ``prefetched`` those that ran ahead of their call; ``busy`` and ``busy_ahead`` the time their copies
-    took on the compute stream and on the side stream.
+    Per sequence, the union of the pages its tiles and KV heads selected is gathered from the host-mapped pages
+    into GPU staging (the union found on the device, so the host never waits) and the layer's view remapped onto
+    it. Stage 2's gathers run ahead of their calls on a side stream (``expect``); the last gather serves a call of
+    the same layer, chunk and selection (docs/architecture.md, "Host K/V pages for sparse steps").
+    ``pages_staged`` counts the pages gathered (on the device: reading it waits for the GPU), ``calls`` the
+    gathers, ``prefetched`` those run ahead; ``busy``, ``busy_ahead``: the copies' time on the compute, side stream.
     """
 
     def __init__(self, device: torch.device):
@@ -309,31 +292,15 @@ class HostKVStaging:
 
 
 class PagePool:
-    """Pages of K, V (and dK, dV when ``with_grads``) for all layers, allocated once.
+    """Pages of K, V (and dK, dV when ``with_grads``) for all layers, allocated once: ``num_pages`` slots of
+    ``page_size`` tokens shared by the sequences of a step, handed out by ``allocate``, returned by ``free``.
 
-    ``num_pages`` slots are shared by all sequences of a step; tables are handed out by ``allocate``
-    and returned by ``free``. Nothing here grows after construction.
-
-    placement "gpu" keeps the pages on ``device``; "host" keeps them in host memory (pinned when ``device`` is
-    CUDA, registered in one piece per tensor) and attention streams them through the GPU in segments of
-    ``segment_tokens`` tokens, the sequences of a batch together (lightning_oomb.core.offload). On a CPU ``device`` "host" runs the same
-    streaming code with synchronous copies: that is how it is tested.
-
-    host_grad_layers (placement "gpu", sparse attention only): the KV-gradient pages of that many layers,
-    spread evenly over the depth (``host_layers``: each one's bus traffic overlaps the layers after it), live
-    in pinned host memory (``host_dk``, ``host_dv``); K and V stay on the GPU. Only the pages a chunk selected
-    cross the bus: the sparse backward leaves their share in a GPU staging area (``grad_staging``) that a
-    side stream adds into the host pages through their host-mapped address; the pages of the other layers
-    are ``dk``, ``dv`` on the GPU. In stage 2 the K/V pages after the chunk being computed are dead, in
-    every layer, and so are the GPU layers' gradient pages there: ``move_host_grads_to_gpu`` moves host
-    layers' gradient pages into them as they die, so that from then on those layers' additions stay on the
-    GPU.
-
-    host_kv_layers (placement "gpu", sparse attention only): the K/V pages of that many layers, spread evenly
-    over the depth (``host_kv_layer_ids``), live in pinned host memory (``host_k``, ``host_v``) too. A chunk
-    writes its K/V rows there from the GPU; each attention call gathers the pages its chunk selected into GPU
-    staging (``HostKVStaging``) and reads those. Their page summaries live in pinned host memory too
-    (``summaries``); the selections stay on the GPU.
+    placement: "gpu" keeps them on ``device``; "host" in host memory (pinned when ``device`` is CUDA), streamed
+        through the GPU in segments of ``segment_tokens`` tokens (core.offload; on a CPU with synchronous copies).
+    host_grad_layers, host_kv_layers (placement "gpu", sparse attention): that many layers, spread over the depth,
+        keep their KV-gradient pages, or their K/V pages and summaries, in pinned host memory.
+    host_limit: the pinned bytes its placement left for the pool (``host``, a ``HostLedger``). docs/architecture.md,
+    "Memory" and the host-page sections after it, says how each is used.
     """
 
     def __init__(

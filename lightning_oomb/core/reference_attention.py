@@ -1,14 +1,11 @@
 """Plain-PyTorch chunk attention over the paged store: the oracle every kernel is tested against.
 
 Queries of one chunk, q (B, H_q, T, D), attend to the stored past (tokens [0, start) of the store) and
-causally to the chunk's own keys k, v (B, H_kv, T, D). Keys are visited in tiles of ``tile`` tokens with
-an online softmax in float32, so memory is O(T x tile), never O(T x L). GQA: the H_q = g * H_kv query
-heads are viewed as (H_kv, g) and broadcast against each key head; K/V are never repeated.
-
-Packed documents: with ``doc_start`` (B, T) int32, query i sees only keys at or after doc_start[:, i] (token
-positions): key tiles wholly before the chunk's earliest document start are skipped, the others masked per
-element. With ``one_document`` (all queries in the document starting there) the chunk is an unpacked chunk
-over the keys from that start on.
+causally to the chunk's own keys k, v (B, H_kv, T, D), key tile by key tile with an online softmax in
+float32: memory O(T x tile), never O(T x L). The query heads are viewed as (H_kv, g) against each KV head;
+K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
+doc_start[:, i] on, whole tiles before the earliest start skipped; ``one_document``: an unpacked chunk over
+the keys from that start.
 """
 
 from __future__ import annotations

@@ -146,15 +146,14 @@ def serve(
     ranks: Ranks = Ranks(),
     before_chunk: ChunkHook | None = None,
 ) -> Iterator[Serving]:
-    """Within the block, the causal LM's forward is served by the chunk-recurrent schedule.
+    """Within the block, the causal LM's forward is served by the chunk-recurrent schedule; stage 2 runs
+    when the returned loss is backpropagated, inside or after the block. The instance's ``forward`` attribute is
+    set for the block and removed after it (the class is untouched).
 
     ``optimizers``: those that update the model after the step (the state their first update creates is
     counted when the step is placed: ``optimizers.pending_state``). ``ranks``: the data-parallel ranks a
     training forward agrees with (``core.ranks``; evaluation forwards agree nothing). ``before_chunk``: the
     engine's hook before each chunk of both stages (``schedule.ChunkHook``), for training and evaluation.
-
-    The instance's ``forward`` attribute is set for the block and removed after it (the class is untouched).
-    Stage 2 runs when the returned loss is backpropagated, inside or after the block.
     """
     lm = causal_lm(model)
     if "forward" in lm.__dict__:

@@ -1,47 +1,12 @@
-"""Page-level sparse attention (docs/architecture.md, "Page-level sparse attention"): options, page summaries, selection, and the reference.
+"""Page-level sparse attention: page summaries, the selection, and the plain-PyTorch reference.
 
-What a query attends to. The queries of a chunk at tokens [start, start + T) are cut into query tiles of
-``page_size`` tokens, aligned to the chunk start (tile i holds queries [start + i*ps, start + (i+1)*ps), the
-last tile may be shorter). Every query attends causally to the whole current chunk. The past is tokens
-[0, start), cut into P = ceil(start / ps) past pages along the page table's boundaries: past page p is
-tokens [p*ps, min((p+1)*ps, start)), so the page that straddles the chunk start counts, clipped to its part
-before ``start``, as the last past page (its other part belongs to the current chunk). For each
-(query tile, KV head) (or per query tile, shared by all heads, with ``per_kv_head=False``) the past pages
-attended are:
-- all P of them when P <= budget_pages (dense);
-- else the first ``sink_pages`` pages, the last ``local_pages`` pages, and the top
-  (budget_pages - sink_pages - local_pages) of the other pages by score.
-With ``per_query_tile=False`` the chunk's mean query makes one such selection that every tile uses: a chunk
-reads at most ``budget_pages`` distinct past pages per KV head.
-
-Scores, from per-page key summaries of post-RoPE keys (written as stage 1 fills the store):
-- "mean": q_bar . mean_key(page), where q_bar is the mean of the tile's queries over its tokens and over the
-  query heads that read the KV head (all query heads, each against its own KV head's summary, when shared):
-  the mean over the tile of q . mean_key, i.e. the tile's average logit against the page's average key;
-- "minmax" (Quest's bound): sum_d max(q_bar_d * min_d, q_bar_d * max_d) with the element-wise min and max of
-  the page's keys: an upper bound of q_bar . k over the page's keys, i.e. of the tile's average logit.
-Equal scores are resolved by torch.topk; the selection is then sorted ascending by page number.
-
-Packed documents (``doc_start``, core/documents.py): a tile selects only among the past pages that overlap
-its rows' documents, from the page of its earliest document start on (none when that start is in the
-chunk); its sink pages are that document's first pages, its local pages the last before the chunk, and the
-"all of them" rule counts the pages it may see. Entries it cannot fill are -1 (no page, sorted first). Its
-score is that of the mean of its rows whose document started before the chunk (the others see no past
-page). Each query row then sees only keys at or after its own document start (docs/architecture.md, "Page-level sparse
-attention").
-
-A selection is an int32 tensor (B, H_sel, n_tiles, K) of LOGICAL page numbers of the sequence (not pool
-slots; the kernels go through the page table; a stride-0 view over the tiles with ``per_query_tile=False``),
-sorted ascending, with H_sel = n_kv_heads (per head) or 1
-(shared) and K = min(P, budget_pages); -1 entries only with packed documents. ``ChunkedSequence`` makes it
-once per (chunk, layer) in stage 1, keeps it until that chunk's stage-2 backward is done, and hands the same
-tensor to the stage-2 forward and backward. Gradients do not flow through the selection: they are exact for
-the chosen pattern.
-
-``attention_forward`` / ``attention_backward`` here are the plain-PyTorch reference (the oracle of the
-Triton kernels in ``lightning_oomb.kernels.sparse_attention``), with the contract of
-``reference_attention`` plus the selection. They loop over query tiles; one tile's scores are
-(tile, K * page_size + its causal chunk prefix), never T x past.
+Each query tile (``page_size`` queries from the chunk start) attends causally to the whole chunk and to the
+past pages its selection names: all of them up to ``budget_pages``, else the sink pages, the local pages and
+the top-scored others, per (query tile, KV head) or shared by the heads; scores compare the tile's mean query
+with per-page key summaries ("mean": the page's mean key; "minmax": Quest's bound from its element-wise min
+and max). A selection is an int32 tensor (B, H_sel, n_tiles, K) of logical page numbers, sorted ascending, -1
+for no page (packed documents). ``attention_forward`` / ``attention_backward`` are the oracle of
+``kernels.sparse_attention``. docs/architecture.md, "Page-level sparse attention", has the rest.
 """
 
 from __future__ import annotations
@@ -138,7 +103,8 @@ def select_pages(
     q: torch.Tensor, store: LayerStore, summaries: tuple[torch.Tensor, ...], config: SparseConfig, start: int,
     doc_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T): see the module notes.
+    """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T) (docs/architecture.md,
+    "Page-level sparse attention"; ties resolved by torch.topk, then sorted ascending).
 
     doc_start: None, or (B, T) int32 each query's document start (packed documents): a tile then selects
     among the past pages from that of its earliest document start on, and entries it cannot fill are -1.

@@ -1,13 +1,8 @@
-"""Wiring into transformers: an AttentionInterface entry, the fused Triton ops (RMSNorm, RoPE, SwiGLU)
-and the decoder's linear layers that add their weight gradients in place (kernels.linear) swapped in for a
-step, and the checks that refuse models this engine would not compute exactly. No model
-class is modified: instances get a ``forward`` attribute and the modeling module its
-``apply_rotary_pos_emb`` for the duration of a step, restored after it.
-
-The attention entry has no mask function on purpose: for an implementation absent from transformers'
-AttentionMaskInterface, ``create_causal_mask`` returns None at once. With one registered it would first
-look for packed sequences in the position ids, ``(mask[:, -1] == 0).all()`` in a Python ``if``: a wait of
-the host for the GPU at every chunk of both stages."""
+"""Wiring into transformers: an AttentionInterface entry; the fused Triton ops (RMSNorm, RoPE, SwiGLU) and
+the decoder's in-place-gradient linear layers (kernels.linear), swapped in for a step; and the checks that
+refuse models this engine would not compute exactly. No model class is modified: instances get a
+``forward`` attribute and the modeling module its ``apply_rotary_pos_emb`` for a step, restored after it.
+"""
 
 from __future__ import annotations
 
@@ -65,6 +60,9 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.transpose(1, 2).contiguous(), None
 
 
+# No mask function is registered for it, on purpose: for an implementation absent from transformers'
+# AttentionMaskInterface ``create_causal_mask`` returns None at once. With one, it would first look for packed
+# sequences in the position ids (a Python ``if`` on a GPU tensor): the host waiting for the GPU at every chunk.
 AttentionInterface.register(ATTN_NAME, _oomb_attention)
 
 

@@ -1,8 +1,8 @@
-"""What the dense and the sparse attention kernels share: the Triton building blocks of their loops (tile
-loads and stores through a page table, one online-softmax step, one dQ step, one dK/dV step, the chunk's own
-causal keys) and the launch-side helpers (tile shapes, tensor descriptors for Hopper's bulk copies, input
-checks). ``chunk_attention`` and ``sparse_attention`` build their kernels from these; neither imports the
-other's private names.
+"""What the dense and the sparse attention kernels share: the Triton building blocks of their programs (the
+start of a query-stationary one, tile loads and stores through a page table, one online-softmax step, one dQ
+step, one dK/dV step, the chunk's own causal keys) and the launch-side helpers (tile shapes, tensor
+descriptors for Hopper's bulk copies, input checks). ``chunk_attention`` and ``sparse_attention`` build their
+kernels from these; neither imports the other's private names.
 """
 
 from __future__ import annotations
@@ -103,6 +103,25 @@ def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexp
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
+def query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The start of a query-stationary program (forward, dQ): query rows [m0, m_end) of sequence b and query
+    head h, named by grid axis 1 as bh = b * H_Q + h; h reads KV head hk. Returns (bh, b, h, hk, offs_m,
+    offs_n, offs_d, m_valid, q): q is the (BLOCK_M, D_PAD) tile of Q (B, H_Q, T, D), rows from m_end on 0."""
+    bh = tl.program_id(1)
+    b = (bh // H_Q).to(tl.int64)
+    h = bh % H_Q
+    hk = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_valid = offs_m < m_end
+    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
+                   HEAD_DIM, D_PAD)
+    return bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q
 
 
 @triton.jit

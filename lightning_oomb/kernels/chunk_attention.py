@@ -1,43 +1,11 @@
-"""Triton chunk attention over the paged KV store.
+"""Triton chunk attention over the paged KV store, with the contract of :mod:`lightning_oomb.core.reference_attention`.
 
-Same contract as :mod:`lightning_oomb.core.reference_attention`: the queries q (B, H_q, T, D) of the chunk
-at tokens [start, start + T) attend to every stored past token [0, start), read from the pool through the
-page table, and causally to the chunk's own keys k, v (B, H_kv, T, D). GQA by indexing: query head h reads
-KV head h // g with g = H_q // H_kv; K/V are never repeated.
-
-Kernels:
-- forward, query-stationary: one program per (query tile, query head), online softmax in the log2 domain
-  with fp32 accumulators; writes out and the natural-log lse.
-- backward, three launches:
-  - delta = rowsum(dO * O) per query;
-  - dK/dV, key-stationary: one program per (key tile, KV head), the past's tiles and the chunk's own in
-    one grid. It loops over the g query heads of its group and every query tile that sees its keys, so
-    each past row of store.dk/dv is read, added to and written by exactly one program: no atomics, and
-    the result is deterministic. When the past is too short to fill the GPU, each of the chunk's key
-    tiles is shared by g programs (one query head each) whose fp32 partial sums the launcher adds in a
-    fixed order (still deterministic);
-  - dQ, query-stationary like the forward, recomputing P and dS.
-  Splitting dQ from dK/dV costs two extra matmuls per (query tile, key tile) pair (7 instead of 5) and
-  buys determinism without fp32 atomics on a (T, D) buffer per query head; dQ added with atomics inside
-  the dK/dV loop measured no faster on an H200 (docs/benchmarks.md). Measured there
-  (lightning_oomb.bench.kernels): ~460-480 TFLOP/s forward, ~306-314 backward (FlashAttention's 5-matmul
-  count) at 32K-128K tokens of past: 1.4x SDPA's flash backend forward and ~0.96x its backward.
-
-On an H200 (sm_90) the whole past tiles of the forward, dQ and dK/dV run in the warp-specialised Gluon
-kernels of :mod:`.past_attention_sm90`: the kernels here then cover only the chunk's own keys and the past's
-last partial tile, and the Gluon forward and dQ continue from their results. Packed documents: the Gluon
-kernels know none, so they take only a chunk in one document (``one_document``), from the document's first
-whole page on; the kernels here add the document's keys before that page.
-
-On Hopper the loops read whole tiles with bulk copies through tensor descriptors (the past's K/V tiles
-when they never cross a page, the dK/dV loop's query rows); elsewhere, and for partial tiles, with pointer
-loads. The interpreter runs both (tests/test_triton_attention.py); tests/test_kernels_compile.py builds both
-for sm_90 on a CPU machine.
-
-Head dims that are not a power of two >= 16 run on padded tiles (masked columns read as zero).
-
-A tile of keys may span pages, so every key row finds its own page slot: row t of sequence b is at
-slot ``slots[b, t // page_size]``, offset ``t % page_size``.
+The queries q (B, H_q, T, D) of the chunk at tokens [start, start + T) attend to the stored past [0, start),
+read through the page table, and causally to the chunk's own k, v (B, H_kv, T, D); query head h reads KV head
+h // (H_q // H_kv), K/V are never repeated. Forward query-stationary; backward in three launches (delta,
+key-stationary dK/dV, query-stationary dQ), so that every gradient row has one writer: no atomics,
+deterministic. On sm_90 the whole past tiles run in :mod:`.past_attention_sm90`, and these kernels cover the
+chunk's own keys and the past's last partial tile. docs/architecture.md, "The attention kernels", says how.
 """
 
 from __future__ import annotations
@@ -49,7 +17,7 @@ import triton.language as tl
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, doc_tiles, dot_precision, dq_chunk,
     dq_step, fwd_chunk, fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, past_tile,
-    pool_descriptors, pool_rows, query_descriptors, softmax_row_terms, store_tile,
+    pool_descriptors, pool_rows, query_descriptors, query_program, softmax_row_terms, store_tile,
 )
 from .launch import on_device_of
 from .page_table import LayerStore
@@ -76,16 +44,8 @@ def _fwd_kernel(
 ):
     # Tiles with the longest causal part first, so the last wave of the grid is the cheapest.
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < T
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
+                                                                     D_PAD, BLOCK_M, BLOCK_N)
 
     out_ptrs = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_d[None, :]
     lse_ptrs = LSE + bh.to(tl.int64) * T + offs_m
@@ -304,16 +264,10 @@ def _dq_kernel(
     CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < T
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
+                                                                     D_PAD, BLOCK_M, BLOCK_N)
+    # The same loads as sparse_attention._sparse_dq_kernel's, kept inline in both: as one jit helper they give the same
+    # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E
@@ -374,15 +328,9 @@ def _dq_kernel(
 
 
 def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
-    """Tile shapes per kernel (block_m = query rows, block_n = key rows).
-
-    Interpreter: 16 x 16, so that small tests cross many tiles and pages. Hopper, 16-bit inputs: the
-    forward and dQ keep a 128-row query tile in 8 warps and stream key tiles; dK/dV hold two fp32
-    (BLOCK_N, D) accumulators and stream 64-row query tiles: 8-12% faster on an H200 than 32-row tiles
-    (P^T dO and dS^T Q reduce over 64 rows instead of 32), though at head dim 128 both sit at the register
-    limit and spill (tests/compile_kernels_sm90.py prints registers and stack).
-    fp32 inputs use exact fp32 products (no tensor cores): small tiles; that path is for correctness, not
-    speed.
+    """Tile shapes per kernel (block_m = query rows, block_n = key rows): 16 x 16 in the interpreter, so that
+    small tests cross many tiles and pages; the H200's fastest for 16-bit inputs (docs/architecture.md, "The
+    attention kernels"); small tiles of exact products for fp32 inputs, a path for correctness, not speed.
     """
     if interpreting():
         t = Tiles(16, 16)

@@ -1,14 +1,11 @@
-"""Access from the GPU to pages that live in pinned host memory.
+"""Access from the GPU to pages in pinned host memory, so that nothing inside a step waits for the host.
 
-The KV-gradient pages of a pool's host layers (``PagePool(host_grad_layers=N)``) are mapped into the GPU's
-address space. The sparse backward leaves a chunk's share of the selected pages' gradients in a GPU
-staging area; ``add_staged_pages`` adds it into the host pages from a few persistent programs on a side
-stream, so the bus traffic overlaps the layers computed meanwhile instead of stalling the attention kernel
-(lightning_oomb.core.pages.HostGradStaging). More accesses need the GPU, not the CPU, so that nothing
-waits for the host inside a step: reading a chunk's own stored gradient rows and writing its K/V rows into
-host K/V pages (a torch gather or scatter would need the row indices on the host), copying a layer's pages
-into GPU slots when stage 2 moves it there, and gathering the pages a sparse chunk selected of a host K/V
-layer (``copy_pages``). (The copy engine zeroes the pages a batch takes: ``HostGradStaging.zero_pages``.)
+``add_staged_pages`` adds a sparse chunk's staged share of its selected pages' gradients into a host
+gradient layer's pages, from persistent programs on a side stream (core.pages.HostGradStaging).
+``read_rows`` and ``write_rows`` read and write rows through indices on the GPU (a torch gather or scatter
+would need them on the host); ``copy_pages`` copies pages between slots (stage 2's moves into dead pages,
+the gathers of a host K/V layer's selected pages). docs/architecture.md, "Host gradient pages for sparse
+steps" and "Host K/V pages for sparse steps".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""A linear layer whose weight gradient the matmul itself adds into ``weight.grad``.
+"""Linear layers whose weight-gradient matmul adds into ``weight.grad`` in place (``addmm_``, beta = 1).
 
-Stage 2 runs one backward per chunk, so every weight's gradient is accumulated once per chunk. Autograd
-computes each chunk's dW into a new tensor and then adds it into ``.grad``: for a 7B model that is a 15 GB
-tensor written, then read twice and written again, per chunk (about 0.25 s of a 64K-token step on an H200).
-Here the weight-gradient matmul adds into ``.grad`` in place (``addmm_``, beta = 1): no extra pass, and the
-sum is rounded once instead of twice.
-
-Where ``.grad`` does not exist yet (the first chunk of a step after ``zero_grad(set_to_none=True)``), or
-something expects autograd to deliver the gradient (hooks on the weight, a distributed tensor, a
-double-backward graph, a process group whose gradient hooks wait for it), the gradient goes through
-autograd as usual.
-
-``swiglu_linear`` is the MLP's down projection with its input ``silu(gate) * up`` computed inside: it saves
-gate and up (which the SwiGLU's own backward needs anyway), not the product, and the SwiGLU backward's pass
-writes the product again for dW (the forward's expression, the same bits). The product is the MLP's largest
-activation after gate and up: at a 4096-token chunk of Qwen2.5-7B, 155 MB per layer, 4.3 GB per chunk.
+Stage 2 runs one backward per chunk; autograd would write each chunk's dW into a new tensor and then add it
+into ``.grad``: an extra pass over every weight per chunk, rounded twice. Where ``.grad`` does not exist yet
+or something expects autograd to deliver the gradient (weight hooks, a DTensor, double backward, a process
+group's gradient hooks), it goes through autograd. ``swiglu_linear`` is the MLP's down projection with
+``silu(gate) * up`` computed inside: it saves gate and up, not the product. docs/architecture.md, "Fused ops".
 """
 
 from __future__ import annotations

@@ -76,12 +76,10 @@ class LayerStore:
     """One layer's view of a pool: what the attention op reads and accumulates into.
 
     k, v, dk, dv: (num_pages, page_size, n_kv_heads, head_dim) tensors (dk, dv None without gradient pages).
-    ``streamer`` is set when the tensors live in host memory: attention then streams them through the GPU
-    (lightning_oomb.core.offload) with ``layer`` naming this layer there. ``grad_table`` is set when the
-    gradient pages have their own slots (a host gradient layer moved into dead K/V pages,
-    ``PagePool.move_host_grads_to_gpu``): dk, dv are then indexed by it, k, v by ``table``. ``kv_stager`` is
-    set when k, v live in pinned host memory and attention is sparse: attention first brings the pages a
-    chunk selected to the GPU through it (``core.pages.HostKVStaging``) and reads those.
+    streamer: set when they live in host memory (streamed through the GPU by core.offload; ``layer`` names this
+    layer there). grad_staging: where a host gradient layer's share goes (core.pages.HostGradStaging).
+    grad_table: the gradient pages' own slots (a host gradient layer moved into dead K/V pages); dk, dv are then
+    indexed by it, k, v by ``table``. kv_stager: set for host K/V pages under sparse attention.
     """
 
     k: torch.Tensor

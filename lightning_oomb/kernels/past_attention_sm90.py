@@ -1,28 +1,10 @@
-"""Hopper forward, dQ and dK/dV over the stored past, warp-specialised by hand (Gluon).
+"""Hopper forward, dQ and dK/dV over the stored past (or the selected pages), warp-specialised by hand (Gluon).
 
-The Triton kernels (:mod:`.chunk_attention`) run a 128-row query tile in two warp groups that meet at
-block-wide barriers around every bulk copy, so one group's exponentials never overlap the other's matmuls
-and the tensor cores idle through both. Here each (query tile, query head) program splits into three
-partitions that only meet at mbarriers:
-
-- a load warp: looks up each past tile's page and copies its K and V rows into a ring of shared-memory
-  stages (bulk copies, one mbarrier per stage and operand);
-- two warp groups of 64 query rows each, computing on the tensor cores (wgmma) with fp32 softmax terms in
-  registers; each frees a stage when its last matmul has read it, and the load warp refills the stage
-  once both have. The two groups drift apart, so one's exponentials run while the other's matmuls do.
-
-Forward: continue the online-softmax state of the chunk's own keys (out (B, H_q, T, D) fp32 normalised to
-1 at lse, lse (B, H_q, T) fp32, natural log) over the stored keys [0, past_end) and write the final out and
-lse. dQ: P = exp(S - lse), dS = P * (dO V^T - delta), dQ += dS K over the same keys, added to the dQ of the
-chunk's own keys. Both are query-stationary like their Triton counterparts. dK/dV is key-stationary like
-its Triton counterparts: each program owns 128 stored keys of one KV head (64 per warp group, dK and dV in
-fp32 registers): a past tile, or with sparse attention a selected page and the query tiles that chose it;
-the load warp streams those query rows and dO tiles. The chunk's share is summed first and the stored
-gradient added after (or the share alone goes to a staging area for host-resident pages), without atomics.
-
-Whole tiles of ``BLOCK_N`` rows that never cross a page, head dim 64 or 128, bf16 or fp16, sm_90:
-:func:`supported` says when a launch qualifies, and :mod:`.chunk_attention` runs everything else (the
-chunk's own keys and the past's last partial tile always).
+Each program splits into a load warp, which copies tiles into a ring of shared-memory stages, and two warp
+groups of 64 rows on the tensor cores, meeting only at mbarriers: one group's exponentials run while the
+other's matmuls do. Forward and dQ continue what :mod:`.chunk_attention` computed over the chunk's own keys;
+dK/dV is key-stationary, without atomics. :func:`supported` says when a launch qualifies (whole tiles that
+never cross a page, head dim 64 or 128, bf16 or fp16, sm_90); docs/architecture.md, "The attention kernels".
 """
 
 from __future__ import annotations

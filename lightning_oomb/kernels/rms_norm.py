@@ -1,17 +1,10 @@
 """Fused RMSNorm: one pass over x forward, one over (x, dy) backward.
 
-Computes exactly what transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` forward computes, in its rounding
-order: normalise in fp32, round the normalised row to x's dtype, then multiply by the weight in fp32 and
-round once to ``promote_types(weight.dtype, x.dtype)``. The HF module, run under autograd, keeps an fp32
-copy of x and the rounded normalised row alive for backward; this op keeps x and one fp32 rstd per row,
-and the backward kernel recomputes the rest.
-
-Backward, with h = x * rstd (fp32) and g = dy * weight:
-- dx = rstd * (g - h * mean(g * h)): the rounding of h to x's dtype is passed straight through, as
-  autograd passes a gradient through ``.to()``;
-- dweight = sum over rows of dy * round(h), the rounded h being what HF's product saw. Each program
-  accumulates an fp32 partial over its own block of rows into a (programs, N) buffer that torch sums in a
-  fixed order: deterministic, no atomics.
+Computes what transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` computes, in its rounding order: normalise in
+fp32, round the normalised row to x's dtype, multiply by the weight in fp32 and round once to
+``promote_types(weight.dtype, x.dtype)``. It saves x and one fp32 rstd per row (the HF module keeps an fp32
+copy of x and the rounded row); dweight is summed per program into fp32 partials that torch adds in a fixed
+order: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -70,6 +63,8 @@ def _rms_norm_bwd_kernel(
         x = tl.load(X + rows64[:, None] * sx_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows64[:, None] * sdy_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        # dx = rstd * (g - h * mean(g * h)), passing the forward's rounding of h straight through, as autograd
+        # passes a gradient through ``.to()``.
         h = x * rstd[:, None]
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - h * (tl.sum(g * h, axis=1) / N)[:, None])

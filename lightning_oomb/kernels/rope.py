@@ -1,22 +1,11 @@
 """Fused rotary position embedding, with the semantics of transformers'
-``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``:
+``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``; per half of the head dim (lo, hi):
 
-    x_embed = x * cos + rotate_half(x) * sin,   rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
+    out_lo = x_lo * cos_lo - x_hi * sin_lo,    out_hi = x_hi * cos_hi + x_lo * sin_hi
 
-so, per half of the head dim (lo = [0, D/2), hi = [D/2, D)):
-
-    out_lo = x_lo * cos_lo - x_hi * sin_lo
-    out_hi = x_hi * cos_hi + x_lo * sin_hi
-
-The backward is the transposed rotation, dx = dout * cos + rotate_half^T(dout * sin) with
-rotate_half^T(y) = cat(y[..., D/2:], -y[..., :D/2]): the same formula with the sin halves swapped and
-negated (sin_lo' = -sin_hi, sin_hi' = -sin_lo). One kernel serves both directions.
-
-q and k come from the model as views ``proj(x).view(B, T, H, D).transpose(1, 2)``, not contiguous: the
-kernel reads and writes through their strides, and outputs are ``empty_like`` the inputs (same layout), so
-nothing is copied. One program per (batch, token) loads that token's cos/sin once and rotates every query
-and key head with them, in fp32, rounding once. Only cos and sin are saved for backward (q and k are not
-needed: the map is linear in them); cos/sin get no gradient.
+in fp32, rounded once. q and k are the model's non-contiguous views: the kernel reads and writes through
+their strides, nothing is copied. One program per (batch, token) rotates every query and key head with that
+token's cos/sin. Only cos and sin are saved (the map is linear in q, k); the backward is the same kernel.
 """
 
 from __future__ import annotations
@@ -76,6 +65,8 @@ def _rope_kernel(
     sin_lo = tl.load(sin, mask=d_ok, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin + HALF * ss_d, mask=d_ok, other=0.0).to(tl.float32)
     if TRANSPOSE:
+        # The backward is the transposed rotation, dx = dout * cos + rotate_half^T(dout * sin) with
+        # rotate_half^T(y) = cat(y[..., D/2:], -y[..., :D/2]): the same formula with these sin halves.
         sin_lo, sin_hi = -sin_hi, -sin_lo
     _rotate_heads(
         Q + b * sq_b + t * sq_t, QO + b * sqo_b + t * sqo_t, sq_h, sq_d, sqo_h, sqo_d,

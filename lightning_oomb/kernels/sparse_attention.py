@@ -1,42 +1,12 @@
-"""Triton sparse chunk attention over per-tile page lists.
+"""Triton sparse chunk attention over per-tile page lists, with the contract of :mod:`lightning_oomb.core.sparse`.
 
-Contract of :mod:`lightning_oomb.core.sparse` (the reference): the queries of the chunk at tokens
-[start, start + T) are cut into query tiles of ``page_size`` tokens aligned to the chunk start; tile i of
-KV head h attends to the past pages ``selection[b, h or 0, i, :]`` (logical page numbers, past page p being
-tokens [p*ps, min((p+1)*ps, start))) and causally to the whole chunk. Pages are found through the page table.
-Packed documents (``doc_start`` (B, T) int32, None compiles the kernels without it): entries of -1 are no page
-(sorted first: the forward and dQ loops start after them, ``invert_selection`` drops them) and each query sees
-only keys at or after its document start (per-element masks in every loop; the chunk's as the dense kernels').
-
-Kernels (built from :mod:`lightning_oomb.kernels.attention_blocks`; the chunk's own keys run the dense launchers of
-:mod:`lightning_oomb.kernels.chunk_attention`):
-- forward, query-stationary: one program per (query block, query head); a query block is at most
-  BLOCK_M queries of ONE query tile (a tile of page_size queries takes cdiv(page_size, BLOCK_M) blocks), so
-  every program has one page list. It loops over the tile's pages (each in key blocks of BLOCK_N rows,
-  only over the page's past rows), then over the chunk's keys causally, with the dense kernel's online
-  softmax step.
-- dQ: the same loops with the dense kernel's dQ step.
-- On Hopper, when the chunk starts on a page boundary (every selected page whole), the page loops of both
-  read each key block with one bulk copy through the dense kernels' pool descriptors.
-- On an H200 (sm_90), pages of 128 and a chunk that starts on a page, the selected pages of both run in
-  the warp-specialised Gluon kernels of :mod:`.past_attention_sm90` instead, after the dense kernels have
-  covered the chunk's own keys.
-- dK/dV of the current chunk: the dense kernel's key-stationary ``_dkdv_kernel`` launched with no past tiles
-  (every query sees the whole causal chunk, exactly as in dense attention).
-- dK/dV of the selected past pages, page-stationary and deterministic: the selection is inverted on the
-  device (torch ops, no host sync) into, per (sequence, KV head), the list of distinct selected pages and,
-  per page, the list of query tiles that chose it. One program per (selected page, KV head) loads the
-  page's K, V, loops over the tiles that chose it and the group's query heads accumulating dK, dV in fp32
-  registers, adds the gradient already stored for the page and writes it once. Concurrent tiles that pick
-  the same page are therefore summed inside one program, in a fixed order: no atomics, each gradient row
-  written by one program, results bit-reproducible. For a layer whose gradient pages live in host memory
-  the program writes its fp32 share to a GPU staging area instead, and a side stream adds that into the
-  host pages (``lightning_oomb.kernels.host_pages.add_staged_pages``: the same sum, the same bits). The
-  alternative, fp32 atomic adds from the query-stationary programs, would make every step's gradient
-  order-dependent and, with sink and local pages chosen by every tile, serialise all tiles of a chunk on
-  the same rows; the page-stationary pass costs two extra matmuls per (tile, page) pair (P and dP are
-  recomputed, as in the dense kernel's split of dQ from dK/dV). Programs of pages nobody chose exit
-  without touching memory.
+Query tile i (``page_size`` queries from the chunk start) of KV head h attends to the past pages
+``selection[b, h or 0, i, :]`` (logical page numbers found through the page table; -1 is no page) and
+causally to the whole chunk; with packed documents (``doc_start``, None compiles it out) each query sees only
+keys from its document's start. Forward and dQ are query-stationary over blocks of one tile, the chunk's own
+dK/dV is the dense key-stationary kernel, and the selected pages' dK/dV is page-stationary: one program per
+(selected page, KV head) sums every tile that chose it, so no atomics and bit-reproducible gradients.
+docs/architecture.md, "Page-level sparse attention" and "The attention kernels", says how and why.
 """
 
 from __future__ import annotations
@@ -47,9 +17,8 @@ import triton.language as tl
 
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, dot_precision, dq_chunk, dq_step,
-    fwd_chunk,
-    fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
-    query_descriptors, softmax_row_terms, store_tile,
+    fwd_chunk, fwd_step, interpreting, is_sm90, last_dim_contiguous, load_tile, padded_head_dim, pool_descriptors,
+    query_descriptors, query_program, softmax_row_terms, store_tile,
 )
 from .chunk_attention import default_tiles as dense_tiles
 from .chunk_attention import launch_delta, launch_dkdv, launch_dq, launch_forward
@@ -133,16 +102,8 @@ def _sparse_fwd_kernel(
     PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < m_end
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
+                                                                     HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -202,16 +163,10 @@ def _sparse_dq_kernel(
     PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
-    bh = tl.program_id(1)
-    b = (bh // H_Q).to(tl.int64)
-    h = bh % H_Q
-    hk = h // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    m_valid = offs_m < m_end
-    q = load_tile(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + offs_d[None, :], m_valid, offs_d,
-                   HEAD_DIM, D_PAD)
+    bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
+                                                                     HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
+    # The same loads as chunk_attention._dq_kernel's, kept inline in both: as one jit helper they give the same
+    # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_d[None, :], m_valid, offs_d,
                     HEAD_DIM, D_PAD)
     lse2 = tl.load(LSE + bh.to(tl.int64) * T + offs_m, mask=m_valid, other=float("inf")) * LOG2E

@@ -1,14 +1,8 @@
-"""Fused SwiGLU product: ``silu(gate) * up``, the middle of transformers' MLP
-(``down_proj(act_fn(gate_proj(x)) * up_proj(x))``).
+"""Fused SwiGLU product ``silu(gate) * up``, the middle of transformers' MLP
+(``down_proj(act_fn(gate_proj(x)) * up_proj(x))``): one flat pass each way, in fp32, rounded once.
 
-Unfused, autograd keeps silu(gate) alive for backward next to gate and up: one more (T, intermediate)
-tensor per layer, the largest activation of the block. Here backward gets gate and up only and the kernel
-recomputes sigmoid(gate), which costs nothing next to reading the tensors. Both directions are one flat
-pass over the elements, computed in fp32 and rounded once:
-
-    out   = g * s * u                        s = sigmoid(g), silu(g) = g * s
-    dgate = dout * u * s * (1 + g * (1 - s))  (d silu / dg)
-    dup   = dout * g * s
+Backward gets gate and up only and recomputes s = sigmoid(g), where autograd would keep silu(gate) too (the
+block's largest activation):  dgate = dout * u * s * (1 + g * (1 - s)),  dup = dout * g * s.
 """
 
 from __future__ import annotations

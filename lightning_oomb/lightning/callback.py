@@ -43,27 +43,20 @@ def probe_kv_dtype(
 
 
 class PagedKVCallback(Callback):
-    """Allocates the KV page pool once at fit start, hands it to OOMBStrategy, frees it at teardown.
-
-    With its pages in host memory the pool is pinned once, in one block per tensor (pinning 100 GB takes
-    about a minute), and owns the staging buffers and copy streams that stream them through the GPU.
+    """Allocates the KV page pool once at fit start, hands it to OOMBStrategy, frees it at teardown, and logs
+    the memory each step (``memory/...``, with host pages ``offload/...``: docs/guide.md, "What you see"). Host
+    pages are pinned once, in one block per tensor (pinning 100 GB takes about a minute).
 
     Args:
         max_seq_len, max_batch_size: the largest batch the pool must hold. By default they are read from
             the DataModule's ``seq_len`` (or its longest ``val_lengths``) and ``batch_size``; without them the
-            pool is sized by the first batch, and a larger batch later is refused with a message.
-        Where the pages live follows the strategy's ``offload``; it is decided once, for the largest batch.
+            pool is sized by the first batch, and a larger batch later is refused with a message. Where the
+            pages live follows the strategy's ``offload``, decided once, for the largest batch.
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
             ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
             ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
         print_plan: print the plan of the step as placed at fit start (memory by line against the GPU and the
             host memory budget, predicted time) and how long pinning the host pages took.
-
-    Logged each step through the Trainer's logger (``memory/...``): the pool's GPU and host bytes (GiB),
-    pages in use at the step's peak, pages in the pool, the process's host memory now and at the step's peak
-    (resident set, pinned pages included) against the run's host memory budget (GiB) and, on CUDA, GPU
-    allocated and peak (GiB); with host pages also ``offload/h2d_gib``, ``offload/d2h_gib`` (bytes copied each way) and
-    ``offload/h2d_s``, ``offload/d2h_s`` (seconds each copy stream was busy).
     """
 
     def __init__(

@@ -49,25 +49,12 @@ def _remove(path: Path) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint to a hidden ``.<name>.partial`` file in the same folder, flushes it to disk,
-    then ``os.replace``-s it over the target.
+    """Writes each checkpoint to a hidden ``.<name>.partial`` file in the same folder, one tensor at a time,
+    flushes it to disk and ``os.replace``-s it over the target: a kill at any moment leaves the previous one.
 
-    A process killed at any moment (SIGKILL, out of memory, power cut after the flush) leaves the previous
-    checkpoint intact and at most a partial file, which the next save overwrites. Lightning's own
-    ``TorchCheckpointIO`` serialises the whole checkpoint into memory first (twice the host memory of the
-    checkpoint) and stages it in the system temporary folder, which for a folder on another file system
-    ends with a copy rather than a rename; this class streams to the target folder instead, one tensor at a
-    time (host memory: the largest tensor). Paths with a remote protocol (s3://, ...) go to Lightning's
-    implementation.
-
-    asynchronous: copy and write on a background thread while training goes on (a 7B model with AdamW is 46
-    GB: a minute or more of disk). Where ``host_room()`` (set by OOMBStrategy: what the run's host memory
-    budget leaves) holds a copy of the checkpoint's tensors, the thread first copies them to host memory (from
-    the GPU on a side stream, so the step's kernels go on) and the write reads the copies; otherwise (a
-    1M-token step fills the host) the write reads the live weights and optimizer state. Either way the next
-    optimizer update must not change what is still being read: ``OOMBStrategy.backward`` calls
-    ``wait_until_weights_free()`` once the step's gradients are computed, which waits for the copy, or for the
-    whole write where there is no copy. The next save, loading and the end of the run wait for any write.
+    asynchronous: write on a background thread while training goes on; ``OOMBStrategy.backward`` then calls
+        ``wait_until_weights_free()`` before the next update changes what is being read (docs/architecture.md,
+        "Checkpoints").
     ``last_save_s``: seconds the last completed write took (its copy included), ``last_size``: its bytes,
     ``last_staged_s``: the seconds its copy to host memory took (None: it read the live tensors).
     """

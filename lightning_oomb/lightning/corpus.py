@@ -325,15 +325,10 @@ class ResumableBatchSampler(Sampler[list[int]]):
     """Batches of a permutation drawn from ``seed`` and the epoch; ``resume(epoch, batches)`` skips the batches
     a checkpoint had consumed. ``len`` is always the whole epoch, as Lightning's progress counters expect.
 
-    The sampler counts its epochs itself: a pass that drew its last batch makes the next pass the next epoch
-    (Lightning sets the epoch of a loader's sampler, not of its batch sampler, and counts an epoch whose last
-    batch a checkpoint saw as completed twice when it resumes from it). ``epoch`` is the epoch being drawn, or
-    last drawn, until the next pass starts.
-
-    Data parallel (``world_size`` > 1): every rank draws the same permutation; step b's global batch is its
-    ``world_size * batch_size`` items from position ``b * world_size * batch_size`` on, and rank ``rank`` takes
-    the ``rank``-th ``batch_size`` of them. An epoch is the whole global batches only, so every rank runs the
-    same number of steps (a rank with a batch less would leave the others waiting in a collective)."""
+    It counts its epochs itself, ``epoch`` being the one drawn last: Lightning sets the epoch of a loader's
+    sampler, not of its batch sampler, and would count twice an epoch whose last batch a checkpoint saw. Data
+    parallel: every rank draws the same permutation and takes its ``batch_size`` of each global batch; an epoch is
+    whole global batches only, so that no rank waits in a collective for a batch another rank lacks."""
 
     def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True, rank: int = 0,
                  world_size: int = 1):
@@ -399,7 +394,8 @@ class PositionedLoader(DataLoader):
 
 
 class TextCorpusDataModule(LightningDataModule):
-    """Local documents, tokenized, joined with EOS and packed into sequences of ``seq_len`` tokens.
+    """Local documents, tokenized, joined with EOS and packed into sequences of ``seq_len`` tokens (the tail
+    shorter than one sequence is dropped); its data position is part of Lightning's checkpoints.
 
     Args:
         paths: files or folders (searched recursively) of plain text (``.txt``, ``.md``: one document per
@@ -417,11 +413,6 @@ class TextCorpusDataModule(LightningDataModule):
             each document attends only within itself and is not predicted from the one before (the
             convention of transformers' DataCollatorWithFlattening; docs/architecture.md, "Packed documents").
             False: attention crosses document borders inside a sequence.
-
-    Documents are joined into one stream, each followed by EOS, and cut into consecutive sequences; the tail
-    shorter than ``seq_len`` is dropped. The data
-    position (epoch and batches consumed) is part of Lightning's checkpoints, so a resumed run continues
-    with the batch the interrupted one would have trained next.
     """
 
     def __init__(

@@ -12,27 +12,14 @@ KEY_MARKER, QUERY_MARKER, FIRST_KEY = 1, 2, 3
 
 
 class PasskeyDataset(Dataset):
-    """A passkey stated near the start of a long filler text and asked for as the very last token.
-
-    Token layout of one sequence of ``seq_len`` tokens (ids: 1 marks the key, 2 the question,
-    ``3 .. 3 + num_keys - 1`` are the passkeys, the ids above are filler)::
+    """A passkey stated near the start of a long filler text and asked for as the very last token (docs/guide.md,
+    "Passkey tasks"). Ids: 1 marks the key, 2 the question, ``3 .. 3 + num_keys - 1`` are the passkeys, those
+    above filler::
 
         position  0 .. at-1      at .. at+2r-1              ...             seq_len-2  seq_len-1
                   filler         KEY X KEY X ... (r times)  filler          QUERY      X
 
-    * X, the passkey, is one of ``num_keys`` tokens, uniformly at random: chance level is ``1 / num_keys``.
-    * The statement ``KEY X`` is repeated ``key_repeats`` times back to back (twice by default, as the classic
-      "the pass key is X. Remember it. X is the pass key" states it twice); the whole statement lies in the
-      first ``key_window`` tokens (``at`` uniform in ``[0, key_window - 2 * key_repeats]``). Keep
-      ``key_window <= chunk_size``: then the passkey is in the first chunk only.
-    * The filler is one sentence of ``filler_len`` tokens (drawn once, the same for every sequence) repeated
-      from a random phase. ``filler_len=1`` is one filler token repeated (a haystack of padding).
-    * The only label is the last token, X (``labels`` are -100 elsewhere): the loss is the retrieval itself.
-      X occurs in the input only inside the first ``key_window`` tokens, so nothing in the later chunks
-      tells it: it is reachable only by attending across chunk borders, back over ``seq_len - key_window``
-      tokens or more.
-
-    Item i is drawn from its own seed, so the data are the same on every run and every worker.
+    Only X, the last token, is labelled. Item i is drawn from its own seed: the same data on every run.
     """
 
     def __init__(
@@ -78,7 +65,7 @@ class PasskeyDataset(Dataset):
 
 
 class PasskeyDataModule(LightningDataModule):
-    """The passkey retrieval task: can the model recall a token it saw ``seq_len`` tokens earlier?
+    """The passkey retrieval task (``PasskeyDataset``): can the model recall a token it saw ``seq_len`` tokens earlier?
 
     Args:
         seq_len: tokens per sequence. batch_size: sequences per batch.
@@ -87,8 +74,6 @@ class PasskeyDataModule(LightningDataModule):
         filler_len: tokens of the repeated filler sentence (1: one filler token repeated).
         key_repeats: how many times ``KEY X`` is stated.
         train_size, val_size: sequences per epoch; validation sequences are held out (another seed).
-
-    See ``PasskeyDataset`` for the token layout.
     """
 
     answer_tokens = 1

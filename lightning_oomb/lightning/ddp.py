@@ -99,21 +99,11 @@ class AveragedAfterBackward:
 
 
 class OOMBDDPStrategy(AveragedAfterBackward, OOMBStrategyMixin, DDPStrategy):
-    """``OOMBStrategyMixin`` on several devices, one process each, data parallel: every rank trains on its own
-    sequences and the ranks' gradients are averaged after stage 2, so that a step's update is one process's
-    update of all ranks' batches together (tests/test_ddp.py checks it against transformers).
-
-    Unlike DDPStrategy the model is not wrapped (its reducer would fire once per chunk): rank 0's weights are
-    broadcast at set-up and the gradients averaged once per optimizer step, in float32 buckets, after the
-    backward of the accumulation's last micro-batch (Lightning's ``accumulate_grad_batches`` skips the others)
-    and before Lightning clips them. Hooks see the averaged gradients from ``on_before_optimizer_step`` on;
-    ``on_after_backward`` runs before the average, on this rank's own.
-
-    Each rank's loss is normalised by the mean valid-label count per rank over all ranks' batches (one
-    all-reduce before stage 1): the rank losses average to the loss of the whole batch. Every rank's batch
-    must have the same shape (refused otherwise, on every rank, before anything waits). Each step is placed
-    against the least free memory of any rank, so every rank keeps the same of stage 1 for stage 2. The host
-    memory budget (``host_memory``, or what the machine has available) is divided among the ranks of a node.
+    """``OOMBStrategyMixin`` on several devices, one process each, data parallel ("oomb_ddp"): every rank trains
+    on its own sequences and the gradients are averaged once per optimizer step, after stage 2 and before
+    clipping, so that an update is one process's update of all ranks' batches together. The model is not wrapped
+    in DistributedDataParallel (its reducer would fire once per chunk); hooks see the averaged gradients from
+    ``on_before_optimizer_step`` on. docs/architecture.md, "Several GPUs", says how.
 
     Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...) and DDPStrategy's process arguments
     (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

@@ -1,18 +1,7 @@
 """OOMBModelParallelStrategy: data parallel with the decoder layers' weights, gradients and optimizer state
-sharded over the ranks by FSDP2 (docs/architecture.md, "Several GPUs").
-
-The engine calls the decoder and reads the output layer's weight itself, chunk by chunk; it never runs the
-causal LM's own forward. FSDP2 gathers a module's weights in that module's forward hooks, so a sharded root
-(embeddings, final norm, output layer) would never be gathered: the embedding would meet a sharded DTensor
-weight, and the output layer's gradient, which the engine hands to autograd after the last chunk
-(``core/loss.py: HeadGradients``), would arrive after FSDP's last reduce-scatter of the step and be lost.
-So only the decoder layers are sharded (``fully_shard`` each, and the decoder on top of them as the root of
-their FSDP group, its own weights left out); the embeddings, final norm and output layer stay whole on every
-rank, like oomb_ddp's weights: broadcast from rank 0 at set-up and averaged once after stage 2.
-
-With ``tensor_parallel_size`` > 1 the decoder layers are first split by KV heads (torch's tensor parallelism,
-``parallelize_decoder_layers``), then, over more than one data-parallel rank, each rank's parts sharded by FSDP2
-over the data-parallel ranks (a 2-D mesh); the engine's K/V pages hold each rank's heads.
+sharded over the ranks by FSDP2, optionally split by KV heads (tensor parallel) first. Only the decoder layers
+are sharded: the engine calls them, and reads the output layer's weight, outside FSDP's forward hooks
+(docs/architecture.md, "Several GPUs", says why that keeps the embeddings, final norm and output layer whole).
 """
 
 from __future__ import annotations
@@ -156,19 +145,12 @@ def clip_grad_value(params: Iterable[nn.Parameter], clip_value: float) -> None:
 
 
 class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelParallelStrategy):
-    """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks with the decoder layers sharded by
-    FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh): each rank trains on
-    its own sequences, holds 1/N of the decoder layers' weights, gradients and optimizer state, and a step's
-    update is one process's update of all ranks' batches together (tests/test_fsdp.py, and
-    tests/test_model_parallel_2d.py with tensor parallelism, check it against transformers).
-
-    The strategy shards an unchanged module itself (each decoder layer, see ``shard_decoder_layers``); a
-    ``configure_model`` that already applied ``fully_shard`` is respected, as long as the embeddings, final
-    norm and output layer stay unsharded (refused otherwise: see the module docstring for why). Those stay
-    whole on every rank: broadcast from rank 0 at set-up, their gradients averaged after stage 2 as oomb_ddp
-    averages (after the accumulation's last micro-batch). Lightning's gradient clipping takes the norm over all
-    gradients, sharded and whole (``clip_grad_norm``), and an optimizer's parameter group holding both steps
-    tensor by tensor (``step_sharded_and_whole_apart``).
+    """``OOMBStrategyMixin`` data parallel over ``data_parallel_size`` ranks ("oomb_model_parallel") with the decoder
+    layers sharded by FSDP2 (``fully_shard``, on Lightning's ``ModelParallelStrategy`` and its device mesh) and
+    optionally split by KV heads over ``tensor_parallel_size`` ranks: a step's update is one process's update of
+    all ranks' batches together. The embeddings, final norm and output layer stay whole on every rank; a
+    ``configure_model`` is optional and must leave them unsharded. Launch with ``torchrun`` or Lightning's own
+    launcher (no spawn variant). docs/architecture.md, "Several GPUs", says how.
 
     data_parallel_size: "auto" (default): the run's processes divided by tensor_parallel_size; an int must be
         that number.
@@ -182,31 +164,17 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
         "zero1": gathered as zero2, but the gradients are summed unsharded over the chunks (and micro-batches)
             and reduce-scattered once, after the last: whole gradients during the step (float32 for bfloat16
             weights), one reduce-scatter per optimizer step instead of one per chunk.
-    tensor_parallel_size: T (default 1) ranks split each decoder layer by KV heads (``parallelize_decoder_layers``,
-        torch's ColwiseParallel for q/k/v and gate/up, RowwiseParallel for o and down): each rank computes
-        attention for H_kv/T KV heads (and their query heads) and holds their K/V pages only, 1/T of the layers'
-        weights, gradients and optimizer state; the embeddings, norms and output layer stay whole. The T ranks of
-        a group run the same batch (Lightning's ``distributed_sampler_kwargs`` give the data-parallel rank). With
-        data_parallel_size D > 1 as well (D*T processes, Lightning's 2-D mesh), FSDP2 then shards each rank's
-        part of the layers over the D data-parallel ranks, ``sharding`` meaning what it means above (of 1/T of
-        the layers); with D = 1 ``sharding`` does not apply. T must divide num_key_value_heads,
-        num_attention_heads and intermediate_size (refused otherwise, so T is at most the number of KV heads);
-        not built, so refused: LoRA (peft) models, and a ``configure_model`` that applied ``fully_shard`` with
-        T > 1 (the layers must be split before FSDP shards them).
-    save_distributed_checkpoint: False (default): checkpoints are gathered on rank 0 and written as one file
-        through ``AtomicCheckpointIO`` (atomic, in the background). True: every rank writes its own shards with
-        torch.distributed.checkpoint into one folder (Lightning's sharded checkpoint: the weights and optimizer
-        state are never whole on one rank, for a model whose state would not fit one host's memory), written
-        as ``.<name>.partial`` and renamed over the target once every rank has finished
-        (``checkpoint.replace_folder``), so that a kill during a save leaves the previous checkpoint whole;
-        written before the step goes on.
-
-    Each rank's loss is normalised by the mean valid-label count per rank (``core.ranks.DataParallelRanks``),
-    so that FSDP's reduce-scatter and the whole weights' all-reduce, which both average, give the gradient of
-    the concatenated batch (each rank of a tensor-parallel group counts the group's batch: the mean over all
-    ranks is that over the data-parallel batches). Batches must have one shape on all ranks; the host memory
-    budget is divided among a node's ranks. Launch with ``torchrun`` or Lightning's own launcher (which runs the
-    script again for each rank); there is no spawn variant.
+    tensor_parallel_size: T (default 1) ranks split each decoder layer by KV heads (``parallelize_decoder_layers``:
+        q/k/v and gate/up column-wise, o and down row-wise): each rank computes attention for H_kv/T KV heads
+        and holds their K/V pages and 1/T of the layers' weights, gradients and optimizer state; the T ranks of a
+        group run the same batch. With data_parallel_size D > 1 as well (D*T processes, Lightning's 2-D mesh)
+        FSDP2 shards each rank's part over the D ranks as ``sharding`` says; with D = 1 ``sharding`` does not
+        apply. T must divide num_key_value_heads, num_attention_heads and intermediate_size; with T > 1 LoRA
+        (peft) models and a ``configure_model`` that applied ``fully_shard`` are refused.
+    save_distributed_checkpoint: False (default): checkpoints are gathered on rank 0 and written as one file by
+        ``AtomicCheckpointIO`` (atomic, in the background). True: every rank writes its own shards into one folder
+        with torch.distributed.checkpoint (nothing whole on any rank), as ``.<name>.partial``, renamed over the
+        target once every rank has finished (``checkpoint.replace_folder``), before the step goes on.
 
     Args: ``OOMBStrategyMixin``'s (chunk_size, page_size, attention, ...), the above, and
     ``ModelParallelStrategy``'s process_group_backend and timeout.

@@ -32,13 +32,9 @@ class PasskeyTextDataset(Dataset):
 
         INTRO  filler ...  STATEMENT(key)  filler ... (to the end)  QUESTION  ANSWER(key)
 
-    * ``key`` is a number of ``key_digits`` digits, uniformly at random (chance is ~0).
-    * The statement starts within the first ``key_window`` tokens, after the intro, at a uniform position.
-    * The filler is ``FILLER`` repeated from a random phase.
-    * Only the answer's tokens are labelled (``labels`` are -100 elsewhere): the loss and the exact match of
-      ``answer_tokens`` tokens are the retrieval itself.
-
-    Item i is drawn from its own seed, so the data are the same on every run and worker.
+    with ``key`` a number of ``key_digits`` digits, the statement starting at a uniform position within the
+    first ``key_window`` tokens, and only the answer's ``answer_tokens`` tokens labelled (docs/guide.md,
+    "Passkey tasks"). Item i is drawn from its own seed: the same data on every run and worker.
     """
 
     def __init__(self, tokenizer, size: int, seq_len: int, key_window: int, key_digits: int, seed: int):
