@@ -17,9 +17,8 @@ from transformers import AutoModelForCausalLM
 from lightning_oomb.cli import main as cli_main
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
-from lightning_oomb.core.planner import (
-    PlanError, activation_bytes, layer_activation_bytes, model_activation_bytes, plan, step_time,
-)
+from lightning_oomb.core.plan import PlanError, plan, step_time
+from lightning_oomb.core.plan.activations import activation_bytes, layer_activation_bytes, model_activation_bytes
 from lightning_oomb.core.ranks import Ranks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.core.units import parse_bytes, parse_tokens
@@ -215,7 +214,7 @@ def test_packed_attention_pairs_count_each_query_within_its_document(context, ch
     """The planner's (query, key) pairs of packed documents against a count query by query: a query sees its
     document's keys before the chunk (at most ``attended`` of them) and, causally, its document's keys of the
     chunk (the diagonal counted as half a pair, as the unpacked formula does)."""
-    from lightning_oomb.core.planner import _chunk_pairs
+    from lightning_oomb.core.plan.timing import _chunk_pairs
 
     for start in range(0, context, chunk):
         n = min(chunk, context - start)
@@ -246,7 +245,7 @@ def test_packed_chunks_in_the_portable_kernels_are_counted_at_their_rate():
     """Dense packed chunks holding a document border, or of a document that starts mid-page, count at
     PORTABLE_ATTENTION_EFFICIENCY (docs/planner.md); those of documents starting on a page, sparse steps and
     unpacked ones at ATTENTION_EFFICIENCY."""
-    from lightning_oomb.core.planner import _chunk_pairs, _runs_portable
+    from lightning_oomb.core.plan.timing import _chunk_pairs, _runs_portable
 
     shape = ModelShape.from_name("qwen2.5-7b")
     assert step_time(shape, 1 << 20, document_length=32 << 10).portable_attention_flops == 0
@@ -283,7 +282,9 @@ def test_host_gradient_layers_time_reproduces_the_steps_it_was_fitted_to():
     """Every layer's gradient pages on the host cost whole H200 steps +3.7 s at 256K and +15.6 s at 512K
     (docs/benchmarks.md, measured before stage 2 moved host layers to the GPU: here kept graphs of every chunk
     stop the moves); the planner adds that to its prediction, and nothing without host layers."""
-    from lightning_oomb.core.planner import PlanConfig, expected_selected_pages, host_add_seconds
+    from lightning_oomb.core.plan.config import PlanConfig
+    from lightning_oomb.core.plan.timing import expected_selected_pages
+    from lightning_oomb.core.plan.host_transfers import host_add_seconds
 
     shape = ModelShape.from_name("qwen2.5-7b")
     sparse = SparseConfig()
@@ -309,7 +310,8 @@ def test_host_gradient_layers_time_reproduces_the_steps_it_was_fitted_to():
 def test_host_layers_move_to_the_gpu_as_stage_2_frees_pages():
     """1M tokens, 16 host layers of 28: none moves while the past is long, all have moved before stage 2 is
     halfway, and only the chunks before that pay for them; moves need batch 1 and bf16 gradient pages."""
-    from lightning_oomb.core.planner import PlanConfig, host_add_seconds, host_layers_left
+    from lightning_oomb.core.plan.config import PlanConfig
+    from lightning_oomb.core.plan.host_transfers import host_add_seconds, host_layers_left
 
     shape = ModelShape.from_name("qwen2.5-7b")
     c = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=SparseConfig(), host_grad_layers=16)
@@ -459,7 +461,8 @@ def test_attention_outputs_kept_on_the_host_in_the_plan():
     """host_kept_chunks: a pinned host line of the GPU-kept outputs' size per chunk, no GPU memory; by default
     the whole chunks stage 2 would recompute that fit in what the host memory budget leaves, none when
     keep_attention is given."""
-    from lightning_oomb.core.planner import host_kept_for_stage_2, kept_chunk_bytes
+    from lightning_oomb.core.plan.placement import host_kept_for_stage_2
+    from lightning_oomb.core.plan.memory import kept_chunk_bytes
 
     base = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64}, **H200)
     kept = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64},
@@ -505,7 +508,7 @@ def test_kept_graphs_in_the_plan_and_the_placement():
     loss computes ahead, and replaces that chunk's kept attention outputs. place_step keeps the last chunk's
     by default, none with layer checkpointing or host pages."""
     from lightning_oomb.core.placement import place_step
-    from lightning_oomb.core.planner import graph_chunk_bytes
+    from lightning_oomb.core.plan.memory import graph_chunk_bytes
 
     base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, **H200)
     one = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=1, **H200)
@@ -530,7 +533,7 @@ def test_kept_graphs_in_the_plan_and_the_placement():
 
 
 def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
-    from lightning_oomb.core.planner import plan_placed
+    from lightning_oomb.core.plan.search import plan_placed
 
     roomy = plan_placed("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
     # As place_step chose on the H200 at 32K (docs/benchmarks.md: 3 graphs, then 5 chunks' outputs), and one
@@ -557,7 +560,7 @@ def test_served_loss_gradients_in_the_placement():
     CPU device they stay where the step runs."""
     from lightning_oomb.core.model_shape import ModelShape
     from lightning_oomb.core.placement import place_step
-    from lightning_oomb.core.planner import loss_grad_bytes
+    from lightning_oomb.core.plan.memory import loss_grad_bytes
 
     shape = ModelShape.from_name("qwen2.5-7b")
     assert loss_grad_bytes(shape, 4096, 256, "bf16-true") == 256 * 4096 * 3584 * 2  # 7 GiB at 1M
@@ -576,7 +579,7 @@ def test_served_loss_gradients_in_the_placement():
 def test_max_context_is_the_longest_that_fits(options):
     """The longest context fits and one chunk more does not, as plan_placed would place each; the machine's
     physical limit (every page on the GPU or pinned on the host) is never below it."""
-    from lightning_oomb.core.planner import max_context, plan_placed
+    from lightning_oomb.core.plan.search import max_context, plan_placed
 
     limit = max_context("qwen2.5-7b", **H200, **options)
     assert limit.context % 4096 == 0 and limit.context >= 4096
@@ -589,7 +592,7 @@ def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
     """A served step keeps every chunk's dL/dh where it fits (here pinned on the host, with the pages of some
     layers); past the context where it fits nowhere, stage 2 computes it again, which lets 8-bit AdamW's
     smaller state hold more than 10% more tokens than plain AdamW's kept-dL/dh limit of 1,490,944."""
-    from lightning_oomb.core.planner import max_context, plan_placed
+    from lightning_oomb.core.plan.search import max_context, plan_placed
 
     sparse = dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, stage_1_loss=True,
                   gpu_memory=140 * 2**30, host_memory=112 * 2**30)  # as `plan --max-context` in docs/optimizers.md
@@ -608,7 +611,7 @@ def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
     """Over the built-in shapes, 16 and 64 GiB hosts, dense and sparse: the longest context that fits is at
     most what the machine holds in all (GPU and host budget over the bytes a token stores)."""
     from lightning_oomb.core.model_shape import builtin_names
-    from lightning_oomb.core.planner import max_context
+    from lightning_oomb.core.plan.search import max_context
 
     for name in builtin_names():
         for host_gib in (16, 64):
@@ -620,7 +623,7 @@ def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
 
 
 def test_max_context_when_nothing_fits():
-    from lightning_oomb.core.planner import max_context
+    from lightning_oomb.core.plan.search import max_context
 
     limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9)  # AdamW state alone is 28 GiB
     assert limit.context == 0 and not limit.plan.fits and "not even one chunk" in str(limit)
@@ -664,7 +667,7 @@ def test_data_parallel_plan_is_one_rank_with_its_bucket_share_and_all_reduce():
     """plan(devices=N) (oomb_ddp): each rank's GPU memory is the one-GPU step's plus the float32 bucket its
     gradients are averaged through; its host budget is the machine's divided among the ranks; the step adds a
     ring all-reduce of the float32 gradients at COLLECTIVE_GBPS."""
-    from lightning_oomb.core.planner import COLLECTIVE_GBPS
+    from lightning_oomb.core.plan.assumptions import COLLECTIVE_GBPS
     from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
     from lightning_oomb.core.units import GIB
 
@@ -704,7 +707,7 @@ def test_sharded_plan_is_one_rank_of_oomb_model_parallel(devices, sharding):
     the decoder layers' weights as 1/N shards plus what is gathered (zero1/zero2: all of them for the step,
     zero3: two layers), their gradients 1/N in bf16 (zero1: whole, float32) plus one layer's reduce-scatter in
     flight (bf16 and float32), their AdamW state 1/N. Every other line is the one-GPU step's."""
-    from lightning_oomb.core.planner import COLLECTIVE_GBPS
+    from lightning_oomb.core.plan.assumptions import COLLECTIVE_GBPS
     from lightning_oomb.core.ranks import GRADIENT_BUCKET_BYTES
     from lightning_oomb.core.units import GIB
 
@@ -825,7 +828,8 @@ def test_tensor_parallel_collectives_by_hand(checkpoint_layers):
     all-reduces the input gradients of q, k, v, gate and up in every layer and chunk; the whole weights'
     gradients (the root and both norms of each layer) once, in float32. A ring all-reduce over 4 ranks moves
     1.5 x its buffer, (chunk tokens x 3584) in bf16."""
-    from lightning_oomb.core.planner import COLLECTIVE_GBPS, step_collectives
+    from lightning_oomb.core.plan.assumptions import COLLECTIVE_GBPS
+    from lightning_oomb.core.plan.collectives import step_collectives
     from lightning_oomb.core.units import GIB
 
     rank = plan("qwen2.5-7b", 10000, chunk_size=4096, tensor_parallel=4, checkpoint_layers=checkpoint_layers,
@@ -901,7 +905,7 @@ def test_tensor_parallel_inside_sharded_data_parallel():
     decoder layers (1/T by KV heads) sharded 1/D by FSDP, pages of H_kv/T heads, the root whole; collectives:
     the tensor-parallel all-reduces of the T-rank plan, FSDP's gathers and reduce-scatters of the D-rank plan
     of that part, the root's gradients averaged over all D x T ranks; the host budget shared by all."""
-    from lightning_oomb.core.planner import step_collectives
+    from lightning_oomb.core.plan.collectives import step_collectives
     from lightning_oomb.core.units import GIB
 
     common = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=448 * GIB, optimizer="adamw")

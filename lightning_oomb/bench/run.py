@@ -49,7 +49,7 @@ from torch import nn
 
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import LORA_TARGETS, ModelShape, load_config_dict, transformers_config
-from ..core.planner import CUDA_CONTEXT_BYTES, DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, plan, step_time
+from ..core.plan import CUDA_CONTEXT_BYTES, DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, plan, step_time
 from ..core.units import GIB, argparse_type, human_count, parse_tokens
 from ..kernels import host_pages
 

@@ -1,5 +1,5 @@
 """Where a training step's pages live, decided before anything is allocated: ``place_step`` (called by the
-engine for every step and by PagedKVCallback at fit start) checks the step's plan (``core.planner``) against
+engine for every step and by PagedKVCallback at fit start) checks the step's plan (``core.plan``) against
 the GPU's free memory and the run's host memory budget, chooses the GPU or pinned host memory for the pages
 and how much of stage 1 to keep for stage 2, and refuses with the plan what cannot fit (docs/planner.md).
 """
@@ -16,11 +16,13 @@ from torch.distributed.tensor import DTensor
 from .attention import uses_triton
 from .host_memory import host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
-from .planner import (
+from .plan import Plan, PlanError, plan
+from .plan.assumptions import (
     FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
-    PLACEMENT_HEADROOM_SHARE, asked_graphs, host_kept_for_stage_2, host_layer_counts, kept_for_stage_2,
-    loss_grad_bytes, Plan, plan, PlanError,
+    PLACEMENT_HEADROOM_SHARE,
 )
+from .plan.memory import loss_grad_bytes
+from .plan.placement import asked_graphs, host_kept_for_stage_2, host_layer_counts, kept_for_stage_2
 from .units import GIB
 
 # Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA

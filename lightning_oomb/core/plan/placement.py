@@ -1,0 +1,99 @@
+"""Where a step's pages live and what stage 1 keeps for stage 2, decided from the bytes the GPU and the host
+have room for: the run's placement (``core.placement.place_step``, measured free memory) and the planner's
+search (the plan's memory less its reserve) decide alike here (docs/planner.md, "Host memory")."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..model_shape import ModelShape, _kv_dtype
+from ..units import GIB
+from .assumptions import KEPT_ATTENTION_SHARE, KEPT_GRAPHS_SHARE, PLACEMENT_HEADROOM_SHARE
+from .config import PlanConfig
+from .memory import graph_chunk_bytes, kept_chunk_bytes
+from .report import Plan, PlanError
+
+
+def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
+    """Chunks of ``chunk_bytes`` each (attention outputs, or with KEPT_GRAPHS_SHARE autograd graphs) a step keeps
+    by default when ``spare_bytes`` of GPU memory are left beyond it: those that fit in ``share`` of them, at
+    most ``n_chunks``."""
+    return min(n_chunks, int(share * max(0.0, spare_bytes)) // chunk_bytes)
+
+
+def asked_graphs(n_chunks: int, checkpoint_layers: bool, keep_graphs: int | None) -> int:
+    """Autograd graphs stage 1 keeps before any share of spare memory: none with layer checkpointing, else
+    ``keep_graphs`` or (None) the last chunk's, which costs nothing (stage 2 would hold it next)."""
+    return 0 if checkpoint_layers else min(n_chunks, 1 if keep_graphs is None else keep_graphs)
+
+
+def kept_for_stage_2(
+    step: Plan, spare_bytes: float, keep_attention: int | None = None, keep_graphs: int | None = None
+) -> tuple[int, int]:
+    """(attention outputs, autograd graphs) of chunks stage 1 keeps for stage 2 in ``step`` with every page on
+    the GPU, when ``spare_bytes`` are free beyond its plan (which keeps neither): those asked for (PlanError
+    when they do not fit), else the last chunk's graph (it costs nothing), attention outputs in
+    KEPT_ATTENTION_SHARE of the spare memory and more graphs in KEPT_GRAPHS_SHARE of what is left. No graphs
+    with layer checkpointing; the chunks with graphs need no kept outputs."""
+    c = step.config
+    n = c.n_chunks
+    per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
+    per_graph = graph_chunk_bytes(step.shape, c)
+    graphs = asked_graphs(n, c.checkpoint_layers, keep_graphs)
+    graph_bytes = max(0, graphs - 1) * per_graph
+    if keep_attention is None:
+        kept = keepable_chunks(spare_bytes - graph_bytes, per_output, n)
+    else:
+        kept = min(keep_attention, n)
+    left = spare_bytes - graph_bytes - kept * per_output
+    if left < 0:
+        raise PlanError(
+            f"keep_attention={keep_attention} and keep_graphs={keep_graphs} need {graph_bytes / GIB:.2f} GiB for "
+            f"kept graphs and {kept * per_output / GIB:.2f} GiB for the attention outputs of {kept} chunks, but "
+            f"{spare_bytes / GIB:.2f} GiB are free beyond the step and a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; "
+            "nothing was allocated for it. None keeps as many as fit"
+        )
+    if keep_graphs is None and graphs:
+        graphs += keepable_chunks(left, per_graph, n - graphs, KEPT_GRAPHS_SHARE)
+    return min(kept, n - graphs), graphs
+
+
+def host_kept_for_stage_2(step: Plan, host_spare_bytes: float, kept: int, graphs: int,
+                          keep_attention: int | None = None) -> int:
+    """First chunks whose attention outputs stage 1 keeps in pinned host memory for ``step`` when it keeps
+    ``kept`` chunks' outputs and ``graphs`` graphs on the GPU and the host memory budget has
+    ``host_spare_bytes`` left beyond everything else the run holds: as many whole chunks as fit there and
+    stage 2 would recompute (keep_attention=None), else none."""
+    c = step.config
+    if keep_attention is not None:
+        return 0
+    whole = c.context // c.chunk_size  # a shorter last chunk has other shapes
+    per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
+    return keepable_chunks(host_spare_bytes, per_output, min(whole, c.n_chunks - kept - graphs), 1.0)
+
+
+def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
+    """(host gradient layers, host K/V layers) in the order a sparse step moves pages to the host: the
+    KV-gradient pages first, layer by layer, then, with all of those there, the K/V pages."""
+    return [(n, 0) for n in range(n_layers + 1)] + [(n_layers, m) for m in range(1, n_layers + 1)]
+
+
+def kept_loss_grads_placed(config: PlanConfig, estimate) -> Plan:
+    """The plan with a served step's kept dL/dh where ``place_step`` puts them: in pinned host memory when any
+    page of the step is there or they do not fit on the GPU next to everything else, else on the GPU."""
+    if not (config.offload or config.host_grad_layers or config.host_kv_layers):
+        on_gpu = estimate(dataclasses.replace(config, loss_grads="gpu"))
+        if on_gpu.peak_gpu_bytes <= on_gpu.usable_gpu_bytes:
+            return on_gpu
+    return estimate(dataclasses.replace(config, loss_grads="host"))
+
+
+def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
+    """The plan of ``config`` with the fewest pages in host memory (sparse: KV-gradient pages of layers, then
+    their K/V pages, ``host_layer_counts``) that fits on the GPU with ``place_step``'s reserve, or with all of
+    them when none does."""
+    for n, m in host_layer_counts(shape.n_layers):
+        result = estimate(dataclasses.replace(config, host_grad_layers=n, host_kv_layers=m))
+        if result.peak_gpu_bytes <= result.usable_gpu_bytes:
+            return result
+    return result
