@@ -1,17 +1,90 @@
 """Where a step's pages live and what stage 1 keeps for stage 2, decided from the bytes the GPU and the host
-have room for: the run's placement (``core.placement.place_step``, measured free memory) and the planner's
-search (the plan's memory less its reserve) decide alike here (docs/planner.md, "Host memory")."""
+have room for. The run's placement (``core.placement.place_step``: measured free memory) and the planner
+(``search.plan``: the plan's memory less its reserve) both decide here (docs/planner.md, "Host memory")."""
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-from ..model_shape import ModelShape, _kv_dtype
+from ..model_shape import _kv_dtype
 from ..units import GIB
 from .assumptions import KEPT_ATTENTION_SHARE, KEPT_GRAPHS_SHARE, PLACEMENT_HEADROOM_SHARE
-from .config import PlanConfig
 from .memory import graph_chunk_bytes, kept_chunk_bytes
 from .report import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Where a step's K/V and KV-gradient pages live: all streamed from pinned host memory (``offload``, dense),
+    or on the GPU but for the KV-gradient pages of ``host_grad_layers`` and the K/V pages of ``host_kv_layers``
+    layers in pinned host memory (sparse)."""
+
+    offload: bool = False
+    host_grad_layers: int = 0
+    host_kv_layers: int = 0
+
+    @property
+    def on_host(self) -> bool:
+        """Whether any page lives in host memory."""
+        return bool(self.offload or self.host_grad_layers or self.host_kv_layers)
+
+
+@dataclass(frozen=True)
+class PagesPlaced:
+    """The decision: ``pages``, and where a step computing its loss in stage 1 keeps each chunk's dL/dh until
+    stage 2 (``loss_grads``: "gpu", "host", or "recomputed": not kept). ``fits``: False when no choice fits;
+    ``pages`` is then the first choice that fits the GPU (else the last), keeping its dL/dh."""
+
+    pages: Pages
+    loss_grads: str
+    fits: bool
+
+
+def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
+    """(host gradient layers, host K/V layers) in the order a sparse step moves pages to the host: the
+    KV-gradient pages first, layer by layer, then, with all of those there, the K/V pages."""
+    return [(n, 0) for n in range(n_layers + 1)] + [(n_layers, m) for m in range(1, n_layers + 1)]
+
+
+def page_choices(offload: str, sparse: bool, n_layers: int) -> list[Pages]:
+    """The placements of a step's pages that ``offload`` ("gpu", "auto", "host") allows, in the order they are
+    tried: fewest pages on the host first. Dense: every page on the GPU or every page streamed; sparse: the
+    pages of whole layers (``host_layer_counts``), of none ("gpu") or all ("host")."""
+    if sparse:
+        every = Pages(host_grad_layers=n_layers, host_kv_layers=n_layers)
+        by_layers = [Pages(host_grad_layers=n, host_kv_layers=m) for n, m in host_layer_counts(n_layers)]
+        return {"gpu": [Pages()], "auto": by_layers, "host": [every]}[offload]
+    return {"gpu": [Pages()], "auto": [Pages(), Pages(offload=True)], "host": [Pages(offload=True)]}[offload]
+
+
+def place_pages(choices: Sequence[Pages], needs: Callable[[Pages], tuple[int, float]], gpu_room: float,
+                host_room: float, loss_grad_bytes: int = 0) -> PagesPlaced:
+    """The first of ``choices`` whose step fits, and where its kept dL/dh go.
+
+    ``needs(pages)``: (GPU bytes, pinned host bytes) the step needs with those pages, without kept dL/dh;
+    ``gpu_room``, ``host_room``: what the GPU and the host have for them (bytes). ``loss_grad_bytes``: every
+    chunk's dL/dh a step computing its loss in stage 1 keeps: on the GPU when no page is on the host and they
+    fit there, else pinned. Only where keeping them fits under no choice are they recomputed in stage 2.
+    """
+    seen: dict[Pages, tuple[int, float]] = {}
+
+    def need(pages: Pages) -> tuple[int, float]:
+        if pages not in seen:
+            seen[pages] = needs(pages)
+        return seen[pages]
+
+    for recomputed in (False, True) if loss_grad_bytes else (False,):
+        kept = 0 if recomputed else loss_grad_bytes
+        for pages in choices:
+            gpu, pinned = need(pages)
+            on_host = pages.on_host or gpu + kept > gpu_room
+            if gpu <= gpu_room and pinned + (kept if on_host else 0) <= host_room:
+                return PagesPlaced(pages, "recomputed" if recomputed else "host" if on_host else "gpu", True)
+    fallback = next((pages for pages in choices if need(pages)[0] <= gpu_room), choices[-1])
+    gpu = need(fallback)[0]
+    on_gpu = not fallback.on_host and gpu + loss_grad_bytes <= gpu_room
+    return PagesPlaced(fallback, "gpu" if on_gpu else "host", False)
 
 
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
@@ -70,30 +143,3 @@ def host_kept_for_stage_2(step: Plan, host_spare_bytes: float, kept: int, graphs
     whole = c.context // c.chunk_size  # a shorter last chunk has other shapes
     per_output = kept_chunk_bytes(step.shape, c.chunk_tokens, _kv_dtype(c.precision))
     return keepable_chunks(host_spare_bytes, per_output, min(whole, c.n_chunks - kept - graphs), 1.0)
-
-
-def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
-    """(host gradient layers, host K/V layers) in the order a sparse step moves pages to the host: the
-    KV-gradient pages first, layer by layer, then, with all of those there, the K/V pages."""
-    return [(n, 0) for n in range(n_layers + 1)] + [(n_layers, m) for m in range(1, n_layers + 1)]
-
-
-def kept_loss_grads_placed(config: PlanConfig, estimate) -> Plan:
-    """The plan with a served step's kept dL/dh where ``place_step`` puts them: in pinned host memory when any
-    page of the step is there or they do not fit on the GPU next to everything else, else on the GPU."""
-    if not (config.offload or config.host_grad_layers or config.host_kv_layers):
-        on_gpu = estimate(dataclasses.replace(config, loss_grads="gpu"))
-        if on_gpu.peak_gpu_bytes <= on_gpu.usable_gpu_bytes:
-            return on_gpu
-    return estimate(dataclasses.replace(config, loss_grads="host"))
-
-
-def fewest_host_grad_layers(config: PlanConfig, shape: ModelShape, estimate) -> Plan:
-    """The plan of ``config`` with the fewest pages in host memory (sparse: KV-gradient pages of layers, then
-    their K/V pages, ``host_layer_counts``) that fits on the GPU with ``place_step``'s reserve, or with all of
-    them when none does."""
-    for n, m in host_layer_counts(shape.n_layers):
-        result = estimate(dataclasses.replace(config, host_grad_layers=n, host_kv_layers=m))
-        if result.peak_gpu_bytes <= result.usable_gpu_bytes:
-            return result
-    return result

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -11,10 +12,11 @@ import torch
 from ..config import OFFLOADS, SparseConfig
 from ..host_memory import host_budget
 from ..model_shape import ModelShape, Precision, _kv_dtype
-from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS
+from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, PLACEMENT_HEADROOM_SHARE
 from .config import PlanConfig, Sharding
 from .estimate import estimate_step
-from .placement import fewest_host_grad_layers, kept_for_stage_2, kept_loss_grads_placed
+from .memory import loss_grad_bytes
+from .placement import Pages, kept_for_stage_2, page_choices, place_pages
 from .report import ContextLimit, Plan
 from .suggestions import suggestions_for
 
@@ -85,7 +87,7 @@ def plan(
     graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
     host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
     stage_1_loss, loss_grads, host_process_bytes, host_pending_bytes: see ``PlanConfig``; loss_grads None: where
-    ``place_step`` would keep a served step's dL/dh (``_loss_grads_placed``).
+    ``place_step`` would keep a served step's dL/dh (``placement.place_pages``).
     devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
     host memory budget is ``host_memory`` divided among the ranks, as the strategies divide it.
     sharding: with devices > 1, "none" plans an oomb_ddp rank (every weight whole); "zero1", "zero2", "zero3"
@@ -139,35 +141,56 @@ def plan(
     # each process's share: the strategies divide the budget among a machine's processes alike
     host_memory //= base.devices * base.tensor_parallel
 
+    usable_gpu = int(gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE))
+
+    def placed(config: PlanConfig, choices: list[Pages], host_room: float) -> Plan:
+        """The plan of ``config`` with the pages of the first of ``choices`` that fits, as ``place_step`` decides
+        (``place_pages``), a served step's dL/dh placed too unless ``loss_grads`` was given."""
+        searched = loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed"
+        kept = loss_grad_bytes(shape, config.chunk_tokens, config.n_chunks, config.precision) if searched else 0
+        plans: dict[Pages, Plan] = {}
+
+        def with_pages(pages: Pages, **changes: Any) -> PlanConfig:
+            return dataclasses.replace(config, offload=pages.offload, host_grad_layers=pages.host_grad_layers,
+                                       host_kv_layers=pages.host_kv_layers, **changes)
+
+        def needs(pages: Pages) -> tuple[int, int]:
+            changes = {"loss_grads": "recomputed"} if kept else {}
+            p = plans[pages] = estimate_step(shape, with_pages(pages, **changes), gpu_memory, host_memory, machine)
+            return p.peak_gpu_bytes, p.peak_host_bytes
+
+        decision = place_pages(choices, needs, usable_gpu, host_room, kept)
+        if not kept or decision.loss_grads == "recomputed":
+            return plans[decision.pages]
+        return estimate_step(shape, with_pages(decision.pages, loss_grads=decision.loss_grads), gpu_memory,
+                             host_memory, machine)
+
+    def own_pages(config: PlanConfig) -> list[Pages]:
+        return [Pages(config.offload, config.host_grad_layers, config.host_kv_layers)]
+
     def estimate(config: PlanConfig) -> Plan:
-        if loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed":
-            return kept_loss_grads_placed(config, lambda c: estimate_step(shape, c, gpu_memory, host_memory, machine))
-        return estimate_step(shape, config, gpu_memory, host_memory, machine)
+        """``config`` as it is, a served step's dL/dh where it fits on the GPU (a suggestion's numbers)."""
+        return placed(config, own_pages(config), math.inf)
 
-    def pages_placed(config: PlanConfig) -> Plan:
+    def fewest_on_host(config: PlanConfig) -> Plan:
+        """``config`` with the fewest sparse layers' pages on the host that fit the GPU."""
+        return placed(config, page_choices("auto", True, shape.n_layers), math.inf)
+
+    def searched(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
-        if host_grad_layers is None and config.sparse:
-            return fewest_host_grad_layers(config, shape, estimate)
-        return estimate(config)
+        sparse_auto = host_grad_layers is None and config.sparse
+        choices = page_choices("auto", True, shape.n_layers) if sparse_auto else own_pages(config)
+        return placed(config, choices, host_memory)
 
-    def placed(config: PlanConfig) -> Plan:
-        # As place_step: a served step recomputes dL/dh only when keeping it fits nowhere.
-        result = pages_placed(config)
-        if loss_grads is None and config.stage_1_loss and not result.fits:
-            recomputed = pages_placed(dataclasses.replace(config, loss_grads="recomputed"))
-            if recomputed.fits:
-                return recomputed
-        return result
-
-    result = placed(base)
-    other = placed(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
+    result = searched(base)
+    other = searched(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
     if checkpoint_layers is None and not result.fits:
         result, other = other, result
         result.checkpoint_auto = True
     elif checkpoint_layers is None:
         result.checkpoint_auto = True
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
-    result.suggestions = suggestions_for(result, estimate)
+    result.suggestions = suggestions_for(result, estimate, fewest_on_host)
     return result
 
 

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from ..config import SparseConfig
-from .config import SHARDINGS
-from .placement import fewest_host_grad_layers
+from .config import SHARDINGS, PlanConfig
 from .report import Plan, Suggestion
 
 MIN_SUGGESTED_CHUNK = 256  # tokens: the smallest chunk suggested; below it matmuls get too thin to keep the GPU busy
 
 
-def suggestions_for(result: Plan, estimate) -> list[Suggestion]:
+def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
+                    fewest_on_host: Callable[[PlanConfig], Plan]) -> list[Suggestion]:
     """Single changes that make the step fit (each with its numbers); all of them together when no single one
     does; sparse attention when attention dominates the step's FLOPs."""
     c = result.config
@@ -46,7 +47,7 @@ def suggestions_for(result: Plan, estimate) -> list[Suggestion]:
             found.append(Suggestion("bf16 KV-gradients", estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16)),
                                     "--grad-dtype bfloat16", "grad_dtype=torch.bfloat16"))
         if c.sparse:
-            hosted = fewest_host_grad_layers(c, result.shape, estimate)
+            hosted = fewest_on_host(c)
             h = hosted.config
             if (h.host_grad_layers, h.host_kv_layers) != (c.host_grad_layers, c.host_kv_layers):
                 found.append(Suggestion(
@@ -81,7 +82,7 @@ def suggestions_for(result: Plan, estimate) -> list[Suggestion]:
         config = SparseConfig()
         sparse = estimate(dataclasses.replace(c, sparse=config, offload=False))
         if c.offload:  # sparse moves the fewest layers' pages to host memory, gradient pages first
-            sparse = fewest_host_grad_layers(sparse.config, result.shape, estimate)
+            sparse = fewest_on_host(sparse.config)
         if sparse.fits:  # a faster step that does not fit here is no suggestion
             found.append(Suggestion(
                 f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per "
