@@ -12,7 +12,7 @@ def layer_activation_bytes(
     """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
 
     Derived from transformers' Llama/Qwen2/Qwen3 decoder layer with lightning_oomb's attention (and checked
-    against counted saved tensors in tests/test_planner.py). Full training:
+    against counted saved tensors in tests/test_plan_activations.py). Full training:
     - each RMSNorm (2): its float32 input copy (pow), rsqrt (1 float per token), the normalised input in
       the residual dtype (saved by the weight multiply) and its output (saved by the projections after it);
     - attention (ChunkAttention): q, k after RoPE, v, the output (q's dtype), log-sum-exp (fp32 per head);
