@@ -11,38 +11,21 @@ def layer_activation_bytes(
 ) -> int:
     """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
 
-    Derived from transformers' Llama/Qwen2/Qwen3 decoder layer with lightning_oomb's attention (and checked
-    against counted saved tensors in tests/test_plan_activations.py). Full training:
-    - each RMSNorm (2): its float32 input copy (pow), rsqrt (1 float per token), the normalised input in
-      the residual dtype (saved by the weight multiply) and its output (saved by the projections after it);
-    - attention (ChunkAttention): q, k after RoPE, v, the output (q's dtype), log-sum-exp (fp32 per head);
-      o_proj saves its input (the output made contiguous, in the linear dtype);
-    - MLP: gate output (SiLU), SiLU output and up output (the product), the product (down_proj): 4 x I;
-    - Qwen3 QK-norm: float32 copies of q and k, rsqrt per head, normalised q, k in the linear dtype;
-    - bf16-mixed: the projections save autocast's bf16 casts of the fp32 norm output instead, one cast per
-      projection (q, k, v, gate, up); the bf16 weight copies are a separate line of the plan.
-    RoPE multiplies by cos/sin that need no gradient, so it saves only cos/sin (counted once per model).
-
-    LoRA (peft adapters on q, k, v, o; everything else frozen): a frozen linear layer saves only its
-    weight, a frozen norm weight makes the norm skip its normalised input, so what remains is the norm
-    statistics, the first norm's output (read by the q/k/v adapters), attention as above, o's input (its
-    adapter), the MLP without down_proj's input (3 x I), and each adapter's rank-r intermediate.
-
-    fused_ops (the Triton steps, lightning_oomb.kernels): each RMSNorm saves its input (in its own dtype)
-    and one fp32 rstd per row instead of the fp32 copy and the normalised input; SwiGLU saves gate and up,
-    not silu(gate) (one I less), and without autocast the trained down projection recomputes its input,
-    the product (kernels.linear.swiglu_linear: another I less), except on tensor-parallel ranks, whose down
-    projection is a DTensor shard that swiglu_linear does not take.
-
-    A tensor-parallel rank's ``shape`` (``ModelShape.tensor_parallel_part``) has its own heads and MLP width:
-    the attention and MLP terms are its part, the hidden-size terms whole.
+    Per token: norm statistics and outputs, q, k, v, the attention output and log-sum-exp, o_proj's input and
+    the MLP's tensors, as transformers' Llama/Qwen2/Qwen3 layers with lightning_oomb's attention save them
+    (the formulas: docs/planner.md, "What it counts"; tests/test_plan_activations.py counts real ones).
+    ``lora_rank`` > 0: peft adapters on q, k, v, o, the rest frozen. ``fused_ops``: the Triton steps'
+    RMSNorm/RoPE/SwiGLU (False: transformers' own ops). A tensor-parallel rank's ``shape``
+    (``ModelShape.tensor_parallel_part``) has its part of the heads and MLP width.
     """
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     lora = lora_rank > 0
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
     if fused_ops:
-        down_input = p.autocast_weight_copies or shape.tensor_parallel > 1  # saved, not recomputed
+        # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
+        # shard, which kernels.linear.swiglu_linear does not take)
+        down_input = p.autocast_weight_copies or shape.tensor_parallel > 1
         mlp = 2 if lora or not down_input else 3  # gate, up (and down_proj's input)
         per_token = 2 * (p.residual * h + 4) + attention + mlp * p.linear * i
         if lora:

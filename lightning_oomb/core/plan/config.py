@@ -13,8 +13,6 @@ from ..model_shape import PRECISIONS, PROFILES
 from ..optimizers import PLAN_OPTIMIZERS
 from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS
 
-
-
 # The optimizer a plan counts: a name of core.optimizers.OPTIMIZERS, or "none".
 OPTIMIZERS = PLAN_OPTIMIZERS
 # Where a served step keeps each chunk's dL/dh from stage 1 for stage 2; "recomputed": not kept, stage 2
@@ -28,69 +26,36 @@ SHARDINGS = ("none", "zero1", "zero2", "zero3")
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """One training step as the planner sees it. Token counts are per sequence; memory is in bytes.
-
-    offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
-    ``segment_tokens`` tokens per sequence (dense attention). sparse: None/False (dense), a SparseConfig, or
-    True (a projection with SPARSE_ATTENDED_TOKENS). host_grad_layers (sparse only): the KV-gradient pages
-    of that many layers in pinned host memory, added into from the GPU after each sparse backward.
-    host_kv_layers (sparse only): the K/V pages of that many layers in pinned host memory too, of which each
-    attention call gathers the pages its chunk selected. kept_chunks: attention outputs of that many chunks kept on the GPU from stage 1 for
-    stage 2 (which then skips their attention forward). graph_chunks: autograd graphs of the last that many
-    chunks kept from stage 1 (stage 2 then skips their forward; the graph of the last costs nothing extra,
-    and those chunks need no kept attention outputs). host_kept_chunks: attention outputs of the first that
-    many chunks kept from stage 1 in pinned host memory. fused_ops: the fused Triton
-    RMSNorm/RoPE/SwiGLU of Triton steps (False: transformers' own ops, attention="reference").
-    stage_1_loss: the step computes its loss in stage 1 (a served forward, as under OOMBStrategy).
-    loss_grads: where such a step keeps each chunk's dL/dh for stage 2 (``LOSS_GRADS``): "gpu", "host" (one
-    pinned block), or "recomputed": none kept, stage 2 runs the output layer again (its forward then runs in
-    both stages, as ``step_time`` counts it for every step).
-    host_process_bytes: the process's own host memory (measured when a step is placed); None: HOST_PROCESS_BYTES.
-    host_pending_bytes: host memory the run adds before its next step beyond HOST_GROWTH_BYTES (the first
-    compilation of a torchao optimizer's step); None: the optimizer's ``compile_host_bytes``.
-    devices: data-parallel ranks, each running this step on its own ``batch`` sequences: memory is per GPU,
-    the time includes the collectives (``step_collectives``). sharding: "none": every rank whole (oomb_ddp,
-    plus the gradients' all-reduce bucket); "zero1", "zero2", "zero3": oomb_model_parallel's sharding of the
-    decoder layers' weights, gradients and optimizer state over the ``devices`` ranks (docs/planner.md,
-    "Several GPUs").
-    document_length: packed documents of that many tokens (position ids restarting every document_length
-    tokens): attention FLOPs within documents only (``step_time``); None: one document per sequence. Memory
-    is the same either way.
-    tensor_parallel: ranks that split each decoder layer by KV heads (oomb_model_parallel's
-    tensor_parallel_size), all running this step's ``batch``: memory and FLOPs are one rank's (the shape the
-    plan gets is one rank's part, ``ModelShape.tensor_parallel_part``), the time includes their all-reduces
-    (``tensor_parallel_collectives``). With ``devices`` D > 1 too, D x T ranks (oomb_model_parallel's 2-D mesh):
-    each rank's part sharded over the D data-parallel ranks (``sharding`` zero1/2/3). Not with LoRA (refused,
-    as the strategy refuses it).
-    """
+    """One training step as the planner sees it: token counts per sequence, memory in bytes. What each field
+    does to the plan: docs/planner.md ("What it counts", "Host memory", "Time", "Several GPUs")."""
 
     context: int
     chunk_size: int = 4096
-    batch: int = 1
+    batch: int = 1  # sequences per step (per rank)
     page_size: int = 128
-    lora_rank: int = 0
-    optimizer: str = "adamw"
-    precision: str = "bf16-true"
+    lora_rank: int = 0  # 0: full training
+    optimizer: str = "adamw"  # OPTIMIZERS
+    precision: str = "bf16-true"  # PRECISIONS
     checkpoint_layers: bool = False
-    grad_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype = torch.float32  # of the KV-gradient pages
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
-    offload: bool = False
-    segment_tokens: int = OFFLOAD_SEGMENT_TOKENS
-    sparse: "bool | SparseConfig | None" = False
-    host_grad_layers: int = 0
-    kept_chunks: int = 0
-    graph_chunks: int = 0
-    host_kept_chunks: int = 0
-    fused_ops: bool = True
-    stage_1_loss: bool = False
-    loss_grads: str = "gpu"
-    host_process_bytes: int | None = None
-    host_pending_bytes: int | None = None
-    devices: int = 1
-    host_kv_layers: int = 0
-    document_length: int | None = None
-    sharding: Sharding = "none"
-    tensor_parallel: int = 1
+    offload: bool = False  # dense: every page in pinned host memory, streamed through the GPU
+    segment_tokens: int = OFFLOAD_SEGMENT_TOKENS  # offload: tokens per sequence of a streamed segment
+    sparse: "bool | SparseConfig | None" = False  # None/False dense; True: SPARSE_ATTENDED_TOKENS past tokens
+    host_grad_layers: int = 0  # sparse: layers whose KV-gradient pages are pinned on the host, added into
+    kept_chunks: int = 0  # chunks whose attention outputs stage 1 keeps on the GPU for stage 2
+    graph_chunks: int = 0  # last chunks whose autograd graphs stage 1 keeps (the last one's costs nothing)
+    host_kept_chunks: int = 0  # first chunks whose attention outputs stage 1 keeps pinned on the host
+    fused_ops: bool = True  # the Triton steps' RMSNorm/RoPE/SwiGLU; False: transformers' own ops
+    stage_1_loss: bool = False  # the loss is computed in stage 1 (a served forward, as under OOMBStrategy)
+    loss_grads: str = "gpu"  # LOSS_GRADS: where such a step keeps every chunk's dL/dh until stage 2
+    host_process_bytes: int | None = None  # the process's own host memory; None: HOST_PROCESS_BYTES
+    host_pending_bytes: int | None = None  # host memory the first update adds; None: the optimizer's compile
+    devices: int = 1  # data-parallel ranks, each running this step on its own batch
+    host_kv_layers: int = 0  # sparse: layers whose K/V pages are pinned on the host, selected pages gathered
+    document_length: int | None = None  # packed documents of that many tokens; None: one per sequence
+    sharding: Sharding = "none"  # SHARDINGS: oomb_ddp ("none") or oomb_model_parallel's zero1/2/3
+    tensor_parallel: int = 1  # ranks splitting each decoder layer by KV heads (not with LoRA)
 
     def __post_init__(self):
         for name in ("context", "chunk_size", "batch", "page_size", "segment_tokens", "devices", "tensor_parallel"):

@@ -16,6 +16,8 @@ from .timing import step_time
 def estimate_step(
     shape: ModelShape, config: PlanConfig, gpu_memory: int, host_memory: int, machine: str
 ) -> Plan:
+    """The plan of ``config`` for ``shape`` on a machine of ``gpu_memory`` and ``host_memory`` bytes, as it is:
+    nothing placed or searched."""
     gpu, host = memory_lines(shape, config)
     time = step_time(
         shape,

@@ -66,40 +66,16 @@ def plan(
     sharding: Sharding = "none",
     tensor_parallel: int = 1,
 ) -> Plan:
-    """Plan one training step of ``batch`` sequences of ``context`` tokens.
+    """Plan one training step of ``batch`` sequences of ``context`` tokens; the other keywords are
+    ``PlanConfig``'s fields, these decided here when None:
 
-    model: a ModelShape, a built-in name (``builtin_names()``), a config.json / model directory path, a
-    transformers config (or config dict) or model. checkpoint_layers: None decides (off if it fits, else on).
-    gpu_memory: bytes; None takes this machine's CUDA device (no CUDA device: error). host_memory: the run's host
-    memory budget in bytes; None: what a run started now would get, ``host_memory.host_budget()`` (the
-    memory this machine has available, MemAvailable, less ``host_memory.host_headroom()``).
-    matmul_tflops: the GPU's dense bf16 matmul peak, for the time floor.
-    sparse: a SparseConfig (or dict) for page-level sparse attention: its FLOPs and the memory of its page
-    summaries and selections.
-    offload: K/V and KV-gradient pages in pinned host memory, streamed through the GPU in segments of
-    ``segment_tokens`` tokens per sequence (dense attention).
-    host_grad_layers (sparse): KV-gradient pages of that many layers in pinned host memory, added into from the GPU
-    after each sparse backward; None: the fewest that make the step fit on the GPU (0 if it fits as it is, and
-    for dense attention), then, with every layer's there, the fewest layers' K/V pages too.
-    host_kv_layers (sparse): K/V pages of that many layers in pinned host memory, the selected pages gathered
-    for each attention call.
-    kept_chunks: attention outputs of that many chunks kept from stage 1 for stage 2.
-    graph_chunks: autograd graphs of the last that many chunks kept from stage 1 for stage 2.
-    host_kept_chunks: attention outputs of the first that many chunks kept in pinned host memory.
-    stage_1_loss, loss_grads, host_process_bytes, host_pending_bytes: see ``PlanConfig``; loss_grads None: where
-    ``place_step`` would keep a served step's dL/dh (``placement.place_pages``).
-    devices: data-parallel ranks on one machine, each with ``batch`` sequences: the plan is one rank's, whose
-    host memory budget is ``host_memory`` divided among the ranks, as the strategies divide it.
-    sharding: with devices > 1, "none" plans an oomb_ddp rank (every weight whole); "zero1", "zero2", "zero3"
-    an oomb_model_parallel rank with that sharding of the decoder layers (docs/planner.md, "Several GPUs").
-    fused_ops: activations of the fused Triton RMSNorm/RoPE/SwiGLU (what steps on CUDA run); False:
-    transformers' own ops (attention="reference").
-    document_length: each sequence packed from documents of that many tokens (attention within them only).
-    tensor_parallel: T ranks of one machine splitting each decoder layer by KV heads (oomb_model_parallel's
-    tensor_parallel_size), all on the same ``batch``: the plan is one rank's, whose host memory budget is
-    ``host_memory`` divided among the T, and whose Plan.shape is its part of the model; T must divide the KV
-    heads, attention heads and MLP width; not with LoRA (refused: not built). With devices D > 1 and a sharding,
-    D x T ranks: each rank's part sharded over the D data-parallel ranks, the host budget divided among all.
+    model: a ModelShape, a built-in name (``builtin_names()``), a config.json or model directory, a
+    transformers config (or its dict) or model. checkpoint_layers None: off if the step fits, else on.
+    gpu_memory None: this machine's CUDA device. host_memory None: the budget a run started now would get
+    (``host_memory.host_budget()``), divided among the ``devices`` x ``tensor_parallel`` ranks, as the
+    strategies divide it; the plan is one rank's. host_grad_layers None (sparse): the fewest layers' pages on
+    the host that fit (``placement.page_choices``). loss_grads None: where ``place_step`` would keep a served
+    step's dL/dh (``placement.place_pages``). sparse: a SparseConfig or its dict.
     """
     shape = ModelShape.resolve(model)
     machine = ""

@@ -105,25 +105,11 @@ def step_time(
     host_kept_chunks: int = 0,
     document_length: int | None = None,
 ) -> StepTime:
-    """FLOP model (docs/planner.md, "Time") for one step of ``batch`` sequences of ``context`` tokens.
-
-    linear: 8 * P_mm * tokens (stage-1 forward 2, stage-2 forward 2, backward 4). With LoRA the frozen
-    weights still need the backward with respect to their inputs but not their own gradient:
-    6 * P_mm * tokens, plus 8 * P_lora * tokens for the adapters.
-    attention (dense, causal): 9 * n_layers * d_q * L^2 per sequence (forward 2 d_q L^2 per layer, counted
-    4.5 times: two forwards and a backward of 2.5 forwards).
-    layer checkpointing recomputes each layer's forward once more but its attention (the recompute takes the
-    stage-2 forward's attention outputs): 2 * (P_mm - lm_head) * tokens.
-    sparse: each query attends to at most A past tokens (A = budget_pages * page_size for a SparseConfig,
-    SPARSE_ATTENDED_TOKENS for True) plus its chunk causally: per chunk of n tokens after s past tokens,
-    n * (min(s, A) + n / 2) pairs instead of n * (s + n / 2).
-    document_length D (packed documents, ``position_ids`` restarting every D tokens): a query sees its own
-    document's keys only, so a query t attends to t mod D + 1/2 keys on average (the unpacked step's t + 1/2)
-    and the past of a chunk's first document is at most s - D * (s // D) tokens; None: one document per
-    sequence.
-    What stage 1 keeps is not computed again: the last ``graph_chunks`` chunks' stage-2 forward (linear and
-    attention; none with layer checkpointing), the attention forward of the ``kept_chunks`` chunks before
-    them and of the first ``host_kept_chunks`` chunks (``attention_kept_chunks``).
+    """FLOPs one step of ``batch`` sequences of ``context`` tokens executes (docs/planner.md, "Time", has the
+    formulas): linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within
+    packed documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
+    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``). ``sparse``: a
+    SparseConfig, or True for SPARSE_ATTENDED_TOKENS past tokens per query.
     """
     shape = ModelShape.resolve(model)
     tokens = batch * context
