@@ -17,10 +17,10 @@ import torch
 from .core.config import SparseConfig
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
-from .core.planner import (
-    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, _duration, _gib, max_context, plan_placed,
-    this_gpu_memory,
+from .core.plan import (
+    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, max_context, plan_placed, this_gpu_memory,
 )
+from .core.plan.formatting import duration as _duration, gib as _gib
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
 CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}

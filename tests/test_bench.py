@@ -17,7 +17,7 @@ from lightning_oomb.bench.report import write_outputs
 from lightning_oomb.bench.results import CSV_COLUMNS, PointResult
 from lightning_oomb.bench.sweep import build_model, progress_line, run
 from lightning_oomb.core.model_shape import ModelShape
-from lightning_oomb.core.planner import step_time
+from lightning_oomb.core.plan.timing import step_time
 from lightning_oomb.kernels import host_pages
 from lightning_oomb.cli import main as cli_main
 

@@ -83,7 +83,7 @@ def test_bf16_mixed_train_step_within_full_sequence_bf16_mixed_error():
 
 
 def test_step_that_cannot_fit_is_refused_before_allocating():
-    from lightning_oomb.core.planner import PlanError
+    from lightning_oomb.core.plan import PlanError
 
     config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 26)
@@ -100,7 +100,7 @@ def test_callback_refuses_a_pool_that_cannot_fit_at_fit_start():
     from lightning.pytorch import LightningModule, Trainer
 
     from lightning_oomb import OOMBStrategy, PagedKVCallback
-    from lightning_oomb.core.planner import PlanError
+    from lightning_oomb.core.plan import PlanError
 
     class Module(LightningModule):
         def __init__(self):

@@ -15,7 +15,8 @@ import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.pages import PagePool
 from lightning_oomb.core.placement import Placement
-from lightning_oomb.core.planner import PlanConfig, host_gather_bytes, host_gather_seconds, plan_placed
+from lightning_oomb.core.plan import PlanConfig, plan_placed
+from lightning_oomb.core.plan.host_transfers import host_gather_bytes, host_gather_seconds
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import select_pages

@@ -11,7 +11,7 @@ from lightning_oomb.core.host_memory import (
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.placement import place_step
-from lightning_oomb.core.planner import loss_grad_bytes
+from lightning_oomb.core.plan.memory import loss_grad_bytes
 from lightning_oomb.core.schedule import cached_pool
 from tiny_models import VOCAB, tiny_model
 
@@ -46,7 +46,7 @@ def test_the_planners_default_budget_is_the_one_a_run_started_now_gets(monkeypat
     process plus MemAvailable, less the headroom), not the machine's RAM less the headroom: on the H200 machine
     the two differ by 2.2 GiB, enough for a fit to refuse the longest context the planner names."""
     from lightning_oomb.core import host_memory
-    from lightning_oomb.core.planner import plan
+    from lightning_oomb.core.plan import plan
 
     monkeypatch.setattr(host_memory, "available_host_memory", lambda: 100 * GIB)
     monkeypatch.setattr(host_memory, "process_host_bytes", lambda: GIB)

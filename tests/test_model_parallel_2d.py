@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from lightning_oomb import OOMBModelParallelStrategy
 from lightning_oomb.lightning.cli import export_hf
 from lightning_oomb.core.model_shape import ModelShape
-from lightning_oomb.core.planner import plan
+from lightning_oomb.core.plan import plan
 from test_ddp import CHUNK, PAGE, TRAINER, RankRows, module_grads, sequences
 from test_fsdp import CHUNKS, LAYERS, Record, _count_fsdp_collectives, one_process_adamw
 from test_strategy import UserModule, weights

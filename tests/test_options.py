@@ -10,7 +10,7 @@ from lightning_oomb import OOMBDDPStrategy, OOMBModelParallelStrategy, OOMBStrat
 from lightning_oomb.lightning.strategy import OOMBStrategyMixin
 from lightning_oomb.core.config import ChunkConfig, SparseConfig, option_defaults
 from lightning_oomb.core.errors import SetupError
-from lightning_oomb.core.planner import plan
+from lightning_oomb.core.plan.search import plan
 from lightning_oomb.lightning.sparse import SparseCausalLMModule
 from lightning_oomb.planner_cli import build_parser
 

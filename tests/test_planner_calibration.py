@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_oomb.core.planner import CUDA_CONTEXT_BYTES, plan
+from lightning_oomb.core.plan import CUDA_CONTEXT_BYTES, plan
 
 BENCH = Path(__file__).parents[1] / "docs" / "bench"
 # (file, measured with the fused Triton RMSNorm/RoPE/SwiGLU): h200-qwen2.5-7b-dense.csv ran transformers' own

@@ -21,13 +21,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_oomb.core import schedule
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.model_shape import ModelShape
-from lightning_oomb.core.planner import TP_COLWISE, TP_ROWWISE, activation_bytes, plan, step_collectives
+from lightning_oomb.core.plan import TP_COLWISE, TP_ROWWISE, plan
+from lightning_oomb.core.plan.activations import activation_bytes
+from lightning_oomb.core.plan.collectives import step_collectives
 from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool
 from lightning_oomb.lightning.model_parallel import TENSOR_PARALLEL_PLAN, parallelize_decoder_layers
 from test_ddp import CHUNK, PAGE, SEQ
 from test_fsdp import TP, TP_ITEMS, WORLD, _fit
-from test_planner import FUSED, saved_bytes_of_one_chunk
+from test_plan_activations import FUSED, saved_bytes_of_one_chunk
 from tiny_models import as_torchrun_rank, spawn_ranks, tiny_model
 
 WIDE_MLP, SAVED_CHUNK = 192, 64  # tiny Qwen2 with 4 x its MLP width, and the chunk whose saved tensors are counted

@@ -448,7 +448,7 @@ def test_strategy_takes_a_dict():
 
 
 def test_planner_counts_sparse_attention():
-    from lightning_oomb.core.planner import plan, step_time
+    from lightning_oomb.core.plan import plan, step_time
 
     kw = dict(gpu_memory=141e9, host_memory=128e9)
     dense = plan("qwen2.5-7b", 131072, **kw)

@@ -16,7 +16,7 @@ import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.pages import PagePool, movable_host_layers
 from lightning_oomb.core.placement import Placement, place_step
-from lightning_oomb.core.planner import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan
+from lightning_oomb.core.plan import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, assert_grads_close, grads_of, needs_interpreter, rel_err, tiny_model
@@ -320,7 +320,7 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
 
 def test_plan_placed_places_like_a_step():
     """plan_placed (the plan CLI and the fit CLI's printout) places pages as place_step would."""
-    from lightning_oomb.core.planner import plan_placed
+    from lightning_oomb.core.plan import plan_placed
 
     kwargs = dict(H200, checkpoint_layers=True)
     dense = plan_placed("qwen2.5-7b", 1 << 20, offload="auto", **kwargs)

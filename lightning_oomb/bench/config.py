@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.planner import DEFAULT_MATMUL_TFLOPS
+from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
 
 
 @dataclass(frozen=True)

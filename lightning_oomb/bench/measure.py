@@ -20,7 +20,9 @@ from torch import nn
 
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
-from ..core.planner import CUDA_CONTEXT_BYTES, OFFLOAD_SEGMENT_TOKENS, plan, step_time
+from ..core.plan.assumptions import CUDA_CONTEXT_BYTES, OFFLOAD_SEGMENT_TOKENS
+from ..core.plan.search import plan
+from ..core.plan.timing import step_time
 from .config import BenchConfig
 from .modes import BenchMode, drop_cached_pool, step_options
 from .results import PointResult

@@ -18,7 +18,7 @@ import torch
 from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
-from ..core.planner import CUDA_CONTEXT_BYTES, plan
+from ..core.plan import CUDA_CONTEXT_BYTES, plan
 from ..core.schedule import ChunkedSequence, release_cached_pool
 from ..core.units import GIB, parse_tokens
 from .config import BenchConfig

@@ -21,7 +21,7 @@ class BenchMode:
     """A way to train one step. ``step`` adds gradients to the parameters and returns the loss.
 
     ``setup``/``teardown`` run once around the mode's sweep (they must leave the model as they found it);
-    ``planned`` says whether ``lightning_oomb.core.planner`` models this mode's memory; ``documents`` whether
+    ``planned`` says whether ``lightning_oomb.core.plan`` models this mode's memory; ``documents`` whether
     its step packs documents when the config asks (``packed_position_ids``).
     """
 

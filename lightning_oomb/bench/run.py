@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from ..core.model_shape import load_config_dict
-from ..core.planner import DEFAULT_MATMUL_TFLOPS
+from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
 from ..core.units import argparse_type, parse_tokens
 from ..kernels import host_pages
 from .config import BenchConfig

@@ -1,5 +1,5 @@
 """Where a training step's pages live, decided before anything is allocated: ``place_step`` (called by the
-engine for every step and by PagedKVCallback at fit start) checks the step's plan (``core.planner``) against
+engine for every step and by PagedKVCallback at fit start) checks the step's plan (``core.plan``) against
 the GPU's free memory and the run's host memory budget, chooses the GPU or pinned host memory for the pages
 and how much of stage 1 to keep for stage 2, and refuses with the plan what cannot fit (docs/planner.md).
 """
@@ -16,10 +16,14 @@ from torch.distributed.tensor import DTensor
 from .attention import uses_triton
 from .host_memory import host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
-from .planner import (
+from .plan import Plan, PlanError, plan
+from .plan.assumptions import (
     FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
-    PLACEMENT_HEADROOM_SHARE, asked_graphs, host_kept_for_stage_2, host_layer_counts, kept_for_stage_2,
-    loss_grad_bytes, Plan, plan, PlanError,
+    PLACEMENT_HEADROOM_SHARE,
+)
+from .plan.memory import loss_grad_bytes
+from .plan.placement import (
+    Pages, asked_graphs, host_kept_for_stage_2, kept_for_stage_2, page_choices, place_pages,
 )
 from .units import GIB
 
@@ -248,59 +252,9 @@ def place_step(
             + "; host_memory sets the budget"
         )
 
-    if sparse:
-        every = shape.n_layers
-        counts = {"gpu": [(0, 0)], "auto": host_layer_counts(every), "host": [(every, every)]}[config.offload]
-        if host_grad_layers is not None:
-            counts = [(host_grad_layers, host_kv_layers or 0)]
-        for recomputed in (False, True) if loss_grads else (False,):
-            kept_bytes = 0 if recomputed else loss_grads
-            for n, m in counts:
-                step = step_plan(False, page, n, m)
-                needed = needed_on_gpu(step)
-                on_host = n > 0 or needed + kept_bytes > free
-                pinned = pinned_of(step) + (kept_bytes if on_host else 0)
-                if needed <= free and pinned <= host_free:
-                    spare = free - needed - (0 if on_host else kept_bytes)
-                    kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
-                    host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
-                    where = "recomputed" if recomputed else "host" if on_host else "gpu"
-                    return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
-                                            loss_grads=where, host_kept_chunks=host_kept, host_kv_layers=m))
-        where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
-                 "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
-        if host_grad_layers is not None:  # the run's pool decided the layers
-            where = (f"with the KV-gradient pages of {n} and the K/V pages of {m} of {every} layers in host "
-                     "memory (the run's page pool)")
-        gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
-                    f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
-        raise PlanError(
-            f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it."
-            + (" offload='auto' moves pages to the host, layer by layer." if config.offload == "gpu" else "")
-            + f"\n\n{step}"
-        )
-
-    if config.offload in ("auto", "gpu"):
-        on_gpu = step_plan(False, page)
-        needed = needed_on_gpu(on_gpu)
-        if needed <= free:
-            where = "gpu" if needed + loss_grads <= free else "host" if loss_grads <= host_free else "recomputed"
-            spare = free - needed - (loss_grads if where == "gpu" else 0)
-            kept, graphs = kept_for_stage_2(on_gpu, spare, keep, keep_graphs)
-            host_spare = host_free - (loss_grads if where == "host" else 0)
-            return placed(Placement(
-                "gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, kept_chunks=kept, graph_chunks=graphs,
-                loss_grads=where, host_kept_chunks=host_kept_for_stage_2(on_gpu, host_spare, kept, graphs, keep),
-            ))
-        if config.offload == "gpu":
-            raise PlanError(
-                f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
-                f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
-                f"for it. offload='host' (or 'auto') keeps the pages in pinned host memory.\n\n{on_gpu}"
-            )
-    not_kept("offload='host'" if config.offload == "host" else "the step does not fit on the GPU")
-    segment = config.segment_tokens
-    if segment is None:
+    def segment_tokens() -> int:
+        if config.segment_tokens is not None:
+            return config.segment_tokens
         # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
         # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
         needed = needed_on_gpu(step_plan(True, page))
@@ -308,15 +262,64 @@ def place_step(
         per_token //= shape.n_layers
         staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
         segment = int(staging // (2 * batch * per_token)) // page * page
-        segment = min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
-    step = step_plan(True, segment)
-    needed = needed_on_gpu(step)
-    where = "host" if pinned_of(step) + loss_grads <= host_free else "recomputed"
-    pinned = pinned_of(step) + (loss_grads if where == "host" else 0)
-    if needed > free or pinned > host_free:
+        return min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
+
+    steps: dict[Pages, Plan] = {}
+
+    def step_of(pages: Pages) -> Plan:
+        if pages not in steps:
+            steps[pages] = (step_plan(True, segment_tokens()) if pages.offload
+                            else step_plan(False, page, pages.host_grad_layers, pages.host_kv_layers))
+        return steps[pages]
+
+    def needs(pages: Pages) -> tuple[int, int]:
+        return needed_on_gpu(step_of(pages)), pinned_of(step_of(pages))
+
+    every = shape.n_layers
+    choices = page_choices(config.offload, sparse, every)
+    if sparse and host_grad_layers is not None:  # the run's pool decided the layers
+        choices = [Pages(host_grad_layers=host_grad_layers, host_kv_layers=host_kv_layers or 0)]
+    # A dense step with its pages on the GPU pins nothing: it is not refused where the process alone has
+    # outgrown the host budget.
+    decision = place_pages(choices, needs, free, host_free if sparse else max(host_free, 0), loss_grads)
+    pages, where = decision.pages, decision.loss_grads
+    if not sparse and config.offload != "gpu" and (pages.offload or not decision.fits):
+        not_kept("offload='host'" if config.offload == "host" else "the step does not fit on the GPU")
+    if not decision.fits:
+        last = choices[-1]
+        step, (needed, pinned) = step_of(last), needs(last)
+        gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
+                    f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
+        if sparse:
+            where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
+                     "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
+            if host_grad_layers is not None:
+                where = (f"with the KV-gradient pages of {last.host_grad_layers} and the K/V pages of "
+                         f"{last.host_kv_layers} of {every} layers in host memory (the run's page pool)")
+            raise PlanError(
+                f"{where} this sparse step needs {gpu_part} and {host_short(pinned)}; nothing was allocated for it."
+                + (" offload='auto' moves pages to the host, layer by layer." if config.offload == "gpu" else "")
+                + f"\n\n{step}"
+            )
+        if not last.offload:
+            raise PlanError(
+                f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
+                f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
+                f"for it. offload='host' (or 'auto') keeps the pages in pinned host memory.\n\n{step}"
+            )
+        pinned += loss_grads if pinned + loss_grads <= host_free else 0
         raise PlanError(
-            f"with its pages in pinned host memory this step needs {needed / GIB:.2f} GiB of GPU memory "
-            f"({free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve) and {host_short(pinned)}; "
+            f"with its pages in pinned host memory this step needs {gpu_part} and {host_short(pinned)}; "
             f"nothing was allocated for it.\n\n{step}"
         )
-    return placed(Placement("host", segment, batch, loss_grads=where if loss_grads else "gpu"))
+    step = step_of(pages)
+    if pages.offload:
+        return placed(Placement("host", step.config.segment_tokens, batch, loss_grads=where if loss_grads else "gpu"))
+    needed, pinned = needs(pages)
+    pinned += loss_grads if where == "host" else 0
+    spare = free - needed - (loss_grads if where == "gpu" else 0)
+    n, m = pages.host_grad_layers, pages.host_kv_layers
+    kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
+    host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
+    return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
+                            loss_grads=where, host_kept_chunks=host_kept, host_kv_layers=m))

@@ -20,7 +20,7 @@ from ..core.errors import SetupError
 from ..core.host_memory import (
     GIB, available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
 )
-from ..core.planner import HOST_GROWTH_BYTES
+from ..core.plan.assumptions import HOST_GROWTH_BYTES
 from ..core.ranks import Ranks
 from ..core.schedule import ChunkHook
 from ..core.served import Serving, serve

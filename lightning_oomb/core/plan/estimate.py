@@ -1,0 +1,46 @@
+"""The plan of one ``PlanConfig``: its memory lines and its time, collectives and host transfers included."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..model_shape import ModelShape
+from .collectives import step_collectives
+from .config import PlanConfig
+from .host_transfers import host_add_seconds, host_gather_bytes, host_gather_seconds
+from .memory import memory_lines
+from .report import Plan
+from .timing import step_time
+
+
+def estimate_step(
+    shape: ModelShape, config: PlanConfig, gpu_memory: int, host_memory: int, machine: str
+) -> Plan:
+    """The plan of ``config`` for ``shape`` on a machine of ``gpu_memory`` and ``host_memory`` bytes, as it is:
+    nothing placed or searched."""
+    gpu, host = memory_lines(shape, config)
+    time = step_time(
+        shape,
+        config.context,
+        batch=config.batch,
+        chunk_size=config.chunk_size,
+        lora_rank=config.lora_rank,
+        checkpoint_layers=config.checkpoint_layers,
+        sparse=config.sparse,
+        matmul_tflops=config.matmul_tflops,
+        page_size=config.page_size,
+        graph_chunks=config.graph_chunks,
+        kept_chunks=config.kept_chunks,
+        host_kept_chunks=config.host_kept_chunks,
+        document_length=config.document_length,
+    )
+    collectives = step_collectives(shape, config)
+    time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
+                               host_gather_s=host_gather_seconds(
+                                   shape, config, time.compute_s * (1 - time.stage_1_flops / time.total_flops)),
+                               host_gather_bytes=host_gather_bytes(shape, config),
+                               all_reduce_s=sum(x.seconds for x in collectives
+                                                if x.kind == "all-reduce" and not x.activations),
+                               sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"),
+                               tensor_parallel_s=sum(x.seconds for x in collectives if x.activations))
+    return Plan(shape, config, gpu, host, time, gpu_memory, host_memory, machine)

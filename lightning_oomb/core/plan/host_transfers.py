@@ -1,0 +1,113 @@
+"""Seconds that sparse steps' host-memory pages add over the bus: the host gradient layers' additions and the
+host K/V layers' gathers of the selected pages (docs/planner.md, "Time")."""
+
+from __future__ import annotations
+
+from ..config import SparseConfig
+from ..model_shape import ModelShape, _itemsize, _kv_dtype
+from ..pages import movable_host_layers, spread_layers, stage_2_gather_order
+from .assumptions import HOST_ADD_GBPS, HOST_ADD_HIDDEN_S, HOST_GATHER_GBPS
+from .config import PlanConfig
+from .timing import attention_kept_chunks, expected_selected_pages, expected_union_pages
+
+
+def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
+    """Host gradient layers still in host memory at each chunk's stage-2 backward (chunk order): stage 2 moves
+    them into dead K/V and GPU gradient pages as those die (``PagePool.move_host_grads_to_gpu``: batch 1,
+    gradient pages in the K/V dtype, after the chunks whose graphs stage 1 kept)."""
+    n = c.n_chunks
+    left = [c.host_grad_layers] * n
+    if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
+        return left
+    seq_pages = -(-c.context // c.page_size)
+    page_layers = 2 * shape.n_layers - c.host_grad_layers - c.host_kv_layers  # PagePool.page_layers
+    on_host = c.host_grad_layers
+    for index in reversed(range(n - c.graph_chunks)):
+        live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
+        on_host -= min(on_host, movable_host_layers(page_layers, seq_pages, live, c.host_grad_layers - on_host))
+        left[index] = on_host
+    return left
+
+
+def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Seconds the host gradient layers' additions add to a step of ``c`` (HOST_ADD_GBPS, HOST_ADD_HIDDEN_S),
+    for the layers still on the host at each chunk (``host_layers_left``)."""
+    if not c.host_grad_layers:
+        return 0.0
+    sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
+    page_bytes = c.page_size * shape.head_dim * _itemsize(c.grad_dtype)
+    seconds = 0.0
+    for start, layers in zip(range(0, c.context, c.chunk_size), host_layers_left(shape, c)):
+        pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch
+        bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
+        seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
+    return seconds
+
+
+def _host_layer_requests(host: list[int], last: int, stage: int, kind: str, skip_last: bool) -> list[int]:
+    """The host K/V layers whose attention a chunk asks for, in order, in ``stage`` 1 or 2 of a step (what
+    ``ChunkedSequence`` runs). ``kind``: "graph" (stage 1 keeps its autograd graph: stage 2 runs only its
+    backward), "kept" (stage 2 takes its attention outputs from stage 1) or
+    "computed"; ``skip_last``: stage 1 ends the chunk at the last layer's K/V store (its hidden state unused)."""
+    computed_in_1 = [layer for layer in host if not (skip_last and layer == last)]
+    if stage == 1:
+        return computed_in_1
+    return stage_2_gather_order(host, set(computed_in_1) if kind == "kept" else set(), kind == "graph")
+
+
+def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
+    """Gathers ``requests`` cost when a request for the layer gathered last (``held``, same chunk) reuses it
+    (``HostKVStaging`` keeps one); and the layer then held."""
+    count = 0
+    for layer in requests:
+        count += layer != held
+        held = layer
+    return count, held
+
+
+def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float, float]:
+    """Bytes the host K/V layers' gathers move over the bus in stage 1 and in stage 2 of a step of ``c``, in
+    expectation: each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk
+    gathers once per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's
+    forward and the backward, less the forwards ``attention_kept_chunks``
+    spares), except where a call follows one of the same layer and chunk, which reuses its gather
+    (``_gathers``)."""
+    if not c.host_kv_layers:
+        return 0.0, 0.0
+    sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
+    n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
+    heads = shape.n_kv_heads if sparse.per_kv_head else 1
+    page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.n_layers  # K and V
+    n = c.n_chunks
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
+    host, last = spread_layers(shape.n_layers, c.host_kv_layers), shape.n_layers - 1
+    per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
+    gathers = [0.0, 0.0]
+    for index, start in enumerate(range(0, c.context, c.chunk_size)):
+        kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
+        skip_last = kind != "graph" and not c.stage_1_loss
+        key = (kind, skip_last, index == n - 1)
+        if key not in per_kind:
+            requests = [_host_layer_requests(host, last, stage, kind, skip_last) for stage in (1, 2)]
+            first, held = _gathers(requests[0], None)
+            # stage 2 starts with the chunk stage 1 ended with: its last gather may serve stage 2's first call
+            per_kind[key] = (first, _gathers(requests[1], held if index == n - 1 else None)[0])
+        union = expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
+        for stage, calls in enumerate(per_kind[key]):
+            gathers[stage] += union * calls
+    return gathers[0] * c.batch * page_bytes, gathers[1] * c.batch * page_bytes
+
+
+def host_gather_bytes(shape: "ModelShape", c: "PlanConfig") -> float:
+    """Bytes the host K/V layers' gathers move over the bus in a step of ``c`` (``host_gather_stage_bytes``)."""
+    return sum(host_gather_stage_bytes(shape, c))
+
+
+def host_gather_seconds(shape: "ModelShape", c: "PlanConfig", stage_2_compute_s: float = 0.0) -> float:
+    """Seconds the host K/V layers' gathers add to a step of ``c`` at HOST_GATHER_GBPS: stage 1's, each made
+    just after its selection, on the compute stream; stage 2's run on a side stream ahead of their calls
+    (``core.pages.HostKVStaging``), so only what outlasts stage 2's compute (``stage_2_compute_s``) shows."""
+    stage_1, stage_2 = (b / (HOST_GATHER_GBPS * 1e9) for b in host_gather_stage_bytes(shape, c))
+    return stage_1 + max(0.0, stage_2 - stage_2_compute_s)

@@ -1,0 +1,284 @@
+"""GPU and host memory of one step, by named line, in bytes (docs/planner.md, "What it counts", "Host memory"),
+and the bytes of what a step may keep from stage 1 for stage 2."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import SparseConfig
+from ..loss import piece_rows
+from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
+from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
+from ..pages import HostGradStaging
+from ..ranks import GRADIENT_BUCKET_BYTES
+from ..units import human_count
+from .activations import activation_bytes, layer_activation_bytes
+from .assumptions import CUDA_CONTEXT_BYTES, HOST_GROWTH_BYTES, HOST_PROCESS_BYTES, ZERO3_GATHERED_LAYERS
+from .collectives import trainable_split
+from .config import PlanConfig, offload_segment_pages
+from .formatting import bytes_name, dtype_name
+
+
+def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """GPU and host memory of one step, by named line, in bytes."""
+    p = PROFILES[c.precision]
+    param_dtype = bytes_name(p.param)
+    lora = shape.lora_params(c.lora_rank) if c.lora_rank else 0
+    trainable = lora if c.lora_rank else shape.total_params
+    head_trained = c.lora_rank == 0
+    if c.host_process_bytes is None:
+        host = {"process (Python, torch, CUDA runtime and driver; assumed)": HOST_PROCESS_BYTES}
+    else:
+        host = {"process when the step was placed (measured resident set)": c.host_process_bytes}
+    host["process growth during the run (allowance)"] = HOST_GROWTH_BYTES
+    pending = c.host_pending_bytes
+    if pending is None:
+        pending = OPTIMIZER_CHOICES[c.optimizer].compile_host_bytes if c.optimizer in OPTIMIZER_CHOICES else 0
+    if pending:
+        host["optimizer: torch.compile of its step at the first update (allowance)"] = pending
+    state = _state_rate(c, p.param)
+    if c.tensor_parallel > 1 and c.sharding == "none":
+        gpu = _tensor_parallel_lines(shape, c, state)
+    elif c.sharding == "none":
+        # LoRA adapters train in float32 whatever the precision (CausalLMModule's lora_dtype default).
+        trained_bytes = 4 if c.lora_rank else p.param
+        trained_dtype = bytes_name(trained_bytes)
+        adapters = f" + {human_count(lora)} LoRA in float32" if c.lora_rank else ""
+        what, rate = _state_rate(c, trained_bytes)
+        gpu: dict[str, int] = {
+            f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})":
+                shape.total_params * p.param + lora * 4,
+            f"gradients ({trained_dtype}, {human_count(trainable)} trainable)": trainable * trained_bytes,
+            f"optimizer state ({what})": int(rate * trainable),
+        }
+    else:
+        gpu = _sharded_lines(shape, c, state)
+    if p.autocast_weight_copies:
+        # Autocast's cast of every weight to bf16 lives for the whole autocast region (its cache), and
+        # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
+        matrices_and_biases = shape.matmul_params + shape.n_layers * shape.layer_bias_params
+        gpu["bf16 weight copies (autocast cache)"] = 2 * matrices_and_biases
+    if c.devices > 1 and c.sharding == "none":
+        gpu["gradient all-reduce bucket (float32, oomb_ddp)"] = min(GRADIENT_BUCKET_BYTES, 4 * trainable)
+    t = c.chunk_tokens
+    ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
+    gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
+        shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops
+    )
+    # Gradients in flight while autograd walks back through a layer: at most what that layer saved
+    # (an assumption, see docs/planner.md).
+    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
+    gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
+    if c.stage_1_loss and c.loss_grads != "recomputed":
+        kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
+        name = f"loss: dL/dh of every chunk, kept from stage 1 for stage 2 ({c.n_chunks} chunks)"
+        on_host = c.loss_grads == "host"
+        (host if on_host else gpu)[("pinned " if on_host else "") + name] = kept_grads
+    rows = min(piece_rows(shape.vocab), t)
+    # One piece holds logits (linear dtype), float32 log-probs and their scaled gradient, and its cast; the
+    # fused kernel (kernels.cross_entropy) writes the gradient over the logits.
+    piece = rows * shape.vocab * (p.linear if c.fused_ops else 8 + 2 * p.linear)
+    head_w = shape.vocab * shape.hidden
+    if head_trained:
+        gpu["loss: dL/dW accumulator (fp32, vocab x hidden)"] = head_w * 4
+        # Backward scales the accumulator in place and casts it to the weight dtype.
+        gpu["loss: logits piece / dL/dW cast (transient)"] = max(piece, head_w * p.param)
+    else:
+        gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
+    kv_dtype = _kv_dtype(c.precision)
+    kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
+    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
+    kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
+    grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
+    if c.offload:
+        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
+        segment = offload_segment_pages(c) * c.page_size
+        gpu[f"offload staging: 2 segments x {segment:,} tokens of K, V, dK, dV (one layer)"] = (
+            2 * segment * (kv_layer + grad_layer)
+        )
+        # One chunk's K, V on their way out (two buffers) and its stored dK, dV on their way in.
+        chunk_rows = c.batch * (math.ceil(min(c.chunk_size, c.context) / c.page_size) + 1) * c.page_size
+        gpu["offload staging: a chunk's K, V out (x2) and dK, dV in"] = chunk_rows * (2 * kv_layer + grad_layer)
+        # The streamed forward carries its output in fp32, the streamed backward its dQ: one layer each.
+        gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = c.chunk_tokens * shape.q_width * 4
+        host[f"pinned {kv_name}"] = kv_bytes
+        host[f"pinned {grad_name}"] = grad_bytes
+    else:
+        n_kv_host = c.host_kv_layers
+        if n_kv_host > shape.n_layers:
+            raise ValueError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
+        if n_kv_host:
+            kv_layer = kv_bytes // shape.n_layers
+            gpu[f"{kv_name}, {shape.n_layers - n_kv_host} of {shape.n_layers} layers"] = kv_layer * (
+                shape.n_layers - n_kv_host)
+            host[f"pinned {kv_name}, {n_kv_host} layers (selected pages gathered)"] = kv_layer * n_kv_host
+            # One attention call's gather: per sequence, every past page a selection can name (core.pages
+            # HostKVStaging sizes it for the worst case, on the device).
+            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
+            staged = past_pages
+            if isinstance(c.sparse, SparseConfig):
+                heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
+                lists = n_tiles if c.sparse.per_query_tile else 1
+                staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
+            per_token = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
+            gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
+                "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
+        else:
+            gpu[kv_name] = kv_bytes
+        n_host = c.host_grad_layers
+        if n_host > shape.n_layers:
+            raise ValueError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
+        if n_host:
+            n_gpu = shape.n_layers - n_host
+            gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu
+            host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
+                grad_bytes // shape.n_layers * n_host
+            )
+            # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
+            # kernels.sparse_attention.invert_selection.
+            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
+            staged = past_pages
+            if isinstance(c.sparse, SparseConfig):
+                staged = min(past_pages, n_tiles * c.sparse.budget_pages)
+            buffers = HostGradStaging.N_BUFFERS
+            gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
+                HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
+            )
+        else:
+            gpu[grad_name] = grad_bytes
+    if isinstance(c.sparse, SparseConfig):
+        pages = c.stored_tokens // c.page_size
+        # A float32 mean key, or a min and max key, per page, layer and KV head; the host K/V layers' live with
+        # their pages in host memory.
+        summary_bytes = 4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype)
+        per_layer = pages * shape.n_kv_heads * shape.head_dim * summary_bytes
+        summaries = (shape.n_layers - c.host_kv_layers) * per_layer
+        if c.host_kv_layers:
+            host[f"pinned page summaries ({c.sparse.score}), {c.host_kv_layers} layers"] = c.host_kv_layers * per_layer
+        # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile (or
+        # chunk, per_query_tile=False).
+        heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
+        lists = pages if c.sparse.per_query_tile else c.batch * c.n_chunks
+        selections = 4 * shape.n_layers * heads * lists * min(c.sparse.budget_pages, pages)
+        gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
+    graphs = min(c.graph_chunks, c.n_chunks)
+    kept = min(c.kept_chunks, c.n_chunks - graphs)
+    if kept:
+        gpu[f"attention outputs kept from stage 1 ({kept} of {c.n_chunks} chunks)"] = kept * kept_chunk_bytes(
+            shape, c.chunk_tokens, kv_dtype
+        )
+    host_kept = min(c.host_kept_chunks, c.n_chunks - graphs - kept)
+    if host_kept:
+        host[f"pinned attention outputs kept from stage 1 ({host_kept} of {c.n_chunks} chunks)"] = (
+            host_kept * kept_chunk_bytes(shape, c.chunk_tokens, kv_dtype)
+        )
+    if graphs > 1:
+        gpu[f"autograd graphs kept from stage 1 ({graphs} of {c.n_chunks} chunks, one counted above)"] = (
+            (graphs - 1) * graph_chunk_bytes(shape, c)
+        )
+    gpu["CUDA context and workspaces (assumed)"] = CUDA_CONTEXT_BYTES
+    return gpu, host
+
+
+def _state_rate(c: PlanConfig, weight_bytes: int) -> tuple[str, float]:
+    """(what the optimizer-state lines say, bytes of state per trained parameter of ``weight_bytes`` bytes)
+    for ``c.optimizer``."""
+    rate = plan_state_bytes(c.optimizer, weight_bytes)
+    summary = OPTIMIZER_CHOICES[c.optimizer].summary if c.optimizer in OPTIMIZER_CHOICES else "no optimizer"
+    return f"{c.optimizer}: {summary}, {rate:.3g} bytes per trainable", rate
+
+
+def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -> dict[str, int]:
+    """Weights, gradients and optimizer state on one GPU of oomb_model_parallel, by named line, in bytes.
+
+    The decoder layers are FSDP2-sharded: each rank keeps 1/N of their weights, and of their gradients and
+    optimizer state (in the weights' dtype) once reduced, each parameter's rows split evenly (FSDP2 pads
+    uneven rows; not counted). zero1 and zero2 gather the layers' weights whole in stage 1's first chunk and
+    keep them until stage 2's last (a buffer of their own, next to the shards); zero3 gathers
+    ZERO3_GATHERED_LAYERS layers at a time. zero1 sums each chunk's gradients whole in float32 (FSDP2's reduce
+    dtype) until one reduce-scatter after the last chunk. Each reduce-scatter holds, beyond the shards, one
+    layer's gradient as autograd made it and its float32 copy. The root (embeddings, final norm, output
+    layer) stays whole on every rank, its gradients averaged through oomb_ddp's float32 bucket. Line names
+    that start with "weights", "gradients" or "optimizer state" are what stays allocated between steps (what
+    ``place_step`` measures rather than plans)."""
+    p = PROFILES[c.precision]
+    dtype = bytes_name(p.param)
+    n = c.devices
+    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
+    layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
+    per_layer = layer_weights // shape.n_layers
+    shard = f"1/{n} shard" + (f" of this rank's 1/{c.tensor_parallel} by KV heads" if c.tensor_parallel > 1 else "")
+    gpu = {
+        f"weights: root (embeddings, final norm, output layer; {dtype}, whole, "
+        f"{human_count(shape.root_params)} params)": shape.root_params * p.param,
+        f"weights: decoder layers, {shard} ({dtype}, {human_count(layer_weights // n)} params)":
+            -(-layer_weights // n) * p.param,
+    }
+    if c.sharding == "zero3":
+        layers = min(ZERO3_GATHERED_LAYERS, shape.n_layers)
+        gpu[f"gathered weights: {layers} of {shape.n_layers} decoder layers at a time ({dtype})"] = (
+            layers * per_layer * p.param)
+    else:
+        gpu[f"gathered weights: decoder layers, whole for the step ({dtype})"] = layer_weights * p.param
+    if root_trainable:
+        gpu[f"gradients: root ({dtype}, whole)"] = root_trainable * p.param
+    if c.sharding == "zero1":
+        gpu["gradients: decoder layers (float32, whole, summed over the chunks)"] = layer_trainable * 4
+    else:
+        gpu[f"gradients: decoder layers, {shard} ({dtype})"] = -(-layer_trainable // n) * p.param
+    gpu[f"reduce-scatter in flight: one layer's gradients ({dtype}) and their float32 copy"] = (
+        layer_trainable // shape.n_layers * (p.param + 4))
+    what, rate = state
+    if root_trainable:
+        gpu[f"optimizer state: root ({what}, whole)"] = int(rate * root_trainable)
+    gpu[f"optimizer state: decoder layers, {shard} ({what})"] = int(rate * -(-layer_trainable // n))
+    if root_trainable:
+        gpu["gradient all-reduce bucket (float32, the root's)"] = min(GRADIENT_BUCKET_BYTES, 4 * root_trainable)
+    return gpu
+
+
+def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -> dict[str, int]:
+    """Weights, gradients and optimizer state on one GPU of a tensor-parallel group, by named line, in bytes
+    (``shape``: one rank's part, ``ModelShape.tensor_parallel_part``): the decoder layers' 1/T split by KV heads
+    (their norms and o's and down's biases whole), the root (embeddings, final norm, output layer) whole. The
+    whole weights' gradients are averaged after stage 2 through oomb_ddp's float32 bucket."""
+    p = PROFILES[c.precision]
+    dtype = bytes_name(p.param)
+    layers, root = shape.n_layers * shape.layer_params, shape.root_params
+    part = f"1/{c.tensor_parallel} by KV heads"
+    what, rate = state
+    replicated = shape.n_layers * shape.layer_replicated_params + root
+    return {
+        f"weights: root (embeddings, final norm, output layer; {dtype}, whole, {human_count(root)} params)":
+            root * p.param,
+        f"weights: decoder layers, {part} ({dtype}, {human_count(layers)} params)": layers * p.param,
+        f"gradients: root ({dtype}, whole)": root * p.param,
+        f"gradients: decoder layers, {part} ({dtype})": layers * p.param,
+        f"optimizer state: root ({what}, whole)": int(rate * root),
+        f"optimizer state: decoder layers, {part} ({what})": int(rate * layers),
+        "gradient all-reduce bucket (float32, the whole weights')": min(GRADIENT_BUCKET_BYTES, 4 * replicated),
+    }
+
+
+def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
+    return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
+
+
+def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
+    """Bytes one chunk's autograd graph holds from its forward to its backward: its activations and the
+    loss's dL/dh (the output layer's gradient goes into the step's float32 sum, counted once)."""
+    p = PROFILES[c.precision]
+    t = c.chunk_tokens
+    return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear
+
+
+def loss_grad_bytes(shape: ModelShape, chunk_tokens: int, n_chunks: int, precision: str) -> int:
+    """Bytes of every chunk's dL/dh that a step computing its loss in stage 1 (a served forward) keeps for
+    stage 2 (on the host: one pinned block of the pool, ``PagePool.loss_grad_buffer``)."""
+    return n_chunks * chunk_tokens * shape.hidden * PROFILES[precision].residual

@@ -1,0 +1,170 @@
+"""FLOPs and time of one step (docs/planner.md, "Time"): ``step_time`` counts the linear, attention and
+recompute FLOPs a step executes; ``StepTime`` turns them into seconds at the assumed efficiencies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import SparseConfig
+from ..model_shape import ModelShape
+from .assumptions import (
+    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
+    SPARSE_ATTENDED_TOKENS,
+)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """FLOPs one step executes and its time at ``matmul_tflops`` (floor) and at LINEAR_EFFICIENCY and
+    ATTENTION_EFFICIENCY of it (predicted). ``recompute_flops`` (layer checkpointing) are linear: the
+    recompute takes the attention outputs of the stage-2 forward."""
+
+    linear_flops: float
+    attention_flops: float
+    recompute_flops: float
+    matmul_tflops: float
+    portable_attention_flops: float = 0.0  # of the attention: packed chunks at PORTABLE_...
+    stage_1_flops: float = 0.0  # of the total: stage 1's forward of every chunk
+    host_add_s: float = 0.0  # host gradient layers' additions not hidden behind the compute (host_add_seconds)
+    host_gather_s: float = 0.0  # host K/V layers: gathering the selected pages (host_gather_seconds)
+    host_gather_bytes: float = 0.0  # ... and the bytes those gathers move (host_gather_bytes)
+    all_reduce_s: float = 0.0  # data parallel: averaging the whole gradients after stage 2 (step_collectives)
+    sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
+    tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
+
+    @property
+    def total_flops(self) -> float:
+        return self.linear_flops + self.attention_flops + self.recompute_flops
+
+    @property
+    def floor_s(self) -> float:
+        """Seconds if every FLOP ran at the matmul peak."""
+        return self.total_flops / (self.matmul_tflops * 1e12)
+
+    @property
+    def compute_s(self) -> float:
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
+        of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
+        linear = self.total_flops - self.attention_flops
+        peak = self.matmul_tflops * 1e12
+        return (linear / (peak * LINEAR_EFFICIENCY) + (self.attention_flops - self.portable_attention_flops)
+                / (peak * ATTENTION_EFFICIENCY) + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
+
+    @property
+    def predicted_s(self) -> float:
+        """``compute_s`` plus the host gradient layers' additions, the host K/V gathers and the collectives that
+        do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
+        other machines."""
+        return (self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
+                + self.tensor_parallel_s)
+
+
+def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
+    """Distinct past pages one KV head's selections of a chunk touch, in expectation, when each of its
+    ``n_tiles`` query tiles picks its top-k pages at random (what random weights give; trained models pick
+    more alike pages, so this bounds them from above)."""
+    if n_past <= sparse.budget_pages:
+        return float(n_past)
+    free = n_past - sparse.sink_pages - sparse.local_pages
+    picked = sparse.budget_pages - sparse.sink_pages - sparse.local_pages
+    return sparse.sink_pages + sparse.local_pages + free * (1 - (1 - picked / free) ** n_tiles)
+
+
+def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, heads: int) -> float:
+    """Distinct past pages a chunk's selections touch over ``heads`` selecting KV heads (each page's K of every
+    head travels together), in expectation, each of the ``n_tiles * heads`` (tile, head) pairs picking its
+    top-k pages at random (``expected_selected_pages``)."""
+    return expected_selected_pages(n_past, sparse, n_tiles * heads)
+
+
+def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: int, kept_chunks: int,
+                          host_kept_chunks: int) -> set[int]:
+    """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it: the last
+    ``graph_chunks`` (their whole graph; none with layer checkpointing), the ``kept_chunks`` before them and
+    the first ``host_kept_chunks`` (their outputs), as ``ChunkedSequence`` places them."""
+    graphs = 0 if checkpoint_layers else min(graph_chunks, n_chunks)
+    kept = min(kept_chunks, n_chunks - graphs)
+    host_kept = min(host_kept_chunks, n_chunks - graphs - kept)
+    return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
+
+
+def step_time(
+    model: Any,
+    context: int,
+    *,
+    batch: int = 1,
+    chunk_size: int = 4096,
+    lora_rank: int = 0,
+    checkpoint_layers: bool = False,
+    sparse: "bool | SparseConfig | None" = False,
+    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
+    page_size: int = 128,
+    graph_chunks: int = 0,
+    kept_chunks: int = 0,
+    host_kept_chunks: int = 0,
+    document_length: int | None = None,
+) -> StepTime:
+    """FLOPs one step of ``batch`` sequences of ``context`` tokens executes (docs/planner.md, "Time", has the
+    formulas): linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within
+    packed documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
+    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``). ``sparse``: a
+    SparseConfig, or True for SPARSE_ATTENDED_TOKENS past tokens per query.
+    """
+    shape = ModelShape.resolve(model)
+    tokens = batch * context
+    if lora_rank > 0:
+        linear = 6.0 * shape.matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
+    else:
+        linear = 8.0 * shape.matmul_params * tokens
+    # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
+    attended = context
+    if sparse:
+        attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
+    chunk_pairs = [_chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
+                   for s in range(0, context, chunk_size)]
+    per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
+    forward_attention = per_pair * sum(chunk_pairs)
+    recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
+    n = len(chunk_pairs)
+    graphs = 0 if checkpoint_layers else min(graph_chunks, n)
+    kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
+    # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
+    # forward a kept output spares.
+    passes = [4.5 - (i in kept) for i in range(n)]
+    attention = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs))
+    linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
+                                                      for i in range(n - graphs, n))
+    stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
+    portable = 0.0
+    if document_length is not None and document_length < context and not sparse:
+        portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
+                                  if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
+                                                    document_length, page_size))
+    return StepTime(linear, attention, recompute, matmul_tflops, portable_attention_flops=portable,
+                    stage_1_flops=stage_1)
+
+
+def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> bool:
+    """Whether the dense chunk [start, start + n) of a sequence packed from documents of ``document_length``
+    tokens runs its attention in the portable kernels on Hopper (PORTABLE_ATTENTION_EFFICIENCY): it holds a
+    document border, or its document starts mid-page."""
+    first_doc = start - start % document_length
+    return first_doc != (start + n - 1) - (start + n - 1) % document_length or first_doc % page_size != 0
+
+
+def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
+    """(query, key) pairs of the n queries of a chunk at ``start`` (counting the diagonal as half a pair, as
+    n * n / 2 does), each seeing at most ``attended`` keys before the chunk, within documents of
+    ``document_length`` tokens. The queries of the document the chunk starts in see its past and the chunk
+    causally; those of documents starting in the chunk only their document's first tokens."""
+    first_doc = start - start % document_length
+    head = min(first_doc + document_length, start + n) - start  # queries of the document the chunk starts in
+
+    def before(x: int) -> int:  # sum of t mod D over t < x: keys each query sees before itself
+        whole, rest = divmod(x, document_length)
+        return whole * document_length * (document_length - 1) // 2 + rest * (rest - 1) // 2
+
+    rest = n - head  # queries of documents starting in the chunk: t mod D + 1/2 keys each
+    later = before(start + n) - before(start + head) + rest / 2
+    return head * (min(start - first_doc, attended) + head / 2) + later

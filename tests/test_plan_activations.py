@@ -1,0 +1,96 @@
+"""The activation formulas (``core.plan.activations``) against the bytes of the tensors a real chunk saves."""
+
+from __future__ import annotations
+
+import os
+
+import peft
+import pytest
+import torch
+from tiny_models import tiny_model
+from torch.distributed.tensor import DTensor
+
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape
+from lightning_oomb.core.plan.activations import activation_bytes, layer_activation_bytes, model_activation_bytes
+from lightning_oomb.core.ranks import Ranks
+from lightning_oomb.core.schedule import ChunkedSequence
+from lightning_oomb.integrations.transformers import bind
+
+
+def saved_bytes_of_one_chunk(model, chunk: int, precision: str, fused_ops: bool = False, ranks: Ranks = Ranks()) -> int:
+    """Bytes of the tensors stage 2 saves for backward in the last chunk's forward (parameters excluded),
+    deduplicated by storage (each storage counted at the largest tensor seen on it). fused_ops: with the
+    fused Triton RMSNorm/RoPE/SwiGLU (in Triton's interpreter on CPU) around the reference attention.
+    ranks: those of a tensor-parallel model (its DTensors counted by their local part)."""
+    model = model.to(torch.bfloat16 if precision == "bf16-true" else torch.float32)
+    ids = torch.randint(0, 100, (1, 2 * chunk), generator=torch.Generator().manual_seed(0))
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=chunk, page_size=16, attention="reference"),
+                          ranks=ranks)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t  # not to_local(): no autograd op inside a hook
+
+    params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        part = local(t)
+        ptr = part.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), part.numel() * part.element_size())
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        seq.fill()
+        start, end = seq.chunks[-1]  # a chunk with a past in the store, as in stage 2
+        try:
+            with torch.enable_grad(), bind(model, seq, fused_ops=fused_ops), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                seq._chunk_hidden(start, end)
+        finally:
+            seq.release()
+    return sum(seen.values())
+
+
+FUSED = [False] + ([True] if os.environ.get("TRITON_INTERPRET") == "1" else [])  # CPU tensors: the interpreter
+
+
+@pytest.mark.parametrize("fused_ops", FUSED, ids=["hf-ops", "fused-ops"][: len(FUSED)])
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("chunk", [32, 96])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_activation_formula_matches_saved_tensors(family, chunk, precision, fused_ops):
+    model = tiny_model(family)
+    shape = ModelShape.resolve(model)
+    counted = saved_bytes_of_one_chunk(model, chunk, precision, fused_ops)
+    assert activation_bytes(shape, chunk, precision, fused_ops=fused_ops) == pytest.approx(counted, rel=0.10)
+
+
+@pytest.mark.parametrize("fused_ops", FUSED, ids=["hf-ops", "fused-ops"][: len(FUSED)])
+@pytest.mark.parametrize(
+    "family,lora_rank,precision",
+    [("qwen3", 0, "32-true"), ("qwen2", 4, "32-true"), ("llama", 4, "bf16-true"), ("qwen2", 0, "bf16-mixed")],
+)
+def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precision, fused_ops):
+    model = tiny_model(family)
+    shape = ModelShape.resolve(model)
+    if lora_rank:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=list(LORA_TARGETS)))
+    counted = saved_bytes_of_one_chunk(model, 64, precision, fused_ops)
+    expected = activation_bytes(shape, 64, precision, lora_rank=lora_rank, fused_ops=fused_ops)
+    if precision == "bf16-mixed":  # the layers' bf16 weight casts are saved too (a separate line of the plan)
+        expected += 2 * shape.n_layers * shape.layer_matmul_params
+    assert expected == pytest.approx(counted, rel=0.10)
+
+
+def test_layer_checkpointing_keeps_layer_inputs_attention_outputs_and_one_layer():
+    shape = ModelShape.from_name("qwen2.5-7b")
+    full = activation_bytes(shape, 4096, "bf16-true")
+    ckpt = activation_bytes(shape, 4096, "bf16-true", checkpoint_layers=True)
+    # each layer's input, attention output (bf16) and log-sum-exp (fp32 per head), then one whole layer
+    kept = 28 * 4096 * (3584 * 2 + 3584 * 2 + 28 * 4)
+    one_layer = layer_activation_bytes(shape, 4096, "bf16-true")
+    assert ckpt == kept + one_layer + model_activation_bytes(shape, 4096, "bf16-true")
+    assert ckpt < full / 5
+    assert 13e9 < full < 17e9  # "a 7B model at 4096 tokens holds about 15 GB of activations" (README)

@@ -1,0 +1,145 @@
+"""What stage 1 keeps for stage 2 and where a served step's dL/dh go: the planner and ``place_step`` decide
+alike (``core.plan.placement``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from lightning_oomb.core.config import ChunkConfig, SparseConfig
+from lightning_oomb.core.plan import PlanError, plan
+from lightning_oomb.core.units import parse_tokens
+
+H200 = dict(gpu_memory=141e9, host_memory=128e9)
+
+
+def test_host_kept_attention_outputs_are_pinned_and_fill_what_the_budget_leaves():
+    """host_kept_chunks: a pinned host line of the GPU-kept outputs' size per chunk, no GPU memory; by default
+    the whole chunks stage 2 would recompute that fit in what the host memory budget leaves, none when
+    keep_attention is given."""
+    from lightning_oomb.core.plan.placement import host_kept_for_stage_2
+    from lightning_oomb.core.plan.memory import kept_chunk_bytes
+
+    base = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64}, **H200)
+    kept = plan("qwen2.5-7b", parse_tokens("1M"), optimizer="none", sparse={"budget_pages": 64},
+                host_kept_chunks=90, **H200)
+    line = next(k for k in kept.host_lines if k.startswith("pinned attention outputs kept"))
+    per_chunk = kept_chunk_bytes(kept.shape, 4096, torch.bfloat16)
+    assert "90 of 256 chunks" in line and kept.host_lines[line] == 90 * per_chunk == 90 * 28 * 4096 * (3584 * 2 + 4 * 28)
+    assert kept.peak_gpu_bytes == base.peak_gpu_bytes
+    assert host_kept_for_stage_2(base, 10.5 * per_chunk, 0, 0) == 10
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0) == 256
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 6, 1) == 249  # the chunks kept on the GPU need none
+    assert host_kept_for_stage_2(base, 1000 * per_chunk, 0, 0, keep_attention=0) == 0
+    short = plan("qwen2.5-7b", parse_tokens("1M") - 100, optimizer="none", sparse={"budget_pages": 64}, **H200)
+    assert host_kept_for_stage_2(short, 1000 * per_chunk, 0, 0) == 255  # whole chunks only
+
+
+def test_kept_attention_outputs_are_planned_per_chunk_and_refused_with_host_pages():
+    """keep_attention: a plan line of n_layers x tokens x (q_width bf16 + fp32 lse) per chunk; place_step
+    keeps what is asked on a CPU device (nothing by default), and refuses it when pages go to the host."""
+    from lightning_oomb.core.placement import place_step
+
+    base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
+    kept = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=3, **H200)
+    line = next(k for k in kept.gpu_lines if k.startswith("attention outputs kept"))
+    assert "3 of 8 chunks" in line
+    assert kept.gpu_lines[line] == 3 * 28 * 4096 * (3584 * 2 + 4 * 28)
+    assert kept.peak_gpu_bytes - base.peak_gpu_bytes == kept.gpu_lines[line]
+    model = tiny_model("qwen2")
+    cpu = torch.device("cpu")
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8), cpu).kept_chunks == 0
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=3), cpu).kept_chunks == 3
+    # At most the chunks before those whose graphs stage 1 keeps (the last one's by default).
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9), cpu).kept_chunks == 3
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=9, keep_graphs=0), cpu).kept_chunks == 4
+    with pytest.raises(PlanError, match="keep_attention=2 keeps stage 1's results on the GPU"):
+        place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_attention=2, offload="host"), cpu)
+    with pytest.raises(ValueError, match="keep_attention must be None or an integer >= 0"):
+        ChunkConfig(keep_attention=-1)
+
+
+def test_kept_graphs_cost_a_chunks_activations_except_the_last():
+    """keep_graphs: the last chunk's graph is free; each other one costs a chunk's activations plus what the
+    loss computes ahead, and replaces that chunk's kept attention outputs. place_step keeps the last chunk's
+    by default, none with layer checkpointing or host pages."""
+    from lightning_oomb.core.placement import place_step
+    from lightning_oomb.core.plan.memory import graph_chunk_bytes
+
+    base = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, **H200)
+    one = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=1, **H200)
+    three = plan("qwen2.5-7b", parse_tokens("32K"), optimizer="none", kept_chunks=8, graph_chunks=3, **H200)
+    per_output = 28 * 4096 * (3584 * 2 + 4 * 28)
+    per_graph = graph_chunk_bytes(three.shape, three.config)
+    activations = next(v for k, v in three.gpu_lines.items() if k.startswith("activations"))
+    assert per_graph == activations + 4096 * 3584 * 2
+    assert one.peak_gpu_bytes == base.peak_gpu_bytes - per_output
+    assert three.peak_gpu_bytes == base.peak_gpu_bytes - 3 * per_output + 2 * per_graph
+    assert "3 of 8 chunks, one counted above" in " ".join(three.gpu_lines)
+    model = tiny_model("qwen2")
+    cpu = torch.device("cpu")
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8), cpu).graph_chunks == 1
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_graphs=9), cpu).graph_chunks == 4
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, checkpoint_layers=True), cpu).graph_chunks == 0
+    assert place_step(model, 1, 32, ChunkConfig(chunk_size=8, offload="host"), cpu).graph_chunks == 0
+    with pytest.raises(PlanError, match="keep_graphs=2 keeps stage 1's results on the GPU"):
+        place_step(model, 1, 32, ChunkConfig(chunk_size=8, keep_graphs=2, offload="host"), cpu)
+    with pytest.raises(ValueError, match="keep_graphs keeps whole chunks' activations"):
+        ChunkConfig(keep_graphs=2, checkpoint_layers=True)
+
+
+def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
+    from lightning_oomb.core.plan.search import plan_placed
+
+    roomy = plan_placed("qwen2.5-7b", parse_tokens("32K"), optimizer="none", **H200)
+    # As place_step chose on the H200 at 32K (docs/benchmarks.md: 3 graphs, then 5 chunks' outputs), and one
+    # graph more since the down projection recomputes its input (kernels.linear.swiglu_linear).
+    assert any("autograd graphs of the last 4 and the attention outputs of 4 more of 8 chunks" in n
+               for n in roomy.notes), roomy.notes
+    offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)
+    assert not any("attention outputs" in n for n in offloaded.notes)
+
+
+def test_a_cpu_runs_plan_prints_only_lines_that_hold_something():
+    """A CPU run's plan (printed at fit start) leaves out lines of nothing and counts a small step in MiB."""
+    from lightning_oomb.core.placement import place_step
+
+    model = tiny_model("qwen2")
+    text = str(place_step(model, 1, 64, ChunkConfig(chunk_size=16), torch.device("cpu"), stage_1_loss=True,
+                          optimizer="adamw").plan)
+    assert "Step memory (this CPU run: host RAM)" in text and "MiB" in text and "GiB" not in text.split("Note:")[0]
+    assert not any(line.rstrip().endswith(" 0.00") for line in text.splitlines())
+
+
+def test_served_steps_keep_every_chunks_dlh_for_stage_2():
+    """A served step keeps every chunk's dL/dh for stage 2 (pinned: one block of the pool, its exact size). On a
+    CPU device they stay where the step runs."""
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.placement import place_step
+    from lightning_oomb.core.plan.memory import loss_grad_bytes
+
+    shape = ModelShape.from_name("qwen2.5-7b")
+    assert loss_grad_bytes(shape, 4096, 256, "bf16-true") == 256 * 4096 * 3584 * 2  # 7 GiB at 1M
+    assert loss_grad_bytes(shape, 4096, 1, "32-true") == 4096 * 3584 * 4
+    model = tiny_model("qwen2")
+    placement = place_step(model, 1, 32, ChunkConfig(chunk_size=8), torch.device("cpu"), stage_1_loss=True)
+    assert placement.loss_grads == "gpu"
+
+
+def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
+    """A served step keeps every chunk's dL/dh where it fits (here pinned on the host, with the pages of some
+    layers); past the context where it fits nowhere, stage 2 computes it again, which lets 8-bit AdamW's
+    smaller state hold more than 10% more tokens than plain AdamW's kept-dL/dh limit of 1,490,944."""
+    from lightning_oomb.core.plan.search import max_context, plan_placed
+
+    sparse = dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, stage_1_loss=True,
+                  gpu_memory=140 * 2**30, host_memory=112 * 2**30)  # as `plan --max-context` in docs/optimizers.md
+    kept = plan_placed("qwen2.5-7b", 1_490_944, **sparse)
+    assert kept.fits and kept.config.loss_grads == "host"
+    assert any(k.startswith("pinned loss: dL/dh of every chunk") for k in kept.host_lines)
+    limit = max_context("qwen2.5-7b", optimizer="adamw8bit", **sparse)
+    assert limit.context >= 1.1 * 1_490_944 and limit.plan.config.loss_grads == "recomputed"
+    assert not any("dL/dh of every chunk" in k for k in [*limit.plan.gpu_lines, *limit.plan.host_lines])
+    assert "dL/dh computed again in stage 2" in str(limit.plan)
+    assert not plan_placed("qwen2.5-7b", limit.context, loss_grads="host", optimizer="adamw8bit", **sparse).fits

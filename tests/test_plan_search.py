@@ -1,0 +1,116 @@
+"""``plan`` and ``max_context`` (``core.plan.search``), and what they suggest (``core.plan.suggestions``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_oomb.core.config import SparseConfig
+from lightning_oomb.core.plan import PlanError, plan
+from lightning_oomb.core.units import parse_tokens
+
+H200 = dict(gpu_memory=141e9, host_memory=128e9)
+
+
+def test_plan_that_fits_says_so():
+    p = plan("qwen2.5-0.5b", parse_tokens("32K"), **H200)
+    assert p.fits and p.check() is p
+    assert not p.config.checkpoint_layers and p.checkpoint_auto  # auto: off, because it fits without
+    assert not [s for s in p.suggestions if s.goal == "memory"]
+    text = str(p)
+    assert "FITS on GPU 141.00 GB" in text and "host 128.00 GB" in text
+    assert "K/V pages" in text and "KV-gradient pages (float32)" in text
+    assert p.peak_gpu_bytes == sum(p.gpu_lines.values())
+
+
+def test_plan_that_does_not_fit_lists_suggestions_with_numbers():
+    p = plan("qwen2.5-7b", parse_tokens("1M"), **H200)
+    assert not p.fits
+    assert p.config.checkpoint_layers  # auto turned it on, and it still does not fit
+    kv = next(v for k, v in p.gpu_lines.items() if k.startswith("K/V pages"))
+    grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
+    assert (kv, grads) == (57_344 * 2**20, 114_688 * 2**20)
+    changes = {s.change: s for s in p.suggestions}
+    assert {"smaller chunks", "LoRA rank 16 on q, k, v, o", "bf16 KV-gradients",
+            "K/V and KV-gradient pages in pinned host memory, streamed"} <= set(changes)
+    offload = changes["K/V and KV-gradient pages in pinned host memory, streamed"]
+    assert (offload.cli, offload.python) == ("--offload host", "offload='host'")
+    assert offload.plan.peak_gpu_bytes < p.peak_gpu_bytes and offload.plan.peak_host_bytes > p.peak_host_bytes
+    assert changes["LoRA rank 16 on q, k, v, o"].plan.peak_gpu_bytes < p.peak_gpu_bytes
+    text = str(p)
+    assert "DOES NOT FIT" in text and "What would make it fit" in text
+    assert "- bf16 KV-gradients (grad_dtype=torch.bfloat16)" in text  # the API's keywords by default
+    p.suggestion_style = "cli"
+    assert "- bf16 KV-gradients (--grad-dtype bfloat16)" in str(p)  # lightning-oomb plan's flags
+    with pytest.raises(PlanError, match="DOES NOT FIT"):
+        p.check()
+
+
+def test_auto_checkpointing_turns_on_when_needed_and_flags_are_kept():
+    tight = dict(gpu_memory=80e9, host_memory=128e9)
+    auto = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, **tight)
+    assert auto.fits and not auto.config.checkpoint_layers
+    forced = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, checkpoint_layers=True, **tight)
+    assert forced.config.checkpoint_layers and not forced.checkpoint_auto
+    assert forced.time.recompute_flops > 0
+    full = plan("qwen2.5-7b", parse_tokens("32K"), **tight)  # full training: needs checkpointing on 80 GB
+    assert full.config.checkpoint_layers and full.fits
+
+
+def test_plan_without_gpu_memory_on_a_cpu_machine_asks_for_the_flag():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ValueError, match="--gpu-memory"):
+        plan("qwen2.5-7b", 32768)
+
+
+def test_all_changes_together_when_none_fits_alone():
+    """At 4M tokens no single change fits: the last memory suggestion takes every one of them at once."""
+    p = plan("qwen2.5-7b", parse_tokens("4M"), **H200)
+    memory = [s for s in p.suggestions if s.goal == "memory"]
+    together = memory[-1]
+    assert together.change == "all of the above together" and not any(s.plan.fits for s in memory[:-1])
+    assert together.cli == " ".join(s.cli for s in memory[:-1])
+    c = together.plan.config
+    assert c.lora_rank == 16 and c.grad_dtype == torch.bfloat16 and c.offload and c.chunk_size < 4096
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(lora_rank=16),
+    dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16),
+    dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, optimizer="none"),
+])
+def test_max_context_is_the_longest_that_fits(options):
+    """The longest context fits and one chunk more does not, as plan_placed would place each; the machine's
+    physical limit (every page on the GPU or pinned on the host) is never below it."""
+    from lightning_oomb.core.plan.search import max_context, plan_placed
+
+    limit = max_context("qwen2.5-7b", **H200, **options)
+    assert limit.context % 4096 == 0 and limit.context >= 4096
+    assert limit.plan.fits and limit.plan.config.context == limit.context
+    assert not plan_placed("qwen2.5-7b", limit.context + 4096, **H200, **options).fits
+    assert limit.physical_tokens >= limit.context
+
+
+@pytest.mark.parametrize("gpu_gib", [24, 40, 48, 80, 140])
+def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
+    """Over the built-in shapes, 16 and 64 GiB hosts, dense and sparse: the longest context that fits is at
+    most what the machine holds in all (GPU and host budget over the bytes a token stores)."""
+    from lightning_oomb.core.model_shape import builtin_names
+    from lightning_oomb.core.plan.search import max_context
+
+    for name in builtin_names():
+        for host_gib in (16, 64):
+            for case in (dict(), dict(sparse=SparseConfig(budget_pages=64), lora_rank=16)):
+                limit = max_context(name, gpu_memory=gpu_gib * 2**30, host_memory=host_gib * 2**30,
+                                    stage_1_loss=True, **case)
+                assert limit.context <= limit.physical_tokens, (name, host_gib, case, limit.context,
+                                                                limit.physical_tokens)
+
+
+def test_max_context_is_zero_when_not_one_chunk_fits():
+    from lightning_oomb.core.plan.search import max_context
+
+    limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9)  # AdamW state alone is 28 GiB
+    assert limit.context == 0 and not limit.plan.fits and "not even one chunk" in str(limit)
