@@ -63,12 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
     parser.add_argument("--max-context", action="store_true",
                         help="instead of one plan: the longest context that fits, for full training (--optimizer) "
-                        "and LoRA (--lora, default rank 16), dense and sparse (--sparse-budget, default 64 pages), "
+                        "and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default 64 pages), "
                         "with the other options as given, next to the machine's physical limit")
     parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default 128)")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA rank on q,k,v,o (0: full training)")
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
+                        help="LoRA rank on q,k,v,o (0: full training)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-true")
     parser.add_argument("--checkpoint-layers", choices=tuple(CHECKPOINT_CHOICES), default="auto",
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "else pinned host memory (as a training step decides)")
     parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
                         help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
-    parser.add_argument("--sparse-budget", type=int, default=0, metavar="PAGES",
+    parser.add_argument("--budget-pages", type=int, default=0, metavar="PAGES",
                         help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
                         "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
                         "auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all)")
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_context:
             print("\n".join([*lines, context_table(args.model, args, common)]))
             return 0
-        options = dict(sparse=_sparse(args.sparse_budget, args.selection) if args.sparse_budget else None,
-                       lora_rank=args.lora, optimizer=args.optimizer, **common)
+        options = dict(sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
+                       lora_rank=args.lora_rank, optimizer=args.optimizer, **common)
         result = plan_placed(args.model, args.context, **options)
         result.suggestion_style = "cli"
         lines.append(str(result))
@@ -186,10 +187,10 @@ def what_it_would_take(model: str, result, limit) -> str:
 
 def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
     """The longest context of each common case, one row each, next to the machine's physical limit."""
-    rank, budget = args.lora or 16, args.sparse_budget or 64
+    rank, budget = args.lora_rank or 16, args.budget_pages or 64
     per = "" if args.selection == "tile" else ", one selection per chunk"
     cases = [(f"full training, {args.optimizer}", dict(optimizer=args.optimizer))]
-    if args.tensor_parallel == 1 or args.lora:  # LoRA under tensor parallel is not built: refused when asked
+    if args.tensor_parallel == 1 or args.lora_rank:  # LoRA under tensor parallel is not built: refused when asked
         cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")))
     rows = []
     for name, options in cases:

@@ -12,6 +12,7 @@ from lightning_oomb.core.config import ChunkConfig, SparseConfig, option_default
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.core.plan.search import plan
 from lightning_oomb.lightning.sparse import SparseCausalLMModule
+from lightning_oomb.bench.run import build_parser as bench_parser
 from lightning_oomb.planner_cli import build_parser
 
 CHUNK = option_defaults(ChunkConfig)
@@ -63,3 +64,13 @@ def test_the_planner_gives_shared_options_the_declared_defaults():
     for flag, name in (("chunk", "chunk_size"), ("page_size", "page_size"), ("grad_dtype", "grad_dtype"),
                        ("offload", "offload")):
         assert _same(getattr(args, flag), CHUNK[name]), flag
+
+
+def test_the_cli_flags_of_plan_and_bench_give_the_declared_defaults_under_one_spelling():
+    plan_args = build_parser().parse_args(["--model", "qwen2.5-7b", "--context", "128K"])
+    bench_args = bench_parser().parse_args([])
+    for flag in ("chunk", "page_size", "grad_dtype", "lora_rank"):  # one spelling in both
+        assert hasattr(plan_args, flag) and hasattr(bench_args, flag), flag
+    for flag, name in (("chunk", "chunk_size"), ("page_size", "page_size"), ("grad_dtype", "grad_dtype")):
+        assert _same(getattr(bench_args, flag), CHUNK[name]), flag
+    assert bench_args.budget_pages == SPARSE["budget_pages"] and bench_args.attention == CHUNK["attention"]

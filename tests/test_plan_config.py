@@ -45,9 +45,9 @@ def test_tensor_parallel_refuses_what_the_strategy_refuses_naming_the_way_out(ca
             plan(model, 4096, **kwargs, **H200)
         assert message in str(error.value) and "\n" not in str(error.value)
     for args, message in ((["--tensor-parallel", "3"], "does not divide num_key_value_heads=4"),
-                          (["--tensor-parallel", "2", "--lora", "16"], "(--tensor-parallel 1)"),
+                          (["--tensor-parallel", "2", "--lora-rank", "16"], "(--tensor-parallel 1)"),
                           (["--tensor-parallel", "2", "--devices", "2"], "(--sharding)"),
-                          (["--tensor-parallel", "2", "--lora", "8", "--max-context"], "with LoRA")):
+                          (["--tensor-parallel", "2", "--lora-rank", "8", "--max-context"], "with LoRA")):
         with pytest.raises(SystemExit) as exit_:
             cli_main(["plan", "--model", "qwen2.5-7b", *(["--context", "4K"] if "--max-context" not in args else []),
                       "--gpu-memory", "140GiB", *args])

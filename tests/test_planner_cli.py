@@ -25,7 +25,7 @@ def test_cli_plans_a_packed_step(capsys):
 
 
 def test_cli_prints_a_plan(capsys):
-    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "128k", "--chunk", "4096", "--lora", "16",
+    code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "128k", "--chunk", "4096", "--lora-rank", "16",
                      "--gpu-memory", "141GB", "--host-memory", "128GB"])
     out = capsys.readouterr().out
     assert code == 0
@@ -84,11 +84,11 @@ def test_faster_suggestions_are_only_those_that_fit(capsys):
     code = cli_main(["plan", "--model", "qwen3-8b", "--context", "1M", "--gpu-memory", "80GiB", "--host-memory",
                      "500GiB"])
     out = capsys.readouterr().out
-    assert code == 0 and "FITS" in out and "still does not fit" not in out and "--sparse-budget" not in out
+    assert code == 0 and "FITS" in out and "still does not fit" not in out and "--budget-pages" not in out
     code = cli_main(["plan", "--model", "qwen3-8b", "--context", "256K", "--gpu-memory", "140GiB", "--host-memory",
                      "500GiB"])
     out = capsys.readouterr().out
-    assert code == 0 and "What would make it faster:" in out and "--sparse-budget 64): GPU" in out
+    assert code == 0 and "What would make it faster:" in out and "--budget-pages 64): GPU" in out
 
 
 def test_sizes_need_their_unit_and_parse_as_people_write_them():
@@ -132,7 +132,7 @@ def test_cli_max_context_table(capsys):
 
 def test_cli_says_what_a_context_that_fits_nowhere_would_take(capsys):
     code = cli_main(["plan", "--model", "qwen2.5-7b", "--context", "4M", "--gpu-memory", "140GiB", "--host-memory",
-                     "112GiB", "--sparse-budget", "64", "--grad-dtype", "bfloat16"])
+                     "112GiB", "--budget-pages", "64", "--grad-dtype", "bfloat16"])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1
     assert "What 4,194,304 tokens would take" in out and "the longest context that fits here is 1,597,440 tokens" in out  # K/V of some layers on the host
@@ -143,7 +143,7 @@ def test_cli_plans_one_selection_per_chunk(capsys):
     """--selection chunk (as the bench's): a host K/V layer then gathers at most budget pages per KV head (a host
     large enough for the fit's step, whose kept dL/dh take 12 GiB at 1.75M, with K/V pages of 4-5 layers)."""
     args = ["plan", "--model", "qwen2.5-7b", "--context", "1835008", "--gpu-memory", "140GiB", "--host-memory",
-            "140GiB", "--sparse-budget", "64", "--grad-dtype", "bfloat16", "--optimizer", "none"]
+            "140GiB", "--budget-pages", "64", "--grad-dtype", "bfloat16", "--optimizer", "none"]
     gathered = {}
     for selection in ("tile", "chunk"):
         assert cli_main([*args, "--selection", selection]) == 0
@@ -168,7 +168,7 @@ def test_cli_plans_a_sharded_rank_and_suggests_sharding(capsys):
 def test_cli_plans_a_tensor_parallel_rank(capsys):
     args = ["plan", "--model", "qwen2.5-7b", "--gpu-memory", "140GiB", "--host-memory", "112GiB", "--grad-dtype",
             "bfloat16", "--tensor-parallel", "2"]
-    assert cli_main([*args, "--context", "1M", "--sparse-budget", "64"]) == 0
+    assert cli_main([*args, "--context", "1M", "--budget-pages", "64"]) == 0
     out = capsys.readouterr().out
     assert "; 2 tensor-parallel ranks (oomb_model_parallel, split by KV heads), memory per GPU" in out
     assert "weights: decoder layers, 1/2 by KV heads (bf16, 3.26B params)" in out

@@ -459,7 +459,7 @@ def test_planner_counts_sparse_attention():
     assert sp.time.attention_flops == pytest.approx(4.5 * 4 * 3584 * 28 * pairs)
     assert any(k.startswith("sparse:") for k in sp.gpu_lines) and "sparse attention: 64 pages" in str(sp)
     suggestion = next(s for s in dense.suggestions if "sparse" in s.change)
-    assert suggestion.cli == "--sparse-budget 64" and suggestion.plan.time.attention_flops == sp.time.attention_flops
+    assert suggestion.cli == "--budget-pages 64" and suggestion.plan.time.attention_flops == sp.time.attention_flops
     assert not any("sparse" in s.change for s in sp.suggestions)
     # A budget covering the whole past is dense.
     big = step_time("qwen2.5-7b", 32768, sparse=SparseConfig(budget_pages=1024))

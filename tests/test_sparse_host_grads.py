@@ -348,7 +348,7 @@ def test_plan_cli_sparse(capsys):
     from lightning_oomb.planner_cli import main
 
     args = ["--model", "qwen2.5-7b", "--context", "1M", "--optimizer", "none", "--grad-dtype", "bfloat16",
-            "--checkpoint-layers", "on", "--sparse-budget", "64", "--gpu-memory", "143771MiB", "--host-memory", "128GB"]
+            "--checkpoint-layers", "on", "--budget-pages", "64", "--gpu-memory", "143771MiB", "--host-memory", "128GB"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "sparse attention: 64 pages per query tile" in out and "in pinned host memory" in out

@@ -16,7 +16,7 @@ mkdir -p "$out"
 (while true; do echo "$(date +%s) $(free -m | awk '/Mem:/ {print $3, $7}')"; sleep 5; done) > "$out/free.log" &
 sampler=$!
 bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 "$@"; }
-lora=(--modes oomb --lora 16 --checkpoint-layers)
+lora=(--modes oomb --lora-rank 16 --checkpoint-layers)
 bench "${lora[@]}" --lengths 32K --repeats 3 --warmup 1 --out "$out/lora-32k" > "$out/lora-32k.log" 2>&1
 bench "${lora[@]}" --lengths 64K,1M --document-length 32K --repeats 1 --warmup 0 --out "$out/lora-packed" \
     > "$out/lora-packed.log" 2>&1

@@ -16,7 +16,7 @@ common=(--model qwen2.5-7b --modes sparse --budget-pages 64 --selection chunk --
 for case in ${CASES:-full lora}; do
     case $case in
         full) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 65536,1835008 --out "$out/full" ;;
-        lora) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora 16 --out "$out/lora" ;;
+        lora) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora-rank 16 --out "$out/lora" ;;
     esac
 done
 touch "$out/done"

@@ -16,7 +16,7 @@ mkdir -p "$out"
 sampler=$!
 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_triton_attention.py tests/test_gpu_strategies.py \
     -k "16_bit_gpu or strategies"} > "$out/tests.log" 2>&1
-bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --modes oomb --lora 16 \
+bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --modes oomb --lora-rank 16 \
     --checkpoint-layers --repeats 1 --warmup 0 "$@"; }
 bench --lengths 64K,1M --document-length 30000 --out "$out/lora-packed-30000" > "$out/lora-packed-30000.log" 2>&1
 bench --lengths 64K,1M --document-length 32K --out "$out/lora-packed-32k" > "$out/lora-packed-32k.log" 2>&1

@@ -1,7 +1,7 @@
 """``lightning-oomb bench``: step time and peak memory of training modes over context lengths.
 
     lightning-oomb bench --model qwen2.5-7b --lengths 16k,32k,64k,128k --modes baseline,oomb \\
-        [--chunk 4096] [--lora 16] [--repeats 3] [--warmup 1] [--out DIR] [--attention auto] [--checkpoint-layers]
+        [--chunk 4096] [--lora-rank 16] [--repeats 3] [--warmup 1] [--out DIR] [--attention auto] [--checkpoint-layers]
         [--document-length 32K]
 
 One randomly initialised model of the given shape (bf16 on CUDA, float32 on CPU) is built once and every
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="train LoRA adapters of this rank on q,k,v,o")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per point before timing")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = BenchConfig(
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
-        batch=args.batch, lora_rank=args.lora, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
+        batch=args.batch, lora_rank=args.lora_rank, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
         checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
         per_query_tile=args.selection == "tile", add_launch=args.add_launch, gather_programs=args.gather_programs,
         matmul_tflops=args.matmul_tflops,

@@ -42,7 +42,7 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
                                     "--precision bf16-true", "precision='bf16-true'"))
         if c.lora_rank == 0 and c.tensor_parallel == 1:  # LoRA under tensor parallel is not built
             found.append(Suggestion("LoRA rank 16 on q, k, v, o", estimate(dataclasses.replace(c, lora_rank=16)),
-                                    "--lora 16", "lora_rank=16"))
+                                    "--lora-rank 16", "lora_rank=16"))
         if c.grad_dtype != torch.bfloat16:
             found.append(Suggestion("bf16 KV-gradients", estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16)),
                                     "--grad-dtype bfloat16", "grad_dtype=torch.bfloat16"))
@@ -86,6 +86,6 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
         if sparse.fits:  # a faster step that does not fit here is no suggestion
             found.append(Suggestion(
                 f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per "
-                "query", sparse, f"--sparse-budget {config.budget_pages}",
+                "query", sparse, f"--budget-pages {config.budget_pages}",
                 f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
     return found
