@@ -28,6 +28,11 @@ SHARDING_SUMMARY = {
 
 
 
+def usable_gpu_bytes(gpu_memory: int) -> int:
+    """Bytes of ``gpu_memory`` a step may plan for: all of it less PLACEMENT_HEADROOM_SHARE."""
+    return int(gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE))
+
+
 class PlanError(RuntimeError):
     """A step would not fit in memory; the message is the formatted plan with its suggestions."""
 
@@ -89,7 +94,7 @@ class Plan:
     @property
     def usable_gpu_bytes(self) -> int:
         """GPU memory a step may plan for: all of it less the reserve ``place_step`` keeps."""
-        return int(self.gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE))
+        return usable_gpu_bytes(self.gpu_memory)
 
     @property
     def fits(self) -> bool:

@@ -12,12 +12,12 @@ import torch
 from ..config import OFFLOADS, SparseConfig
 from ..host_memory import host_budget
 from ..model_shape import ModelShape, Precision, _kv_dtype
-from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, PLACEMENT_HEADROOM_SHARE
+from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS
 from .config import PlanConfig, Sharding
 from .estimate import estimate_step
 from .memory import loss_grad_bytes
 from .placement import Pages, kept_for_stage_2, page_choices, place_pages
-from .report import ContextLimit, Plan
+from .report import ContextLimit, Plan, usable_gpu_bytes
 from .suggestions import suggestions_for
 
 
@@ -117,13 +117,14 @@ def plan(
     # each process's share: the strategies divide the budget among a machine's processes alike
     host_memory //= base.devices * base.tensor_parallel
 
-    usable_gpu = int(gpu_memory * (1 - PLACEMENT_HEADROOM_SHARE))
+    usable_gpu = usable_gpu_bytes(gpu_memory)
 
     def placed(config: PlanConfig, choices: list[Pages], host_room: float) -> Plan:
         """The plan of ``config`` with the pages of the first of ``choices`` that fits, as ``place_step`` decides
         (``place_pages``), a served step's dL/dh placed too unless ``loss_grads`` was given."""
-        searched = loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed"
-        kept = loss_grad_bytes(shape, config.chunk_tokens, config.n_chunks, config.precision) if searched else 0
+        kept = 0  # every chunk's dL/dh a served step keeps, where this plan decides their place
+        if loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed":
+            kept = loss_grad_bytes(shape, config.chunk_tokens, config.n_chunks, config.precision)
         plans: dict[Pages, Plan] = {}
 
         def with_pages(pages: Pages, **changes: Any) -> PlanConfig:
@@ -152,14 +153,14 @@ def plan(
         """``config`` with the fewest sparse layers' pages on the host that fit the GPU."""
         return placed(config, page_choices("auto", True, shape.n_layers), math.inf)
 
-    def searched(config: PlanConfig) -> Plan:
+    def placed_as_asked(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
         sparse_auto = host_grad_layers is None and config.sparse
         choices = page_choices("auto", True, shape.n_layers) if sparse_auto else own_pages(config)
         return placed(config, choices, host_memory)
 
-    result = searched(base)
-    other = searched(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
+    result = placed_as_asked(base)
+    other = placed_as_asked(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
     if checkpoint_layers is None and not result.fits:
         result, other = other, result
         result.checkpoint_auto = True
@@ -180,22 +181,27 @@ def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: Spar
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     sparse = SparseConfig.coerce(sparse)
     if sparse is not None:
-        n_layers = ModelShape.resolve(model).n_layers
-        layers = {"gpu": 0, "auto": None, "host": n_layers}[offload]
-        result = plan(model, context, sparse=sparse, host_grad_layers=layers,
-                      host_kv_layers=n_layers if offload == "host" else 0, **kwargs)
+        choices = page_choices(offload, True, ModelShape.resolve(model).n_layers)
+        if len(choices) > 1:  # "auto": plan() tries them in order, for each checkpointing setting
+            result = plan(model, context, sparse=sparse, host_grad_layers=None, **kwargs)
+        else:
+            result = plan(model, context, sparse=sparse, host_grad_layers=choices[0].host_grad_layers,
+                          host_kv_layers=choices[0].host_kv_layers, **kwargs)
         c = result.config
         if c.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
                                 f"{c.host_grad_layers} layers in pinned host memory"
                                 + (f", and the K/V pages of {c.host_kv_layers}" if c.host_kv_layers else ""))
         return _kept_for_stage_2(result)
-    result = plan(model, context, offload=offload == "host", **kwargs)
-    if offload == "auto" and not result.fits:
-        on_host = plan(model, context, offload=True, **kwargs)
-        if on_host.fits:
-            on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
-            return on_host
+    # Dense: the pages in page_choices' order, each placement with both checkpointing settings (plan()).
+    first, *others = page_choices(offload, False, 0)
+    result = plan(model, context, offload=first.offload, **kwargs)
+    if not result.fits:
+        for pages in others:  # "auto": every page streamed from the host
+            on_host = plan(model, context, offload=pages.offload, **kwargs)
+            if on_host.fits:
+                on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
+                return on_host
     return _kept_for_stage_2(result)
 
 
