@@ -120,7 +120,7 @@ class ChunkConfig:
             starts with their backward and recomputes only the chunks before them: the same numbers, one forward
             less per kept graph. The last chunk's graph costs no memory (stage 2 would hold it next), each
             other one a chunk's activations. None: the last chunk's, plus as many as fit in
-            planner.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
+            core.plan.assumptions.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
             pages live in host memory or layers are checkpointed.
         host_memory: the run's host memory budget, bytes or a size with its unit such as "100GiB": what the
             training process may hold in host memory in all, its own resident set and every pinned page included. None: what it holds when the step is placed
