@@ -51,6 +51,10 @@ def quiet_known_noise() -> None:
         logging.getLogger(name).addFilter(drop)  # once: a filter already there is not added again
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    # The data modules here make each sequence in the training process, in microseconds against a step of
+    # seconds: Lightning's advice to add DataLoader workers (on machines of more than two cores) does not apply.
+    warnings.filterwarnings("ignore", message=r"The '\w+_dataloader' does not have many workers",
+                            module=r"lightning\.pytorch\.trainer\.connectors\.data_connector")
 
 
 def main(args: list[str] | None = None) -> int | None:

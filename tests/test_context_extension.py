@@ -212,6 +212,10 @@ def test_held_out_accuracy_by_length_through_a_trainer(gguf_dir, tmp_path):
     for length in ("320", "640"):
         assert 0.0 <= float(logged[f"val/retrieval_acc_{length}"]) <= 1.0
         assert float(logged[f"val/loss_{length}"]) > 0
+    # the example the CLI prints after fit is each loader's first sequence, recorded during validation
+    for held_out in data.val_sets:
+        answer, key = module.val_examples[held_out.seq_len]
+        assert len(answer) == 6 and key == held_out[0]["input_ids"][-6:].tolist()
     assert summarize([str(tmp_path / "runs"), "--out", str(tmp_path / "summary"), "--train-length", "320"]) == 0
     summary = json.loads((tmp_path / "summary" / "summary.json").read_text())
     accuracy = summary["exact-0"]["acc"]

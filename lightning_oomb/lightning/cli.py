@@ -4,7 +4,6 @@ step, and the trained model exported in Hugging Face format."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import importlib
@@ -28,8 +27,6 @@ from typing_extensions import override
 
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
-from ..core.served import serve
-from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 from .module import CausalLMModule
@@ -159,21 +156,15 @@ class OOMBCLI(LightningCLI):
             return
         merged = {k: v for result in results for k, v in result.items()}  # one dict per validation loader
         print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(merged.items())))
-        example = getattr(self.datamodule, "val_set", None)
-        n = module.hparams.get("answer_tokens", 0)
-        if example is None or not n:
+        examples = getattr(module, "val_examples", {})
+        if not examples:
             return
-        item = example[0]
-        ids = item["input_ids"][None].to(module.device)
-        config = trainer.strategy.chunk_config if isinstance(trainer.strategy, OOMBStrategyMixin) else None
-        model = find_causal_lm(module)
-        with torch.no_grad(), serve(model, config) if config else contextlib.nullcontext():
-            logits = model(input_ids=ids, labels=item["labels"][None].to(module.device), logits_to_keep=n + 1).logits
-        answer, key = logits[0, :-1].argmax(-1).tolist(), ids[0, -n:].tolist()
+        length = max(examples)
+        answer, key = examples[length]
         tokenizer = getattr(self.datamodule, "tokenizer", None)
         if tokenizer is not None:
             answer, key = repr(tokenizer.decode(answer)), repr(tokenizer.decode(key))
-        print(f"example: {ids.shape[1]} tokens, passkey {key} stated near the start; the model answers {answer}")
+        print(f"example: {length} tokens, passkey {key} stated near the start; the model answers {answer}")
 
 
 def require_last_checkpoint(trainer) -> None:

@@ -192,6 +192,9 @@ class CausalLMModule(LightningModule):
         # One set of held-out metrics per validation loader (a DataModule may hold out several lengths).
         self.val_metrics = torch.nn.ModuleList()
         self._val_lengths: list[int] = []
+        # {held-out length: (answer predicted, pass key)} of each loader's first sequence, as token ids: the CLI
+        # prints the longest's after fit (a forward then would run on the CPU, where Lightning leaves the model).
+        self.val_examples: dict[int, tuple[list[int], list[int]]] = {}
 
     # -- the model's weights ------------------------------------------------------------------------------
     @property
@@ -408,7 +411,10 @@ class CausalLMModule(LightningModule):
         metrics = self._val_metrics(dataloader_idx, ids.shape[1])
         metrics["loss"].update(out.loss.detach(), weight=valid)
         if n:
-            metrics["retrieval_acc"].update(out.logits[:, :-1].argmax(-1), ids[:, -n:])
+            answer = out.logits[:, :-1].argmax(-1)
+            metrics["retrieval_acc"].update(answer, ids[:, -n:])
+            if batch_idx == 0:
+                self.val_examples[ids.shape[1]] = (answer[0].tolist(), ids[0, -n:].tolist())
 
     def _val_metrics(self, dataloader_idx: int, seq_len: int) -> torch.nn.ModuleDict:
         while len(self.val_metrics) <= dataloader_idx:
