@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 VOCAB = 101
 
@@ -51,6 +51,20 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**{**COMMON, "num_attention_heads": 6, "num_key_value_heads": 3}, head_dim=8),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
 }
+# The families the general path accepts (integrations/support.py), each at its own config's defaults but for
+# the sizes; special token ids inside the tiny vocabulary. starcoder2 stands for the model types not named in
+# lightning_oomb anywhere: LayerNorm, a GELU MLP and biases, so no fused op fits and the model's own run.
+FAMILIES = {
+    "gemma3_text": dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=4096),  # x(1 + w) norms, GELU
+    "qwen3_moe": dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "phi3": dict(partial_rotary_factor=0.5),  # fused qkv and gate_up projections, RoPE on half the head
+    "olmo2": dict(),  # q/k norms over all heads
+    "starcoder2": dict(sliding_window=None),
+}
+for _family, _extra in FAMILIES.items():
+    CONFIGS[_family] = (lambda family, extra: lambda: AutoConfig.for_model(
+        family, **COMMON, **extra, pad_token_id=0, bos_token_id=1, eos_token_id=2))(_family, _extra)
 
 
 def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

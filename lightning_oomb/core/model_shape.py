@@ -62,9 +62,14 @@ def transformers_config(config: dict[str, Any]):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families).
+    """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families, and
+    mixtures of experts).
 
     Biases and QK-norm only change ``total_params``; ``matmul_params`` counts weight matrices.
+    Mixture of experts (``n_experts`` > 0): every layer holds ``n_experts`` SwiGLU experts of width
+    ``expert_intermediate`` and a router, and each token goes through ``intermediate`` of them in total (its
+    experts' widths together, plus a shared expert's): memory counts every expert, time and activations a
+    token's.
     ``tensor_parallel``: the ranks each decoder layer is split over (``tensor_parallel_part``), whose head counts
     and MLP width are then one rank's.
     """
@@ -83,6 +88,9 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     tensor_parallel: int = 1
+    n_experts: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     # -- constructors -----------------------------------------------------------------------------------
     @classmethod
@@ -93,10 +101,17 @@ class ModelShape:
         model_type = getattr(config, "model_type", "")
         n_heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+        moe = dict(intermediate=config.intermediate_size)
+        if experts:  # Qwen-MoE's experts have their own width; Mixtral's are intermediate_size wide
+            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+            moe = dict(intermediate=config.num_experts_per_tok * width + shared, n_experts=experts,
+                       expert_intermediate=width, shared_intermediate=shared)
         return cls(
             n_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            **moe,
             n_heads=n_heads,
             n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
@@ -107,7 +122,7 @@ class ModelShape:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
 
     @classmethod
@@ -154,6 +169,9 @@ class ModelShape:
         width."""
         if size == 1:
             return self
+        if self.n_experts:
+            raise ValueError(f"{option}={size}: tensor parallelism of mixture-of-experts layers is not built; use "
+                             f"{option}=1")
         for name, count in (("num_key_value_heads", self.n_kv_heads), ("num_attention_heads", self.n_heads),
                             ("intermediate_size", self.intermediate)):
             if count % size:
@@ -175,9 +193,19 @@ class ModelShape:
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weight-matrix parameters of one decoder layer (q, k, v, o, gate, up, down)."""
+        """Weight-matrix parameters one decoder layer holds (q, k, v, o, gate, up, down; every expert and the
+        router of a mixture of experts)."""
         attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
-        return attention + 3 * self.hidden * self.intermediate
+        if not self.n_experts:
+            return attention + 3 * self.hidden * self.intermediate
+        experts = self.n_experts * 3 * self.hidden * self.expert_intermediate
+        return attention + experts + 3 * self.hidden * self.shared_intermediate + self.hidden * self.n_experts
+
+    @property
+    def layer_active_matmul_params(self) -> int:
+        """Weight-matrix parameters one token goes through in a decoder layer (its experts, for a mixture)."""
+        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
+        return attention + 3 * self.hidden * self.intermediate + self.hidden * self.n_experts
 
     @property
     def head_params(self) -> int:
@@ -186,14 +214,20 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """P_mm of docs/planner.md, "Time": every linear layer including lm_head, not the input embedding."""
+        """Weight-matrix parameters held: every linear layer including lm_head, not the input embedding."""
         return self.n_layers * self.layer_matmul_params + self.head_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """P_mm of docs/planner.md, "Time": the weight-matrix parameters one token goes through, lm_head
+        included (``matmul_params`` but for a mixture of experts)."""
+        return self.n_layers * self.layer_active_matmul_params + self.head_params
 
     @property
     def layer_bias_params(self) -> int:
         n = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
         n += self.hidden if self.o_bias else 0
-        n += (2 * self.intermediate + self.hidden) if self.mlp_bias else 0
+        n += (2 * self.intermediate + self.hidden) if self.mlp_bias and not self.n_experts else 0
         return n
 
     @property

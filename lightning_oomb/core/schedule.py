@@ -22,7 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..integrations.transformers import bind, causal_lm, check_supported
+from ..integrations.support import check_supported
+from ..integrations.transformers import bind, causal_lm
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig

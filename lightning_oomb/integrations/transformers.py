@@ -1,27 +1,25 @@
-"""Wiring into transformers: an AttentionInterface entry; the fused Triton ops (RMSNorm, RoPE, SwiGLU) and
-the decoder's in-place-gradient linear layers (kernels.linear), swapped in for a step; and the checks that
-refuse models this engine would not compute exactly. No model class is modified: instances get a
-``forward`` attribute and the modeling module its ``apply_rotary_pos_emb`` for a step, restored after it.
+"""Wiring into transformers: an AttentionInterface entry that routes every layer's attention to the step, and
+``bind``, which sets it and the swapped ops (integrations.fused_ops) for a step. No model class is modified:
+instances get a ``forward`` attribute and the modeling module its ``apply_rotary_pos_emb`` for a step,
+restored after it. What the engine refuses: integrations.support.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from functools import partial
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .fused_ops import accumulating_linears
+from .fused_ops import fused_ops as swapped_fused_ops
+
 ATTN_NAME = "lightning_oomb"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class ChunkAttender(Protocol):
@@ -91,134 +89,6 @@ def find_causal_lm(module: nn.Module) -> PreTrainedModel:
     return found[0][1]
 
 
-def _rope_type(config) -> str:
-    for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, attr, None)
-        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
-            return params.get("rope_type", params.get("type"))
-    return "default"
-
-
-def check_supported(model: nn.Module, seq_len: int) -> None:
-    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens."""
-    lm = causal_lm(model)
-    cfg = lm.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"model_type {cfg.model_type!r} is not supported; lightning_oomb implements "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense causal attention with RoPE)"
-        )
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(cfg, name, None) is not None:
-            raise NotImplementedError(f"{name} is not implemented by lightning_oomb attention")
-    rope = _rope_type(cfg)
-    if rope in LENGTH_DEPENDENT_ROPE:
-        raise NotImplementedError(
-            f"rope_type {rope!r} changes its frequencies with the sequence length, so chunks would see other "
-            "positions than the full sequence; use a static RoPE (default, linear, llama3, yarn)"
-        )
-    windows = {getattr(m, "sliding_window", None) for m in lm.modules() if hasattr(m, "layer_idx")}
-    if cfg.model_type == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        windows.add(cfg.sliding_window)
-    windows.discard(None)
-    if windows and seq_len > min(windows):
-        raise NotImplementedError(
-            f"the model uses sliding-window attention (window {min(windows)}) and the sequence has {seq_len} "
-            "tokens, so the window would cut attention; lightning_oomb implements full causal attention only: "
-            "disable the window (config.use_sliding_window=False / sliding_window=None) or use sequences no "
-            "longer than the window"
-        )
-    if lm.training and getattr(cfg, "attention_dropout", 0.0):
-        raise NotImplementedError(
-            f"attention_dropout={cfg.attention_dropout} in training mode would make stage 2 recompute other "
-            "K/V than stage 1 stored; set config.attention_dropout=0.0"
-        )
-
-
-def _fused_rms_norm(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    from ..kernels.rms_norm import rms_norm
-
-    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
-
-
-def _fused_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from ..kernels.linear import swiglu_linear
-    from ..kernels.swiglu import silu_mul
-
-    down = module.down_proj
-    gate, up = module.gate_proj(x), module.up_proj(x)
-    ours = getattr(down.__dict__.get("forward"), "func", None) is _accumulating_forward  # our plain nn.Linear
-    if ours and not isinstance(down.weight, DTensor):  # not tensor parallel (see _accumulating_forward)
-        return swiglu_linear(gate, up, down.weight, down.bias)
-    return down(silu_mul(gate, up))
-
-
-def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1):
-    if unsqueeze_dim != 1:  # another layout than the supported models use: transformers' own function
-        return original(q, k, cos, sin, unsqueeze_dim)
-    from ..kernels.rope import apply_rope
-
-    return apply_rope(q, k, cos, sin)
-
-
-@contextlib.contextmanager
-def _instance_forwards(forwards: list[tuple[nn.Module, Callable]]) -> Iterator[None]:
-    """Give each module the instance ``forward`` paired with it for the block (its class is untouched)."""
-    for m, forward in forwards:
-        m.forward = forward
-    try:
-        yield
-    finally:
-        for m, _ in forwards:
-            del m.forward
-
-
-@contextlib.contextmanager
-def _fused_ops(lm: PreTrainedModel) -> Iterator[None]:
-    """Swap transformers' RMSNorm, SwiGLU MLP and RoPE for the fused Triton ops (lightning_oomb.kernels) in
-    ``lm`` for the block: the same functions, each in one pass over memory and rounded once."""
-    forwards = []
-    for m in lm.modules():
-        name = type(m).__name__
-        if "forward" in m.__dict__:  # someone else's instance forward (accelerate's hooks): left as it is
-            continue
-        if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and m.weight.dim() == 1:
-            forwards.append((m, partial(_fused_rms_norm, m)))
-        elif name.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
-            if lm.config.hidden_act == "silu":
-                forwards.append((m, partial(_fused_mlp, m)))
-    modeling = {sys.modules[type(m).__module__] for m in lm.modules() if hasattr(m, "layer_idx")}
-    modeling = [mod for mod in modeling if hasattr(mod, "apply_rotary_pos_emb")]
-    originals = [mod.apply_rotary_pos_emb for mod in modeling]
-    for mod, original in zip(modeling, originals):
-        mod.apply_rotary_pos_emb = partial(_fused_rope, original)
-    try:
-        with _instance_forwards(forwards):
-            yield
-    finally:
-        for mod, original in zip(modeling, originals):
-            mod.apply_rotary_pos_emb = original
-
-
-def _accumulating_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    from ..kernels.linear import accumulating_linear
-
-    # A tensor-parallel layer's weight is a DTensor shard at every call (an FSDP layer's is whole while it
-    # computes): nn.Linear's own computation, whose DTensor ops TP's input and output hooks around it expect.
-    if isinstance(module.weight, DTensor):
-        return nn.functional.linear(x, module.weight, module.bias)
-    return accumulating_linear(x, module.weight, module.bias)
-
-
-@contextlib.contextmanager
-def _accumulating_linears(lm: PreTrainedModel) -> Iterator[None]:
-    """The decoder's nn.Linear layers (not subclasses such as quantized or LoRA layers, nor layers with
-    someone else's instance forward) add their weight gradients into ``.grad`` in place for the block."""
-    linears = [m for m in lm.get_decoder().modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
-    with _instance_forwards([(m, partial(_accumulating_forward, m)) for m in linears]):
-        yield
-
-
 @contextlib.contextmanager
 def bind(
     model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False, fused_ops: bool = False
@@ -244,7 +114,7 @@ def bind(
             m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
     _active = attender
     try:
-        with _accumulating_linears(lm), _fused_ops(lm) if fused_ops else contextlib.nullcontext():
+        with accumulating_linears(lm), swapped_fused_ops(lm) if fused_ops else contextlib.nullcontext():
             yield
     finally:
         _active = None

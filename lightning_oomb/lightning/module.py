@@ -299,7 +299,8 @@ class CausalLMModule(LightningModule):
     @override
     def setup(self, stage: str) -> None:
         """Under OOMBStrategy or OOMBDDPStrategy, refuse a model the engine would not train exactly, before any step."""
-        from ..integrations.transformers import causal_lm, check_supported
+        from ..integrations.support import check_supported
+        from ..integrations.transformers import causal_lm
         from .strategy import OOMBStrategyMixin
 
         if not isinstance(self.trainer.strategy, OOMBStrategyMixin):

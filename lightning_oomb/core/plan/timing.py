@@ -114,9 +114,9 @@ def step_time(
     shape = ModelShape.resolve(model)
     tokens = batch * context
     if lora_rank > 0:
-        linear = 6.0 * shape.matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
+        linear = 6.0 * shape.active_matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
     else:
-        linear = 8.0 * shape.matmul_params * tokens
+        linear = 8.0 * shape.active_matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
     attended = context
     if sparse:
@@ -125,7 +125,7 @@ def step_time(
                    for s in range(0, context, chunk_size)]
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
-    recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
+    recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
     graphs = 0 if checkpoint_layers else min(graph_chunks, n)
     kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
@@ -133,9 +133,9 @@ def step_time(
     # forward a kept output spares.
     passes = [4.5 - (i in kept) for i in range(n)]
     attention = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs))
-    linear -= 2.0 * shape.matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
+    linear -= 2.0 * shape.active_matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
-    stage_1 = 2.0 * shape.matmul_params * tokens + forward_attention
+    stage_1 = 2.0 * shape.active_matmul_params * tokens + forward_attention
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)

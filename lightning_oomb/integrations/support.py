@@ -1,0 +1,150 @@
+"""Which transformers causal LMs the engine trains exactly: any whose layers mix tokens only in attention called
+through transformers' AttentionInterface (causal, a RoPE or position embedding that does not depend on the
+sequence length) and whose loss is the cross-entropy of ``lm_head(h)``. ``check_supported`` refuses every
+other model before any compute, in one line naming what stands in the way and what to set.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .transformers import causal_lm
+
+# RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# Layer kinds that mix tokens only through attention; any other (conv, linear attention, mamba) would need its
+# own state carried across chunk borders.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# Config fields that make the logits or the loss other than cross-entropy of lm_head(h): (value that changes
+# nothing, what the engine would leave out).
+HEAD_CHANGES = {
+    "final_logit_softcapping": (None, "the soft-capping of the logits"),
+    "logits_scaling": (1.0, "the division of the logits by logits_scaling"),
+    "logit_scale": (1.0, "the scaling of the logits by logit_scale"),
+}
+PROBE_TOKENS = 8
+_loss_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose loss was probed
+
+
+def _rope_type(config) -> str:
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if isinstance(params, dict) and ("rope_type" in params or "type" in params):
+            return params.get("rope_type", params.get("type"))
+    return "default"
+
+
+def check_supported(model: nn.Module, seq_len: int) -> None:
+    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens."""
+    lm = causal_lm(model)
+    cfg = lm.config
+    name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
+    if not getattr(lm, "_supports_attention_backend", False):
+        raise NotImplementedError(
+            f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
+            "lightning_oomb routes chunk by chunk: not supported"
+        )
+    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS))
+    convs = [n for n, m in lm.get_decoder().named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
+    if other_layers or convs:
+        what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
+        raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
+                                  "not supported")
+    attention = [m for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if any(m.is_causal is False for m in attention):
+        raise NotImplementedError(f"{name} has bidirectional attention layers: lightning_oomb attention is causal "
+                                  "only")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attention):
+        raise NotImplementedError(f"{name} has attention sinks (a learned logit per head in each softmax), which "
+                                  "lightning_oomb attention does not implement")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise NotImplementedError("attn_logit_softcapping is not implemented by lightning_oomb attention")
+    for field, (neutral, what) in HEAD_CHANGES.items():
+        value = getattr(cfg, field, neutral)
+        if value is not None and value != neutral:
+            raise NotImplementedError(f"{name} has {field}={value}: {what} is not implemented by lightning_oomb's "
+                                      "chunked loss")
+    if getattr(cfg, "output_router_logits", False):
+        raise NotImplementedError(
+            f"{name} has output_router_logits=True, which adds the experts' load-balancing loss over the whole "
+            "sequence; lightning_oomb does not compute it: set config.output_router_logits=False (the routing "
+            "itself is per token, and exact)"
+        )
+    rope = _rope_type(cfg)
+    if rope in LENGTH_DEPENDENT_ROPE:
+        raise NotImplementedError(
+            f"rope_type {rope!r} changes its frequencies with the sequence length, so chunks would see other "
+            "positions than the full sequence; use a static RoPE (default, linear, llama3, yarn)"
+        )
+    windows = {getattr(m, "sliding_window", None) for m in attention}
+    if cfg.model_type == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        windows.add(cfg.sliding_window)
+    windows.discard(None)
+    if windows and seq_len > min(windows):
+        raise NotImplementedError(
+            f"the model uses sliding-window attention (window {min(windows)}) and the sequence has {seq_len} "
+            "tokens, so the window would cut attention; lightning_oomb implements full causal attention only: "
+            "disable the window (config.use_sliding_window=False / sliding_window=None) or use sequences no "
+            "longer than the window"
+        )
+    if lm.training:
+        _check_deterministic_training(lm, name)
+    _check_loss_is_cross_entropy(lm, name)
+
+
+def _check_deterministic_training(lm: nn.Module, name: str) -> None:
+    """Stage 2 recomputes each chunk's forward: anything random in training would make it another forward."""
+    cfg = lm.config
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise NotImplementedError(
+            f"attention_dropout={cfg.attention_dropout} in training mode would make stage 2 recompute other "
+            "K/V than stage 1 stored; set config.attention_dropout=0.0"
+        )
+    dropout = next((n for n, m in lm.named_modules() if isinstance(m, nn.Dropout) and m.p > 0), None)
+    if dropout is not None:
+        raise NotImplementedError(
+            f"{name} has dropout in training mode ({dropout}, p={lm.get_submodule(dropout).p}): stage 2 would "
+            "recompute another forward than stage 1's; set the config's dropout probabilities to 0"
+        )
+    if getattr(cfg, "router_jitter_noise", 0.0):
+        raise NotImplementedError(
+            f"router_jitter_noise={cfg.router_jitter_noise} in training mode routes tokens at random: stage 2 "
+            "would route them otherwise than stage 1; set config.router_jitter_noise=0.0"
+        )
+
+
+def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
+    """The model's own loss and logits on a few tokens against cross-entropy of lm_head(decoder(ids)), what the
+    engine computes: whatever else a model adds (a scale, an auxiliary loss) shows here. Once per model; skipped
+    for weights not yet made (meta) or sharded (DTensor), whose families the checks above already cover."""
+    if lm in _loss_checked:
+        return
+    params = list(lm.parameters())
+    if any(p.is_meta or isinstance(p, DTensor) for p in params):
+        return
+    device = params[0].device
+    ids = (torch.arange(PROBE_TOKENS, device=device) % lm.get_output_embeddings().weight.shape[0])[None]
+    # The classes' own forwards: a served model's instance forward is the engine, which comes back here. A
+    # mask of ones spares transformers its search for packed documents in the position ids.
+    mask = torch.ones_like(ids)
+    decoder = lm.get_decoder()
+    with torch.no_grad():
+        out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        logits = lm.get_output_embeddings()(hidden)
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    same_logits = out.logits.shape == logits.shape and torch.allclose(out.logits.float(), logits.float(),
+                                                                      rtol=1e-3, atol=1e-3)
+    if not same_logits or not torch.allclose(out.loss.float(), loss, rtol=1e-3, atol=1e-4):
+        what = "logits" if not same_logits else f"loss ({out.loss.item():.6g} against {loss.item():.6g})"
+        raise NotImplementedError(
+            f"{name}'s {what} differ from the cross-entropy of lm_head(hidden states) on {PROBE_TOKENS} tokens: "
+            "the model adds something (a scale, a cap, an auxiliary loss) that lightning_oomb's chunked loss "
+            "does not compute; not supported"
+        )
+    _loss_checked.add(lm)

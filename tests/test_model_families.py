@@ -1,0 +1,147 @@
+"""The general path (integrations/support.py): families beyond llama/qwen/mistral train exactly, the fused ops
+fall back where a family's modules compute something else, and what cannot be exact is refused in one line.
+Float32 on CPU, against transformers' own full-sequence training of the same tiny random model."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import lightning_oomb
+from lightning_oomb.integrations import fused_ops, support
+from tiny_models import (BACKENDS, COMMON, FAMILIES, VOCAB, assert_grads_close, full_sequence_grads, grads_of,
+                         rel_err, tiny_model)
+
+TOL = 1e-5
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def check_against_full(model, ids, labels=None, **kwargs):
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    loss = lightning_oomb.train_step(model, ids, labels, **kwargs)
+    assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_full_sequence(family, backend):
+    """Uneven last chunk, pages that cut chunks, -100 labels."""
+    model = tiny_model(family)
+    ids = torch.randint(0, VOCAB, (1, 37))
+    labels = ids.clone()
+    labels[0, :9] = -100
+    check_against_full(model, ids, labels, chunk_size=8, page_size=3, attention=backend)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_with_layer_checkpoints(family):
+    model = tiny_model(family)
+    check_against_full(model, torch.randint(0, VOCAB, (2, 21)), chunk_size=8, page_size=4, checkpoint_layers=True)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_moe", "phi3"])
+def test_family_with_lora(family):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(family), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # LoRA's B starts at zero; make the adapters matter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    check_against_full(model, torch.randint(0, VOCAB, (1, 30)), chunk_size=8, page_size=4)
+
+
+def test_packed_documents_of_a_family_match_separate_documents():
+    model = tiny_model("olmo2")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
+    want_loss, want = torch.zeros(()), None
+    model.zero_grad(set_to_none=True)
+    parts = [(0, 13), (13, 30)]
+    total = sum(e - s - 1 for s, e in parts)
+    for s, e in parts:  # each document alone, its loss weighted by its share of the predicted tokens
+        loss = model(input_ids=ids[:, s:e], labels=ids[:, s:e]).loss * (e - s - 1) / total
+        loss.backward()
+        want_loss = want_loss + loss.detach()
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
+    assert rel_err(loss, want_loss) <= TOL
+    assert_grads_close(grads_of(model), want, TOL)
+
+
+@pytest.mark.skipif(not BACKENDS[1:], reason="the fused ops run in Triton steps (the interpreter on CPU)")
+def test_fused_ops_swap_in_only_where_they_compute_the_same():
+    """Llama-style RMSNorm, SwiGLU and RoPE are swapped; Gemma's x(1 + w) norm and GELU MLP, Phi-3's partial
+    RoPE and StarCoder2's LayerNorm keep the model's own code."""
+    def swapped(family):
+        model = tiny_model(family)
+        lm = model
+        with fused_ops.fused_ops(lm):
+            names = {type(m).__name__ for m in lm.modules() if "forward" in m.__dict__}
+        return names
+
+    assert {"Olmo2RMSNorm", "Olmo2MLP"} <= swapped("olmo2")
+    assert not swapped("gemma3_text") and not swapped("starcoder2")
+    assert "Phi3RMSNorm" in swapped("phi3") and "Phi3MLP" not in swapped("phi3")  # fused gate_up projection
+
+
+def refuses(model, match, **kwargs):
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NotImplementedError, match=match):
+        lightning_oomb.train_step(model, torch.randint(0, VOCAB, (1, 20)), chunk_size=8, **kwargs)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def build(model_type, **config):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **SPECIAL, **config})
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
+@pytest.mark.parametrize("model_type,config,match", [
+    ("gpt_oss", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4096), "attention sinks"),
+    ("qwen3_moe", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       output_router_logits=True), "output_router_logits=True.*set config.output_router_logits=False"),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+    ("granite", dict(logits_scaling=2.0), "logits_scaling=2.0"),
+    ("cohere", dict(), "logit_scale=0.0625"),
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), "layers of kind conv"),
+    ("phi3", dict(resid_pdrop=0.1), r"dropout in training mode \(model.layers.0.resid_attn_dropout, p=0.1\)"),
+    ("gemma3_text", dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=8), "sliding-window.*window 8"),
+])
+def test_what_cannot_be_exact_is_refused(model_type, config, match):
+    refuses(build(model_type, **config), match)
+
+
+def test_attention_in_the_models_own_code_is_refused():
+    model = build("bloom", n_layer=1, n_head=2)
+    refuses(model, "not through transformers' AttentionInterface")
+
+
+def test_a_loss_other_than_cross_entropy_of_the_head_is_refused(monkeypatch):
+    """What no config field names is found by the probe: here a scale the field list is told to ignore."""
+    monkeypatch.setattr(support, "HEAD_CHANGES", {})
+    refuses(build("granite", logits_scaling=2.0), "logits differ from the cross-entropy of lm_head")
+
+
+@pytest.mark.parametrize("model_type,config", [
+    ("qwen3_moe", dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)),
+    ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+])
+def test_the_planner_holds_every_expert_and_times_a_tokens(model_type, config):
+    """Memory counts every expert's weights (the model's own parameter count); time counts the weights a token
+    goes through: its two experts of eight and the router."""
+    from lightning_oomb.core.model_shape import ModelShape
+
+    sizes = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, **SPECIAL)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **config))
+    shape = ModelShape.resolve(model)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    width = config.get("moe_intermediate_size", 512)
+    attention = 2 * 256 * shape.q_width + 2 * 256 * shape.kv_width
+    assert shape.layer_active_matmul_params == attention + 3 * 256 * 2 * width + 256 * 8
+    with pytest.raises(ValueError, match="tensor parallelism of mixture-of-experts layers is not built"):
+        shape.tensor_parallel_part(2)
