@@ -16,12 +16,14 @@ checkpointing, a layer's recompute in stage 2 takes the attention outputs of the
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm
 from ..kernels.page_table import LayerStore, StoreSpec
@@ -199,6 +201,8 @@ class ChunkedSequence:
         self.model = model
         self.lm = causal_lm(model)
         check_supported(model, input_ids.shape[1])
+        # The experts' load-balancing loss of the whole sequence, where the model adds it.
+        self.balance = RouterBalance(self.lm) if getattr(self.lm.config, "output_router_logits", False) else None
         self.input_ids = input_ids
         self.config = config
         self.device = input_ids.device
@@ -431,13 +435,15 @@ class ChunkedSequence:
         total = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage_1_loss else None
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
-        with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
+        with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops), self._balance_hooks():
             for index, (start, end) in enumerate(self.chunks):
                 if self.before_chunk is not None:
                     self.before_chunk(1, index)
-                self._chunk = index
+                self._set_chunk(index)
                 keeps_graph = self._keeps_graph(index)
-                self._hidden_needed = keeps_graph or self.stage_1_loss or (keep_last > 0 and end > first_kept)
+                # The load-balancing loss counts the last layer's routing too: then stage 1 runs it whole.
+                self._hidden_needed = (keeps_graph or self.stage_1_loss or (keep_last > 0 and end > first_kept)
+                                       or self.balance is not None)
                 with torch.set_grad_enabled(keeps_graph):
                     hidden = self._chunk_hidden(start, end)
                 if keeps_graph or self.stage_1_loss:
@@ -453,6 +459,8 @@ class ChunkedSequence:
                     kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
                 if self.observer is not None:
                     self.observer(1, index, start, end)
+        if self.stage_1_loss and self.balance is not None:
+            total += self.balance.loss()
         return total, (torch.cat(kept, dim=1) if kept else None)
 
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -462,13 +470,16 @@ class ChunkedSequence:
         self._stage = "recompute"
         grad = torch.as_tensor(grad_scale, dtype=torch.float32, device=self.device)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.balance is not None:
+            self.balance.grad_scale = grad
         try:
-            with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers, self.fused_ops):
+            with torch.enable_grad(), bind(self.model, self, self.config.checkpoint_layers, self.fused_ops), \
+                    self._balance_hooks():
                 for index in reversed(range(len(self.chunks))):
                     if self.before_chunk is not None:
                         self.before_chunk(2, index)
                     start, end = self.chunks[index]
-                    self._chunk = index
+                    self._set_chunk(index)
                     if not self.config.cross_chunk_gradients:
                         self.pool.zero_grads(self.table, start, end)
                     if self.pool.host_layers and not self.graphs:
@@ -496,9 +507,19 @@ class ChunkedSequence:
                         self.observer(2, index, start, end)
             if self.head_grads is not None:
                 self.head_grads.deliver(grad)
+            if self.balance is not None:
+                total += self.balance.loss()
         finally:
             self.release()
         return total
+
+    def _set_chunk(self, index: int) -> None:
+        self._chunk = index
+        if self.balance is not None:
+            self.balance.chunk = index
+
+    def _balance_hooks(self):
+        return self.balance.hooks() if self.balance is not None else contextlib.nullcontext()
 
     def _announce_gathers(self, index: int, start: int) -> None:
         # Stage 1 made every selection of the chunk: the host K/V layers' gathers can run ahead of their calls.

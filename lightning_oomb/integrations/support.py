@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .router_balance import router_class
 from .transformers import causal_lm
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
@@ -69,11 +70,10 @@ def check_supported(model: nn.Module, seq_len: int) -> None:
         if value is not None and value != neutral:
             raise NotImplementedError(f"{name} has {field}={value}: {what} is not implemented by lightning_oomb's "
                                       "chunked loss")
-    if getattr(cfg, "output_router_logits", False):
+    if getattr(cfg, "output_router_logits", False) and router_class(lm) is None:
         raise NotImplementedError(
-            f"{name} has output_router_logits=True, which adds the experts' load-balancing loss over the whole "
-            "sequence; lightning_oomb does not compute it: set config.output_router_logits=False (the routing "
-            "itself is per token, and exact)"
+            f"{name} has output_router_logits=True, which adds the experts' load-balancing loss, and records no "
+            "router logits that lightning_oomb can find: set config.output_router_logits=False"
         )
     rope = _rope_type(cfg)
     if rope in LENGTH_DEPENDENT_ROPE:
@@ -133,8 +133,10 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     # mask of ones spares transformers its search for packed documents in the position ids.
     mask = torch.ones_like(ids)
     decoder = lm.get_decoder()
+    # The experts' load-balancing loss, which the engine adds itself (integrations/router_balance.py), left out.
+    extra = {"output_router_logits": False} if hasattr(lm.config, "output_router_logits") else {}
     with torch.no_grad():
-        out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+        out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, **extra)
         hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         logits = lm.get_output_embeddings()(hidden)
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
