@@ -12,19 +12,22 @@ import argparse
 import sys
 import textwrap
 
-import torch
 
-from .core.config import SparseConfig
+from .core.config import OFFLOADS, ChunkConfig, SparseConfig, option_defaults
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
 from .core.plan import (
-    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, max_context, plan_placed, this_gpu_memory,
+    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, PlanConfig, max_context, plan_placed,
+    this_gpu_memory,
 )
 from .core.plan.formatting import duration as _duration, gib as _gib
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
-CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
-GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "auto" is the planner's choice (off if the step fits without it), not a ChunkConfig value.
+CHECKPOINT_CHOICES = ("on", "off", "auto")
+GRAD_DTYPES = ("float32", "bfloat16")
+STEP = option_defaults(ChunkConfig)
+SPARSE = option_defaults(SparseConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,24 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
     parser.add_argument("--max-context", action="store_true",
                         help="instead of one plan: the longest context that fits, for full training (--optimizer) "
-                        "and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default 64 pages), "
+                        f"and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default "
+                        f"{SPARSE['budget_pages']} pages), "
                         "with the other options as given, next to the machine's physical limit")
-    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
+    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=STEP["chunk_size"],
+                        help=f"tokens per chunk (default {STEP['chunk_size']})")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default 128)")
+    parser.add_argument("--page-size", type=int, default=STEP["page_size"],
+                        help=f"tokens per KV page (default {STEP['page_size']})")
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="LoRA rank on q,k,v,o (0: full training)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-true")
-    parser.add_argument("--checkpoint-layers", choices=tuple(CHECKPOINT_CHOICES), default="auto",
+    parser.add_argument("--checkpoint-layers", choices=CHECKPOINT_CHOICES, default="auto",
                         help="layer checkpointing in stage 2; auto: off if the step fits without it")
-    parser.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="float32",
+    parser.add_argument("--grad-dtype", choices=GRAD_DTYPES, default=STEP["grad_dtype"],
                         help="dtype of the KV-gradient pages")
-    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto",
+    parser.add_argument("--offload", choices=OFFLOADS, default=STEP["offload"],
                         help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
                         "else pinned host memory (as a training step decides)")
-    parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
-                        help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
+    parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=STEP["segment_tokens"],
+                        help="with the pages on the host: tokens per streamed segment (default: the longest a "
+                        f"step streams, {OFFLOAD_SEGMENT_TOKENS:,})")
     parser.add_argument("--budget-pages", type=int, default=0, metavar="PAGES",
                         help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
                         "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
@@ -120,30 +127,40 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-context finds the longest that fits")
     if args.context is None and not args.max_context:
         parser.error("give --context TOKENS (one plan) or --max-context (the longest context that fits)")
-    common = dict(
-        offload=args.offload, chunk_size=args.chunk, batch=args.batch, page_size=args.page_size,
-        precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
-        grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
-        matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
-        document_length=args.document_length, sharding=args.sharding, tensor_parallel=args.tensor_parallel,
-        stage_1_loss=True,  # the step `lightning-oomb fit` runs: a served forward keeps every chunk's dL/dh
-    )
     try:  # the answer is printed whole, so that a refused option prints nothing but its one line
         lines = [assumptions(args), ""]
+        config = plan_config(args)
+        machine = dict(gpu_memory=args.gpu_memory, checkpoint_auto=args.checkpoint_layers == "auto")
         if args.max_context:
-            print("\n".join([*lines, context_table(args.model, args, common)]))
+            print("\n".join([*lines, context_table(args.model, args, config, machine)]))
             return 0
-        options = dict(sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
-                       lora_rank=args.lora_rank, optimizer=args.optimizer, **common)
-        result = plan_placed(args.model, args.context, **options)
+        result = plan_placed(args.model, config, **machine)
         result.suggestion_style = "cli"
         lines.append(str(result))
         if not result.fits and not any(s.plan.fits for s in result.suggestions if s.goal == "memory"):
-            lines += ["", what_it_would_take(args.model, result, max_context(args.model, **options))]
+            lines += ["", what_it_would_take(args.model, result, max_context(args.model, config, **machine))]
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print("\n".join(lines))
     return 0 if result.fits else 1
+
+
+def plan_config(args: argparse.Namespace) -> PlanConfig:
+    """The step the flags ask for: the step options through ChunkConfig (which checks them), the run's around
+    them. The step computes its loss in stage 1, as ``lightning-oomb fit`` runs it (a served forward keeps
+    every chunk's dL/dh). With --max-context the context is a chunk: each length tried replaces it."""
+    chunk = ChunkConfig.build(
+        chunk_size=args.chunk, page_size=args.page_size, checkpoint_layers=args.checkpoint_layers == "on",
+        grad_dtype=args.grad_dtype, offload=args.offload, segment_tokens=args.segment_tokens,
+        host_memory=args.host_memory,
+        sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
+    )
+    return PlanConfig(
+        args.context or chunk.chunk_size, chunk, batch=args.batch, lora_rank=args.lora_rank,
+        optimizer=args.optimizer, precision=args.precision, matmul_tflops=args.matmul_tflops,
+        devices=args.devices, document_length=args.document_length, sharding=args.sharding,
+        tensor_parallel=args.tensor_parallel, stage_1_loss=True,
+    )
 
 
 def assumptions(args: argparse.Namespace) -> str:
@@ -185,17 +202,18 @@ def what_it_would_take(model: str, result, limit) -> str:
         "pages of the layers that do not fit there, gathering the selected ones), or several GPUs.", width=110)
 
 
-def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
-    """The longest context of each common case, one row each, next to the machine's physical limit."""
-    rank, budget = args.lora_rank or 16, args.budget_pages or 64
+def context_table(model: str, args: argparse.Namespace, config: PlanConfig, machine: dict) -> str:
+    """The longest context of each common case (``config`` with its training and attention replaced), one row
+    each, next to the machine's physical limit; ``machine``: ``max_context``'s other arguments."""
+    rank, budget = args.lora_rank or 16, args.budget_pages or SPARSE["budget_pages"]
     per = "" if args.selection == "tile" else ", one selection per chunk"
-    cases = [(f"full training, {args.optimizer}", dict(optimizer=args.optimizer))]
+    cases = [(f"full training, {args.optimizer}", dict(lora_rank=0, optimizer=args.optimizer))]
     if args.tensor_parallel == 1 or args.lora_rank:  # LoRA under tensor parallel is not built: refused when asked
         cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")))
     rows = []
     for name, options in cases:
         for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):
-            limit = max_context(model, sparse=sparse, **options, **common)
+            limit = max_context(model, config, sparse=sparse, **options, **machine)
             p = limit.plan
             fitted = f"{limit.context:,}" if limit.context else "none"
             time = _duration(p.time.predicted_s) if limit.context else "-"

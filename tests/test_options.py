@@ -1,6 +1,7 @@
 """Every step option has one declaration (``ChunkConfig``/``SparseConfig``): each entry point that takes an
 option gives it the declared default."""
 
+import dataclasses
 import inspect
 
 import pytest
@@ -10,10 +11,10 @@ from lightning_oomb import OOMBDDPStrategy, OOMBModelParallelStrategy, OOMBStrat
 from lightning_oomb.lightning.strategy import OOMBStrategyMixin
 from lightning_oomb.core.config import ChunkConfig, SparseConfig, option_defaults
 from lightning_oomb.core.errors import SetupError
-from lightning_oomb.core.plan.search import plan
+from lightning_oomb.core.plan import PlanConfig, max_context, plan, plan_placed, step_time
 from lightning_oomb.lightning.sparse import SparseCausalLMModule
 from lightning_oomb.bench.run import build_parser as bench_parser
-from lightning_oomb.planner_cli import build_parser
+from lightning_oomb.planner_cli import build_parser, plan_config
 
 CHUNK = option_defaults(ChunkConfig)
 SPARSE = option_defaults(SparseConfig)
@@ -56,13 +57,38 @@ def test_the_sparse_module_takes_sparse_config_defaults_and_restates_nothing_els
     assert "learning_rate" not in inspect.signature(SparseCausalLMModule.__init__).parameters
 
 
-def test_the_planner_gives_shared_options_the_declared_defaults():
-    planner = _defaults(plan)
-    for name in ("chunk_size", "page_size", "grad_dtype", "sparse", "host_memory"):
-        assert _same(planner[name], CHUNK[name]), name
+def test_the_planner_reads_every_step_option_from_chunk_config():
+    """plan(), plan_placed(), max_context() and step_time() restate no step option: they take a PlanConfig,
+    whose ``chunk`` is a ChunkConfig (defaults and checks there), or its fields by name through
+    PlanConfig.build, which routes the step options to ChunkConfig.build: one exception type and message."""
+    for fn in (plan, plan_placed, max_context, step_time):
+        assert not set(inspect.signature(fn).parameters) & set(CHUNK), f"{fn.__name__} restates step options"
+    assert not {f.name for f in dataclasses.fields(PlanConfig)} & set(CHUNK), "PlanConfig restates step options"
+    assert PlanConfig(1).chunk == PlanConfig.build(1).chunk == ChunkConfig()
+    built = PlanConfig.build(1 << 20, chunk_size=2048, grad_dtype="bfloat16", lora_rank=16)
+    assert built.chunk == ChunkConfig(chunk_size=2048, grad_dtype="bfloat16") and built.lora_rank == 16
+    for bad, message in ((dict(chunk_size=0), "chunk_size must be an integer >= 1, got 0"),
+                         (dict(grad_dtype="float16"), "grad_dtype must be float32 or bfloat16"),
+                         (dict(offload=True), "offload must be one of 'auto', 'gpu', 'host', got True")):
+        with pytest.raises(SetupError, match=message):
+            plan("qwen2.5-7b", 4096, gpu_memory=2**40, **bad)
+        with pytest.raises(SetupError, match=message):
+            ChunkConfig(**bad)
+    with pytest.raises(SetupError, match="unknown plan option.*chunksize.*ChunkConfig's fields"):
+        PlanConfig.build(1, chunksize=128)
+    with pytest.raises(SetupError, match="batch must be an integer >= 1"):  # the run's options: PlanConfig's
+        PlanConfig.build(1, batch=0)
+
+
+def test_the_plan_cli_builds_the_declared_config_from_its_defaults():
+    """`lightning-oomb plan` with no step flag plans ChunkConfig() (--checkpoint-layers auto is the planner's
+    choice, off where the step fits, not a ChunkConfig value); --budget-pages gives SparseConfig's others."""
     args = build_parser().parse_args(["--model", "qwen2.5-7b", "--context", "128K"])
+    assert plan_config(args).chunk == ChunkConfig()
+    sparse = plan_config(build_parser().parse_args(["--model", "qwen2.5-7b", "--max-context", "--budget-pages", "8"]))
+    assert sparse.chunk == ChunkConfig(sparse=SparseConfig(budget_pages=8))
     for flag, name in (("chunk", "chunk_size"), ("page_size", "page_size"), ("grad_dtype", "grad_dtype"),
-                       ("offload", "offload")):
+                       ("offload", "offload"), ("segment_tokens", "segment_tokens"), ("host_memory", "host_memory")):
         assert _same(getattr(args, flag), CHUNK[name]), flag
 
 

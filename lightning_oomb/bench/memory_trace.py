@@ -18,7 +18,7 @@ import torch
 from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
-from ..core.plan import CUDA_CONTEXT_BYTES, plan
+from ..core.plan import CUDA_CONTEXT_BYTES, Pages, PlanConfig, plan
 from ..core.schedule import ChunkedSequence, release_cached_pool
 from ..core.units import GIB, parse_tokens
 from .config import BenchConfig
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         peak, host, seconds, seq = trace_step(model, context, config, vocab, args.verbose)
         peaks.append(peak)
         placement = seq.placement
-        predicted = plan(args.model, context, chunk_size=args.chunk, optimizer="none", gpu_memory=1 << 62,
-                         host_memory=1 << 62, offload=placement.where == "host",
+        predicted = plan(args.model, PlanConfig(context, config, optimizer="none"), gpu_memory=1 << 62,
+                         host_memory=1 << 62, pages=Pages(streamed=placement.where == "host"),
                          segment_tokens=placement.segment_tokens)
         planned_gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES  # the plan's line for what torch never counts
         print(f"  step {seconds:.1f} s (first at this length: pool allocation included), pages on "

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..config import SparseConfig
+from ..errors import SetupError
 from ..loss import piece_rows
 from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
 from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
@@ -92,7 +93,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
-    if c.offload:
+    if c.streamed:
         kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
         grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
         segment = offload_segment_pages(c) * c.page_size
@@ -109,7 +110,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     else:
         n_kv_host = c.host_kv_layers
         if n_kv_host > shape.n_layers:
-            raise ValueError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
+            raise SetupError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
         if n_kv_host:
             kv_layer = kv_bytes // shape.n_layers
             gpu[f"{kv_name}, {shape.n_layers - n_kv_host} of {shape.n_layers} layers"] = kv_layer * (
@@ -131,7 +132,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers
         if n_host > shape.n_layers:
-            raise ValueError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
+            raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
         if n_host:
             n_gpu = shape.n_layers - n_host
             gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu

@@ -52,7 +52,7 @@ class Suggestion:
     def render(self, style: str = "python") -> str:
         p = self.plan
         verdict = "fits" if p.fits else "still does not fit"
-        host = f", host {gib(p.peak_host_bytes)} GiB" if p.config.offload or p.config.host_grad_layers else ""
+        host = f", host {gib(p.peak_host_bytes)} GiB" if p.config.streamed or p.config.host_grad_layers else ""
         how = self.cli if style == "cli" else self.python
         return (f"- {self.change} ({how}): GPU {gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
                 f"step ≈ {duration(p.time.predicted_s)}")
@@ -129,7 +129,7 @@ class Plan:
                      + " (oomb_model_parallel, split by KV heads), memory per GPU")
         if c.document_length is not None and c.document_length < c.context:
             head += f"; packed from documents of {c.document_length:,} tokens"
-        if c.offload:
+        if c.streamed:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"

@@ -8,10 +8,8 @@ from typing import Any
 
 from ..config import SparseConfig
 from ..model_shape import ModelShape
-from .assumptions import (
-    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
-    SPARSE_ATTENDED_TOKENS,
-)
+from .assumptions import ATTENTION_EFFICIENCY, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY
+from .config import PlanConfig
 
 
 @dataclass(frozen=True)
@@ -89,46 +87,32 @@ def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: 
     return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
 
 
-def step_time(
-    model: Any,
-    context: int,
-    *,
-    batch: int = 1,
-    chunk_size: int = 4096,
-    lora_rank: int = 0,
-    checkpoint_layers: bool = False,
-    sparse: "bool | SparseConfig | None" = False,
-    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
-    page_size: int = 128,
-    graph_chunks: int = 0,
-    kept_chunks: int = 0,
-    host_kept_chunks: int = 0,
-    document_length: int | None = None,
-) -> StepTime:
-    """FLOPs one step of ``batch`` sequences of ``context`` tokens executes (docs/planner.md, "Time", has the
-    formulas): linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within
-    packed documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
-    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``). ``sparse``: a
-    SparseConfig, or True for SPARSE_ATTENDED_TOKENS past tokens per query.
+def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
+    """FLOPs one step of ``config`` (a PlanConfig, or the context in tokens per sequence, with ``options``
+    replacing fields by name: ``PlanConfig.build``) executes (docs/planner.md, "Time", has the formulas):
+    linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within packed
+    documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
+    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``).
     """
+    c = PlanConfig.build(config, **options)
     shape = ModelShape.resolve(model)
+    context, batch, chunk_size, page_size = c.context, c.batch, c.chunk_size, c.page_size
+    checkpoint_layers, sparse, document_length = c.checkpoint_layers, c.sparse, c.document_length
     tokens = batch * context
-    if lora_rank > 0:
-        linear = 6.0 * shape.matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
+    if c.lora_rank > 0:
+        linear = 6.0 * shape.matmul_params * tokens + 8.0 * shape.lora_params(c.lora_rank) * tokens
     else:
         linear = 8.0 * shape.matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
-    attended = context
-    if sparse:
-        attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
+    attended = context if sparse is None else sparse.attended_past_tokens(page_size)
     chunk_pairs = [_chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
                    for s in range(0, context, chunk_size)]
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
     recompute = 2.0 * (shape.matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
-    graphs = 0 if checkpoint_layers else min(graph_chunks, n)
-    kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
+    graphs = 0 if checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
     # forward a kept output spares.
     passes = [4.5 - (i in kept) for i in range(n)]
@@ -141,7 +125,7 @@ def step_time(
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
-    return StepTime(linear, attention, recompute, matmul_tflops, portable_attention_flops=portable,
+    return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
                     stage_1_flops=stage_1)
 
 
