@@ -13,7 +13,10 @@ import sys
 import textwrap
 
 
-from .core.config import OFFLOADS, ChunkConfig, SparseConfig, option_defaults
+from .cli_flags import (
+    SPARSE, STEP, add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_page_size, add_selection,
+)
+from .core.config import ChunkConfig, SparseConfig
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
 from .core.plan import (
@@ -25,9 +28,6 @@ from .core.units import argparse_type, parse_bytes, parse_tokens
 
 # "auto" is the planner's choice (off if the step fits without it), not a ChunkConfig value.
 CHECKPOINT_CHOICES = ("on", "off", "auto")
-GRAD_DTYPES = ("float32", "bfloat16")
-STEP = option_defaults(ChunkConfig)
-SPARSE = option_defaults(SparseConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,32 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
                         f"and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default "
                         f"{SPARSE['budget_pages']} pages), "
                         "with the other options as given, next to the machine's physical limit")
-    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=STEP["chunk_size"],
-                        help=f"tokens per chunk (default {STEP['chunk_size']})")
+    add_chunk(parser)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--page-size", type=int, default=STEP["page_size"],
-                        help=f"tokens per KV page (default {STEP['page_size']})")
+    add_page_size(parser)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="LoRA rank on q,k,v,o (0: full training)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-true")
     parser.add_argument("--checkpoint-layers", choices=CHECKPOINT_CHOICES, default="auto",
                         help="layer checkpointing in stage 2; auto: off if the step fits without it")
-    parser.add_argument("--grad-dtype", choices=GRAD_DTYPES, default=STEP["grad_dtype"],
-                        help="dtype of the KV-gradient pages")
-    parser.add_argument("--offload", choices=OFFLOADS, default=STEP["offload"],
-                        help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
-                        "else pinned host memory (as a training step decides)")
+    add_grad_dtype(parser)
+    add_offload(parser, help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
+                "else pinned host memory (as a training step decides)")
     parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=STEP["segment_tokens"],
                         help="with the pages on the host: tokens per streamed segment (default: the longest a "
                         f"step streams, {OFFLOAD_SEGMENT_TOKENS:,})")
-    parser.add_argument("--budget-pages", type=int, default=0, metavar="PAGES",
-                        help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
-                        "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
-                        "auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all)")
-    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
-                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
-                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
+    add_budget_pages(parser, default=0, help="page-level sparse attention with this many past pages per query tile "
+                     "(SparseConfig's other fields at their defaults); 0: dense. Sparse steps move pages by layer: "
+                     "--offload auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all")
+    add_selection(parser)
     parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,

@@ -2,6 +2,7 @@
 option gives it the declared default."""
 
 import dataclasses
+import importlib
 import inspect
 
 import pytest
@@ -13,6 +14,7 @@ from lightning_oomb.core.config import ChunkConfig, SparseConfig, option_default
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.core.plan import PlanConfig, max_context, plan, plan_placed, step_time
 from lightning_oomb.lightning.sparse import SparseCausalLMModule
+from lightning_oomb.bench.config import BenchConfig
 from lightning_oomb.bench.run import build_parser as bench_parser
 from lightning_oomb.planner_cli import build_parser, plan_config
 
@@ -95,8 +97,27 @@ def test_the_plan_cli_builds_the_declared_config_from_its_defaults():
 def test_the_cli_flags_of_plan_and_bench_give_the_declared_defaults_under_one_spelling():
     plan_args = build_parser().parse_args(["--model", "qwen2.5-7b", "--context", "128K"])
     bench_args = bench_parser().parse_args([])
-    for flag in ("chunk", "page_size", "grad_dtype", "lora_rank"):  # one spelling in both
+    for flag in ("chunk", "page_size", "grad_dtype", "lora_rank", "budget_pages", "selection"):  # one spelling in both
         assert hasattr(plan_args, flag) and hasattr(bench_args, flag), flag
     for flag, name in (("chunk", "chunk_size"), ("page_size", "page_size"), ("grad_dtype", "grad_dtype")):
         assert _same(getattr(bench_args, flag), CHUNK[name]), flag
     assert bench_args.budget_pages == SPARSE["budget_pages"] and bench_args.attention == CHUNK["attention"]
+    assert BenchConfig().chunk_size == CHUNK["chunk_size"] and BenchConfig().budget_pages == SPARSE["budget_pages"]
+
+
+@pytest.mark.parametrize("tool", ["grad_store_precision", "kernels", "lightning_step", "memory_trace",
+                                  "profile_step", "sparse_fidelity", "sparse_kernels"])
+def test_every_bench_tool_spells_the_step_options_as_plan_does(tool):
+    """The bench tools take --chunk in tokens (4K too) with ChunkConfig's default, the sparse budget as
+    --budget-pages, the KV-gradient dtype and the offload with ChunkConfig's defaults."""
+    parser = importlib.import_module(f"lightning_oomb.bench.{tool}").build_parser()
+    flags = {o for a in parser._actions for o in a.option_strings}
+    assert not flags & {"--budget", "--budgets", "--train-budget", "--chunk-size"}, tool
+    args = parser.parse_args(["--chunk", "2K"] if "--chunk" in flags else [])
+    if "--chunk" in flags:
+        assert args.chunk == 2048 and parser.parse_args([]).chunk == CHUNK["chunk_size"]
+    if "--grad-dtype" in flags:
+        assert args.grad_dtype == CHUNK["grad_dtype"]
+    if "--page-size" in flags and tool != "sparse_fidelity":  # the CPU demo's short sequences want small pages
+        assert args.page_size == CHUNK["page_size"]
+    assert "--budget-pages" in flags or tool not in ("profile_step", "sparse_fidelity", "sparse_kernels"), tool

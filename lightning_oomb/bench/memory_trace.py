@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..cli_flags import add_chunk, add_offload
 from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
@@ -49,14 +50,18 @@ def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bo
     return torch.cuda.max_memory_allocated(), peak_process_host_bytes(), time.perf_counter() - began, seq
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--lengths", default="64k,256k")
-    parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="host")
+    add_chunk(parser)
+    add_offload(parser, default="host")  # what this tool traces: the streamed pages
     parser.add_argument("--verbose", action="store_true", help="print every chunk")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     lengths = [parse_tokens(x) for x in args.lengths.split(",")]
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     vocab = ModelShape.resolve(args.model).vocab
