@@ -19,6 +19,7 @@ from .cli_flags import (
 from .core.config import ChunkConfig, SparseConfig
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
+from .core.quantization import QUANT_TYPES
 from .core.plan import (
     DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, PlanConfig, max_context, plan_placed,
     this_gpu_memory,
@@ -74,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_page_size(parser)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="LoRA rank on q,k,v,o (0: full training)")
+    parser.add_argument("--quantization", choices=QUANT_TYPES, default=None,
+                        help="QLoRA: the frozen base weights in bitsandbytes' 4 bits (CausalLMModule's quantization), "
+                        "under the LoRA adapters of --lora-rank; with --max-context a row of its own")
+    parser.add_argument("--double-quant", action="store_true",
+                        help="with --quantization: the per-block scales in 8 bits too (bnb_4bit_use_double_quant)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-true")
     parser.add_argument("--checkpoint-layers", choices=CHECKPOINT_CHOICES, default="auto",
@@ -120,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-context finds the longest that fits")
     if args.context is None and not args.max_context:
         parser.error("give --context TOKENS (one plan) or --max-context (the longest context that fits)")
+    if args.double_quant and args.quantization is None:
+        parser.error("--double-quant quantises the scales of 4-bit weights: give --quantization nf4 (or fp4) too")
     try:  # the answer is printed whole, so that a refused option prints nothing but its one line
         lines = [assumptions(args), ""]
         config = plan_config(args)
@@ -148,21 +156,28 @@ def plan_config(args: argparse.Namespace) -> PlanConfig:
         host_memory=args.host_memory,
         sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
     )
+    quantization = (None if args.quantization is None
+                    else {"quant_type": args.quantization, "double_quant": args.double_quant})
     return PlanConfig(
         args.context or chunk.chunk_size, chunk, batch=args.batch, lora_rank=args.lora_rank,
-        optimizer=args.optimizer, precision=args.precision, matmul_tflops=args.matmul_tflops,
+        quantization=quantization, optimizer=args.optimizer, precision=args.precision, matmul_tflops=args.matmul_tflops,
         devices=args.devices, document_length=args.document_length, sharding=args.sharding,
         tensor_parallel=args.tensor_parallel, stage_1_loss=True,
     )
 
 
 def assumptions(args: argparse.Namespace) -> str:
-    """The first lines of every answer: the GPU memory, host budget and matmul rate planned for, and whence."""
+    """The first lines of every answer: the GPU (its matmul rate and memory) and the host budget planned for,
+    and whence."""
+    if args.matmul_tflops == DEFAULT_MATMUL_TFLOPS:
+        rate = f"an H200's matmul rate, {args.matmul_tflops:g} TFLOP/s dense bf16 (--matmul-tflops sets another GPU's)"
+    else:
+        rate = f"a GPU of {args.matmul_tflops:g} TFLOP/s dense bf16 (--matmul-tflops)"
     if args.gpu_memory is None:
         total, name = this_gpu_memory()
-        gpu = f"GPU {_gib(total)} GiB (this machine's {name}; --gpu-memory plans for another)"
+        gpu = f"{_gib(total)} GiB of GPU memory (this machine's {name}; --gpu-memory plans for another)"
     else:
-        gpu = f"GPU {_gib(args.gpu_memory)} GiB (--gpu-memory)"
+        gpu = f"{_gib(args.gpu_memory)} GiB of GPU memory (--gpu-memory)"
     ram = machine_host_memory()
     if args.host_memory is None:
         host = (f"host budget {_gib(host_budget())} GiB (this machine's: available memory less a "
@@ -172,10 +187,7 @@ def assumptions(args: argparse.Namespace) -> str:
                 f"{_gib(ram)} GiB of RAM: planning for another machine)")
     else:
         host = f"host budget {_gib(args.host_memory)} GiB (--host-memory)"
-    rate = ("an H200's dense bf16 peak" if args.matmul_tflops == DEFAULT_MATMUL_TFLOPS else "--matmul-tflops")
-    return textwrap.fill(f"Assumed: {gpu}; {host}; matmul peak {args.matmul_tflops:g} TFLOP/s ({rate}"
-                         + ("; --matmul-tflops sets another GPU's" if rate != "--matmul-tflops" else "") + ").",
-                         width=110, break_on_hyphens=False)
+    return textwrap.fill(f"Assumed: {rate}, with {gpu}; {host}.", width=110, break_on_hyphens=False)
 
 
 def _sparse(budget_pages: int, selection: str) -> SparseConfig:
@@ -200,9 +212,13 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
     each, next to the machine's physical limit; ``machine``: ``max_context``'s other arguments."""
     rank, budget = args.lora_rank or 16, args.budget_pages or SPARSE["budget_pages"]
     per = "" if args.selection == "tile" else ", one selection per chunk"
-    cases = [(f"full training, {args.optimizer}", dict(lora_rank=0, optimizer=args.optimizer))]
+    full = dict(lora_rank=0, quantization=None, optimizer=args.optimizer)
+    cases = [(f"full training, {args.optimizer}", full)]
     if args.tensor_parallel == 1 or args.lora_rank:  # LoRA under tensor parallel is not built: refused when asked
-        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")))
+        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, quantization=None, optimizer="adamw")))
+    if config.quantization is not None:
+        cases.append((f"QLoRA rank {rank}, {config.quantization.describe()}",
+                      dict(lora_rank=rank, quantization=config.quantization, optimizer="adamw")))
     rows = []
     for name, options in cases:
         for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):

@@ -174,10 +174,16 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def layer_matrices(self) -> tuple[int, ...]:
+        """Elements of each weight matrix of one decoder layer: q, k, v, o, gate, up, down."""
+        mlp = self.hidden * self.intermediate
+        return (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
+                self.q_width * self.hidden, mlp, mlp, mlp)
+
+    @property
     def layer_matmul_params(self) -> int:
         """Weight-matrix parameters of one decoder layer (q, k, v, o, gate, up, down)."""
-        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
-        return attention + 3 * self.hidden * self.intermediate
+        return sum(self.layer_matrices)
 
     @property
     def head_params(self) -> int:

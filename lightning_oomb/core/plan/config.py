@@ -15,6 +15,7 @@ from ..config import ChunkConfig, SparseConfig
 from ..errors import SetupError
 from ..model_shape import PRECISIONS, PROFILES
 from ..optimizers import PLAN_OPTIMIZERS
+from ..quantization import Quantization
 from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS
 
 # The optimizer a plan counts: a name of core.optimizers.OPTIMIZERS, or "none".
@@ -63,6 +64,9 @@ class PlanConfig:
     # -- the run around the step
     batch: int = 1  # sequences per step (per rank)
     lora_rank: int = 0  # 0: full training
+    # QLoRA: the frozen base weights in 4 bits, as CausalLMModule's option of that name takes it ("nf4", "fp4" or
+    # {"quant_type": ..., "double_quant": ...}); read as a Quantization
+    quantization: "Quantization | str | dict | None" = None
     optimizer: str = "adamw"  # OPTIMIZERS
     precision: str = "bf16-true"  # PRECISIONS
     matmul_tflops: float = DEFAULT_MATMUL_TFLOPS
@@ -94,6 +98,13 @@ class PlanConfig:
             raise SetupError(f"document_length must be None or an integer >= 1, got {self.document_length!r}")
         if self.lora_rank < 0:
             raise SetupError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        object.__setattr__(self, "quantization", Quantization.parse(self.quantization))
+        if self.quantization is not None and not self.lora_rank:
+            raise SetupError(f"quantization={self.quantization.quant_type!r} freezes the base weights in 4 bits for "
+                             "LoRA adapters to train: give lora_rank > 0 (--lora-rank 16)")
+        if self.quantization is not None and self.sharding != "none":
+            raise SetupError(f"quantization with sharding={self.sharding!r}: oomb_model_parallel does not shard "
+                             "4-bit weights; plan sharding 'none' (oomb_ddp), or no quantization")
         if self.sharding not in SHARDINGS:
             raise SetupError(f"sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.tensor_parallel > 1 and self.lora_rank:

@@ -9,8 +9,8 @@ from ..config import SparseConfig
 from ..model_shape import ModelShape
 from ..units import GIB
 from .assumptions import (
-    ATTENTION_EFFICIENCY, COLLECTIVE_GBPS, HOST_GATHER_GBPS, LINEAR_EFFICIENCY, PLACEMENT_HEADROOM_SHARE,
-    PORTABLE_ATTENTION_EFFICIENCY,
+    ATTENTION_EFFICIENCY, COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, LINEAR_EFFICIENCY,
+    PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .collectives import step_collectives
 from .config import PlanConfig
@@ -111,6 +111,8 @@ class Plan:
     def __str__(self) -> str:
         c, s = self.config, self.shape
         training = f"LoRA rank {c.lora_rank}" if c.lora_rank else "full training"
+        if c.quantization is not None:
+            training = f"QLoRA rank {c.lora_rank} (base weights in 4-bit {c.quantization.describe()})"
         ckpt = "on" if c.checkpoint_layers else "off"
         if self.checkpoint_auto:
             ckpt += " (auto)"
@@ -177,6 +179,8 @@ class Plan:
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
                if t.host_gather_bytes else "")
             + _collectives_time(t, c)
+            + (f", plus {duration(t.dequant_s)} dequantising the 4-bit weights for each matmul (assumed "
+               f"{DEQUANT_GBPS * t.matmul_tflops / DEFAULT_MATMUL_TFLOPS:.0f} GB/s)" if t.dequant_s else "")
             + ", calibrate with lightning-oomb bench)",
         ]
         collectives = step_collectives(s, c) if c.sharding != "none" or c.tensor_parallel > 1 else []

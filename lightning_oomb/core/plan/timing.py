@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import SparseConfig
-from ..model_shape import ModelShape
-from .assumptions import ATTENTION_EFFICIENCY, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY
+from ..model_shape import PROFILES, ModelShape
+from .assumptions import (
+    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
+)
 from .config import PlanConfig
 
 
@@ -30,6 +32,7 @@ class StepTime:
     all_reduce_s: float = 0.0  # data parallel: averaging the whole gradients after stage 2 (step_collectives)
     sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
     tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
+    dequant_s: float = 0.0  # QLoRA: dequantising the 4-bit weights for every matmul (dequant_seconds)
 
     @property
     def total_flops(self) -> float:
@@ -55,7 +58,7 @@ class StepTime:
         do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
         other machines."""
         return (self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
-                + self.tensor_parallel_s)
+                + self.tensor_parallel_s + self.dequant_s)
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -125,8 +128,23 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
+    # Each pass of the decoder layers' matmuls (stage 1, stage 2's forward unless its graph was kept, the
+    # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
+    passes = 3 * n - graphs + (n if checkpoint_layers else 0)
     return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
-                    stage_1_flops=stage_1)
+                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c))
+
+
+def dequant_seconds(shape: ModelShape, c: PlanConfig) -> float:
+    """Seconds of one pass over every decoder layer's 4-bit weights (``c.quantization``; 0 without it): each
+    matrix's packed codes and scales read, and written back in the compute dtype (the matmul then reads that
+    as a bf16 weight's), at DEQUANT_GBPS, scaled with ``c.matmul_tflops``: GPUs have about the same memory
+    bandwidth per matmul FLOP (an H200 4.8 TB/s for 790 TFLOP/s, an RTX 4090 1.0 TB/s for 165)."""
+    if c.quantization is None:
+        return 0.0
+    written = shape.n_layers * shape.layer_matmul_params * PROFILES[c.precision].param
+    rate = DEQUANT_GBPS * 1e9 * c.matmul_tflops / DEFAULT_MATMUL_TFLOPS
+    return (c.quantization.weight_bytes(shape) + written) / rate
 
 
 def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> bool:
