@@ -12,19 +12,23 @@ import argparse
 import sys
 import textwrap
 
-import torch
 
-from .core.config import SparseConfig
+from .cli_flags import (
+    SPARSE, STEP, add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_page_size, add_selection,
+)
+from .core.config import ChunkConfig, SparseConfig
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
 from .core.model_shape import PRECISIONS, builtin_names
+from .core.quantization import QUANT_TYPES
 from .core.plan import (
-    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, max_context, plan_placed, this_gpu_memory,
+    DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS, OPTIMIZERS, SHARDINGS, PlanConfig, max_context, plan_placed,
+    this_gpu_memory,
 )
 from .core.plan.formatting import duration as _duration, gib as _gib
 from .core.units import argparse_type, parse_bytes, parse_tokens
 
-CHECKPOINT_CHOICES = {"on": True, "off": False, "auto": None}
-GRAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "auto" is the planner's choice (off if the step fits without it), not a ChunkConfig value.
+CHECKPOINT_CHOICES = ("on", "off", "auto")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,31 +67,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=argparse_type(parse_tokens), help="tokens per sequence, e.g. 1M")
     parser.add_argument("--max-context", action="store_true",
                         help="instead of one plan: the longest context that fits, for full training (--optimizer) "
-                        "and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default 64 pages), "
+                        f"and LoRA (--lora-rank, default rank 16), dense and sparse (--budget-pages, default "
+                        f"{SPARSE['budget_pages']} pages), "
                         "with the other options as given, next to the machine's physical limit")
-    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
+    add_chunk(parser)
     parser.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    parser.add_argument("--page-size", type=int, default=128, help="tokens per KV page (default 128)")
+    add_page_size(parser)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="LoRA rank on q,k,v,o (0: full training)")
+    parser.add_argument("--quantization", choices=QUANT_TYPES, default=None,
+                        help="QLoRA: the frozen base weights in bitsandbytes' 4 bits (CausalLMModule's quantization), "
+                        "under the LoRA adapters of --lora-rank; with --max-context a row of its own")
+    parser.add_argument("--double-quant", action="store_true",
+                        help="with --quantization: the per-block scales in 8 bits too (bnb_4bit_use_double_quant)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-true")
-    parser.add_argument("--checkpoint-layers", choices=tuple(CHECKPOINT_CHOICES), default="auto",
+    parser.add_argument("--checkpoint-layers", choices=CHECKPOINT_CHOICES, default="auto",
                         help="layer checkpointing in stage 2; auto: off if the step fits without it")
-    parser.add_argument("--grad-dtype", choices=tuple(GRAD_DTYPES), default="float32",
-                        help="dtype of the KV-gradient pages")
-    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto",
-                        help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
-                        "else pinned host memory (as a training step decides)")
-    parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=OFFLOAD_SEGMENT_TOKENS,
-                        help=f"with the pages on the host: tokens per streamed segment (default {OFFLOAD_SEGMENT_TOKENS:,})")
-    parser.add_argument("--budget-pages", type=int, default=0, metavar="PAGES",
-                        help="page-level sparse attention with this many past pages per query tile (SparseConfig's "
-                        "other fields at their defaults); 0: dense. Sparse steps move pages by layer: --offload "
-                        "auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all)")
-    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
-                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
-                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
+    add_grad_dtype(parser)
+    add_offload(parser, help="where the K/V and KV-gradient pages live; auto: the GPU if the step fits there, "
+                "else pinned host memory (as a training step decides)")
+    parser.add_argument("--segment-tokens", type=argparse_type(parse_tokens), default=STEP["segment_tokens"],
+                        help="with the pages on the host: tokens per streamed segment (default: the longest a "
+                        f"step streams, {OFFLOAD_SEGMENT_TOKENS:,})")
+    add_budget_pages(parser, default=0, help="page-level sparse attention with this many past pages per query tile "
+                     "(SparseConfig's other fields at their defaults); 0: dense. Sparse steps move pages by layer: "
+                     "--offload auto: KV-gradient pages, then K/V pages, of the fewest layers that fit; host: of all")
+    add_selection(parser)
     parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
@@ -120,39 +126,58 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-context finds the longest that fits")
     if args.context is None and not args.max_context:
         parser.error("give --context TOKENS (one plan) or --max-context (the longest context that fits)")
-    common = dict(
-        offload=args.offload, chunk_size=args.chunk, batch=args.batch, page_size=args.page_size,
-        precision=args.precision, checkpoint_layers=CHECKPOINT_CHOICES[args.checkpoint_layers],
-        grad_dtype=GRAD_DTYPES[args.grad_dtype], gpu_memory=args.gpu_memory, host_memory=args.host_memory,
-        matmul_tflops=args.matmul_tflops, segment_tokens=args.segment_tokens, devices=args.devices,
-        document_length=args.document_length, sharding=args.sharding, tensor_parallel=args.tensor_parallel,
-        stage_1_loss=True,  # the step `lightning-oomb fit` runs: a served forward keeps every chunk's dL/dh
-    )
+    if args.double_quant and args.quantization is None:
+        parser.error("--double-quant quantises the scales of 4-bit weights: give --quantization nf4 (or fp4) too")
     try:  # the answer is printed whole, so that a refused option prints nothing but its one line
         lines = [assumptions(args), ""]
+        config = plan_config(args)
+        machine = dict(gpu_memory=args.gpu_memory, checkpoint_auto=args.checkpoint_layers == "auto")
         if args.max_context:
-            print("\n".join([*lines, context_table(args.model, args, common)]))
+            print("\n".join([*lines, context_table(args.model, args, config, machine)]))
             return 0
-        options = dict(sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
-                       lora_rank=args.lora_rank, optimizer=args.optimizer, **common)
-        result = plan_placed(args.model, args.context, **options)
+        result = plan_placed(args.model, config, **machine)
         result.suggestion_style = "cli"
         lines.append(str(result))
         if not result.fits and not any(s.plan.fits for s in result.suggestions if s.goal == "memory"):
-            lines += ["", what_it_would_take(args.model, result, max_context(args.model, **options))]
+            lines += ["", what_it_would_take(args.model, result, max_context(args.model, config, **machine))]
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     print("\n".join(lines))
     return 0 if result.fits else 1
 
 
+def plan_config(args: argparse.Namespace) -> PlanConfig:
+    """The step the flags ask for: the step options through ChunkConfig (which checks them), the run's around
+    them. The step computes its loss in stage 1, as ``lightning-oomb fit`` runs it (a served forward keeps
+    every chunk's dL/dh). With --max-context the context is a chunk: each length tried replaces it."""
+    chunk = ChunkConfig.build(
+        chunk_size=args.chunk, page_size=args.page_size, checkpoint_layers=args.checkpoint_layers == "on",
+        grad_dtype=args.grad_dtype, offload=args.offload, segment_tokens=args.segment_tokens,
+        host_memory=args.host_memory,
+        sparse=_sparse(args.budget_pages, args.selection) if args.budget_pages else None,
+    )
+    quantization = (None if args.quantization is None
+                    else {"quant_type": args.quantization, "double_quant": args.double_quant})
+    return PlanConfig(
+        args.context or chunk.chunk_size, chunk, batch=args.batch, lora_rank=args.lora_rank,
+        quantization=quantization, optimizer=args.optimizer, precision=args.precision, matmul_tflops=args.matmul_tflops,
+        devices=args.devices, document_length=args.document_length, sharding=args.sharding,
+        tensor_parallel=args.tensor_parallel, stage_1_loss=True,
+    )
+
+
 def assumptions(args: argparse.Namespace) -> str:
-    """The first lines of every answer: the GPU memory, host budget and matmul rate planned for, and whence."""
+    """The first lines of every answer: the GPU (its matmul rate and memory) and the host budget planned for,
+    and whence."""
+    if args.matmul_tflops == DEFAULT_MATMUL_TFLOPS:
+        rate = f"an H200's matmul rate, {args.matmul_tflops:g} TFLOP/s dense bf16 (--matmul-tflops sets another GPU's)"
+    else:
+        rate = f"a GPU of {args.matmul_tflops:g} TFLOP/s dense bf16 (--matmul-tflops)"
     if args.gpu_memory is None:
         total, name = this_gpu_memory()
-        gpu = f"GPU {_gib(total)} GiB (this machine's {name}; --gpu-memory plans for another)"
+        gpu = f"{_gib(total)} GiB of GPU memory (this machine's {name}; --gpu-memory plans for another)"
     else:
-        gpu = f"GPU {_gib(args.gpu_memory)} GiB (--gpu-memory)"
+        gpu = f"{_gib(args.gpu_memory)} GiB of GPU memory (--gpu-memory)"
     ram = machine_host_memory()
     if args.host_memory is None:
         host = (f"host budget {_gib(host_budget())} GiB (this machine's: available memory less a "
@@ -162,10 +187,7 @@ def assumptions(args: argparse.Namespace) -> str:
                 f"{_gib(ram)} GiB of RAM: planning for another machine)")
     else:
         host = f"host budget {_gib(args.host_memory)} GiB (--host-memory)"
-    rate = ("an H200's dense bf16 peak" if args.matmul_tflops == DEFAULT_MATMUL_TFLOPS else "--matmul-tflops")
-    return textwrap.fill(f"Assumed: {gpu}; {host}; matmul peak {args.matmul_tflops:g} TFLOP/s ({rate}"
-                         + ("; --matmul-tflops sets another GPU's" if rate != "--matmul-tflops" else "") + ").",
-                         width=110, break_on_hyphens=False)
+    return textwrap.fill(f"Assumed: {rate}, with {gpu}; {host}.", width=110, break_on_hyphens=False)
 
 
 def _sparse(budget_pages: int, selection: str) -> SparseConfig:
@@ -185,17 +207,22 @@ def what_it_would_take(model: str, result, limit) -> str:
         "pages of the layers that do not fit there, gathering the selected ones), or several GPUs.", width=110)
 
 
-def context_table(model: str, args: argparse.Namespace, common: dict) -> str:
-    """The longest context of each common case, one row each, next to the machine's physical limit."""
-    rank, budget = args.lora_rank or 16, args.budget_pages or 64
+def context_table(model: str, args: argparse.Namespace, config: PlanConfig, machine: dict) -> str:
+    """The longest context of each common case (``config`` with its training and attention replaced), one row
+    each, next to the machine's physical limit; ``machine``: ``max_context``'s other arguments."""
+    rank, budget = args.lora_rank or 16, args.budget_pages or SPARSE["budget_pages"]
     per = "" if args.selection == "tile" else ", one selection per chunk"
-    cases = [(f"full training, {args.optimizer}", dict(optimizer=args.optimizer))]
+    full = dict(lora_rank=0, quantization=None, optimizer=args.optimizer)
+    cases = [(f"full training, {args.optimizer}", full)]
     if args.tensor_parallel == 1 or args.lora_rank:  # LoRA under tensor parallel is not built: refused when asked
-        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, optimizer="adamw")))
+        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, quantization=None, optimizer="adamw")))
+    if config.quantization is not None:
+        cases.append((f"QLoRA rank {rank}, {config.quantization.describe()}",
+                      dict(lora_rank=rank, quantization=config.quantization, optimizer="adamw")))
     rows = []
     for name, options in cases:
         for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):
-            limit = max_context(model, sparse=sparse, **options, **common)
+            limit = max_context(model, config, sparse=sparse, **options, **machine)
             p = limit.plan
             fitted = f"{limit.context:,}" if limit.context else "none"
             time = _duration(p.time.predicted_s) if limit.context else "-"

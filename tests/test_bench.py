@@ -144,8 +144,8 @@ def test_sparse_fidelity_report(tmp_path):
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "fidelity.md"
-    sparse_fidelity.main(["--config", str(path), "--page-size", "16", "--budgets", "8,16", "--sequences", "1",
-                          "--train-budget", "8", "--kv-heads", "2", "--out", str(out)])
+    sparse_fidelity.main(["--config", str(path), "--page-size", "16", "--budget-pages", "8,16", "--sequences", "1",
+                          "--train-budget-pages", "8", "--kv-heads", "2", "--out", str(out)])
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| 16 ")]
     assert len(rows) == 6  # two scores x three selections
     for row in rows:  # the past has at most 12 pages: budget 16 attends to all of them, which each call gathers

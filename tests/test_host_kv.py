@@ -241,12 +241,12 @@ def test_gather_time_counts_every_attention_call():
     backward (and a layer checkpoint's recompute) reuses; with four, each but the top one is gathered again
     in stage 2's backward, after the layers above it."""
     shape = ModelShape.resolve("qwen2.5-7b")
-    c = PlanConfig(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=1,
-                   grad_dtype=torch.bfloat16)
+    c = PlanConfig.build(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=1,
+                         grad_dtype=torch.bfloat16)
     one = host_gather_seconds(shape, c)
-    four = host_gather_seconds(shape, PlanConfig(**{**c.__dict__, "host_kv_layers": 4}))
+    four = host_gather_seconds(shape, c.replace(host_kv_layers=4))
     assert four == pytest.approx((4 + 4 + 3) / 2 * one, rel=1e-2)  # the last chunk: stage 2 reuses stage 1's gather
-    assert host_gather_seconds(shape, PlanConfig(**{**c.__dict__, "checkpoint_layers": True})) == pytest.approx(one)
+    assert host_gather_seconds(shape, c.replace(checkpoint_layers=True)) == pytest.approx(one)
 
 
 @pytest.mark.gpu
@@ -299,9 +299,9 @@ def test_one_selection_per_chunk_bounds_what_a_chunk_gathers():
     with pytest.raises(ValueError, match="per_query_tile"):
         _step(model, ids, sparse=per_chunk, position_ids=torch.cat([torch.arange(20), torch.arange(20)])[None])
     shape = ModelShape.resolve("qwen2.5-7b")
-    c = PlanConfig(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=4,
-                   grad_dtype=torch.bfloat16)
-    bounded = PlanConfig(**{**c.__dict__, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)})
+    c = PlanConfig.build(1 << 20, sparse=SparseConfig(budget_pages=64), host_grad_layers=28, host_kv_layers=4,
+                         grad_dtype=torch.bfloat16)
+    bounded = c.replace(sparse=SparseConfig(budget_pages=64, per_query_tile=False))
     assert host_gather_seconds(shape, bounded) < host_gather_seconds(shape, c) / 10
 
 
@@ -322,8 +322,9 @@ def test_planned_gathers_are_the_gathers_a_step_makes(monkeypatch, checkpoint, h
     monkeypatch.setattr(schedule, "place_step", lambda *args, **kwargs: placed)
     _step(model, ids, sparse=covering, checkpoint_layers=checkpoint)
     shape = ModelShape.resolve(model)
-    c = PlanConfig(40, chunk_size=8, page_size=3, sparse=covering, checkpoint_layers=checkpoint, precision="32-true",
-                   host_grad_layers=2, host_kv_layers=2, graph_chunks=graphs, host_kept_chunks=host_kept)
+    c = PlanConfig.build(40, chunk_size=8, page_size=3, sparse=covering, checkpoint_layers=checkpoint,
+                         precision="32-true", host_grad_layers=2, host_kv_layers=2, graph_chunks=graphs,
+                         host_kept_chunks=host_kept)
     page_bytes = 3 * shape.kv_bytes_per_token(torch.float32) // shape.n_layers
     assert host_gather_bytes(shape, c) == cached_pool(model).kv_staging.pages_staged * page_bytes
 

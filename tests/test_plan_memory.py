@@ -7,7 +7,7 @@ import torch
 from lightning_oomb.core.plan import plan
 from lightning_oomb.core.units import parse_tokens
 
-H200 = dict(gpu_memory=141e9, host_memory=128e9)
+H200 = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
 
 
 def test_bf16_kv_gradient_pages_take_two_bytes_a_value():
@@ -17,7 +17,7 @@ def test_bf16_kv_gradient_pages_take_two_bytes_a_value():
 
 
 def test_offload_plan_is_flat_on_the_gpu_and_holds_the_pages_on_the_host():
-    plans = {n: plan("qwen2.5-7b", parse_tokens(n), offload=True, segment_tokens=65536, **H200) for n in ("64K", "256K")}
+    plans = {n: plan("qwen2.5-7b", parse_tokens(n), streamed=True, segment_tokens=65536, **H200) for n in ("64K", "256K")}
     assert plans["64K"].peak_gpu_bytes == plans["256K"].peak_gpu_bytes  # nothing on the GPU grows with L
     for n, p in plans.items():
         assert not any(k.startswith(("K/V pages", "KV-gradient pages")) for k in p.gpu_lines)

@@ -173,7 +173,7 @@ def test_tensor_parallel_inside_sharded_data_parallel():
     from lightning_oomb.core.plan.collectives import step_collectives
     from lightning_oomb.core.units import GIB
 
-    common = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=448 * GIB, optimizer="adamw")
+    common = dict(chunk_size=4096, gpu_memory=140 * GIB, host_memory=448 * GIB, optimizer="adamw", checkpoint_auto=True)
     tp = plan("qwen2.5-7b", 256 << 10, tensor_parallel=2, **common)
     both = plan("qwen2.5-7b", 256 << 10, tensor_parallel=2, devices=2, sharding="zero2", **common)
     fsdp = plan("qwen2.5-7b", 256 << 10, devices=2, sharding="zero2", **common)

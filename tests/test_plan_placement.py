@@ -11,7 +11,7 @@ from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.plan import PlanError, plan
 from lightning_oomb.core.units import parse_tokens
 
-H200 = dict(gpu_memory=141e9, host_memory=128e9)
+H200 = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
 
 
 def test_host_kept_attention_outputs_are_pinned_and_fill_what_the_budget_leaves():
@@ -134,7 +134,7 @@ def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
     from lightning_oomb.core.plan.search import max_context, plan_placed
 
     sparse = dict(sparse=SparseConfig(budget_pages=64), grad_dtype=torch.bfloat16, stage_1_loss=True,
-                  gpu_memory=140 * 2**30, host_memory=112 * 2**30)  # as `plan --max-context` in docs/optimizers.md
+                  gpu_memory=140 * 2**30, host_memory=112 * 2**30, checkpoint_auto=True)  # as `plan --max-context` in docs/optimizers.md
     kept = plan_placed("qwen2.5-7b", 1_490_944, **sparse)
     assert kept.fits and kept.config.loss_grads == "host"
     assert any(k.startswith("pinned loss: dL/dh of every chunk") for k in kept.host_lines)

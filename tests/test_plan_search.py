@@ -9,7 +9,8 @@ from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.plan import PlanError, plan
 from lightning_oomb.core.units import parse_tokens
 
-H200 = dict(gpu_memory=141e9, host_memory=128e9)
+# checkpoint_auto: layer checkpointing off where the step fits without it, as `lightning-oomb plan` decides
+H200 = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
 
 
 def test_plan_that_fits_says_so():
@@ -48,13 +49,15 @@ def test_plan_that_does_not_fit_lists_suggestions_with_numbers():
 
 def test_auto_checkpointing_turns_on_when_needed_and_flags_are_kept():
     tight = dict(gpu_memory=80e9, host_memory=128e9)
-    auto = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, **tight)
+    auto = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, checkpoint_auto=True, **tight)
     assert auto.fits and not auto.config.checkpoint_layers
     forced = plan("qwen2.5-7b", parse_tokens("32K"), lora_rank=16, checkpoint_layers=True, **tight)
     assert forced.config.checkpoint_layers and not forced.checkpoint_auto
     assert forced.time.recompute_flops > 0
-    full = plan("qwen2.5-7b", parse_tokens("32K"), **tight)  # full training: needs checkpointing on 80 GB
+    full = plan("qwen2.5-7b", parse_tokens("32K"), checkpoint_auto=True, **tight)  # full training: needs checkpointing on 80 GB
     assert full.config.checkpoint_layers and full.fits
+    asked = plan("qwen2.5-7b", parse_tokens("32K"), **tight)  # without checkpoint_auto: the config as asked
+    assert not asked.config.checkpoint_layers and not asked.checkpoint_auto and not asked.fits
 
 
 def test_plan_without_gpu_memory_on_a_cpu_machine_asks_for_the_flag():
@@ -72,7 +75,7 @@ def test_all_changes_together_when_none_fits_alone():
     assert together.change == "all of the above together" and not any(s.plan.fits for s in memory[:-1])
     assert together.cli == " ".join(s.cli for s in memory[:-1])
     c = together.plan.config
-    assert c.lora_rank == 16 and c.grad_dtype == torch.bfloat16 and c.offload and c.chunk_size < 4096
+    assert c.lora_rank == 16 and c.grad_dtype == torch.bfloat16 and c.streamed and c.chunk_size < 4096
 
 
 @pytest.mark.parametrize("options", [
@@ -104,7 +107,7 @@ def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
         for host_gib in (16, 64):
             for case in (dict(), dict(sparse=SparseConfig(budget_pages=64), lora_rank=16)):
                 limit = max_context(name, gpu_memory=gpu_gib * 2**30, host_memory=host_gib * 2**30,
-                                    stage_1_loss=True, **case)
+                                    stage_1_loss=True, checkpoint_auto=True, **case)
                 assert limit.context <= limit.physical_tokens, (name, host_gib, case, limit.context,
                                                                 limit.physical_tokens)
 
@@ -112,5 +115,5 @@ def test_max_context_never_exceeds_the_machine_limit(gpu_gib):
 def test_max_context_is_zero_when_not_one_chunk_fits():
     from lightning_oomb.core.plan.search import max_context
 
-    limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9)  # AdamW state alone is 28 GiB
+    limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9, checkpoint_auto=True)  # AdamW state alone is 28 GiB
     assert limit.context == 0 and not limit.plan.fits and "not even one chunk" in str(limit)

@@ -12,7 +12,7 @@ from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.plan import plan, step_time
 
-H200 = dict(gpu_memory=141e9, host_memory=128e9)
+H200 = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
 
 
 def test_step_time_reproduces_the_design_floors():
@@ -92,17 +92,17 @@ def test_host_gradient_layers_time_reproduces_the_steps_it_was_fitted_to():
     shape = ModelShape.from_name("qwen2.5-7b")
     sparse = SparseConfig()
     for context, seconds in ((256 << 10, 3.74), (512 << 10, 15.61)):
-        c = PlanConfig(context, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=28,
+        c = PlanConfig.build(context, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=28,
                        graph_chunks=context // 4096)
         assert host_add_seconds(shape, c) == pytest.approx(seconds, rel=0.02), context
-    assert host_add_seconds(shape, PlanConfig(1 << 20, sparse=sparse)) == 0.0
+    assert host_add_seconds(shape, PlanConfig.build(1 << 20, sparse=sparse)) == 0.0
     unmoved = dict(grad_dtype=torch.bfloat16, sparse=sparse, graph_chunks=256)
-    one = host_add_seconds(shape, PlanConfig(1 << 20, host_grad_layers=1, **unmoved))
-    assert host_add_seconds(shape, PlanConfig(1 << 20, host_grad_layers=16, **unmoved)) == pytest.approx(16 * one)
+    one = host_add_seconds(shape, PlanConfig.build(1 << 20, host_grad_layers=1, **unmoved))
+    assert host_add_seconds(shape, PlanConfig.build(1 << 20, host_grad_layers=16, **unmoved)) == pytest.approx(16 * one)
     # Expected distinct pages: all of a short past; a long past's sink, local window and random picks.
     assert expected_selected_pages(40, sparse, 32) == 40
     assert 5 + 59 < expected_selected_pages(8192, sparse, 32) < 5 + 32 * 59
-    sixteen = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16)
+    sixteen = PlanConfig.build(1 << 20, grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16)
     p = plan("qwen2.5-7b", 1 << 20, optimizer="none", grad_dtype=torch.bfloat16, sparse=sparse, host_grad_layers=16,
              gpu_memory=1 << 62, host_memory=1 << 62)
     without = dataclasses.replace(p.time, host_add_s=0.0)
@@ -117,11 +117,11 @@ def test_host_layers_move_to_the_gpu_as_stage_2_frees_pages():
     from lightning_oomb.core.plan.host_transfers import host_add_seconds, host_layers_left
 
     shape = ModelShape.from_name("qwen2.5-7b")
-    c = PlanConfig(1 << 20, grad_dtype=torch.bfloat16, sparse=SparseConfig(), host_grad_layers=16)
+    c = PlanConfig.build(1 << 20, grad_dtype=torch.bfloat16, sparse=SparseConfig(), host_grad_layers=16)
     left = host_layers_left(shape, c)
     assert left[-1] == 16 and left[0] == 0 and left == sorted(left)
     assert 128 < left.index(16) < 256 and left.index(1) > 128  # stage 2 runs chunks 255..0: all moved before 128
-    unmoved = host_add_seconds(shape, dataclasses.replace(c, graph_chunks=256))
+    unmoved = host_add_seconds(shape, c.replace(graph_chunks=256))
     assert 0 < host_add_seconds(shape, c) < unmoved / 2
     for kept in (dict(grad_dtype=torch.float32), dict(batch=2, context=1 << 19)):
-        assert set(host_layers_left(shape, dataclasses.replace(c, **kept))) == {16}
+        assert set(host_layers_left(shape, c.replace(**kept))) == {16}

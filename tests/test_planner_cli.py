@@ -43,17 +43,19 @@ def test_cli_rejects_bad_sizes(capsys):
 
 
 def test_cli_says_first_what_it_assumed(capsys):
-    """The first lines name the GPU memory, the host budget (given, this machine's, or more than this
-    machine has: another machine's) and the matmul rate the times assume."""
+    """The first lines name the GPU the times assume (an H200's matmul rate unless --matmul-tflops), its
+    memory, and the host budget (given, this machine's, or more than this machine has: another machine's)."""
     cli_main(["plan", "--model", "qwen2.5-7b", "--context", "64K", "--gpu-memory", "80GiB"])
     first = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
-    assert first.startswith("Assumed: GPU 80.00 GiB (--gpu-memory); host budget")
-    assert "(this machine's: available memory less" in first and "matmul peak 790 TFLOP/s (an H200's" in first
+    assert first.startswith("Assumed: an H200's matmul rate, 790 TFLOP/s dense bf16 (--matmul-tflops sets another "
+                            "GPU's), with 80.00 GiB of GPU memory (--gpu-memory); host budget")
+    assert "(this machine's: available memory less" in first
     cli_main(["plan", "--model", "qwen2.5-7b", "--context", "64K", "--gpu-memory", "80GiB", "--host-memory", "512TiB",
               "--matmul-tflops", "165"])
     first = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
     assert "host budget 524288.00 GiB (--host-memory; more than this machine's" in first
-    assert "planning for another machine" in first and "matmul peak 165 TFLOP/s (--matmul-tflops)" in first
+    assert "planning for another machine" in first and "H200" not in first
+    assert first.startswith("Assumed: a GPU of 165 TFLOP/s dense bf16 (--matmul-tflops), with 80.00 GiB")
 
 
 @pytest.mark.parametrize("args, message", [

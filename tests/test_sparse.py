@@ -450,7 +450,7 @@ def test_strategy_takes_a_dict():
 def test_planner_counts_sparse_attention():
     from lightning_oomb.core.plan import plan, step_time
 
-    kw = dict(gpu_memory=141e9, host_memory=128e9)
+    kw = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
     dense = plan("qwen2.5-7b", 131072, **kw)
     sp = plan("qwen2.5-7b", 131072, sparse={"budget_pages": 64}, **kw)
     assert sp.time.linear_flops == dense.time.linear_flops

@@ -16,7 +16,7 @@ import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig, SparseConfig
 from lightning_oomb.core.pages import PagePool, movable_host_layers
 from lightning_oomb.core.placement import Placement, place_step
-from lightning_oomb.core.plan import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan
+from lightning_oomb.core.plan import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan, plan_placed
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, assert_grads_close, grads_of, needs_interpreter, rel_err, tiny_model
@@ -304,7 +304,7 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
     kwargs = dict(H200, sparse=SparseConfig(), checkpoint_layers=True)
     on_gpu = plan("qwen2.5-7b", 1 << 20, **kwargs)
     assert not on_gpu.fits
-    chosen = plan("qwen2.5-7b", 1 << 20, host_grad_layers=None, **kwargs)
+    chosen = plan_placed("qwen2.5-7b", 1 << 20, offload="auto", **kwargs)  # the fewest layers that fit
     n = chosen.config.host_grad_layers
     assert chosen.fits and 0 < n < 28
     fewer = plan("qwen2.5-7b", 1 << 20, host_grad_layers=n - 1, **kwargs)
@@ -320,26 +320,25 @@ def test_planner_moves_the_fewest_gradient_layers_that_fit():
 
 def test_plan_placed_places_like_a_step():
     """plan_placed (the plan CLI and the fit CLI's printout) places pages as place_step would."""
-    from lightning_oomb.core.plan import plan_placed
-
     kwargs = dict(H200, checkpoint_layers=True)
     dense = plan_placed("qwen2.5-7b", 1 << 20, offload="auto", **kwargs)
-    assert dense.config.offload and dense.fits and any("pinned host memory" in n for n in dense.notes)
+    assert dense.config.streamed and dense.fits and any("pinned host memory" in n for n in dense.notes)
     sparse = {o: plan_placed("qwen2.5-7b", 1 << 20, offload=o, sparse=SparseConfig(), **kwargs).config
               for o in ("gpu", "auto", "host")}
     assert sparse["gpu"].host_grad_layers == 0 and sparse["host"].host_grad_layers == 28
     # 8 layers with the fused ops' activations, the 2 GiB of float32 staging buffers that keep the host traffic
     # off the attention kernel and each layer's attention output kept for the checkpoint's recompute.
     assert sparse["auto"].host_grad_layers == 8
-    assert not any(c.offload for c in sparse.values())
+    assert not any(c.streamed for c in sparse.values())
 
 
 def test_plan_config_refuses_host_gradients_without_sparse():
     with pytest.raises(ValueError, match="for sparse attention"):
-        PlanConfig(context=1024, host_grad_layers=2)
+        PlanConfig.build(1024, host_grad_layers=2)
     with pytest.raises(ValueError, match="does not stream"):
-        PlanConfig(context=1024, sparse=SparseConfig(), offload=True)
-    assert plan("qwen2.5-7b", 1 << 20, host_grad_layers=None, **H200).config.host_grad_layers == 0  # dense
+        PlanConfig.build(1024, sparse=SparseConfig(), streamed=True)
+    dense = plan_placed("qwen2.5-7b", 1 << 20, offload="auto", **H200).config
+    assert dense.streamed and dense.host_grad_layers == 0  # dense steps stream every page, not layers
     with pytest.raises(ValueError, match="exceeds"):
         plan("qwen2.5-0.5b", 1024, sparse=SparseConfig(), host_grad_layers=99, **H200)
 

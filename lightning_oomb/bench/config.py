@@ -5,28 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.config import ChunkConfig, SparseConfig, option_defaults
 from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
+
+STEP = option_defaults(ChunkConfig)
+SPARSE = option_defaults(SparseConfig)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What the sweep runs. Lengths are tokens per sequence; times in seconds."""
+    """What the sweep runs. Lengths are tokens per sequence; times in seconds. The step options' defaults are
+    ChunkConfig's and SparseConfig's."""
 
     model: str = "qwen2.5-7b"
     lengths: tuple[int, ...] = (16384, 32768, 65536, 131072)
     modes: tuple[str, ...] = ("baseline", "oomb")
-    chunk_size: int = 4096
-    page_size: int = 128
+    chunk_size: int = STEP["chunk_size"]
+    page_size: int = STEP["page_size"]
     batch: int = 1
     lora_rank: int = 0
     repeats: int = 3
     warmup: int = 1
-    attention: str = "auto"
-    checkpoint_layers: bool = False
-    grad_dtype: str = "float32"
-    budget_pages: int = 64
+    attention: str = STEP["attention"]
+    checkpoint_layers: bool = STEP["checkpoint_layers"]
+    grad_dtype: str = STEP["grad_dtype"]
+    budget_pages: int = SPARSE["budget_pages"]
     # sparse: one page selection per query tile (True) or per chunk (SparseConfig.per_query_tile).
-    per_query_tile: bool = True
+    per_query_tile: bool = SPARSE["per_query_tile"]
     # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
     # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
     add_launch: str = ""

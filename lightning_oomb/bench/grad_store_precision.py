@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from .. import train_step
+from ..cli_flags import add_chunk
 from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
 from ..core.units import parse_tokens
@@ -28,12 +29,16 @@ def _grads(model: torch.nn.Module, ids: torch.Tensor, chunk: int, grad_dtype: to
     return [p.grad for p in model.parameters()]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--lengths", default="32k,128k")
-    parser.add_argument("--chunk", type=int, default=4096)
-    args = parser.parse_args(argv)
+    add_chunk(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     shape = ModelShape.resolve(args.model)
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     print(f"{args.model}, chunk {args.chunk}, {torch.cuda.get_device_name()}")

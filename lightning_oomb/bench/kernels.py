@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..cli_flags import add_chunk
 from ..core import reference_attention as ref
 from ..core.pages import PagePool
 from ..kernels import chunk_attention as tri
@@ -267,10 +268,10 @@ def print_resources(*kernels) -> None:
                       f"{local} B of local memory (spills) per thread, {meta.shared} B shared", flush=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pasts", default="0,32768,131072,524288", help="comma-separated past lengths")
-    ap.add_argument("--chunk", type=int, default=4096, help="queries per chunk (T)")
+    add_chunk(ap, help="queries per chunk (T)")
     ap.add_argument("--out", default=None, help="also write the table as CSV here")
     ap.add_argument("--sweep", action="store_true", help="pick tile shapes by a short sweep first")
     ap.add_argument("--chunk-sweep", action="store_true",
@@ -280,7 +281,11 @@ def main() -> None:
                     help="time SDPA on K/V repeated to all query heads (multi-head) instead of enable_gqa")
     ap.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="flash",
                     help="SDPA's backend for the baseline: flash (FlashAttention 2, default) or cudnn")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     import triton

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from .. import OOMBStrategy, train_step
+from ..cli_flags import add_chunk
 from ..core.model_shape import ModelShape
 from ..core.schedule import release_cached_pool
 from ..core.units import parse_tokens
@@ -63,13 +64,17 @@ def _timed(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--context", default="32k")
-    parser.add_argument("--chunk", type=int, default=4096)
+    add_chunk(parser)
     parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark times CUDA steps; run it on a GPU machine")
     context = parse_tokens(args.context)

@@ -18,9 +18,11 @@ import traceback
 import torch
 from torch import nn
 
+from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
 from ..core.plan.assumptions import CUDA_CONTEXT_BYTES, OFFLOAD_SEGMENT_TOKENS
+from ..core.plan.config import Pages, PlanConfig
 from ..core.plan.search import plan
 from ..core.plan.timing import step_time
 from .config import BenchConfig
@@ -46,7 +48,6 @@ def measure(
     mode: BenchMode, model: nn.Module, context: int, config: BenchConfig, device: torch.device, shape: ModelShape
 ) -> PointResult:
     """Warm-up and timed steps of one mode at one length; OOM is a result, not an error."""
-    from ..core.config import ChunkConfig
     from ..core.placement import place_step
     from ..core.schedule import cached_pool, pool_bytes
 
@@ -56,22 +57,20 @@ def measure(
     if mode.planned:  # the lightning_oomb modes
         result.grad_dtype = config.grad_dtype
     sparse = mode.sparse_config(config)
-    floor = step_time(shape, context, batch=config.batch, chunk_size=config.chunk_size,
-                      lora_rank=config.lora_rank, matmul_tflops=config.matmul_tflops, sparse=sparse,
-                      page_size=config.page_size, document_length=config.document_length)
-    result.floor_s = floor.floor_s
+    step_config = ChunkConfig(**step_options(config, sparse, "host" if mode.offload else "auto"))
+    # The step as the planner sees it: no optimizer, memory without limit (the prediction, not a check).
+    step = PlanConfig(context, ChunkConfig.build(step_config, host_memory=1 << 62), batch=config.batch,
+                      lora_rank=config.lora_rank, optimizer="none",
+                      precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
+                      matmul_tflops=config.matmul_tflops, document_length=config.document_length)
+    result.floor_s = step_time(shape, step.checkpointed(False)).floor_s  # the same for every dense mode
 
     def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0, host_kv_layers: int = 0) -> None:
         predicted = plan(
-            shape, context, chunk_size=config.chunk_size, batch=config.batch, page_size=config.page_size,
-            lora_rank=config.lora_rank, optimizer="none",
-            precision="bf16-true" if dtype == torch.bfloat16 else "32-true",
-            checkpoint_layers=config.checkpoint_layers, gpu_memory=1 << 62, host_memory=1 << 62,
-            matmul_tflops=config.matmul_tflops, sparse=sparse, offload=mode.offload and not mode.sparse,
-            segment_tokens=segment_tokens,
-            grad_dtype=getattr(torch, config.grad_dtype), host_grad_layers=host_grad_layers, kept_chunks=result.kept_chunks or 0,
-            graph_chunks=result.graph_chunks or 0, host_kept_chunks=result.host_kept_chunks or 0,
-            host_kv_layers=host_kv_layers, document_length=config.document_length,
+            shape, step, gpu_memory=1 << 62, segment_tokens=segment_tokens,
+            pages=Pages(mode.offload and not mode.sparse, host_grad_layers, host_kv_layers),
+            kept_chunks=result.kept_chunks or 0, graph_chunks=result.graph_chunks or 0,
+            host_kept_chunks=result.host_kept_chunks or 0,
         )
         result.planned_gpu_allocated_bytes = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES
         result.planned_host_bytes = predicted.peak_host_bytes
@@ -91,7 +90,6 @@ def measure(
         pool = cached_pool(model)
         if mode.planned:  # the placement the timed steps get (the warm-up step's pool reused, no gradients yet)
             model.zero_grad(set_to_none=True)
-            step_config = ChunkConfig(**step_options(config, sparse, "host" if mode.offload else "auto"))
             reusable = pool_bytes(pool) if pool is not None else (0, 0)
             placement = place_step(model, config.batch, context, step_config, device, *reusable)
             result.kept_chunks, result.graph_chunks = placement.kept_chunks, placement.graph_chunks

@@ -15,10 +15,11 @@ import time
 
 import torch
 
+from ..cli_flags import add_chunk, add_offload
 from ..core.config import ChunkConfig
 from ..core.host_memory import peak_process_host_bytes, reset_peak_process_host_bytes
 from ..core.model_shape import ModelShape
-from ..core.plan import CUDA_CONTEXT_BYTES, plan
+from ..core.plan import CUDA_CONTEXT_BYTES, Pages, PlanConfig, plan
 from ..core.schedule import ChunkedSequence, release_cached_pool
 from ..core.units import GIB, parse_tokens
 from .config import BenchConfig
@@ -49,14 +50,18 @@ def trace_step(model, context: int, config: ChunkConfig, vocab: int, verbose: bo
     return torch.cuda.max_memory_allocated(), peak_process_host_bytes(), time.perf_counter() - began, seq
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--lengths", default="64k,256k")
-    parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="host")
+    add_chunk(parser)
+    add_offload(parser, default="host")  # what this tool traces: the streamed pages
     parser.add_argument("--verbose", action="store_true", help="print every chunk")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     lengths = [parse_tokens(x) for x in args.lengths.split(",")]
     model = build_model(BenchConfig(model=args.model), torch.device("cuda"), torch.bfloat16)
     vocab = ModelShape.resolve(args.model).vocab
@@ -67,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         peak, host, seconds, seq = trace_step(model, context, config, vocab, args.verbose)
         peaks.append(peak)
         placement = seq.placement
-        predicted = plan(args.model, context, chunk_size=args.chunk, optimizer="none", gpu_memory=1 << 62,
-                         host_memory=1 << 62, offload=placement.where == "host",
+        predicted = plan(args.model, PlanConfig(context, config, optimizer="none"), gpu_memory=1 << 62,
+                         host_memory=1 << 62, pages=Pages(streamed=placement.where == "host"),
                          segment_tokens=placement.segment_tokens)
         planned_gpu = predicted.peak_gpu_bytes - CUDA_CONTEXT_BYTES  # the plan's line for what torch never counts
         print(f"  step {seconds:.1f} s (first at this length: pool allocation included), pages on "

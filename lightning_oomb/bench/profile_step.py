@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
+from ..cli_flags import add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_selection
 from ..core.config import ChunkConfig, SparseConfig
 from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkedSequence
@@ -313,18 +314,17 @@ def _write_trace(prof, prefix: str, name: str) -> None:
         print(f"trace: {path}.gz", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-7b")
     parser.add_argument("--context", default="32k")
-    parser.add_argument("--chunk", type=int, default=4096)
+    add_chunk(parser)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", type=int, default=0, help="also list this many torch ops (with input shapes) by GPU time")
-    parser.add_argument("--budget-pages", type=int, default=0, help="sparse attention with this budget (0: dense)")
-    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
-                        help="sparse: one page selection per query tile (default) or per chunk")
-    parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--offload", choices=("auto", "gpu", "host"), default="auto")
+    add_budget_pages(parser, default=0, help="sparse attention with this many past pages per query tile; 0: dense")
+    add_selection(parser)
+    add_grad_dtype(parser)
+    add_offload(parser)
     parser.add_argument("--checkpoint-layers", action="store_true", help="checkpoint each layer in stage 2")
     parser.add_argument("--keep-attention", type=int, default=None,
                         help="chunks whose attention outputs stage 1 keeps (default: as many as fit)")
@@ -340,6 +340,11 @@ def main(argv: list[str] | None = None) -> None:
                              "host's side (each kernel's launch, the runtime calls)")
     parser.add_argument("--timeline-bin", type=int, default=16, help="with --chunks: chunks per timeline line")
     parser.add_argument("--warmup-context", default="64k", help="with --chunks: tokens of the warm-up steps")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     sparse = (SparseConfig(budget_pages=args.budget_pages, per_query_tile=args.selection == "tile")
               if args.budget_pages else None)

@@ -37,6 +37,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli_flags import STEP, add_budget_pages, add_chunk, add_grad_dtype, add_page_size, add_selection
+from ..core.config import ATTENTIONS
 from ..core.model_shape import load_config_dict
 from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
 from ..core.units import argparse_type, parse_tokens
@@ -59,22 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context lengths, e.g. 16k,32k,64k,128k")
     parser.add_argument("--modes", type=argparse_type(str.strip, many=True), default=BenchConfig.modes,
                         help=f"comma-separated, from: {', '.join(MODES)}")
-    parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=4096, help="tokens per chunk (default 4096)")
-    parser.add_argument("--page-size", type=int, default=128)
+    add_chunk(parser)
+    add_page_size(parser)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="train LoRA adapters of this rank on q,k,v,o")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per point (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per point before timing")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
-    parser.add_argument("--attention", choices=("auto", "reference", "triton"), default="auto", help="oomb attention")
+    parser.add_argument("--attention", choices=ATTENTIONS, default=STEP["attention"], help="oomb attention")
     parser.add_argument("--checkpoint-layers", action="store_true", help="oomb: checkpoint decoder layers in stage 2")
-    parser.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="oomb modes: dtype of the KV-gradient pages (default float32)")
-    parser.add_argument("--budget-pages", type=int, default=64, help="sparse: past pages per query tile (default 64)")
-    parser.add_argument("--selection", choices=("tile", "chunk"), default="tile",
-                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
-                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
+    add_grad_dtype(parser, help="oomb modes: dtype of the KV-gradient pages")
+    add_budget_pages(parser)
+    add_selection(parser)
     parser.add_argument("--add-launch", default="", metavar="PROGRAMSxROWSxWARPS",
                         help="sparse with host gradient layers: launch of the kernel adding their staged gradients "
                              "(default: kernels.host_pages.ADD_LAUNCH)")

@@ -4,8 +4,8 @@
         --out docs/bench/cpu-sparse-fidelity.md
 
 Random weights attend almost uniformly, so this first trains the demo's model densely on its passkey task;
-then it compares the sparse gradient with the dense one for each budget (--budgets), score and selection,
-and trains the same model sparsely (--train-budget) to compare held-out accuracy. Runs on the CPU in minutes
+then it compares the sparse gradient with the dense one for each budget (--budget-pages), score and selection,
+and trains the same model sparsely (--train-budget-pages) to compare held-out accuracy. Runs on the CPU in minutes
 and writes a markdown report (docs/benchmarks.md, "The measurement scripts").
 """
 
@@ -22,8 +22,10 @@ import yaml
 from lightning.pytorch import Trainer
 
 from .. import train_step
+from ..cli_flags import add_page_size
 from ..core.config import SparseConfig
 from ..core.schedule import cached_pool, release_cached_pool
+from ..core.units import argparse_type
 from ..lightning import OOMBStrategy, PasskeyDataModule
 from ..lightning.module import CausalLMModule
 from ..lightning.sparse import SparseCausalLMModule
@@ -54,20 +56,26 @@ def _gradient(model, ids, labels, chunk_size: int, page_size: int, sparse) -> tu
     return flat.double(), float(loss), per_call  # float64: cosines of ~1 - 1e-6 must not round past 1
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="examples/passkey_cpu.yaml")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--budgets", default="8,16,32,64,128,256")
+    add_page_size(parser, default=16)  # the demo's sequences are short: pages of 16 give a past of many pages
+    parser.add_argument("--budget-pages", type=argparse_type(int, many=True), default=(8, 16, 32, 64, 128, 256),
+                        metavar="PAGES,...", help="the sparse budgets compared, past pages per query tile")
     parser.add_argument("--sequences", type=int, default=4, help="held-out sequences the gradients are averaged over")
-    parser.add_argument("--train-budget", type=int, default=16, help="budget of the sparse-trained model (pages)")
+    parser.add_argument("--train-budget-pages", type=int, default=16, metavar="PAGES",
+                        help="budget of the sparse-trained model (past pages per query tile)")
     parser.add_argument("--train-score", choices=("mean", "minmax"), default="mean",
                         help="page score of the sparse-trained model")
     parser.add_argument("--kv-heads", type=int, default=None,
                         help="KV heads of the model (default: the YAML's; must divide its query heads); per-head and "
                         "shared selection differ only with more than one KV head")
     parser.add_argument("--out", type=Path, default=Path("sparse-fidelity.md"))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     started = time.perf_counter()
     cfg = yaml.safe_load(Path(args.config).read_text())
     chunk_size = cfg["trainer"]["strategy"]["init_args"]["chunk_size"]
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                    for b in batch]
     selections = {"per KV head": dict(per_kv_head=True), "shared": dict(per_kv_head=False),
                   "per chunk, per KV head": dict(per_kv_head=True, per_query_tile=False)}
-    for budget in (int(x) for x in args.budgets.split(",")):
+    for budget in args.budget_pages:
         for score in ("mean", "minmax"):
             for name, selection in selections.items():
                 sparse = SparseConfig(budget_pages=budget, score=score, **selection)
@@ -112,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  budget {budget:4d} {score:6s} {name:22s} cosine {rows[-1][3]:.5f} "
                       f"rel. error {rows[-1][5]:.4f} pages per call {rows[-1][8]:.1f}", flush=True)
 
-    print(f"training the sparse model (budget {args.train_budget} pages)", flush=True)
+    print(f"training the sparse model (budget {args.train_budget_pages} pages)", flush=True)
     torch.manual_seed(cfg.get("seed_everything", 0))
-    sparse_module = SparseCausalLMModule(**model_args, budget_pages=args.train_budget, sparse_score=args.train_score)
+    sparse_module = SparseCausalLMModule(**model_args, budget_pages=args.train_budget_pages,
+                                         sparse_score=args.train_score)
     sparse_acc = _train(sparse_module, data(), steps, chunk_size, args.page_size)
     print(f"  sparse held-out retrieval accuracy {sparse_acc:.2f}", flush=True)
 
@@ -131,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         f"# Sparse attention fidelity on a trained passkey model\n\n- machine: {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}\n- date: {date}\n"
         f"- command: `python -m lightning_oomb.bench.sparse_fidelity --config {args.config} --page-size {args.page_size} "
-        f"--budgets {args.budgets} --sequences {args.sequences} --train-budget {args.train_budget} "
+        f"--budget-pages {','.join(map(str, args.budget_pages))} --sequences {args.sequences} "
+        f"--train-budget-pages {args.train_budget_pages} "
         f"--train-score {args.train_score}"
         f"{f' --kv-heads {args.kv_heads}' if args.kv_heads else ''}`\n"
         f"- model and task: `{args.config}` ({steps} steps, sequences of {seq_len} tokens, chunks of {chunk_size}), "
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         f"selections name (what a layer with K/V pages in host memory gathers for the call):\n\n"
         + "\n".join(table) + "\n\n"
         f"Held-out retrieval accuracy ({len(held_out.val_set)} sequences): dense-trained {dense_acc:.2f}, "
-        f"sparse-trained (budget {args.train_budget} pages, score {args.train_score}, per KV head) {sparse_acc:.2f}.\n"
+        f"sparse-trained (budget {args.train_budget_pages} pages, score {args.train_score}, per KV head) {sparse_acc:.2f}.\n"
     )
     print(f"wrote {args.out}")
 

@@ -1,9 +1,9 @@
 """Sparse attention kernels against the dense kernels on the same attended work (CUDA).
 
-    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget 64] [--chunk 4096]
+    python -m lightning_oomb.bench.sparse_kernels [--past 131072] [--budget-pages 64] [--chunk 4096]
         [--grad-dtype float32|bfloat16] [--sweep]
 
-Qwen2.5-7B heads in bf16, one chunk: the sparse kernels over --past tokens with --budget pages per query tile,
+Qwen2.5-7B heads in bf16, one chunk: the sparse kernels over --past tokens with --budget-pages pages per query tile,
 the dense kernels over budget pages of past, so that every query attends to as many keys; then the sparse
 backward with its gradient pages in pinned host memory, alone and among a layer's other work; with --sweep,
 candidate tile shapes (docs/benchmarks.md, "The measurement scripts").
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+from ..cli_flags import add_budget_pages, add_chunk, add_grad_dtype
 
 
 def _timed(fn, repeats: int = 10) -> float:
@@ -114,13 +116,12 @@ def sweep(store, q, k, v, do, sel, past: int, scale: float, pairs: float) -> Non
             print(f"sweep {kind:5s} {shape}: {ms:.3f} ms ({work / ms / 1e9:.0f} TFLOP/s)", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--past", type=int, default=131072)
-    parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--grad-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="dtype of the KV-gradient pages")
+    add_budget_pages(parser)
+    add_chunk(parser)
+    add_grad_dtype(parser)
     parser.add_argument("--layers", type=int, default=4, help="layers of gradient pages in the host comparison")
     parser.add_argument("--host-layers", type=int, default=None,
                         help="of those, layers whose gradient pages live on the host, spread as in a step "
@@ -129,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="launches of the kernel adding the staged gradients into host pages, comma list of "
                              "PROGRAMSxROWSxWARPS (default: kernels.host_pages.ADD_LAUNCH)")
     parser.add_argument("--sweep", action="store_true", help="also time candidate tile shapes")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     grad_dtype = getattr(torch, args.grad_dtype)
     from ..kernels import chunk_attention as dense
     from ..kernels import host_pages
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     store, q, k, v, do = _problem(args.past, args.chunk, grad_dtype=grad_dtype)
-    sel = _selection(args.past, args.chunk, args.budget)
+    sel = _selection(args.past, args.chunk, args.budget_pages)
     scale = 128**-0.5
     out, lse = sparse.attention_forward(q, k, v, store, args.past, scale, sel)
     s_fwd = _timed(lambda: sparse.attention_forward(q, k, v, store, args.past, scale, sel))
@@ -167,14 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             with host_pages.side_launches(launch or host_pages.ADD_LAUNCH, host_pages.GATHER_AHEAD_PROGRAMS):
                 layer_ms[launch] = (_timed(backward_only, 3) / args.layers, _timed(layers, 3) / args.layers)
         del stores
-    dense_past = args.budget * 128
+    dense_past = args.budget_pages * 128
     dstore, dq, dk, dv, ddo = _problem(dense_past, args.chunk)
     dout, dlse = dense.attention_forward(dq, dk, dv, dstore, dense_past, scale)
     d_fwd = _timed(lambda: dense.attention_forward(dq, dk, dv, dstore, dense_past, scale))
     d_bwd = _timed(lambda: dense.attention_backward(ddo, dq, dk, dv, dout, dlse, dstore, dense_past, scale))
     pairs = args.chunk * (dense_past + args.chunk / 2) * 28
     tflops = lambda ms, work: work / ms / 1e9  # noqa: E731
-    print(f"chunk {args.chunk}, sparse past {args.past:,} tokens with {args.budget} pages per tile; "
+    print(f"chunk {args.chunk}, sparse past {args.past:,} tokens with {args.budget_pages} pages per tile; "
           f"dense past {dense_past:,}")
     print(f"sparse forward {s_fwd:.2f} ms ({tflops(s_fwd, 4 * 128 * pairs):.0f} TFLOP/s), "
           f"backward {s_bwd:.2f} ms ({tflops(s_bwd, 10 * 128 * pairs):.0f} TFLOP/s at 2.5x forward work)")

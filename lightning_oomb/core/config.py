@@ -122,9 +122,10 @@ class ChunkConfig:
             other one a chunk's activations. None: the last chunk's, plus as many as fit in
             core.plan.assumptions.KEPT_GRAPHS_SHARE of the GPU memory left free after the kept attention outputs; none when
             pages live in host memory or layers are checkpointed.
-        host_memory: the run's host memory budget, bytes or a size with its unit such as "100GiB": what the
-            training process may hold in host memory in all, its own resident set and every pinned page included. None: what it holds when the step is placed
-            plus what the machine has available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
+        host_memory: the run's host memory budget, bytes (a whole number, 128e9 too) or a size with its unit such
+            as "100GiB": what the training process may hold in host memory in all, its own resident set and every
+            pinned page included. None: what it holds when the step is placed plus what the machine has
+            available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
             Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
             refused.
     """
@@ -140,10 +141,12 @@ class ChunkConfig:
     segment_tokens: int | None = None
     keep_attention: int | None = None
     keep_graphs: int | None = None
-    host_memory: int | str | None = None
+    host_memory: int | float | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
+        if isinstance(self.host_memory, float) and self.host_memory.is_integer():
+            object.__setattr__(self, "host_memory", int(self.host_memory))
         if isinstance(self.host_memory, str):
             try:
                 object.__setattr__(self, "host_memory", parse_bytes(self.host_memory))

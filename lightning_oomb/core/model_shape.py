@@ -192,14 +192,22 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def layer_matrices(self) -> tuple[int, ...]:
+        """Elements of each weight matrix one decoder layer holds: q, k, v, o, gate, up, down; for a mixture of
+        experts, gate, up and down of every expert, then of the shared expert, then the router."""
+        attention = (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
+                     self.q_width * self.hidden)
+        if not self.n_experts:
+            return attention + (self.hidden * self.intermediate,) * 3
+        shared = (self.hidden * self.shared_intermediate,) * 3 if self.shared_intermediate else ()
+        return (attention + (self.hidden * self.expert_intermediate,) * (3 * self.n_experts) + shared
+                + (self.hidden * self.n_experts,))
+
+    @property
     def layer_matmul_params(self) -> int:
         """Weight-matrix parameters one decoder layer holds (q, k, v, o, gate, up, down; every expert and the
         router of a mixture of experts)."""
-        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
-        if not self.n_experts:
-            return attention + 3 * self.hidden * self.intermediate
-        experts = self.n_experts * 3 * self.hidden * self.expert_intermediate
-        return attention + experts + 3 * self.hidden * self.shared_intermediate + self.hidden * self.n_experts
+        return sum(self.layer_matrices)
 
     @property
     def layer_active_matmul_params(self) -> int:

@@ -14,17 +14,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .attention import uses_triton
+from .config import ChunkConfig
 from .host_memory import host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
-from .plan import Plan, PlanError, plan
+from .plan import Plan, PlanConfig, PlanError, plan
 from .plan.assumptions import (
     FIRST_STEP_RUNTIME_BYTES, HOST_GROWTH_BYTES, OFFLOAD_SEGMENT_TOKENS, OFFLOAD_STAGING_SHARE,
     PLACEMENT_HEADROOM_SHARE,
 )
 from .plan.memory import loss_grad_bytes
-from .plan.placement import (
-    Pages, asked_graphs, host_kept_for_stage_2, kept_for_stage_2, page_choices, place_pages,
-)
+from .plan.config import Pages
+from .plan.placement import asked_graphs, host_kept_for_stage_2, kept_for_stage_2, page_choices, place_pages
 from .units import GIB
 
 # Lines of a plan that exist before a step starts (the model, its gradients and optimizer state, the CUDA
@@ -89,7 +89,7 @@ def run_host_budget(host_memory: int | None, process: int, reused: Placement | N
 
 
 def place_step(
-    model: Any, batch: int, seq_len: int, config: Any, device: torch.device,
+    model: Any, batch: int, seq_len: int, config: ChunkConfig, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
     optimizer: str = "none", pending_gpu_bytes: int = 0, pending_host_bytes: int = 0,
     host_grad_layers: int | None = None,
@@ -173,28 +173,25 @@ def place_step(
         # the weights' dtype (LoRA adapters may train in float32 under bf16-true)
         precision = "32-true" if params and params[0].dtype == torch.float32 else "bf16-true"
 
-    def step_plan(offload: bool, segment: int, host_grad_layers: int = 0, host_kv_layers: int = 0,
-                  **placed: Any) -> Plan:
+    def step_plan(pages: Pages, segment: int, **decided: Any) -> Plan:
+        """The plan of this step with ``pages``, streamed in segments of ``segment`` tokens, and what else
+        ``decided`` names (PlanConfig's fields)."""
         # plan() shares its host memory among the tensor-parallel ranks; budget is this process's share already.
         # The optimizer's state is a resident line, which the checks below leave out (they count what is still
         # pending in ``missing``); the plan names it so that a refusal's plan and suggestions count it.
-        return plan(
-            model, seq_len, chunk_size=min(config.chunk_size, seq_len), batch=batch, page_size=page,
-            lora_rank=lora_rank, optimizer=optimizer, precision=precision,
-            checkpoint_layers=config.checkpoint_layers, grad_dtype=config.grad_dtype, gpu_memory=gpu_total,
-            host_memory=budget * kv_head_split, tensor_parallel=kv_head_split, offload=offload,
-            segment_tokens=segment, sparse=config.sparse, host_grad_layers=host_grad_layers,
-            fused_ops=uses_triton(config.attention, device), host_process_bytes=process,
-            host_pending_bytes=pending_host_bytes,
-            host_kv_layers=host_kv_layers, **placed,
-        )
+        chunk = ChunkConfig.build(config, chunk_size=min(config.chunk_size, seq_len),
+                                  host_memory=budget * kv_head_split, segment_tokens=segment)
+        return plan(model, PlanConfig(
+            seq_len, chunk, batch=batch, lora_rank=lora_rank, optimizer=optimizer, precision=precision,
+            tensor_parallel=kv_head_split, fused_ops=uses_triton(config.attention, device),
+            host_process_bytes=process, host_pending_bytes=pending_host_bytes, pages=pages, **decided,
+        ), gpu_memory=gpu_total)
 
     def placed(placement: Placement) -> Placement:
         """``placement`` with its pinned-byte limit and the plan of the step as placed."""
         result = step_plan(
-            placement.where == "host", placement.segment_tokens, placement.host_grad_layers,
-            placement.host_kv_layers,
-            kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
+            Pages(placement.where == "host", placement.host_grad_layers, placement.host_kv_layers),
+            placement.segment_tokens, kept_chunks=placement.kept_chunks, graph_chunks=placement.graph_chunks,
             host_kept_chunks=placement.host_kept_chunks, stage_1_loss=stage_1_loss,
             loss_grads=placement.loss_grads, document_length=document_length,
         )
@@ -257,7 +254,7 @@ def place_step(
             return config.segment_tokens
         # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
         # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
-        needed = needed_on_gpu(step_plan(True, page))
+        needed = needed_on_gpu(step_plan(Pages(streamed=True), page))
         per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
         per_token //= shape.n_layers
         staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
@@ -268,8 +265,7 @@ def place_step(
 
     def step_of(pages: Pages) -> Plan:
         if pages not in steps:
-            steps[pages] = (step_plan(True, segment_tokens()) if pages.offload
-                            else step_plan(False, page, pages.host_grad_layers, pages.host_kv_layers))
+            steps[pages] = step_plan(pages, segment_tokens() if pages.streamed else page)
         return steps[pages]
 
     def needs(pages: Pages) -> tuple[int, int]:
@@ -283,7 +279,7 @@ def place_step(
     # outgrown the host budget.
     decision = place_pages(choices, needs, free, host_free if sparse else max(host_free, 0), loss_grads)
     pages, where = decision.pages, decision.loss_grads
-    if not sparse and config.offload != "gpu" and (pages.offload or not decision.fits):
+    if not sparse and config.offload != "gpu" and (pages.streamed or not decision.fits):
         not_kept("offload='host'" if config.offload == "host" else "the step does not fit on the GPU")
     if not decision.fits:
         last = choices[-1]
@@ -301,7 +297,7 @@ def place_step(
                 + (" offload='auto' moves pages to the host, layer by layer." if config.offload == "gpu" else "")
                 + f"\n\n{step}"
             )
-        if not last.offload:
+        if not last.streamed:
             raise PlanError(
                 f"this step needs {needed / GIB:.2f} GiB beyond what is already allocated but the GPU has "
                 f"{free / GIB:.2f} GiB free beyond a {PLACEMENT_HEADROOM_SHARE:.0%} reserve; nothing was allocated "
@@ -313,7 +309,7 @@ def place_step(
             f"nothing was allocated for it.\n\n{step}"
         )
     step = step_of(pages)
-    if pages.offload:
+    if pages.streamed:
         return placed(Placement("host", step.config.segment_tokens, batch, loss_grads=where if loss_grads else "gpu"))
     needed, pinned = needs(pages)
     pinned += loss_grads if where == "host" else 0

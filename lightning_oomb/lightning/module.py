@@ -23,8 +23,9 @@ from typing_extensions import override
 
 from ..core.errors import SetupError
 from ..core.optimizers import OptimizerSpec
+from ..core.quantization import Quantization
 from ..core.units import human_count, human_tokens
-from .quantization import Quantization, check_installed, keep_trainable_on_cpu, parameter_count, restore_quant_states
+from .quantization import check_installed, keep_trainable_on_cpu, parameter_count, restore_quant_states
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 LORA_DTYPES = {"float32": torch.float32, "weights": None}
@@ -159,7 +160,7 @@ class CausalLMModule(LightningModule):
             if value < low or (name == "learning_rate" and value == 0):
                 bound = "> 0" if name == "learning_rate" else f">= {low}"
                 raise SetupError(f"model.{name} must be {bound}, got {value!r}")
-        self.quantization = Quantization.parse(quantization)
+        self.quantization = Quantization.parse(quantization, "model.quantization")
         if self.quantization is not None:
             if lora_rank == 0:
                 raise SetupError("model.quantization freezes the base weights in 4 bits for LoRA adapters to train: "

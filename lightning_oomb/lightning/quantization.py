@@ -1,5 +1,6 @@
 """QLoRA: the base model's linear layers held in 4 bits by bitsandbytes (loaded through transformers'
-``BitsAndBytesConfig``) and frozen, under LoRA adapters that train.
+``BitsAndBytesConfig``) and frozen, under LoRA adapters that train. The option itself, ``Quantization``, and
+the bytes it holds are core's (``core.quantization``), which the planner counts.
 
 The chunked engine leaves bitsandbytes' ``Linear4bit`` layers as they are (it swaps only plain ``nn.Linear``
 for its accumulating linears, and the fused MLP falls back to the layer's own forward), so a step's gradient
@@ -8,53 +9,11 @@ is the quantised model's full-sequence gradient.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import torch
 
 from ..core.errors import SetupError
-
-QUANT_TYPES = ("nf4", "fp4")
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantization:
-    """``model.quantization``: the base weights in bitsandbytes' 4-bit ``quant_type`` ("nf4", QLoRA's normal
-    float, or "fp4"); ``double_quant`` also quantises the per-block scales (about 0.4 bits a weight less)."""
-
-    quant_type: str = "nf4"
-    double_quant: bool = False
-
-    @classmethod
-    def parse(cls, value: str | dict | None) -> Quantization | None:
-        """From the YAML's value: None (no quantisation), a type (``nf4``) or a dict
-        (``{quant_type: nf4, double_quant: true}``); a SetupError names what is wrong."""
-        if value is None:
-            return None
-        fields = {"quant_type": value} if isinstance(value, str) else value
-        options = [f.name for f in dataclasses.fields(cls)]
-        if not isinstance(fields, dict) or set(fields) - set(options):
-            unknown = sorted(set(fields) - set(options)) if isinstance(fields, dict) else [repr(value)]
-            raise SetupError(f"model.quantization takes a 4-bit type ({', '.join(QUANT_TYPES)}) or a dict of "
-                             f"{' and '.join(options)}; got {', '.join(map(str, unknown))}")
-        spec = cls(**fields)
-        if spec.quant_type not in QUANT_TYPES:
-            raise SetupError(f"model.quantization: quant_type must be one of {', '.join(QUANT_TYPES)} "
-                             f"(bitsandbytes' 4-bit types), got {spec.quant_type!r}")
-        if not isinstance(spec.double_quant, bool):
-            raise SetupError(f"model.quantization: double_quant must be true or false, got {spec.double_quant!r}")
-        return spec
-
-    def hf_config(self, compute_dtype: torch.dtype):
-        """transformers' ``BitsAndBytesConfig`` for ``from_pretrained``, computing in ``compute_dtype``."""
-        from transformers import BitsAndBytesConfig
-
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.quant_type,
-                                  bnb_4bit_use_double_quant=self.double_quant, bnb_4bit_compute_dtype=compute_dtype)
-
-    def describe(self) -> str:
-        return self.quant_type + (", double-quantised" if self.double_quant else "")
 
 
 def check_installed() -> None:

@@ -28,7 +28,9 @@ PORTABLE_ATTENTION_EFFICIENCY = 0.38  # of the matmul peak: packed-document chun
 HOST_ADD_GBPS = 61.5  # GB/s: host gradient layers' additions over the bus (sparse)
 HOST_ADD_HIDDEN_S = 5.4e-3  # s: of each host layer's additions per chunk, hidden behind the compute
 HOST_GATHER_GBPS = 48.0  # GB/s: host K/V layers' gathers of the selected pages over the bus (sparse)
-SPARSE_ATTENDED_TOKENS = 16384  # tokens: past each query attends to with sparse=True (no SparseConfig)
+
+# -- QLoRA (4-bit base weights, bitsandbytes)
+DEQUANT_GBPS = 2900.0  # GB/s at DEFAULT_MATMUL_TFLOPS: dequantising a 4-bit weight (assumed, not measured)
 
 # -- several GPUs ---------------------------------------------------------------------------------------------
 COLLECTIVE_GBPS = 350.0  # GB/s per rank: NCCL ring bus bandwidth (assumed, not measured), none hidden

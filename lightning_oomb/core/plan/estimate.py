@@ -19,21 +19,7 @@ def estimate_step(
     """The plan of ``config`` for ``shape`` on a machine of ``gpu_memory`` and ``host_memory`` bytes, as it is:
     nothing placed or searched."""
     gpu, host = memory_lines(shape, config)
-    time = step_time(
-        shape,
-        config.context,
-        batch=config.batch,
-        chunk_size=config.chunk_size,
-        lora_rank=config.lora_rank,
-        checkpoint_layers=config.checkpoint_layers,
-        sparse=config.sparse,
-        matmul_tflops=config.matmul_tflops,
-        page_size=config.page_size,
-        graph_chunks=config.graph_chunks,
-        kept_chunks=config.kept_chunks,
-        host_kept_chunks=config.host_kept_chunks,
-        document_length=config.document_length,
-    )
+    time = step_time(shape, config)
     collectives = step_collectives(shape, config)
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
                                host_gather_s=host_gather_seconds(

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..config import SparseConfig
+from ..errors import SetupError
 from ..loss import piece_rows
 from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
 from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
@@ -47,18 +48,30 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         trained_dtype = bytes_name(trained_bytes)
         adapters = f" + {human_count(lora)} LoRA in float32" if c.lora_rank else ""
         what, rate = _state_rate(c, trained_bytes)
-        gpu: dict[str, int] = {
-            f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})":
-                shape.total_params * p.param + lora * 4,
-            f"gradients ({trained_dtype}, {human_count(trainable)} trainable)": trainable * trained_bytes,
-            f"optimizer state ({what})": int(rate * trainable),
-        }
+        gpu: dict[str, int] = {}
+        four_bit = quantized_params(shape, c)
+        if four_bit:
+            gpu[f"weights (4-bit {c.quantization.describe()}: decoder layers' linear layers, "
+                f"{human_count(four_bit)} params)"] = c.quantization.weight_bytes(shape)
+            kept = "embeddings, lm_head, norms" + (", biases" if shape.layer_bias_params else "")
+            gpu[f"weights ({param_dtype}, {human_count(shape.total_params - four_bit)} params: {kept}{adapters})"] = (
+                (shape.total_params - four_bit) * p.param + lora * 4)
+            # bitsandbytes dequantises a layer's weight for each matmul (forward, and the backward's dL/dx) and
+            # frees it after: one matrix at a time, the largest.
+            gpu[f"dequantised weight (one layer's largest, {param_dtype}, transient)"] = (
+                max(shape.layer_matrices) * p.param)
+        else:
+            gpu[f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})"] = (
+                shape.total_params * p.param + lora * 4)
+        gpu[f"gradients ({trained_dtype}, {human_count(trainable)} trainable)"] = trainable * trained_bytes
+        gpu[f"optimizer state ({what})"] = int(rate * trainable)
     else:
         gpu = _sharded_lines(shape, c, state)
     if p.autocast_weight_copies:
         # Autocast's cast of every weight to bf16 lives for the whole autocast region (its cache), and
         # linear layers save the bf16 copy for backward: a bf16 image of all matrices.
-        matrices_and_biases = shape.matmul_params + shape.n_layers * shape.layer_bias_params
+        matrices_and_biases = (shape.matmul_params - quantized_params(shape, c)
+                               + shape.n_layers * shape.layer_bias_params)
         gpu["bf16 weight copies (autocast cache)"] = 2 * matrices_and_biases
     if c.devices > 1 and c.sharding == "none":
         gpu["gradient all-reduce bucket (float32, oomb_ddp)"] = min(GRADIENT_BUCKET_BYTES, 4 * trainable)
@@ -92,7 +105,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
-    if c.offload:
+    if c.streamed:
         kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
         grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
         segment = offload_segment_pages(c) * c.page_size
@@ -109,7 +122,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     else:
         n_kv_host = c.host_kv_layers
         if n_kv_host > shape.n_layers:
-            raise ValueError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
+            raise SetupError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
         if n_kv_host:
             kv_layer = kv_bytes // shape.n_layers
             gpu[f"{kv_name}, {shape.n_layers - n_kv_host} of {shape.n_layers} layers"] = kv_layer * (
@@ -131,7 +144,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers
         if n_host > shape.n_layers:
-            raise ValueError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
+            raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
         if n_host:
             n_gpu = shape.n_layers - n_host
             gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu
@@ -263,6 +276,12 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, f
         f"optimizer state: decoder layers, {part} ({what})": int(rate * layers),
         "gradient all-reduce bucket (float32, the whole weights')": min(GRADIENT_BUCKET_BYTES, 4 * replicated),
     }
+
+
+def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
+    """Weights ``c.quantization`` holds in 4 bits: every decoder layer's linear layers (transformers keeps the
+    output layer, the embeddings and the norms in the compute dtype; core.quantization); 0 without it."""
+    return shape.n_layers * shape.layer_matmul_params if c.quantization is not None else 0
 
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:

@@ -10,24 +10,9 @@ from typing import Callable, Sequence
 from ..model_shape import _kv_dtype
 from ..units import GIB
 from .assumptions import KEPT_ATTENTION_SHARE, KEPT_GRAPHS_SHARE, PLACEMENT_HEADROOM_SHARE
+from .config import Pages
 from .memory import graph_chunk_bytes, kept_chunk_bytes
 from .report import Plan, PlanError
-
-
-@dataclass(frozen=True)
-class Pages:
-    """Where a step's K/V and KV-gradient pages live: all streamed from pinned host memory (``offload``, dense),
-    or on the GPU but for the KV-gradient pages of ``host_grad_layers`` and the K/V pages of ``host_kv_layers``
-    layers in pinned host memory (sparse)."""
-
-    offload: bool = False
-    host_grad_layers: int = 0
-    host_kv_layers: int = 0
-
-    @property
-    def on_host(self) -> bool:
-        """Whether any page lives in host memory."""
-        return bool(self.offload or self.host_grad_layers or self.host_kv_layers)
 
 
 @dataclass(frozen=True)
@@ -55,7 +40,7 @@ def page_choices(offload: str, sparse: bool, n_layers: int) -> list[Pages]:
         every = Pages(host_grad_layers=n_layers, host_kv_layers=n_layers)
         by_layers = [Pages(host_grad_layers=n, host_kv_layers=m) for n, m in host_layer_counts(n_layers)]
         return {"gpu": [Pages()], "auto": by_layers, "host": [every]}[offload]
-    return {"gpu": [Pages()], "auto": [Pages(), Pages(offload=True)], "host": [Pages(offload=True)]}[offload]
+    return {"gpu": [Pages()], "auto": [Pages(), Pages(streamed=True)], "host": [Pages(streamed=True)]}[offload]
 
 
 def place_pages(choices: Sequence[Pages], needs: Callable[[Pages], tuple[int, float]], gpu_room: float,

@@ -9,8 +9,8 @@ from ..config import SparseConfig
 from ..model_shape import ModelShape
 from ..units import GIB
 from .assumptions import (
-    ATTENTION_EFFICIENCY, COLLECTIVE_GBPS, HOST_GATHER_GBPS, LINEAR_EFFICIENCY, PLACEMENT_HEADROOM_SHARE,
-    PORTABLE_ATTENTION_EFFICIENCY,
+    ATTENTION_EFFICIENCY, COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, LINEAR_EFFICIENCY,
+    PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .collectives import step_collectives
 from .config import PlanConfig
@@ -52,7 +52,7 @@ class Suggestion:
     def render(self, style: str = "python") -> str:
         p = self.plan
         verdict = "fits" if p.fits else "still does not fit"
-        host = f", host {gib(p.peak_host_bytes)} GiB" if p.config.offload or p.config.host_grad_layers else ""
+        host = f", host {gib(p.peak_host_bytes)} GiB" if p.config.streamed or p.config.host_grad_layers else ""
         how = self.cli if style == "cli" else self.python
         return (f"- {self.change} ({how}): GPU {gib(p.peak_gpu_bytes)} GiB{host}, {verdict}; "
                 f"step ≈ {duration(p.time.predicted_s)}")
@@ -111,6 +111,8 @@ class Plan:
     def __str__(self) -> str:
         c, s = self.config, self.shape
         training = f"LoRA rank {c.lora_rank}" if c.lora_rank else "full training"
+        if c.quantization is not None:
+            training = f"QLoRA rank {c.lora_rank} (base weights in 4-bit {c.quantization.describe()})"
         ckpt = "on" if c.checkpoint_layers else "off"
         if self.checkpoint_auto:
             ckpt += " (auto)"
@@ -129,7 +131,7 @@ class Plan:
                      + " (oomb_model_parallel, split by KV heads), memory per GPU")
         if c.document_length is not None and c.document_length < c.context:
             head += f"; packed from documents of {c.document_length:,} tokens"
-        if c.offload:
+        if c.streamed:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
@@ -177,6 +179,8 @@ class Plan:
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
                if t.host_gather_bytes else "")
             + _collectives_time(t, c)
+            + (f", plus {duration(t.dequant_s)} dequantising the 4-bit weights for each matmul (assumed "
+               f"{DEQUANT_GBPS * t.matmul_tflops / DEFAULT_MATMUL_TFLOPS:.0f} GB/s)" if t.dequant_s else "")
             + ", calibrate with lightning-oomb bench)",
         ]
         collectives = step_collectives(s, c) if c.sharding != "none" or c.tensor_parallel > 1 else []

@@ -9,14 +9,12 @@ from typing import Any
 
 import torch
 
-from ..config import OFFLOADS, SparseConfig
 from ..host_memory import host_budget
-from ..model_shape import ModelShape, Precision, _kv_dtype
-from .assumptions import DEFAULT_MATMUL_TFLOPS, OFFLOAD_SEGMENT_TOKENS
-from .config import PlanConfig, Sharding
+from ..model_shape import ModelShape, _kv_dtype
+from .config import Pages, PlanConfig
 from .estimate import estimate_step
 from .memory import loss_grad_bytes
-from .placement import Pages, kept_for_stage_2, page_choices, place_pages
+from .placement import kept_for_stage_2, page_choices, place_pages
 from .report import ContextLimit, Plan, usable_gpu_bytes
 from .suggestions import suggestions_for
 
@@ -33,86 +31,38 @@ def this_gpu_memory() -> tuple[int, str]:
     return int(props.total_memory), props.name
 
 
-def plan(
-    model: Any,
-    context: int,
-    *,
-    stage_1_loss: bool = False,
-    loss_grads: str | None = None,
-    host_process_bytes: int | None = None,
-    host_pending_bytes: int | None = None,
-    chunk_size: int = 4096,
-    batch: int = 1,
-    page_size: int = 128,
-    lora_rank: int = 0,
-    optimizer: str = "adamw",
-    precision: Precision = "bf16-true",
-    checkpoint_layers: bool | None = None,
-    grad_dtype: torch.dtype = torch.float32,
-    gpu_memory: int | float | None = None,
-    host_memory: int | float | None = None,
-    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
-    sparse: SparseConfig | dict | None = None,
-    offload: bool = False,
-    segment_tokens: int = OFFLOAD_SEGMENT_TOKENS,
-    host_grad_layers: int | None = 0,
-    kept_chunks: int = 0,
-    graph_chunks: int = 0,
-    host_kept_chunks: int = 0,
-    fused_ops: bool = True,
-    devices: int = 1,
-    host_kv_layers: int = 0,
-    document_length: int | None = None,
-    sharding: Sharding = "none",
-    tensor_parallel: int = 1,
-) -> Plan:
-    """Plan one training step of ``batch`` sequences of ``context`` tokens; the other keywords are
-    ``PlanConfig``'s fields, these decided here when None:
+def plan(model: Any, config: PlanConfig | int, *, gpu_memory: int | float | None = None,
+         checkpoint_auto: bool = False, **options: Any) -> Plan:
+    """Plan one training step: ``config`` as given, its pages where ``config.pages`` puts them.
 
-    model: a ModelShape, a built-in name (``builtin_names()``), a config.json or model directory, a
-    transformers config (or its dict) or model. checkpoint_layers None: off if the step fits, else on.
-    gpu_memory None: this machine's CUDA device. host_memory None: the budget a run started now would get
-    (``host_memory.host_budget()``), divided among the ``devices`` x ``tensor_parallel`` ranks, as the
-    strategies divide it; the plan is one rank's. host_grad_layers None (sparse): the fewest layers' pages on
-    the host that fit (``placement.page_choices``). loss_grads None: where ``place_step`` would keep a served
-    step's dL/dh (``placement.place_pages``). sparse: a SparseConfig or its dict.
+    model: a ModelShape, a built-in name (``builtin_names()``), a config.json or model directory, a transformers
+    config (or its dict) or model. config: a PlanConfig, or the context (tokens per sequence); ``options``
+    replace its fields by name (``PlanConfig.build``: ChunkConfig's, Pages' and PlanConfig's). gpu_memory
+    (bytes) None: this machine's CUDA device. The host memory budget is ``config.chunk.host_memory`` (None: the
+    budget a run started now would get, ``host_memory.host_budget()``), divided among the ``devices`` x
+    ``tensor_parallel`` ranks, as the strategies divide it; the plan is one rank's. checkpoint_auto: layer
+    checkpointing off if the step fits without it, else on, whatever ``checkpoint_layers`` asks.
+    ``config.loss_grads`` None: where ``place_step`` would keep a served step's dL/dh (``placement.place_pages``).
     """
+    return _plan(model, PlanConfig.build(config, **options), gpu_memory, checkpoint_auto)
+
+
+def _plan(model: Any, config: PlanConfig, gpu_memory: int | float | None, checkpoint_auto: bool,
+          choices: list[Pages] | None = None) -> Plan:
+    """``plan``, with the pages at the first of ``choices`` that fits (for each layer-checkpointing setting)
+    where given, else at ``config.pages``."""
     shape = ModelShape.resolve(model)
     machine = ""
     if gpu_memory is None:
         gpu_memory, machine = this_gpu_memory()
+    host_memory = config.chunk.host_memory
     if host_memory is None:
         host_memory = host_budget()
     gpu_memory, host_memory = int(gpu_memory), int(host_memory)
-    base = PlanConfig(
-        context=context,
-        chunk_size=chunk_size,
-        batch=batch,
-        page_size=page_size,
-        lora_rank=lora_rank,
-        optimizer=optimizer,
-        precision=precision,
-        checkpoint_layers=bool(checkpoint_layers),
-        grad_dtype=grad_dtype,
-        matmul_tflops=matmul_tflops,
-        sparse=SparseConfig.coerce(sparse),
-        offload=offload,
-        segment_tokens=segment_tokens,
-        host_grad_layers=host_grad_layers or 0,
-        kept_chunks=kept_chunks,
-        graph_chunks=graph_chunks,
-        host_kept_chunks=host_kept_chunks,
-        fused_ops=fused_ops,
-        stage_1_loss=stage_1_loss,
-        loss_grads=loss_grads or "gpu",
-        host_process_bytes=host_process_bytes,
-        host_pending_bytes=host_pending_bytes,
-        devices=devices,
-        host_kv_layers=host_kv_layers,
-        document_length=document_length,
-        sharding=sharding,
-        tensor_parallel=tensor_parallel,
-    )
+    decide_loss_grads = config.loss_grads is None
+    base = config.replace(loss_grads=config.loss_grads or "gpu")
+    if checkpoint_auto:
+        base = base.checkpointed(False)
     shape = shape.tensor_parallel_part(base.tensor_parallel)
     # each process's share: the strategies divide the budget among a machine's processes alike
     host_memory //= base.devices * base.tensor_parallel
@@ -123,13 +73,12 @@ def plan(
         """The plan of ``config`` with the pages of the first of ``choices`` that fits, as ``place_step`` decides
         (``place_pages``), a served step's dL/dh placed too unless ``loss_grads`` was given."""
         kept = 0  # every chunk's dL/dh a served step keeps, where this plan decides their place
-        if loss_grads is None and config.stage_1_loss and config.loss_grads != "recomputed":
+        if decide_loss_grads and config.stage_1_loss and config.loss_grads != "recomputed":
             kept = loss_grad_bytes(shape, config.chunk_tokens, config.n_chunks, config.precision)
         plans: dict[Pages, Plan] = {}
 
         def with_pages(pages: Pages, **changes: Any) -> PlanConfig:
-            return dataclasses.replace(config, offload=pages.offload, host_grad_layers=pages.host_grad_layers,
-                                       host_kv_layers=pages.host_kv_layers, **changes)
+            return dataclasses.replace(config, pages=pages, **changes)
 
         def needs(pages: Pages) -> tuple[int, int]:
             changes = {"loss_grads": "recomputed"} if kept else {}
@@ -142,12 +91,9 @@ def plan(
         return estimate_step(shape, with_pages(decision.pages, loss_grads=decision.loss_grads), gpu_memory,
                              host_memory, machine)
 
-    def own_pages(config: PlanConfig) -> list[Pages]:
-        return [Pages(config.offload, config.host_grad_layers, config.host_kv_layers)]
-
     def estimate(config: PlanConfig) -> Plan:
         """``config`` as it is, a served step's dL/dh where it fits on the GPU (a suggestion's numbers)."""
-        return placed(config, own_pages(config), math.inf)
+        return placed(config, [config.pages], math.inf)
 
     def fewest_on_host(config: PlanConfig) -> Plan:
         """``config`` with the fewest sparse layers' pages on the host that fit the GPU."""
@@ -155,69 +101,69 @@ def plan(
 
     def placed_as_asked(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
-        sparse_auto = host_grad_layers is None and config.sparse
-        choices = page_choices("auto", True, shape.n_layers) if sparse_auto else own_pages(config)
-        return placed(config, choices, host_memory)
+        return placed(config, choices or [config.pages], host_memory)
 
     result = placed_as_asked(base)
-    other = placed_as_asked(dataclasses.replace(base, checkpoint_layers=not base.checkpoint_layers))
-    if checkpoint_layers is None and not result.fits:
+    other = placed_as_asked(base.checkpointed(not base.checkpoint_layers))
+    if checkpoint_auto and not result.fits:
         result, other = other, result
-        result.checkpoint_auto = True
-    elif checkpoint_layers is None:
-        result.checkpoint_auto = True
+    result.checkpoint_auto = checkpoint_auto
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
     result.suggestions = suggestions_for(result, estimate, fewest_on_host)
     return result
 
 
-def plan_placed(model: Any, context: int, *, offload: str = "auto", sparse: SparseConfig | dict | None = None,
-                **kwargs: Any) -> Plan:
-    """``plan`` with the pages placed as a training step with ``offload`` ("auto", "gpu", "host") would place
-    them: dense steps stream every page from the host ("host", or "auto" when it fits only there); sparse
-    steps put the KV-gradient and K/V pages of every layer ("host") in host memory, or the fewest layers'
-    pages that fit ("auto": gradient pages first, then K/V pages). Other keyword arguments go to ``plan``."""
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
-    sparse = SparseConfig.coerce(sparse)
-    if sparse is not None:
+def plan_placed(model: Any, config: PlanConfig | int, *, gpu_memory: int | float | None = None,
+                checkpoint_auto: bool = False, **options: Any) -> Plan:
+    """``plan`` with the pages placed as a training step with ``config.chunk.offload`` ("auto", "gpu", "host")
+    would place them: dense steps stream every page from the host ("host", or "auto" when it fits only
+    there); sparse steps put the KV-gradient and K/V pages of every layer ("host") in host memory, or the
+    fewest layers' pages that fit ("auto": gradient pages first, then K/V pages); with every page on the GPU,
+    what stage 1 keeps for stage 2 kept as a step would keep it (``_kept_for_stage_2``). ``config.pages`` is
+    not read. The other arguments are ``plan``'s."""
+    config = PlanConfig.build(config, **options)
+    offload = config.chunk.offload
+    if config.sparse is not None:
         choices = page_choices(offload, True, ModelShape.resolve(model).n_layers)
-        if len(choices) > 1:  # "auto": plan() tries them in order, for each checkpointing setting
-            result = plan(model, context, sparse=sparse, host_grad_layers=None, **kwargs)
-        else:
-            result = plan(model, context, sparse=sparse, host_grad_layers=choices[0].host_grad_layers,
-                          host_kv_layers=choices[0].host_kv_layers, **kwargs)
+        # "auto": _plan tries them in order, for each checkpointing setting
+        result = _plan(model, config.replace(pages=choices[0]), gpu_memory, checkpoint_auto,
+                       choices if len(choices) > 1 else None)
         c = result.config
         if c.host_grad_layers and offload == "auto":
             result.notes.append("the KV-gradient pages do not all fit on the GPU: offload='auto' keeps those of "
                                 f"{c.host_grad_layers} layers in pinned host memory"
                                 + (f", and the K/V pages of {c.host_kv_layers}" if c.host_kv_layers else ""))
         return _kept_for_stage_2(result)
-    # Dense: the pages in page_choices' order, each placement with both checkpointing settings (plan()).
+    # Dense: the pages in page_choices' order, each placement with both checkpointing settings (_plan).
     first, *others = page_choices(offload, False, 0)
-    result = plan(model, context, offload=first.offload, **kwargs)
+    result = _plan(model, config.replace(pages=first), gpu_memory, checkpoint_auto)
     if not result.fits:
         for pages in others:  # "auto": every page streamed from the host
-            on_host = plan(model, context, offload=pages.offload, **kwargs)
+            on_host = _plan(model, config.replace(pages=pages), gpu_memory, checkpoint_auto)
             if on_host.fits:
                 on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
                 return on_host
     return _kept_for_stage_2(result)
 
 
-def max_context(model: Any, *, offload: str = "auto", chunk_size: int = 4096, limit: int = 1 << 30,
-                **kwargs: Any) -> ContextLimit:
-    """The longest context (tokens per sequence, a multiple of ``chunk_size``, at most ``limit``) whose step
-    fits, as ``plan_placed`` with ``offload`` would place it, and the machine's physical limit
-    (``ContextLimit``). Other keyword arguments go to ``plan_placed`` (batch, lora_rank, sparse, optimizer,
-    gpu_memory, host_memory, ...). Assumes that a step that fits at some length fits at every shorter one."""
-    def placed(chunks: int) -> Plan:
-        return plan_placed(model, chunks * chunk_size, offload=offload, chunk_size=chunk_size, **kwargs)
+def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 << 30,
+                gpu_memory: int | float | None = None, checkpoint_auto: bool = False,
+                **options: Any) -> ContextLimit:
+    """The longest context (tokens per sequence, a multiple of the chunk, at most ``limit``) whose step fits,
+    as ``plan_placed`` would place it, and the machine's physical limit (``ContextLimit``). ``config`` (None:
+    the defaults) and the other arguments as ``plan_placed`` takes them; each length tried replaces the
+    context. Assumes that a step that fits at some length fits at every shorter one."""
+    base = PlanConfig.build(limit if config is None else config, **options)
+    chunk_size = base.chunk_size
+
+    def placed(chunks: int, config: PlanConfig = base, auto: bool = checkpoint_auto) -> Plan:
+        return plan_placed(model, config.replace(context=chunks * chunk_size), gpu_memory=gpu_memory,
+                           checkpoint_auto=auto)
 
     one = placed(1)
     # The machine's limit starts from the smallest fixed cost: with layer checkpointing unless it is refused.
-    least = one if kwargs.get("checkpoint_layers") is False else plan_placed(
-        model, chunk_size, offload=offload, chunk_size=chunk_size, **{**kwargs, "checkpoint_layers": True})
+    refused = not (checkpoint_auto or base.checkpoint_layers)
+    least = one if refused else placed(1, base.checkpointed(True), False)
     c = least.config
     per_token = c.batch * (least.shape.kv_bytes_per_token(_kv_dtype(c.precision))
                            + least.shape.kv_bytes_per_token(c.grad_dtype))
@@ -251,7 +197,7 @@ def _kept_for_stage_2(result: Plan) -> Plan:
     keep_attention=None) in what this plan leaves free, as place_step decides it: their memory and the
     stage-2 work they save, said in a note."""
     c = result.config
-    if c.offload or c.host_grad_layers or c.host_kv_layers or not result.fits:
+    if c.pages.on_host or not result.fits:
         return result
     kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
     if not (kept or graphs):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -22,7 +22,7 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
     found: list[Suggestion] = []
     if not result.fits:
         if not c.checkpoint_layers:
-            found.append(Suggestion("layer checkpointing", estimate(dataclasses.replace(c, checkpoint_layers=True)),
+            found.append(Suggestion("layer checkpointing", estimate(c.checkpointed(True)),
                                     "--checkpoint-layers on", "checkpoint_layers=True"))
         halvings = []
         chunk = min(c.chunk_size, c.context) // 2
@@ -31,20 +31,20 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
             chunk //= 2
         if halvings:
             # Memory falls with the chunk: the first halving that fits is the largest; if none does, the half.
-            plans = (estimate(dataclasses.replace(c, chunk_size=k)) for k in halvings)
+            plans = (estimate(c.replace(chunk_size=k)) for k in halvings)
             smaller = next((p for p in plans if p.fits), None)
-            smaller = smaller or estimate(dataclasses.replace(c, chunk_size=halvings[0]))
+            smaller = smaller or estimate(c.replace(chunk_size=halvings[0]))
             k = smaller.config.chunk_size
             found.append(Suggestion("smaller chunks", smaller, f"--chunk {k}", f"chunk_size={k}"))
         if c.precision != "bf16-true":
             found.append(Suggestion("bf16 parameters and optimizer state",
-                                    estimate(dataclasses.replace(c, precision="bf16-true")),
+                                    estimate(c.replace(precision="bf16-true")),
                                     "--precision bf16-true", "precision='bf16-true'"))
         if c.lora_rank == 0 and c.tensor_parallel == 1:  # LoRA under tensor parallel is not built
-            found.append(Suggestion("LoRA rank 16 on q, k, v, o", estimate(dataclasses.replace(c, lora_rank=16)),
+            found.append(Suggestion("LoRA rank 16 on q, k, v, o", estimate(c.replace(lora_rank=16)),
                                     "--lora-rank 16", "lora_rank=16"))
         if c.grad_dtype != torch.bfloat16:
-            found.append(Suggestion("bf16 KV-gradients", estimate(dataclasses.replace(c, grad_dtype=torch.bfloat16)),
+            found.append(Suggestion("bf16 KV-gradients", estimate(c.replace(grad_dtype=torch.bfloat16)),
                                     "--grad-dtype bfloat16", "grad_dtype=torch.bfloat16"))
         if c.sparse:
             hosted = fewest_on_host(c)
@@ -54,34 +54,33 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
                     f"KV-gradient pages of {h.host_grad_layers} layers in pinned host memory"
                     + (f", K/V pages of {h.host_kv_layers}" if h.host_kv_layers else ""), hosted,
                     "--offload auto", "offload='auto'"))
-        elif not c.offload:
+        elif not c.streamed:
             found.append(Suggestion("K/V and KV-gradient pages in pinned host memory, streamed",
-                                    estimate(dataclasses.replace(c, offload=True)), "--offload host", "offload='host'"))
+                                    estimate(c.replace(streamed=True)), "--offload host", "offload='host'"))
         stronger = SHARDINGS[SHARDINGS.index(c.sharding) + 1:] if c.devices > 1 else ()
         stronger = [mode for mode in stronger if mode != "zero1"]  # zero1 holds every gradient whole, in float32
         if stronger:
             # The least sharding that fits (the more it shards, the more it gathers); else the most.
-            plans = (estimate(dataclasses.replace(c, sharding=mode)) for mode in stronger)
-            sharded = next((p for p in plans if p.fits), None) or estimate(dataclasses.replace(c, sharding="zero3"))
+            plans = (estimate(c.replace(sharding=mode)) for mode in stronger)
+            sharded = next((p for p in plans if p.fits), None) or estimate(c.replace(sharding="zero3"))
             mode = sharded.config.sharding
             found.append(Suggestion(f"oomb_model_parallel: the decoder layers sharded over the {c.devices} ranks, "
                                     f"{mode}", sharded, f"--sharding {mode}", f"sharding={mode!r}"))
         if found and not any(x.plan.fits for x in found):
             combined = c
             for x in found:  # every change at once; of the chunk sizes the smallest
-                changed = {f.name: getattr(x.plan.config, f.name) for f in dataclasses.fields(c)
-                           if getattr(x.plan.config, f.name) != getattr(c, f.name)}
+                changed = _changes(c, x.plan.config)
                 if "chunk_size" in changed:
                     changed["chunk_size"] = min(changed["chunk_size"], combined.chunk_size)
-                combined = dataclasses.replace(combined, **changed)
+                combined = combined.replace(**changed)
             if len(found) > 1:
                 found.append(Suggestion("all of the above together", estimate(combined),
                                         " ".join(x.cli for x in found), ", ".join(x.python for x in found)))
     t = result.time
     if t.attention_flops > t.linear_flops and not c.sparse:
         config = SparseConfig()
-        sparse = estimate(dataclasses.replace(c, sparse=config, offload=False))
-        if c.offload:  # sparse moves the fewest layers' pages to host memory, gradient pages first
+        sparse = estimate(c.replace(sparse=config, streamed=False))
+        if c.streamed:  # sparse moves the fewest layers' pages to host memory, gradient pages first
             sparse = fewest_on_host(sparse.config)
         if sparse.fits:  # a faster step that does not fit here is no suggestion
             found.append(Suggestion(
@@ -89,3 +88,15 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
                 "query", sparse, f"--budget-pages {config.budget_pages}",
                 f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
     return found
+
+
+def _changes(before: PlanConfig, after: PlanConfig) -> dict[str, Any]:
+    """The fields, by name (ChunkConfig's, Pages' and PlanConfig's, as ``PlanConfig.replace`` takes them), in
+    which ``after`` differs from ``before``."""
+    changed: dict[str, Any] = {}
+    for part in ("chunk", "pages", None):
+        old, new = (before, after) if part is None else (getattr(before, part), getattr(after, part))
+        for f in dataclasses.fields(old):
+            if f.name not in ("chunk", "pages") and getattr(new, f.name) != getattr(old, f.name):
+                changed[f.name] = getattr(new, f.name)
+    return changed

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import SparseConfig
-from ..model_shape import ModelShape
+from ..model_shape import PROFILES, ModelShape
 from .assumptions import (
-    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
-    SPARSE_ATTENDED_TOKENS,
+    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
 )
+from .config import PlanConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class StepTime:
     all_reduce_s: float = 0.0  # data parallel: averaging the whole gradients after stage 2 (step_collectives)
     sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
     tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
+    dequant_s: float = 0.0  # QLoRA: dequantising the 4-bit weights for every matmul (dequant_seconds)
 
     @property
     def total_flops(self) -> float:
@@ -57,7 +58,7 @@ class StepTime:
         do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
         other machines."""
         return (self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
-                + self.tensor_parallel_s)
+                + self.tensor_parallel_s + self.dequant_s)
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -89,46 +90,32 @@ def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: 
     return set(range(n_chunks - graphs - kept, n_chunks)) | set(range(host_kept))
 
 
-def step_time(
-    model: Any,
-    context: int,
-    *,
-    batch: int = 1,
-    chunk_size: int = 4096,
-    lora_rank: int = 0,
-    checkpoint_layers: bool = False,
-    sparse: "bool | SparseConfig | None" = False,
-    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS,
-    page_size: int = 128,
-    graph_chunks: int = 0,
-    kept_chunks: int = 0,
-    host_kept_chunks: int = 0,
-    document_length: int | None = None,
-) -> StepTime:
-    """FLOPs one step of ``batch`` sequences of ``context`` tokens executes (docs/planner.md, "Time", has the
-    formulas): linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within
-    packed documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
-    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``). ``sparse``: a
-    SparseConfig, or True for SPARSE_ATTENDED_TOKENS past tokens per query.
+def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
+    """FLOPs one step of ``config`` (a PlanConfig, or the context in tokens per sequence, with ``options``
+    replacing fields by name: ``PlanConfig.build``) executes (docs/planner.md, "Time", has the formulas):
+    linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within packed
+    documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
+    (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``).
     """
+    c = PlanConfig.build(config, **options)
     shape = ModelShape.resolve(model)
+    context, batch, chunk_size, page_size = c.context, c.batch, c.chunk_size, c.page_size
+    checkpoint_layers, sparse, document_length = c.checkpoint_layers, c.sparse, c.document_length
     tokens = batch * context
-    if lora_rank > 0:
-        linear = 6.0 * shape.active_matmul_params * tokens + 8.0 * shape.lora_params(lora_rank) * tokens
+    if c.lora_rank > 0:
+        linear = 6.0 * shape.active_matmul_params * tokens + 8.0 * shape.lora_params(c.lora_rank) * tokens
     else:
         linear = 8.0 * shape.active_matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
-    attended = context
-    if sparse:
-        attended = sparse.attended_past_tokens(page_size) if isinstance(sparse, SparseConfig) else SPARSE_ATTENDED_TOKENS
+    attended = context if sparse is None else sparse.attended_past_tokens(page_size)
     chunk_pairs = [_chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
                    for s in range(0, context, chunk_size)]
     per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
     forward_attention = per_pair * sum(chunk_pairs)
     recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
-    graphs = 0 if checkpoint_layers else min(graph_chunks, n)
-    kept = attention_kept_chunks(n, checkpoint_layers, graph_chunks, kept_chunks, host_kept_chunks)
+    graphs = 0 if checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
     # forward a kept output spares.
     passes = [4.5 - (i in kept) for i in range(n)]
@@ -141,8 +128,23 @@ def step_time(
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
-    return StepTime(linear, attention, recompute, matmul_tflops, portable_attention_flops=portable,
-                    stage_1_flops=stage_1)
+    # Each pass of the decoder layers' matmuls (stage 1, stage 2's forward unless its graph was kept, the
+    # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
+    passes = 3 * n - graphs + (n if checkpoint_layers else 0)
+    return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
+                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c))
+
+
+def dequant_seconds(shape: ModelShape, c: PlanConfig) -> float:
+    """Seconds of one pass over every decoder layer's 4-bit weights (``c.quantization``; 0 without it): each
+    matrix's packed codes and scales read, and written back in the compute dtype (the matmul then reads that
+    as a bf16 weight's), at DEQUANT_GBPS, scaled with ``c.matmul_tflops``: GPUs have about the same memory
+    bandwidth per matmul FLOP (an H200 4.8 TB/s for 790 TFLOP/s, an RTX 4090 1.0 TB/s for 165)."""
+    if c.quantization is None:
+        return 0.0
+    written = shape.n_layers * shape.layer_matmul_params * PROFILES[c.precision].param
+    rate = DEQUANT_GBPS * 1e9 * c.matmul_tflops / DEFAULT_MATMUL_TFLOPS
+    return (c.quantization.weight_bytes(shape) + written) / rate
 
 
 def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> bool:
