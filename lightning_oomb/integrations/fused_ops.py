@@ -45,6 +45,18 @@ def _probe(key: object, device: torch.device, ours: Callable[[], torch.Tensor],
     return _agrees[key]
 
 
+def _randn(*shape: int, device: torch.device) -> torch.Tensor:
+    """Probe data from its own generator: a probe leaves the run's random stream as it was."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(*shape, generator=generator, device=device)
+
+
+def _linear(n_in: int, n_out: int, device: torch.device) -> nn.Linear:
+    layer = nn.utils.skip_init(nn.Linear, n_in, n_out, bias=False, device=device)
+    layer.weight.data = _randn(n_out, n_in, device=device) / n_in**0.5
+    return layer
+
+
 def _device(m: nn.Module) -> torch.device:
     p = next(m.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
@@ -62,8 +74,8 @@ def _rms_norm_agrees(m: nn.Module) -> bool:
         return False
     device, n = _device(m), m.weight.shape[0]
     probe = copy.copy(m)  # the same attributes, its own small float32 weight (the model's may be a shard)
-    probe._parameters = {"weight": nn.Parameter(1 + 0.1 * torch.randn(n, device=device))}
-    x = torch.randn(PROBE_ROWS, n, device=device)
+    probe._parameters = {"weight": nn.Parameter(1 + 0.1 * _randn(n, device=device))}
+    x = _randn(PROBE_ROWS, n, device=device)
     return _probe(type(m), device, lambda: _fused_rms_norm(probe, x), lambda: type(m).forward(probe, x))
 
 
@@ -83,12 +95,13 @@ def _mlp_agrees(m: nn.Module) -> bool:
     if not all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj")):
         return False
     device = _device(m)
-    hidden, inner = m.down_proj.out_features, m.down_proj.in_features
-    probe = copy.copy(m)  # its own small float32 layers of the same widths, the model's activation
-    probe._modules = {**m._modules, "gate_proj": nn.Linear(hidden, inner, bias=False, device=device),
-                      "up_proj": nn.Linear(hidden, inner, bias=False, device=device),
-                      "down_proj": nn.Linear(inner, hidden, bias=False, device=device)}
-    x = torch.randn(PROBE_ROWS, hidden, device=device)
+    # Its own small float32 layers, the model's activation: the probe asks what the forward computes, which no
+    # width changes, and takes no memory from a step placed to the last GiB.
+    hidden, inner = 32, 48
+    probe = copy.copy(m)
+    probe._modules = {**m._modules, "gate_proj": _linear(hidden, inner, device),
+                      "up_proj": _linear(hidden, inner, device), "down_proj": _linear(inner, hidden, device)}
+    x = _randn(PROBE_ROWS, hidden, device=device)
     return _probe(type(m), device, lambda: _fused_mlp(probe, x), lambda: type(m).forward(probe, x))
 
 
@@ -117,7 +130,7 @@ def _rope_agrees(modeling, lm: PreTrainedModel) -> bool:
             return rotary(x, position_ids, (getattr(cfg, "layer_types", None) or ["full_attention"])[0])
         return rotary(x, position_ids)
 
-    q, k = torch.randn(1, 2, tokens, head_dim, device=device), torch.randn(1, 1, tokens, head_dim, device=device)
+    q, k = _randn(1, 2, tokens, head_dim, device=device), 0.5 * _randn(1, 1, tokens, head_dim, device=device)
 
     def run(apply):
         cos, sin = cos_sin()
