@@ -16,26 +16,10 @@ def refuses(model, ids, match, exc=Exception, **kwargs):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_sliding_window_that_would_cut_attention():
+def test_sparse_attention_with_a_window_that_cuts_is_refused():
     model = tiny_model("mistral", sliding_window=16)
-    refuses(model, torch.randint(0, VOCAB, (1, 40)), "sliding-window.*window 16", NotImplementedError, chunk_size=8)
-
-
-def test_sliding_window_longer_than_sequence_is_exact():
-    from tiny_models import assert_grads_close, full_sequence_grads, grads_of
-
-    model = tiny_model("mistral", sliding_window=64)
-    ids = torch.randint(0, VOCAB, (1, 40))
-    _, want = full_sequence_grads(model, ids)
-    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
-    assert_grads_close(grads_of(model), want, 1e-5)
-
-
-def test_qwen_sliding_layers():
-    model = tiny_model("qwen2")
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    model.config.sliding_window = 8
-    refuses(model, torch.randint(0, VOCAB, (1, 20)), "sliding-window", NotImplementedError, chunk_size=4)
+    refuses(model, torch.randint(0, VOCAB, (1, 40)), "sparse attention with sliding-window layers.*window 16",
+            NotImplementedError, chunk_size=8, sparse={"budget_pages": 2, "local_pages": 1})
 
 
 def test_attention_dropout_in_training():

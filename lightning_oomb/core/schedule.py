@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..integrations.router_balance import RouterBalance
-from ..integrations.support import check_supported
+from ..integrations.support import check_supported, sliding_windows
 from ..integrations.transformers import bind, causal_lm
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
@@ -207,6 +207,12 @@ class ChunkedSequence:
         self.config = config
         self.device = input_ids.device
         self.backend = resolve_backend(config.attention, self.device, sparse=config.sparse is not None)
+        windows = sliding_windows(model)
+        if config.sparse is not None and windows and min(windows) < input_ids.shape[1]:
+            raise NotImplementedError(
+                f"sparse attention with sliding-window layers (window {min(windows)} < {input_ids.shape[1]} tokens) is "
+                "not built: train this model with dense attention (sparse=None), whose windows are exact"
+            )
         self.fused_ops = uses_triton(config.attention, self.device)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
@@ -292,9 +298,13 @@ class ChunkedSequence:
         self._stage = "new"
         self._start = 0
         self._with_grads = True
+        self._window_cache: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)
 
     # -- called by every attention layer through the transformers integration -------------------------
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        """The layer's attention for the current chunk; ``window``: a sliding window of that many tokens (each query
+        sees itself and the window - 1 keys before it), None for full causal attention."""
         if self.pool is None:
             self._take_pages(k.dtype)
         store = self.pool.layer(layer_idx, self.table)
@@ -318,7 +328,8 @@ class ChunkedSequence:
                 selection = self.selections[key]
         if fill and layer_idx == self._last_layer and not self._hidden_needed:
             raise _LastKVStored
-        store, start, doc_start, one_document = self._past(store, dense=selection is None)
+        store, start, doc_start, one_document = self._past(store, dense=selection is None, window=window,
+                                                           queries=q.shape[2])
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
                                                       doc_start, one_document)
@@ -342,19 +353,37 @@ class ChunkedSequence:
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
                                one_document)
 
-    def _past(self, store: LayerStore, dense: bool) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
-        """(store, start, doc_start, one_document) for the current chunk's attention. Dense over packed
-        documents: the store from the page of the chunk's first key on, every position counted from that page
-        (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys of earlier
-        documents (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host
-        skip those segments already (``core/offload.py``); a sparse selection names pages of the whole store."""
-        page = self._chunk_first_page
+    def _past(self, store: LayerStore, dense: bool, window: int | None = None,
+              queries: int = 0) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
+        """(store, start, doc_start, one_document) for the current chunk's attention; doc_start is each query's
+        first visible key, from its document and, for a layer with a sliding ``window``, from the window. Dense:
+        the store from the page of the chunk's first visible key on, every position counted from that page
+        (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys before it
+        (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host skip earlier
+        documents' segments already (``core/offload.py``); a sparse selection names pages of the whole store."""
+        doc_start, one, page = self._chunk_doc_start, self._chunk_one_document, self._chunk_first_page
+        lower = self._window_starts(window, queries)
+        if lower is not None:
+            doc_start = lower if doc_start is None else torch.maximum(doc_start, lower)
+            one = None
+            page = max(page, max(self._start - window + 1, 0) // self.config.page_size)
         if not dense or not page or store.streamer is not None:
-            return store, self._start, self._chunk_doc_start, self._chunk_one_document
+            return store, self._start, doc_start, one
         offset = page * self.config.page_size
-        one = self._chunk_one_document
-        return (store.from_page(page), self._start - offset, self._chunk_doc_start - offset,
+        return (store.from_page(page), self._start - offset, doc_start - offset,
                 None if one is None else one - offset)
+
+    def _window_starts(self, window: int | None, queries: int) -> torch.Tensor | None:
+        """(B, T) int32 first key each of the chunk's queries sees in a sliding window of ``window`` tokens
+        (transformers' ``kv_idx > q_idx - window``); None where the window cuts no key of this chunk."""
+        end = self._start + queries
+        if window is None or end <= window:
+            return None
+        if self._window_cache[0] != (self._chunk, window):
+            positions = torch.arange(self._start, end, device=self.device, dtype=torch.int32)
+            starts = (positions - (window - 1)).clamp_min(0)
+            self._window_cache = ((self._chunk, window), starts.expand(self.input_ids.shape[0], -1).contiguous())
+        return self._window_cache[1]
 
     def _keeps_graph(self, index: int) -> bool:
         return self._with_grads and index >= len(self.chunks) - self.placement.graph_chunks

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .router_balance import router_class
-from .transformers import causal_lm
+from .transformers import causal_lm, sliding_window
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -41,7 +41,8 @@ def _rope_type(config) -> str:
 
 
 def check_supported(model: nn.Module, seq_len: int) -> None:
-    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens."""
+    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens. Sliding
+    windows are computed (each layer's own, the keys before it masked and their pages skipped)."""
     lm = causal_lm(model)
     cfg = lm.config
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
@@ -81,20 +82,16 @@ def check_supported(model: nn.Module, seq_len: int) -> None:
             f"rope_type {rope!r} changes its frequencies with the sequence length, so chunks would see other "
             "positions than the full sequence; use a static RoPE (default, linear, llama3, yarn)"
         )
-    windows = {getattr(m, "sliding_window", None) for m in attention}
-    if cfg.model_type == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        windows.add(cfg.sliding_window)
-    windows.discard(None)
-    if windows and seq_len > min(windows):
-        raise NotImplementedError(
-            f"the model uses sliding-window attention (window {min(windows)}) and the sequence has {seq_len} "
-            "tokens, so the window would cut attention; lightning_oomb implements full causal attention only: "
-            "disable the window (config.use_sliding_window=False / sliding_window=None) or use sequences no "
-            "longer than the window"
-        )
     if lm.training:
         _check_deterministic_training(lm, name)
     _check_loss_is_cross_entropy(lm, name)
+
+
+def sliding_windows(model: nn.Module) -> set[int]:
+    """The sliding windows of the model's attention layers, in tokens (empty: full causal attention only)."""
+    lm = causal_lm(model)
+    return {w for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")
+            for w in [sliding_window(m)] if w is not None}
 
 
 def _check_deterministic_training(lm: nn.Module, name: str) -> None:

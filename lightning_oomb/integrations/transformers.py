@@ -23,7 +23,8 @@ ATTN_NAME = "lightning_oomb"
 
 
 class ChunkAttender(Protocol):
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...  # noqa: E704
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # noqa: E704
+               window: int | None = None) -> torch.Tensor: ...
 
 
 _active: ChunkAttender | None = None
@@ -54,7 +55,8 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         # float32 cos/sin make q and k float32 under bf16-mixed while v stays bf16; the K/V store is bf16 too.
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    out = _active.attend(module.layer_idx, query, key, value, scale)
+    window = sliding_window(module)
+    out = _active.attend(module.layer_idx, query, key, value, scale, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -62,6 +64,18 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 # AttentionMaskInterface ``create_causal_mask`` returns None at once. With one, it would first look for packed
 # sequences in the position ids (a Python ``if`` on a GPU tensor): the host waiting for the GPU at every chunk.
 AttentionInterface.register(ATTN_NAME, _oomb_attention)
+
+
+def sliding_window(attention: nn.Module) -> int | None:
+    """The sliding window of an attention layer in tokens, None for full causal attention. Layers of models
+    that mix both (Gemma 3, Qwen2) carry theirs as ``sliding_window``; where the layer has no such attribute
+    the model's mask applies ``config.sliding_window`` to every layer (Mistral, Mixtral, Phi-3, StarCoder2)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    config = getattr(attention, "config", None)
+    if config is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
