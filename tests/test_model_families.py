@@ -249,3 +249,24 @@ def test_sliding_window_within_packed_documents():
     loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
     assert rel_err(loss, want_loss) <= TOL
     assert_grads_close(grads_of(model), want, TOL)
+
+
+def test_the_planner_times_sliding_window_layers_by_their_window():
+    """Gemma 3's five local layers of six attend to 1024 tokens each: at 128K their attention FLOPs are the
+    window's, the global layer's the whole context's."""
+    import dataclasses
+
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.plan.timing import step_time
+
+    config = AutoConfig.for_model("gemma3_text", vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                  num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                                  sliding_window=1024)
+    shape = ModelShape.from_config(config)
+    assert (shape.window, shape.window_layers) == (1024, 5)
+    full = dataclasses.replace(shape, window=0, window_layers=0)
+    context = 128 * 1024
+    windowed, dense = (step_time(s, context).attention_flops for s in (shape, full))
+    # per layer: about context * window pairs against context^2 / 2
+    expected = (1 + 5 * (1024 - 0.5) * context / (context * context / 2)) / 6
+    assert windowed / dense == pytest.approx(expected, rel=0.02)

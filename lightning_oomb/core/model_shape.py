@@ -60,6 +60,18 @@ def transformers_config(config: dict[str, Any]):
     return AutoConfig.for_model(model_type, **fields)
 
 
+def _windows(config: Any) -> dict[str, int]:
+    """The sliding window and how many layers have it: those of ``layer_types`` that say so, or every layer
+    where the config sets a window without layer types (Mistral, Mixtral, Phi-3, StarCoder2), as the models'
+    masks apply it (integrations.transformers.sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(config, "layer_types", None)
+    layers = sum(t == "sliding_attention" for t in types) if types else config.num_hidden_layers
+    return {"window": int(window), "window_layers": layers} if layers else {}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families, and
@@ -91,6 +103,8 @@ class ModelShape:
     n_experts: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    window: int = 0  # tokens of the sliding window of window_layers of the layers (0: none)
+    window_layers: int = 0
 
     # -- constructors -----------------------------------------------------------------------------------
     @classmethod
@@ -112,6 +126,7 @@ class ModelShape:
             n_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
             **moe,
+            **_windows(config),
             n_heads=n_heads,
             n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,

@@ -108,9 +108,13 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         linear = 8.0 * shape.active_matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
     attended = context if sparse is None else sparse.attended_past_tokens(page_size)
-    chunk_pairs = [_chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
-                   for s in range(0, context, chunk_size)]
-    per_pair = 4.0 * shape.q_width * shape.n_layers * batch  # forward attention FLOPs of one (query, key) pair
+    full_layers = shape.n_layers - shape.window_layers
+    chunk_pairs = []  # over the layers: full ones, then sliding-window ones
+    for s in range(0, context, chunk_size):
+        pairs = _chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
+        windowed = min(pairs, _window_pairs(s, min(chunk_size, context - s), shape.window)) if shape.window else 0
+        chunk_pairs.append(full_layers * pairs + shape.window_layers * windowed)
+    per_pair = 4.0 * shape.q_width * batch  # forward attention FLOPs of one (query, key) pair of one layer
     forward_attention = per_pair * sum(chunk_pairs)
     recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
@@ -153,6 +157,14 @@ def _runs_portable(start: int, n: int, document_length: int, page_size: int) -> 
     document border, or its document starts mid-page."""
     first_doc = start - start % document_length
     return first_doc != (start + n - 1) - (start + n - 1) % document_length or first_doc % page_size != 0
+
+
+def _window_pairs(start: int, n: int, window: int) -> float:
+    """(query, key) pairs of the n queries of a chunk at ``start`` in a sliding window of ``window`` tokens
+    (each query sees itself and the window - 1 keys before it; the diagonal counted as half a pair)."""
+    growing = max(0, min(start + n, window) - start)  # queries whose window reaches the first token
+    first = start + 1  # keys the chunk's first query sees while the window still grows
+    return growing * first + growing * (growing - 1) / 2 + (n - growing) * window - n / 2
 
 
 def _chunk_pairs(start: int, n: int, attended: int | float, document_length: int) -> float:
