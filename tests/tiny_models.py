@@ -61,7 +61,10 @@ FAMILIES = {
     "phi3": dict(partial_rotary_factor=0.5),  # fused qkv and gate_up projections, RoPE on half the head
     "olmo2": dict(),  # q/k norms over all heads
     "starcoder2": dict(sliding_window=None),
+    # attention sinks, sliding and full layers alternating (a window of 9 cuts every chunk), experts with biases
+    "gpt_oss": dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=9),
 }
+EAGER_ONLY = ("gpt_oss",)  # transformers runs their attention in its eager code only
 for _family, _extra in FAMILIES.items():
     CONFIGS[_family] = (lambda family, extra: lambda: AutoConfig.for_model(
         family, **COMMON, **extra, pad_token_id=0, bos_token_id=1, eos_token_id=2))(_family, _extra)
@@ -72,11 +75,15 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.
     config = CONFIGS[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+    attention = "eager" if family in EAGER_ONLY else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).to(dtype)
     # Random init of transformers is small; widen it so attention is far from uniform and errors show.
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for m in model.modules():  # sink logits comparable to the attention logits: the sinks weigh in
+            if isinstance(getattr(m, "sinks", None), torch.Tensor):
+                m.sinks.normal_(0, 1)
     return model.train()
 
 

@@ -6,6 +6,11 @@ later chunks stored for them already added (docs/architecture.md, "The algorithm
 takes a sparse page selection, packed documents (``doc_start``, ``one_document``), pages streamed from the
 host (``store.streamer``) and a sparse layer's host K/V pages (``store.kv_stager``): docs/architecture.md,
 "The attention backend" and the sections after it.
+
+Attention sinks (GPT-OSS: a learned logit s per head in every softmax's denominator, a key whose value is
+zero) need no kernel of their own: with lse' = logaddexp(lse, s) the output is out * exp(lse - lse'), and the
+backends' backward given (that output, lse') is the exact backward of attention with the sink; the sink's
+own gradient is -sum over queries of exp(s - lse') * rowsum(dout * out).
 """
 
 from __future__ import annotations
@@ -118,33 +123,39 @@ def _staged(store: LayerStore, selection: torch.Tensor | None, start: int) -> La
     return store if store.kv_stager is None else store.kv_stager.stage(store, selection, start)
 
 
-def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start, one_document):
+def _forward(q, k, v, store: LayerStore, start: int, scale: float, backend, selection, doc_start, one_document,
+             sinks=None):
     store = _staged(store, selection, start)
     if store.streamer is not None:
-        return store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
-    if selection is not None:
-        return backend.attention_forward(q, k, v, store, start, scale, selection, doc_start)
-    return backend.attention_forward(q, k, v, store, start, scale, doc_start, one_document)
+        out, lse = store.streamer.forward(backend, q, k, v, store, start, scale, doc_start)
+    elif selection is not None:
+        out, lse = backend.attention_forward(q, k, v, store, start, scale, selection, doc_start)
+    else:
+        out, lse = backend.attention_forward(q, k, v, store, start, scale, doc_start, one_document)
+    if sinks is None:
+        return out, lse
+    with_sink = torch.logaddexp(lse, sinks.detach().float()[None, :, None])
+    return (out.float() * torch.exp(lse - with_sink)[..., None]).to(out.dtype), with_sink
 
 
 class ChunkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, store: LayerStore, start: int, scale: float, backend, selection=None, kept=None,
-                doc_start=None, one_document=None):
+                doc_start=None, one_document=None, sinks=None):
         if kept is None:
-            out, lse = _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document)
+            out, lse = _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document, sinks)
         else:
             # A new tensor object on the kept storage: autograd attaches this call's history to it, and a
             # layer checkpoint's recompute may call again with the same kept pair.
             out, lse = kept[0].detach(), kept[1]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.store, ctx.start, ctx.scale, ctx.backend = store, start, scale, backend
         ctx.selection, ctx.doc_start, ctx.one_document = selection, doc_start, one_document
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         store = _staged(ctx.store, ctx.selection, ctx.start)
         args = (dout, q, k, v, out, lse, store, ctx.start, ctx.scale)
         if store.streamer is not None:
@@ -153,13 +164,17 @@ class ChunkAttention(torch.autograd.Function):
             dq, dk, dv = ctx.backend.attention_backward(*args, ctx.selection, ctx.doc_start)
         else:
             dq, dk, dv = ctx.backend.attention_backward(*args, ctx.doc_start, ctx.one_document)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[11]:
+            delta = (dout.float() * out.float()).sum(-1)  # (B, H, T)
+            dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
 
 
 def chunk_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
     selection: torch.Tensor | None = None, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
-    doc_start: torch.Tensor | None = None, one_document: int | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
 
@@ -167,18 +182,23 @@ def chunk_attention(
     sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
     used instead of computing them again. doc_start: None, or (B, T) int32, each query's document start
     (packed documents); one_document: None, or the start of the one document all the chunk's queries belong
-    to (``core.documents.chunk_documents``).
+    to (``core.documents.chunk_documents``). sinks: None, or (H_q,) attention-sink logits (module docstring).
     """
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start, one_document)
+    grads = q.requires_grad or k.requires_grad or v.requires_grad or (sinks is not None and sinks.requires_grad)
+    if torch.is_grad_enabled() and grads:
+        return ChunkAttention.apply(q, k, v, store, start, scale, backend, selection, kept, doc_start, one_document,
+                                    sinks)
     if kept is not None:
         return kept[0]
-    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection, doc_start, one_document)[0]
+    return chunk_attention_with_lse(q, k, v, store, start, scale, backend, selection, doc_start, one_document,
+                                    sinks)[0]
 
 
 def chunk_attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float, backend,
     selection: torch.Tensor | None = None, doc_start: torch.Tensor | None = None, one_document: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log)."""
-    return _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document)
+    """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log; with
+    ``sinks``, the sink's term included)."""
+    return _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document, sinks)

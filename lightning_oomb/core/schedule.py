@@ -302,9 +302,10 @@ class ChunkedSequence:
 
     # -- called by every attention layer through the transformers integration -------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's attention for the current chunk; ``window``: a sliding window of that many tokens (each query
-        sees itself and the window - 1 keys before it), None for full causal attention."""
+        sees itself and the window - 1 keys before it), None for full causal attention; ``sinks``: (H_q,)
+        attention-sink logits (core/attention.py), or None."""
         if self.pool is None:
             self._take_pages(k.dtype)
         store = self.pool.layer(layer_idx, self.table)
@@ -332,11 +333,11 @@ class ChunkedSequence:
                                                            queries=q.shape[2])
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                      doc_start, one_document)
+                                                      doc_start, one_document, sinks)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
             out, lse = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection, doc_start,
-                                                one_document)
+                                                one_document, sinks)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
@@ -349,9 +350,9 @@ class ChunkedSequence:
             # autograd: the checkpoint counts the tensors its forward saves.
             with torch.no_grad():
                 self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                          doc_start, one_document)
+                                                          doc_start, one_document, sinks)
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
-                               one_document)
+                               one_document, sinks)
 
     def _past(self, store: LayerStore, dense: bool, window: int | None = None,
               queries: int = 0) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:

@@ -61,9 +61,6 @@ def check_supported(model: nn.Module, seq_len: int) -> None:
     if any(m.is_causal is False for m in attention):
         raise NotImplementedError(f"{name} has bidirectional attention layers: lightning_oomb attention is causal "
                                   "only")
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attention):
-        raise NotImplementedError(f"{name} has attention sinks (a learned logit per head in each softmax), which "
-                                  "lightning_oomb attention does not implement")
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise NotImplementedError("attn_logit_softcapping is not implemented by lightning_oomb attention")
     for field, (neutral, what) in HEAD_CHANGES.items():

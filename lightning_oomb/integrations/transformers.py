@@ -24,7 +24,7 @@ ATTN_NAME = "lightning_oomb"
 
 class ChunkAttender(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # noqa: E704
-               window: int | None = None) -> torch.Tensor: ...
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 _active: ChunkAttender | None = None
@@ -43,9 +43,8 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         raise ValueError(
             f"attention dropout {dropout} would give stage 1 and stage 2 different K/V; set attention_dropout=0"
         )
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"lightning_oomb attention does not implement `{name}`")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("lightning_oomb attention does not implement `softcap`")
     if not getattr(module, "is_causal", True):
         raise ValueError("lightning_oomb attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -55,8 +54,8 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         # float32 cos/sin make q and k float32 under bf16-mixed while v stays bf16; the K/V store is bf16 too.
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    window = sliding_window(module)
-    out = _active.attend(module.layer_idx, query, key, value, scale, window=window)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS: a learned logit per head in each softmax
+    out = _active.attend(module.layer_idx, query, key, value, scale, window=sliding_window(module), sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
