@@ -184,8 +184,8 @@ def test_unservable_training_step(module_cls, match):
 
 
 def test_unsupported_model_fails_at_first_step():
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        fit(UserModule(tiny_model("mistral", sliding_window=8)), OOMBStrategy(chunk_size=8), max_steps=1)
+    with pytest.raises(NotImplementedError, match="attention_dropout=0.1 in training mode"):
+        fit(UserModule(tiny_model("qwen2", attention_dropout=0.1)), OOMBStrategy(chunk_size=8), max_steps=1)
 
 
 def test_memory_series_in_tensorboard(tmp_path):
