@@ -12,7 +12,8 @@ import torch
 import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.served import serve
-from tiny_models import BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, grads_of, rel_err, tiny_model
+from tiny_models import (BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, grads_of, rel_err,
+                         separate_documents_grads, tiny_model)
 
 TOL = 1e-5
 # With chunks of 8 and pages of 4: starts at 7 (mid-chunk, mid-page), 16 (chunk border), 17 (mid-page, a
@@ -23,26 +24,6 @@ LENGTHS = [7, 9, 1, 2, 5, 21]
 def packed_positions(*rows: list[int]) -> torch.Tensor:
     """position_ids (len(rows), L) restarting at 0 for documents of the given lengths per row."""
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
-
-
-def separate_documents_grads(model, ids, position_ids, labels=None):
-    """Loss and gradients of each document on its own through transformers, normalised by the batch's
-    label count (the first token of a document is no label of the one before)."""
-    labels = ids if labels is None else labels
-    docs = []
-    for b in range(ids.shape[0]):
-        starts = (position_ids[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
-        docs += [(ids[b, s:e], labels[b, s:e]) for s, e in zip(starts[:-1], starts[1:])]
-    n_labels = sum(int((lab[1:] != -100).sum()) for _, lab in docs)
-    model.zero_grad(set_to_none=True)
-    total = torch.zeros(())
-    for doc, lab in docs:
-        loss = model(input_ids=doc[None], labels=lab[None], num_items_in_batch=n_labels).loss
-        loss.backward()
-        total += loss.detach()
-    grads = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    return total, grads
 
 
 def check_packed(model, ids, position_ids, labels=None, **kwargs):

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import lightning_oomb
 from lightning_oomb.integrations import fused_ops, support
 from tiny_models import (BACKENDS, COMMON, FAMILIES, VOCAB, assert_grads_close, full_sequence_grads, grads_of,
-                         rel_err, tiny_model)
+                         rel_err, separate_documents_grads, tiny_model)
 
 TOL = 1e-5
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -55,16 +55,7 @@ def test_packed_documents_of_a_family_match_separate_documents():
     model = tiny_model("olmo2")
     ids = torch.randint(0, VOCAB, (1, 30))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
-    want_loss, want = torch.zeros(()), None
-    model.zero_grad(set_to_none=True)
-    parts = [(0, 13), (13, 30)]
-    total = sum(e - s - 1 for s, e in parts)
-    for s, e in parts:  # each document alone, its loss weighted by its share of the predicted tokens
-        loss = model(input_ids=ids[:, s:e], labels=ids[:, s:e]).loss * (e - s - 1) / total
-        loss.backward()
-        want_loss = want_loss + loss.detach()
-    want = grads_of(model)
-    model.zero_grad(set_to_none=True)
+    want_loss, want = separate_documents_grads(model, ids, position_ids)
     loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
     assert rel_err(loss, want_loss) <= TOL
     assert_grads_close(grads_of(model), want, TOL)
@@ -239,14 +230,7 @@ def test_sliding_window_within_packed_documents():
     model = tiny_model("mistral", sliding_window=6)
     ids = torch.randint(0, VOCAB, (1, 30))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
-    parts, want_loss = [(0, 13), (13, 30)], torch.zeros(())
-    total = sum(e - s - 1 for s, e in parts)
-    for s, e in parts:
-        loss = model(input_ids=ids[:, s:e], labels=ids[:, s:e]).loss * (e - s - 1) / total
-        loss.backward()
-        want_loss = want_loss + loss.detach()
-    want = grads_of(model)
-    model.zero_grad(set_to_none=True)
+    want_loss, want = separate_documents_grads(model, ids, position_ids)
     loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
     assert rel_err(loss, want_loss) <= TOL
     assert_grads_close(grads_of(model), want, TOL)
