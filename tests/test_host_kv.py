@@ -391,3 +391,16 @@ def test_stage_2_gathers_run_ahead_of_their_calls(monkeypatch, checkpoint, host_
     assert stages["fill"] and not any(stages["fill"])
     assert stages["recompute"] and all(stages["recompute"])
     assert cached_pool(model).kv_staging.prefetched == len(stages["recompute"])
+
+
+@pytest.mark.parametrize("per_query_tile", [True, False], ids=["per-tile", "per-chunk"])
+def test_windowed_layers_on_the_host_give_the_gpu_gradient_bitwise(per_query_tile):
+    """Gemma 3's local layers (a window of 7 over pages of 3) and its global ones with every page on the host:
+    a window's first pages are -1 entries that the gathers skip."""
+    model = tiny_model("gemma3_text", sliding_window=7)
+    ids = torch.randint(0, VOCAB, (2, 29))
+    config = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=per_query_tile)
+    want = _step(model, ids, offload="gpu", sparse=config)
+    got = _step(model, ids, offload="host", sparse=config)
+    assert cached_pool(model).host_kv_layers == 2
+    _assert_same(got, want)

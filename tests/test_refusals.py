@@ -16,10 +16,11 @@ def refuses(model, ids, match, exc=Exception, **kwargs):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_sparse_attention_with_a_window_that_cuts_is_refused():
-    model = tiny_model("mistral", sliding_window=16)
-    refuses(model, torch.randint(0, VOCAB, (1, 40)), "sparse attention with sliding-window layers.*window 16",
-            NotImplementedError, chunk_size=8, sparse={"budget_pages": 2, "local_pages": 1})
+def test_one_selection_per_chunk_over_packed_documents():
+    model = tiny_model("llama")
+    position_ids = torch.cat([torch.arange(15), torch.arange(25)])[None]
+    refuses(model, torch.randint(0, VOCAB, (1, 40)), r"per_query_tile=False.*packed documents", ValueError,
+            position_ids=position_ids, chunk_size=8, sparse={"budget_pages": 2, "local_pages": 1, "per_query_tile": False})
 
 
 def test_attention_dropout_in_training():

@@ -7,6 +7,8 @@ stray read shows up.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from lightning_oomb.core.config import SparseConfig
 from lightning_oomb.core.sparse import select_pages, update_summaries
 from lightning_oomb.kernels import sparse_attention as tri
 from test_triton_attention import DEVICE, make_problem
-from tiny_models import VOCAB, grads_of, needs_interpreter, rel_err, tiny_model
+from tiny_models import BACKENDS, VOCAB, full_sequence_grads, grads_of, needs_interpreter, rel_err, tiny_model
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -315,6 +317,70 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
     for (start, _), selection in sparse_made.items():
         if start >= 2 * 2:
             assert selection.shape[-1] == 2  # budget-limited past
+
+
+# == sliding windows ========================================================================================
+
+
+def test_selection_in_a_window():
+    """A window is each query's first visible key, as a document start is: no page wholly before a tile's
+    earliest window start is chosen; a window within the budget is taken whole; one selection per chunk
+    chooses among the pages its first query sees."""
+    # Chunk [40, 52) of pages of 4 (10 past pages), a window of 15: tile 0's first query (40) sees from 26
+    # (page 6), tile 2's (48) from 34 (page 8).
+    config = SparseConfig(budget_pages=5, sink_pages=1, local_pages=1)
+    p = make_problem(1, 2, 1, 8, 12, 40, 4, torch.float32, device="cpu")
+    summaries = p.pool.summaries("mean", 1)
+    update_summaries(p.store, summaries, "mean", 0, 40)
+    window = (torch.arange(40, 52) - 14).clamp_min(0).int()[None]
+    sel = select_pages(p.q, p.store, summaries, config, 40, window)
+    assert (sel[0, :, 0] == torch.tensor([-1, 6, 7, 8, 9], dtype=torch.int32)).all()
+    assert (sel[0, :, 2] == torch.tensor([-1, -1, -1, 8, 9], dtype=torch.int32)).all()
+    per_chunk = select_pages(p.q, p.store, summaries, dataclasses.replace(config, per_query_tile=False), 40, window)
+    assert per_chunk.stride(2) == 0 and (per_chunk[0, :, 2] == sel[0, :, 0]).all()
+    # A wider window (27: from page 3 for tile 0) than the budget: sink at the window's first page, the local
+    # page, and the top scores between.
+    wide = (torch.arange(40, 52) - 26).clamp_min(0).int()[None]
+    sel = select_pages(p.q, p.store, summaries, config, 40, wide)
+    assert (sel[0, :, 0, 0] == 3).all() and (sel[0, :, 0, -1] == 9).all() and (sel[0, :, 0] >= 3).all()
+
+
+WINDOWED_SPARSE = {
+    # every layer windowed, the window (11 tokens: at most 5 pages of 3) within the budget: dense in the window
+    "within-budget": (dict(sliding_window=11), SparseConfig(budget_pages=6, sink_pages=1, local_pages=1)),
+    "within-budget-per-chunk": (dict(sliding_window=11),
+                                SparseConfig(budget_pages=6, sink_pages=1, local_pages=1, per_query_tile=False)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(WINDOWED_SPARSE), ids=list(WINDOWED_SPARSE))
+def test_window_within_the_budget_matches_full_sequence(case, backend):
+    """A sliding window that fits the budget leaves sparse attention exact: transformers' own full-sequence
+    training of the windowed model, within 1e-5."""
+    window, config = WINDOWED_SPARSE[case]
+    model = tiny_model("mistral", **window)
+    ids = torch.randint(0, VOCAB, (2, 37))
+    want_loss, want = full_sequence_grads(model, ids)
+    loss, got = _grads(model, ids, chunk_size=8, page_size=3, attention=backend, sparse=config)
+    assert rel_err(loss, want_loss) <= 1e-5
+    _assert_grads(got, want, 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("per_query_tile", [True, False], ids=["per-tile", "per-chunk"])
+def test_windows_wider_than_the_budget_triton_matches_reference(per_query_tile):
+    """Gemma 3's local layers (a 16-token window over pages of 2: more pages than the budget of 3) beside its
+    global ones, each layer selecting in its own window: the Triton step equals the reference step."""
+    model = tiny_model("gemma3_text", sliding_window=16)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    config = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=per_query_tile)
+    want_loss, want = _grads(model, ids, chunk_size=8, page_size=2, attention="reference", sparse=config)
+    loss, got = _grads(model, ids, chunk_size=8, page_size=2, attention="triton", sparse=config)
+    dense_loss, _ = _grads(model, ids, chunk_size=8, page_size=2, attention="reference")
+    assert rel_err(want_loss, dense_loss) > 1e-4  # the budget cuts the windows
+    assert rel_err(loss, want_loss) <= 1e-5
+    _assert_grads(got, want, 1e-5)
 
 
 # == Triton kernels against the reference (interpreter on CPU) =============================================

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..integrations.router_balance import RouterBalance
-from ..integrations.support import check_supported, sliding_windows
+from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
@@ -207,12 +207,9 @@ class ChunkedSequence:
         self.config = config
         self.device = input_ids.device
         self.backend = resolve_backend(config.attention, self.device, sparse=config.sparse is not None)
-        windows = sliding_windows(model)
-        if config.sparse is not None and windows and min(windows) < input_ids.shape[1]:
-            raise NotImplementedError(
-                f"sparse attention with sliding-window layers (window {min(windows)} < {input_ids.shape[1]} tokens) is "
-                "not built: train this model with dense attention (sparse=None), whose windows are exact"
-            )
+        if config.sparse is not None and not config.sparse.per_query_tile and self.doc_start is not None:
+            raise ValueError("SparseConfig(per_query_tile=False) selects one page set per chunk, which packed "
+                             "documents cannot share; use per_query_tile=True with position_ids")
         self.fused_ops = uses_triton(config.attention, self.device)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
@@ -313,6 +310,7 @@ class ChunkedSequence:
         fill = self._stage == "fill"
         sparse = self.config.sparse
         selection = None
+        first_keys = self._first_keys(window, q.shape[2])
         with torch.no_grad():  # a chunk whose graph stage 1 keeps runs with autograd: the store is no part of it
             if fill:
                 if k.dtype != self.pool.spec.dtype:
@@ -321,7 +319,7 @@ class ChunkedSequence:
             if sparse is not None and fill:
                 summaries = self.pool.summaries(sparse.score, layer_idx)
                 # Select from the past's summaries, then add this chunk's keys for the chunks after it.
-                selection = select_pages(q, store, summaries, sparse, self._start, self._chunk_doc_start)
+                selection = select_pages(q, store, summaries, sparse, self._start, first_keys[0])
                 update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
                 if self._with_grads:
                     self.selections[key] = selection
@@ -329,8 +327,7 @@ class ChunkedSequence:
                 selection = self.selections[key]
         if fill and layer_idx == self._last_layer and not self._hidden_needed:
             raise _LastKVStored
-        store, start, doc_start, one_document = self._past(store, dense=selection is None, window=window,
-                                                           queries=q.shape[2])
+        store, start, doc_start, one_document = self._past(store, selection is None, *first_keys)
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
                                                       doc_start, one_document, sinks)
@@ -354,20 +351,27 @@ class ChunkedSequence:
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
                                one_document, sinks)
 
-    def _past(self, store: LayerStore, dense: bool, window: int | None = None,
-              queries: int = 0) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
-        """(store, start, doc_start, one_document) for the current chunk's attention; doc_start is each query's
-        first visible key, from its document and, for a layer with a sliding ``window``, from the window. Dense:
-        the store from the page of the chunk's first visible key on, every position counted from that page
-        (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys before it
-        (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host skip earlier
-        documents' segments already (``core/offload.py``); a sparse selection names pages of the whole store."""
+    def _first_keys(self, window: int | None, queries: int) -> tuple[torch.Tensor | None, int | None, int]:
+        """The current chunk's (doc_start, one_document, page) for a layer with a sliding ``window`` (None: full
+        causal attention): doc_start (B, T) int32 each query's first visible key, from its document and its
+        window, or None where neither cuts; one_document the start of the one document every query belongs
+        to, where the window cuts nothing; page the page of the chunk's first visible key."""
         doc_start, one, page = self._chunk_doc_start, self._chunk_one_document, self._chunk_first_page
         lower = self._window_starts(window, queries)
         if lower is not None:
             doc_start = lower if doc_start is None else torch.maximum(doc_start, lower)
             one = None
             page = max(page, max(self._start - window + 1, 0) // self.config.page_size)
+        return doc_start, one, page
+
+    def _past(self, store: LayerStore, dense: bool, doc_start: torch.Tensor | None, one: int | None,
+              page: int) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
+        """(store, start, doc_start, one_document) for the current chunk's attention (``_first_keys``). Dense:
+        the store from the page of the chunk's first visible key on, every position counted from that page
+        (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys before it
+        (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host skip earlier
+        documents' segments already (``core/offload.py``); a sparse selection names pages of the whole store
+        and none before the first visible key (``core.sparse.select_pages``)."""
         if not dense or not page or store.streamer is not None:
             return store, self._start, doc_start, one
         offset = page * self.config.page_size

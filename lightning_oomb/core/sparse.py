@@ -106,18 +106,18 @@ def select_pages(
     """The selection (B, H_sel, n_tiles, K) int32 of the chunk at [start, start + T) (docs/architecture.md,
     "Page-level sparse attention"; ties resolved by torch.topk, then sorted ascending).
 
-    doc_start: None, or (B, T) int32 each query's document start (packed documents): a tile then selects
-    among the past pages from that of its earliest document start on, and entries it cannot fill are -1.
-    With ``config.per_query_tile`` False one selection, made for the chunk's mean query, serves every tile."""
+    doc_start: None, or (B, T) int32 each query's first visible key (packed documents' starts, sliding
+    windows): a tile then selects among the past pages from that of its earliest first key on, and entries it
+    cannot fill are -1. With ``config.per_query_tile`` False one selection, made for the chunk's mean query
+    among the pages its first query may see, serves every tile (each query's kernel masks the keys before its
+    own first key)."""
     ps = store.page_size
     if not config.per_query_tile:
-        if doc_start is not None:
-            raise ValueError("SparseConfig(per_query_tile=False) selects one page set per chunk, which packed "
-                             "documents cannot share; use per_query_tile=True with position_ids")
         n_tiles = -(-q.shape[2] // ps)
         # The chunk's mean query as one tile of all its rows: the mean of the tiles' means, weighted by rows.
         whole = q.float().mean(2, keepdim=True).expand(-1, -1, ps, -1)
-        one = select_pages(whole, store, summaries, dataclasses.replace(config, per_query_tile=True), start)
+        first = None if doc_start is None else doc_start[:, :1].expand(-1, ps)
+        one = select_pages(whole, store, summaries, dataclasses.replace(config, per_query_tile=True), start, first)
         return one.expand(-1, -1, n_tiles, -1)  # a view: stage 2 keeps one list per chunk, not per tile
     n_past = -(-start // ps)
     b, hq, t, _ = q.shape
