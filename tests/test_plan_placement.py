@@ -143,3 +143,36 @@ def test_served_steps_recompute_dlh_only_where_keeping_it_fits_nowhere():
     assert not any("dL/dh of every chunk" in k for k in [*limit.plan.gpu_lines, *limit.plan.host_lines])
     assert "dL/dh computed again in stage 2" in str(limit.plan)
     assert not plan_placed("qwen2.5-7b", limit.context, loss_grads="host", optimizer="adamw8bit", **sparse).fits
+
+
+# == a GPU memory budget (ChunkConfig.gpu_memory) ================================================================
+
+
+def test_a_gpu_memory_budget_caps_the_room_a_step_is_placed_in(monkeypatch):
+    """gpu_room: the device's free memory plus the allocator's unused reserve; with a budget, at most the
+    budget less what is allocated, against a device of the budget's size."""
+    from lightning_oomb.core.placement import gpu_room
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 20 * gib)
+    device = torch.device("cuda", 0)
+    assert gpu_room(device) == (110 * gib, 140 * gib)
+    assert gpu_room(device, 24 * gib) == (4 * gib, 24 * gib)
+    assert gpu_room(device, 200 * gib) == (110 * gib, 140 * gib)
+
+
+def test_a_gpu_memory_budget_is_the_planned_card():
+    """plan() without a machine's gpu_memory plans for ChunkConfig.gpu_memory's card; a bad size is one line."""
+    from lightning_oomb.core.errors import SetupError
+    from lightning_oomb.core.plan import PlanConfig
+
+    assert ChunkConfig(gpu_memory="24GiB").gpu_memory == 24 << 30
+    card = plan("qwen2.5-7b", 65536, optimizer="none", lora_rank=16, host_memory=128e9, gpu_memory=24 << 30)
+    budgeted = plan("qwen2.5-7b", PlanConfig.build(65536, optimizer="none", lora_rank=16, host_memory=128e9,
+                                                   gpu_memory=24 << 30))
+    assert budgeted.gpu_memory == card.gpu_memory == 24 << 30 and budgeted.peak_gpu_bytes == card.peak_gpu_bytes
+    for bad in ("-3GiB", "lots", 0):
+        with pytest.raises(SetupError, match="gpu_memory"):
+            ChunkConfig(gpu_memory=bad)

@@ -138,6 +138,24 @@ def test_cpu_accelerator_on_a_gpu_machine_trains_on_the_cpu(monkeypatch):
     assert strategy.root_device == torch.device("cpu")
 
 
+def test_a_gpu_memory_budget_holds_the_allocator_to_it(monkeypatch):
+    """gpu_memory: the process's share of its device (torch.cuda.set_per_process_memory_fraction); more than
+    the device has is one line."""
+    from types import SimpleNamespace
+
+    from lightning_oomb.core.errors import SetupError
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 << 30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append((f, device)))
+    OOMBStrategy(device="cuda:0", gpu_memory="24GiB")._hold_to_gpu_budget()
+    assert fractions == [(0.3, torch.device("cuda", 0))]
+    with pytest.raises(SetupError, match=r"gpu_memory 96.0 GiB is more than cuda:0's 80.0 GiB"):
+        OOMBStrategy(device="cuda:0", gpu_memory="96GiB")._hold_to_gpu_budget()
+    OOMBStrategy(device="cpu", gpu_memory="24GiB")._hold_to_gpu_budget()  # a CPU run has no GPU to hold
+    assert len(fractions) == 1
+
+
 def test_16_mixed_refused():
     from lightning.pytorch.plugins import MixedPrecision
 

@@ -128,6 +128,10 @@ class ChunkConfig:
             available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
             Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
             refused.
+        gpu_memory: the run's GPU memory budget, bytes or a size with its unit such as "24GiB": every step is
+            placed against it as against a card of that size (a shared GPU, or planning for a smaller card on a
+            larger one). OOMBStrategy also holds the process's allocations to it
+            (torch.cuda.set_per_process_memory_fraction). None: the device's free memory.
     """
 
     chunk_size: int = 4096
@@ -142,16 +146,19 @@ class ChunkConfig:
     keep_attention: int | None = None
     keep_graphs: int | None = None
     host_memory: int | float | str | None = None
+    gpu_memory: int | float | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
-        if isinstance(self.host_memory, float) and self.host_memory.is_integer():
-            object.__setattr__(self, "host_memory", int(self.host_memory))
-        if isinstance(self.host_memory, str):
-            try:
-                object.__setattr__(self, "host_memory", parse_bytes(self.host_memory))
-            except ValueError as e:
-                raise SetupError(f"host_memory: {e}") from None
+        for name in ("host_memory", "gpu_memory"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, int(value))
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, parse_bytes(value))
+                except ValueError as e:
+                    raise SetupError(f"{name}: {e}") from None
         dtype = getattr(torch, self.grad_dtype) if isinstance(self.grad_dtype, str) else self.grad_dtype
         if dtype not in (torch.float32, torch.bfloat16):
             raise SetupError(f"grad_dtype must be float32 or bfloat16, got {self.grad_dtype!r}")
@@ -172,10 +179,10 @@ class ChunkConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise SetupError(f"{name} must be None or an integer >= 0, got {value!r}")
-        if self.host_memory is not None and (
-            isinstance(self.host_memory, bool) or not isinstance(self.host_memory, int) or self.host_memory < 1
-        ):
-            raise SetupError(f"host_memory must be None or a number of bytes >= 1, got {self.host_memory!r}")
+        for name in ("host_memory", "gpu_memory"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SetupError(f"{name} must be None or a number of bytes >= 1, got {value!r}")
         if self.keep_graphs and self.checkpoint_layers:
             raise SetupError(
                 "keep_graphs keeps whole chunks' activations from stage 1, which checkpoint_layers=True exists to "

@@ -88,6 +88,19 @@ def run_host_budget(host_memory: int | None, process: int, reused: Placement | N
     return reused.host_budget, max(process - HOST_GROWTH_BYTES, reused.host_process - pending_host_bytes)
 
 
+def gpu_room(device: torch.device, gpu_memory: int | None = None) -> tuple[int, int]:
+    """(bytes the process may still allocate on ``device``, the memory it is placed against): the device's
+    free memory plus what the caching allocator holds unused, of the whole device; with a budget of
+    ``gpu_memory`` bytes (``ChunkConfig.gpu_memory``) at most that budget less what is allocated, against a
+    device of that size."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    room = free + torch.cuda.memory_reserved(device) - allocated
+    if gpu_memory is None:
+        return room, total
+    return min(room, gpu_memory - allocated), min(total, gpu_memory)
+
+
 def place_step(
     model: Any, batch: int, seq_len: int, config: ChunkConfig, device: torch.device,
     reusable_gpu_bytes: int = 0, reusable_host_bytes: int = 0, stage_1_loss: bool = False,
@@ -223,8 +236,8 @@ def place_step(
         if config.offload == "host":
             return placed(Placement("host", segment, batch))
         return placed(Placement("gpu", segment, batch, kept_chunks=kept, graph_chunks=graphs))
-    free, gpu_total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) + reusable_gpu_bytes
+    free, gpu_total = gpu_room(device, config.gpu_memory)
+    free += reusable_gpu_bytes
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
     host_free = budget - grown_from - HOST_GROWTH_BYTES - pending_host_bytes  # room for pinned blocks
     free, host_free = agree([free, host_free])

@@ -63,8 +63,8 @@ class OOMBStrategyMixin:
 
     The arguments are ``ChunkConfig``'s fields, with its defaults and documentation (below); the rest go
     to the Lightning strategy class. ``sparse`` is overridden by a LightningModule with
-    ``SparseAttentionMixin`` whose ``sparse_config`` is not None. ``host_memory`` is of this machine: a
-    budget above its RAM is refused.
+    ``SparseAttentionMixin`` whose ``sparse_config`` is not None. ``host_memory`` is of this machine and
+    ``gpu_memory`` of the device: a budget above either's memory is refused.
     """
 
     def __init__(
@@ -81,6 +81,7 @@ class OOMBStrategyMixin:
         keep_attention: int | None = _DEFAULT["keep_attention"],
         keep_graphs: int | None = _DEFAULT["keep_graphs"],
         host_memory: int | str | None = _DEFAULT["host_memory"],
+        gpu_memory: int | str | None = _DEFAULT["gpu_memory"],
         **kwargs: Any,
     ):
         # Checkpoints of long-context runs are large and slow to write: never leave a torn one behind. Set after
@@ -95,7 +96,7 @@ class OOMBStrategyMixin:
             chunk_size=chunk_size, page_size=page_size, attention=attention, checkpoint_layers=checkpoint_layers,
             cross_chunk_gradients=cross_chunk_gradients, grad_dtype=grad_dtype, sparse=sparse, offload=offload,
             segment_tokens=segment_tokens, keep_attention=keep_attention, keep_graphs=keep_graphs,
-            host_memory=None if host_memory is None else _host_memory(host_memory),
+            host_memory=None if host_memory is None else _host_memory(host_memory), gpu_memory=gpu_memory,
         )
         self._pending: Serving | None = None
 
@@ -119,6 +120,19 @@ class OOMBStrategyMixin:
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
             self.checkpoint_io.host_room = self._checkpoint_host_room
         find_causal_lm(self.lightning_module)  # fail at set-up, not at the first step
+        self._hold_to_gpu_budget()
+
+    def _hold_to_gpu_budget(self) -> None:
+        """With ``gpu_memory``, the caching allocator refuses to grow past it (the rest of a shared GPU stays
+        free); a budget above the device's memory is refused."""
+        budget, device = self.chunk_config.gpu_memory, self.root_device
+        if budget is None or device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget > total:
+            raise SetupError(f"gpu_memory {budget / GIB:.1f} GiB is more than {device}'s {total / GIB:.1f} GiB; give "
+                             "at most that, or leave gpu_memory out to use what the device has free")
+        torch.cuda.set_per_process_memory_fraction(budget / total, device)
 
     def _checkpoint_host_room(self) -> int:
         """Host memory a copy of a checkpoint may take: the run's host memory budget less what the process

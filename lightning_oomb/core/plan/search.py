@@ -31,28 +31,29 @@ def this_gpu_memory() -> tuple[int, str]:
     return int(props.total_memory), props.name
 
 
-def plan(model: Any, config: PlanConfig | int, *, gpu_memory: int | float | None = None,
-         checkpoint_auto: bool = False, **options: Any) -> Plan:
+def plan(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool = False, **options: Any) -> Plan:
     """Plan one training step: ``config`` as given, its pages where ``config.pages`` puts them.
 
     model: a ModelShape, a built-in name (``builtin_names()``), a config.json or model directory, a transformers
     config (or its dict) or model. config: a PlanConfig, or the context (tokens per sequence); ``options``
-    replace its fields by name (``PlanConfig.build``: ChunkConfig's, Pages' and PlanConfig's). gpu_memory
-    (bytes) None: this machine's CUDA device. The host memory budget is ``config.chunk.host_memory`` (None: the
+    replace its fields by name (``PlanConfig.build``: ChunkConfig's, Pages' and PlanConfig's). The GPU is
+    ``config.chunk.gpu_memory`` bytes (None: this machine's CUDA device). The host memory budget is
+    ``config.chunk.host_memory`` (None: the
     budget a run started now would get, ``host_memory.host_budget()``), divided among the ``devices`` x
     ``tensor_parallel`` ranks, as the strategies divide it; the plan is one rank's. checkpoint_auto: layer
     checkpointing off if the step fits without it, else on, whatever ``checkpoint_layers`` asks.
     ``config.loss_grads`` None: where ``place_step`` would keep a served step's dL/dh (``placement.place_pages``).
     """
-    return _plan(model, PlanConfig.build(config, **options), gpu_memory, checkpoint_auto)
+    return _plan(model, PlanConfig.build(config, **options), checkpoint_auto)
 
 
-def _plan(model: Any, config: PlanConfig, gpu_memory: int | float | None, checkpoint_auto: bool,
+def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
           choices: list[Pages] | None = None) -> Plan:
     """``plan``, with the pages at the first of ``choices`` that fits (for each layer-checkpointing setting)
     where given, else at ``config.pages``."""
     shape = ModelShape.resolve(model)
     machine = ""
+    gpu_memory = config.chunk.gpu_memory
     if gpu_memory is None:
         gpu_memory, machine = this_gpu_memory()
     host_memory = config.chunk.host_memory
@@ -113,8 +114,7 @@ def _plan(model: Any, config: PlanConfig, gpu_memory: int | float | None, checkp
     return result
 
 
-def plan_placed(model: Any, config: PlanConfig | int, *, gpu_memory: int | float | None = None,
-                checkpoint_auto: bool = False, **options: Any) -> Plan:
+def plan_placed(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool = False, **options: Any) -> Plan:
     """``plan`` with the pages placed as a training step with ``config.chunk.offload`` ("auto", "gpu", "host")
     would place them: dense steps stream every page from the host ("host", or "auto" when it fits only
     there); sparse steps put the KV-gradient and K/V pages of every layer ("host") in host memory, or the
@@ -126,7 +126,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, gpu_memory: int | float
     if config.sparse is not None:
         choices = page_choices(offload, True, ModelShape.resolve(model).n_layers)
         # "auto": _plan tries them in order, for each checkpointing setting
-        result = _plan(model, config.replace(pages=choices[0]), gpu_memory, checkpoint_auto,
+        result = _plan(model, config.replace(pages=choices[0]), checkpoint_auto,
                        choices if len(choices) > 1 else None)
         c = result.config
         if c.host_grad_layers and offload == "auto":
@@ -136,10 +136,10 @@ def plan_placed(model: Any, config: PlanConfig | int, *, gpu_memory: int | float
         return _kept_for_stage_2(result)
     # Dense: the pages in page_choices' order, each placement with both checkpointing settings (_plan).
     first, *others = page_choices(offload, False, 0)
-    result = _plan(model, config.replace(pages=first), gpu_memory, checkpoint_auto)
+    result = _plan(model, config.replace(pages=first), checkpoint_auto)
     if not result.fits:
         for pages in others:  # "auto": every page streamed from the host
-            on_host = _plan(model, config.replace(pages=pages), gpu_memory, checkpoint_auto)
+            on_host = _plan(model, config.replace(pages=pages), checkpoint_auto)
             if on_host.fits:
                 on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
                 return on_host
@@ -147,8 +147,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, gpu_memory: int | float
 
 
 def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 << 30,
-                gpu_memory: int | float | None = None, checkpoint_auto: bool = False,
-                **options: Any) -> ContextLimit:
+                checkpoint_auto: bool = False, **options: Any) -> ContextLimit:
     """The longest context (tokens per sequence, a multiple of the chunk, at most ``limit``) whose step fits,
     as ``plan_placed`` would place it, and the machine's physical limit (``ContextLimit``). ``config`` (None:
     the defaults) and the other arguments as ``plan_placed`` takes them; each length tried replaces the
@@ -157,8 +156,7 @@ def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 
     chunk_size = base.chunk_size
 
     def placed(chunks: int, config: PlanConfig = base, auto: bool = checkpoint_auto) -> Plan:
-        return plan_placed(model, config.replace(context=chunks * chunk_size), gpu_memory=gpu_memory,
-                           checkpoint_auto=auto)
+        return plan_placed(model, config.replace(context=chunks * chunk_size), checkpoint_auto=auto)
 
     one = placed(1)
     # The machine's limit starts from the smallest fixed cost: with layer checkpointing unless it is refused.
