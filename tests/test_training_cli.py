@@ -592,7 +592,8 @@ SEVERAL_GPUS = {
 }
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu", *SEVERAL_GPUS])
+@pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu", "qlora-24gb",
+                                  "qwen2.5-7b-h100", *SEVERAL_GPUS])
 def test_example_configs_parse(name, capsys):
     """Each example goes through the Lightning CLI's parser and its classes' signatures (--print_config: nothing
     is instantiated, no fit runs)."""
@@ -675,3 +676,20 @@ def test_unknown_command_is_one_line(capsys):
         "lightning-oomb: error: unknown command 'fitt'; did you mean 'fit'? (commands: fit, validate, test, plan, bench)")
     assert main(["predict", "--config", "x.yaml"]) == 2
     assert "unknown command 'predict'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,gpu,host", [("qlora-24gb", "24GiB", "64GiB"), ("qwen2.5-7b-h100", "79GiB", "112GiB")])
+def test_the_card_examples_fit_their_cards(name, gpu, host):
+    """The planner, given the example's step (its strategy's, model's and data's options), fits it on the card
+    and host its comment names."""
+    from lightning_oomb.core.config import ChunkConfig, SparseConfig
+    from lightning_oomb.core.plan import PlanConfig, plan_placed
+
+    data = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())
+    strategy, model = data["trainer"]["strategy"]["init_args"], data["model"]["init_args"]
+    sparse = SparseConfig(**{k: model[k] for k in ("budget_pages", "sink_pages", "local_pages", "per_query_tile")})
+    chunk = ChunkConfig(**strategy, sparse=sparse, gpu_memory=gpu, host_memory=host)
+    step = plan_placed("qwen2.5-7b", PlanConfig(
+        data["data"]["init_args"]["seq_len"], chunk, lora_rank=model.get("lora_rank", 0),
+        optimizer=model.get("optimizer", "adamw"), quantization=model.get("quantization")))
+    assert step.fits, str(step)

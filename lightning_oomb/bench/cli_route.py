@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=None,
                         help="train LoRA adapters of this rank instead of the YAML's training (0: every weight)")
     parser.add_argument("--optimizer", default=None, help="the model's optimizer instead of the YAML's (a name)")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="the strategy's GPU memory budget (e.g. 24GiB: a smaller card's memory on this GPU)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -347,13 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
     config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank, args.optimizer)
-    results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", [])
+    budget = ["--trainer.strategy.init_args.gpu_memory", args.gpu_memory] if args.gpu_memory else []
+    results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", budget)
     print(json.dumps(results["fit"]), flush=True)
     saved = sorted(args.out.glob("runs/*/*/checkpoints/*.ckpt"), key=lambda p: p.stat().st_mtime)
     if args.resume and results["fit"]["returncode"] == 0 and saved:
         # up to the same last step: the steps after the checkpoint run again and no second checkpoint is
         # written beside the first (the GPU machine's disk holds one 46 GB checkpoint and the model)
-        results["resume"] = run_fit(args, config, corpus, args.out, args.steps, "resume", ["--ckpt_path", str(saved[-1])])
+        results["resume"] = run_fit(args, config, corpus, args.out, args.steps, "resume",
+                                    [*budget, "--ckpt_path", str(saved[-1])])
         print(json.dumps(results["resume"]), flush=True)
     if args.delete_checkpoints:
         for path in args.out.glob("runs/*/*/checkpoints/*.ckpt"):
