@@ -241,7 +241,8 @@ class ChunkedSequence:
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
-            n_kv_heads=cfg.num_key_value_heads // ranks.kv_head_split,  # this rank's heads (tensor parallel)
+            # this rank's heads (tensor parallel); configs without grouped queries name none
+            n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
         )
         self.decoder = self.lm.get_decoder()
