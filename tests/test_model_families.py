@@ -255,3 +255,34 @@ def test_the_planner_times_sliding_window_layers_by_their_window():
     # per layer: about context * window pairs against context^2 / 2
     expected = (1 + 5 * (1024 - 0.5) * context / (context * context / 2)) / 6
     assert windowed / dense == pytest.approx(expected, rel=0.02)
+
+
+def test_sliding_window_layers_keep_their_gradient_pages_in_a_ring():
+    """Gemma 3's local layer (a window of 5, chunks of 4, pages of 2) keeps its gradient pages in a ring of
+    gradient_ring_pages pages a sequence, zeroed as stage 2 reads them; the gradient is transformers' own,
+    with cross-chunk gradients off too, and the planner counts what the pool holds."""
+    from lightning_oomb.core.pages import gradient_ring_pages
+    from lightning_oomb.core.plan import plan
+    from lightning_oomb.core.schedule import cached_pool
+
+    model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, VOCAB, (2, 61))
+    check_against_full(model, ids, chunk_size=4, page_size=2)
+    pool = cached_pool(model)
+    ring = gradient_ring_pages(5, 4, 2)
+    assert pool.ring_layers == [0] and pool.ring_dk.shape[:2] == (1, 2 * ring) and pool.dk.shape[:2] == (1, 62)
+    step = plan(model, 61, batch=2, chunk_size=4, page_size=2, optimizer="none", precision="32-true",
+                gpu_memory=1 << 40, host_memory=1 << 40)
+    lines = {k: v for k, v in step.gpu_lines.items() if k.startswith("KV-gradient pages")}
+    assert sum(lines.values()) == sum(t.numel() * t.element_size() for t in (pool.dk, pool.dv, pool.ring_dk, pool.ring_dv))
+    model.zero_grad(set_to_none=True)
+    want = lightning_oomb.train_step(model, ids, chunk_size=4, page_size=2, cross_chunk_gradients=False)
+    want_grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    from lightning_oomb.core.schedule import release_cached_pool
+
+    release_cached_pool(model)
+    pool_free = lightning_oomb.train_step(model, ids, chunk_size=4, page_size=2, cross_chunk_gradients=False,
+                                          offload="host")  # streamed pages: no ring
+    assert rel_err(pool_free, want) <= TOL
+    assert_grads_close(grads_of(model), want_grads, TOL)

@@ -36,6 +36,14 @@ def spread_layers(n_layers: int, n: int) -> list[int]:
     return [(2 * i + 1) * n_layers // (2 * n) for i in range(n)]
 
 
+def gradient_ring_pages(window: int, chunk_size: int, page_size: int) -> int:
+    """Pages per sequence of the gradient ring of layers with a sliding ``window`` (tokens): stage 2 adds into
+    the pages from the one of its chunk's first visible key (``window`` - 1 tokens before the chunk) to its
+    chunk's last, and each page is zeroed once its own chunk's backward has read it, so that many pages, plus
+    the two a chunk and a window may straddle, are live at once."""
+    return (chunk_size + window - 1) // page_size + 3
+
+
 def _split_index(layer: int, host_layers: list[int]) -> tuple[bool, int]:
     """Whether ``layer`` is one of ``host_layers`` (ascending), and its index among the layers that live where
     it does: the host tensors hold the host layers in order, the GPU tensors the others."""
@@ -350,8 +358,15 @@ class PagePool:
         self.host_k = self.host_v = None
         self.kv_staging = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
+        # Sliding-window layers keep their gradient pages in a ring (``gradient_ring_pages``), made by
+        # ``allocate`` for its batch, when every page of the step is on the GPU.
+        ring = with_grads and placement == "gpu" and not (host_grad_layers or host_kv_layers) and spec.grad_ring_pages
+        self.ring_layers: list[int] = sorted(spec.window_layers) if ring else []
+        self.ring_dk = self.ring_dv = None
+        self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
         if placement == "gpu":
-            n, on_gpu = spec.n_layers - host_kv_layers, (spec.n_layers - host_grad_layers if with_grads else 0)
+            n = spec.n_layers - host_kv_layers
+            on_gpu = spec.n_layers - host_grad_layers - len(self.ring_layers) if with_grads else 0
             if with_grads and spec.grad_dtype == spec.dtype:
                 # The GPU layers' dK, dV pages follow every layer's K, V pages in one tensor each, so that
                 # stage 2 can move host gradient layers into the dead pages of both (move_host_grads_to_gpu).
@@ -473,8 +488,8 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
-        tensors = [self.k, self.v, self.dk, self.dv, self.host_dk, self.host_dv, self.host_k, self.host_v,
-                   *(t for where in self._summaries.values() for ts in where for t in ts)]
+        tensors = [self.k, self.v, self.dk, self.dv, self.ring_dk, self.ring_dv, self.host_dk, self.host_dv,
+                   self.host_k, self.host_v, *(t for where in self._summaries.values() for ts in where for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -524,7 +539,37 @@ class PagePool:
             self.dv[:, idx] = 0
             if self.host_dk is not None:
                 self.grad_staging.zero_pages((self.host_dk, self.host_dv), self.host_layers, taken)
+            if self.ring_layers:
+                self._take_ring(batch, n)
         return table
+
+    def _take_ring(self, batch: int, n_pages: int) -> None:
+        """The sliding-window layers' gradient ring for ``batch`` sequences of ``n_pages`` pages, zeroed: page p
+        of sequence b in ring slot b * R + p % R (R = ``spec.grad_ring_pages``, at most ``n_pages``)."""
+        ring = min(self.spec.grad_ring_pages, n_pages)
+        if self.ring_dk is None or self.ring_dk.shape[1] < batch * ring:
+            self.ring_dk = self.ring_dv = None  # give the old ring back before making a bigger one
+            shape = (len(self.ring_layers), batch * ring, self.page_size, self.spec.n_kv_heads, self.spec.head_dim)
+            self.ring_dk = torch.zeros(shape, dtype=self.spec.grad_dtype, device=self.device)
+            self.ring_dv = torch.zeros(shape, dtype=self.spec.grad_dtype, device=self.device)
+        else:
+            self.ring_dk[:, : batch * ring] = 0
+            self.ring_dv[:, : batch * ring] = 0
+        pages = torch.arange(n_pages, dtype=torch.int32, device=self.device) % ring
+        offsets = torch.arange(batch, dtype=torch.int32, device=self.device)[:, None] * ring
+        self._ring_slots = (pages[None, :] + offsets).contiguous()
+
+    def chunk_grads_read(self, table: PageTable, start: int, end: int) -> None:
+        """Stage 2, after the backward of the chunk of tokens [start, end): its pages that start at or after
+        ``start`` are read and never added into again; their ring slots are zeroed for the earlier pages
+        that take them next (the page straddling ``start``, if any, waits for the chunk before)."""
+        if not self.ring_layers:
+            return
+        first, last = -(-start // self.page_size), -(-end // self.page_size)
+        if last > first:
+            slots = self._ring_slots[:, first:last].reshape(-1).long()
+            self.ring_dk[:, slots] = 0
+            self.ring_dv[:, slots] = 0
 
     def free(self, table: PageTable) -> None:
         """Give a table's pages back to the pool."""
@@ -534,6 +579,7 @@ class PagePool:
             self.grad_staging.synchronize()  # no addition may outlive the step: the pool may be dropped next
         self._moved.clear()
         self._dead_slots = []
+        self._ring_slots = None
         # Sorted, so that a sequence's pages form long runs of consecutive slots (one copy per run).
         self._free = sorted(self._free + table.slots.view(-1).tolist())
 
@@ -545,8 +591,12 @@ class PagePool:
             torch.cuda.synchronize(self.device)  # no kernel or side stream may still be adding into the host pages
         rows = table.rows(start, end).reshape(-1)
         for grads in (self.dk, self.dv, self.host_dk, self.host_dv):
-            if grads is not None:
+            if grads is not None and grads.numel():
                 grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows.to(grads.device)] = 0
+        if self.ring_layers:
+            rows = PageTable(self._ring_slots, table.seq_len, table.page_size).rows(start, end).reshape(-1)
+            for grads in (self.ring_dk, self.ring_dv):
+                grads.view(grads.shape[0], -1, *grads.shape[3:])[:, rows] = 0
         for grad_slots in self._moved.values():
             moved = PageTable(grad_slots, table.seq_len, table.page_size).rows(start, end).reshape(-1)
             for pages in (self._k_pages, self._v_pages):
@@ -605,8 +655,13 @@ class PagePool:
             if layer in self._moved:
                 dk, dv = (pages.view(-1, *pages.shape[2:]) for pages in (self._k_pages, self._v_pages))
                 grad_table = PageTable(self._moved[layer], table.seq_len, table.page_size)
+            elif layer in self.ring_layers:
+                i = self.ring_layers.index(layer)
+                dk, dv = self.ring_dk[i], self.ring_dv[i]
+                grad_table = PageTable(self._ring_slots, table.seq_len, table.page_size)
             else:
-                host, i = _split_index(layer, self.host_layers)
+                # Ring layers and host gradient layers never share a pool: the GPU tensors hold the others.
+                host, i = _split_index(layer, self.host_layers or self.ring_layers)
                 dk, dv = (self.host_dk[i], self.host_dv[i]) if host else (self.dk[i], self.dv[i])
                 staging = self.grad_staging if host else None
         return LayerStore(k, v, dk, dv, table, self.page_size, layer, self.streamer, staging, grad_table, stager)

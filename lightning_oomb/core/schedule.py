@@ -25,14 +25,14 @@ from torch import nn
 
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm
+from ..integrations.transformers import bind, causal_lm, layer_windows
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .pages import PagePool, stage_2_gather_order
+from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
 from .ranks import Ranks
@@ -238,12 +238,16 @@ class ChunkedSequence:
         if self.doc_start is not None:
             self.first_keys, self.one_document = chunk_documents(position_ids, self.chunks)
         cfg = self.lm.config
+        windows = layer_windows(self.lm)
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
             # this rank's heads (tensor parallel); configs without grouped queries name none
             n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            window_layers=tuple(sorted(windows)),
+            grad_ring_pages=gradient_ring_pages(max(windows.values()), config.chunk_size, config.page_size)
+            if windows else 0,
         )
         self.decoder = self.lm.get_decoder()
         self.head = self.lm.get_output_embeddings()
@@ -537,6 +541,7 @@ class ChunkedSequence:
                     for done in (self.selections, self.kept):  # this chunk's forward and backward are done
                         for key in [key for key in done if key[0] == index]:
                             del done[key]
+                    self.pool.chunk_grads_read(self.table, start, end)
                     total += loss
                     if self.observer is not None:
                         self.observer(2, index, start, end)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .router_balance import router_class
-from .transformers import causal_lm, sliding_window
+from .transformers import causal_lm
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -82,13 +82,6 @@ def check_supported(model: nn.Module, seq_len: int) -> None:
     if lm.training:
         _check_deterministic_training(lm, name)
     _check_loss_is_cross_entropy(lm, name)
-
-
-def sliding_windows(model: nn.Module) -> set[int]:
-    """The sliding windows of the model's attention layers, in tokens (empty: full causal attention only)."""
-    lm = causal_lm(model)
-    return {w for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")
-            for w in [sliding_window(m)] if w is not None}
 
 
 def _check_deterministic_training(lm: nn.Module, name: str) -> None:

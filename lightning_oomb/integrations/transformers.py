@@ -65,6 +65,13 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 AttentionInterface.register(ATTN_NAME, _oomb_attention)
 
 
+def layer_windows(model: nn.Module) -> dict[int, int]:
+    """The sliding window (tokens) of each attention layer that has one, by layer index (empty: full causal
+    attention only)."""
+    return {m.layer_idx: w for m in causal_lm(model).modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")
+            for w in [sliding_window(m)] if w is not None}
+
+
 def sliding_window(attention: nn.Module) -> int | None:
     """The sliding window of an attention layer in tokens, None for full causal attention. Layers of models
     that mix both (Gemma 3, Qwen2) carry theirs as ``sliding_window``; where the layer has no such attribute

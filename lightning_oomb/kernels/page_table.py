@@ -38,13 +38,19 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``."""
+    """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``.
+
+    window_layers: the layers with a sliding window, whose gradient pages a pool may keep in a ring of
+    ``grad_ring_pages`` pages per sequence (``core.pages.gradient_ring_pages``): a page's gradient is only
+    added into by the chunks in its window, and is read by its own chunk's backward."""
 
     n_layers: int
     n_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     grad_dtype: torch.dtype = torch.float32
+    window_layers: tuple[int, ...] = ()
+    grad_ring_pages: int = 0
 
     def bytes_per_token(self, with_grads: bool = True) -> int:
         """Bytes of K+V (and dK+dV when ``with_grads``) for one token over all layers."""

@@ -12,7 +12,7 @@ from ..errors import SetupError
 from ..loss import piece_rows
 from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
 from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
-from ..pages import HostGradStaging
+from ..pages import HostGradStaging, gradient_ring_pages
 from ..ranks import GRADIENT_BUCKET_BYTES
 from ..units import human_count
 from .activations import activation_bytes, layer_activation_bytes
@@ -162,6 +162,17 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
                 HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
             )
+        elif shape.window_layers and not n_kv_host:
+            # The sliding-window layers' gradient pages: a ring of the pages their window reaches
+            # (core.pages.gradient_ring_pages), the other layers' for every stored token.
+            grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
+            full = shape.n_layers - shape.window_layers
+            ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
+                             math.ceil(c.context / c.page_size))
+            if full:
+                gpu[f"{grad_name}, {full} of {shape.n_layers} layers"] = grad_layer * full * c.stored_tokens
+            ring = f"{grad_name}, {shape.window_layers} sliding-window layers: a ring of {ring_pages} pages a sequence"
+            gpu[ring] = grad_layer * shape.window_layers * c.batch * ring_pages * c.page_size
         else:
             gpu[grad_name] = grad_bytes
     if isinstance(c.sparse, SparseConfig):
