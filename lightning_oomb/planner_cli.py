@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_page_size(parser)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="RANK",
                         help="LoRA rank on q,k,v,o (0: full training)")
+    parser.add_argument("--lora-experts", action="store_true",
+                        help="with LoRA: adapters on a mixture of experts' stacked expert weights too "
+                        "(CausalLMModule's lora_target_parameters)")
     parser.add_argument("--quantization", choices=QUANT_TYPES, default=None,
                         help="QLoRA: the frozen base weights in bitsandbytes' 4 bits (CausalLMModule's quantization), "
                         "under the LoRA adapters of --lora-rank; with --max-context a row of its own")
@@ -160,6 +163,7 @@ def plan_config(args: argparse.Namespace) -> PlanConfig:
                     else {"quant_type": args.quantization, "double_quant": args.double_quant})
     return PlanConfig(
         args.context or chunk.chunk_size, chunk, batch=args.batch, lora_rank=args.lora_rank,
+        lora_experts=args.lora_experts,
         quantization=quantization, optimizer=args.optimizer, precision=args.precision, matmul_tflops=args.matmul_tflops,
         devices=args.devices, document_length=args.document_length, sharding=args.sharding,
         tensor_parallel=args.tensor_parallel, stage_1_loss=True,
@@ -214,10 +218,11 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
     per = "" if args.selection == "tile" else ", one selection per chunk"
     full = dict(lora_rank=0, quantization=None, optimizer=args.optimizer)
     cases = [(f"full training, {args.optimizer}", full)]
+    experts = " (experts too)" if args.lora_experts else ""
     if args.tensor_parallel == 1 or args.lora_rank:  # LoRA under tensor parallel is not built: refused when asked
-        cases.append((f"LoRA rank {rank}", dict(lora_rank=rank, quantization=None, optimizer="adamw")))
+        cases.append((f"LoRA rank {rank}{experts}", dict(lora_rank=rank, quantization=None, optimizer="adamw")))
     if config.quantization is not None:
-        cases.append((f"QLoRA rank {rank}, {config.quantization.describe()}",
+        cases.append((f"QLoRA rank {rank}{experts}, {config.quantization.describe()}",
                       dict(lora_rank=rank, quantization=config.quantization, optimizer="adamw")))
     rows = []
     for name, options in cases:

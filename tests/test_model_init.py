@@ -137,6 +137,65 @@ def test_lora_adapters_initialised_by_peft():
         assert torch.equal(got.state_dict()[name], p), name
 
 
+MOE = dict(TINY, model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def adapted(module: CausalLMModule) -> set[str]:
+    """What carries trainable adapters in the first decoder layer: module paths below it."""
+    names = (n.split("layers.0.")[1] for n, p in module.model.named_parameters() if p.requires_grad and "layers.0." in n)
+    return {n.split(".lora_")[0].replace(".base_layer", "") for n in names}
+
+
+def test_lora_on_expert_parameters():
+    """lora_target_parameters adapts the fused 3-D expert weights through peft, next to the attention
+    projections (or alone, with lora_target_modules: []); the model starts as the base model."""
+    pytest.importorskip("peft")
+    module = CausalLMModule(config=MOE, lora_rank=4, lora_target_parameters=EXPERTS)
+    assert adapted(module) == {"mlp.experts", *(f"self_attn.{p}_proj" for p in "qkvo")}
+    module = CausalLMModule(config=MOE, lora_rank=4, lora_target_modules=[], lora_target_parameters=EXPERTS)
+    assert adapted(module) == {"mlp.experts"}
+    module.materialize()
+    base = eager(MOE)
+    assert torch.equal(logits(module.model), logits(base))  # peft's B starts at 0
+    experts = module.model.base_model.model.model.layers[0].mlp.experts
+    # one adapter pair per stacked weight: A (rank x experts, in), B (out, rank x experts)
+    shapes = {n: tuple(p.shape) for n, p in experts.named_parameters() if "lora_" in n}
+    assert sorted(shapes.values()) == sorted([(16, 32), (32, 16), (16, 16), (32, 16)])
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(lora_target_parameters=["mlp.experts.gate_proj"]),
+     "'mlp.experts.gate_proj' names no parameter of the model; its stacked expert weights are "
+     "mlp.experts.down_proj, mlp.experts.gate_up_proj"),
+    (dict(lora_target_parameters=["self_attn.q_norm.weight"]), "a 1-D parameter"),
+    (dict(lora_target_parameters="mlp.experts.down_proj"), "must be a non-empty list of parameter names"),
+    (dict(lora_rank=0, lora_target_parameters=EXPERTS), r"set model.lora_rank > 0"),
+    (dict(config=TINY, lora_target_parameters=EXPERTS), "has no stacked expert weights"),
+])
+def test_lora_target_parameters_refused_in_one_line(options, match):
+    pytest.importorskip("peft")
+    with pytest.raises(SetupError, match=match) as info:
+        CausalLMModule(**{"config": MOE, "lora_rank": 4, **options})
+    assert "\n" not in str(info.value)
+
+
+def test_lora_target_parameters_needs_a_peft_that_has_them(monkeypatch):
+    """An older peft (LoraConfig without target_parameters): refused at construction, naming the version."""
+    import dataclasses
+    import importlib.machinery
+    import sys
+    import types
+
+    old = types.ModuleType("peft")
+    old.__spec__ = importlib.machinery.ModuleSpec("peft", None)
+    old.__version__ = "0.16.0"
+    old.LoraConfig = dataclasses.make_dataclass("LoraConfig", [("r", int, 8), ("target_modules", list, None)])
+    monkeypatch.setitem(sys.modules, "peft", old)
+    with pytest.raises(SetupError, match=r"needs peft >= 0.17.*installed: peft 0.16.0: pip install -U 'peft>=0.17'"):
+        CausalLMModule(config=MOE, lora_rank=4, lora_target_parameters=EXPERTS)
+
+
 def test_precision_dtype_is_the_build_dtype():
     """Under bf16-true Lightning sets bfloat16 as default dtype around configure_model: the weights are built
     in it, never as a float32 copy first."""

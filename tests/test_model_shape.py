@@ -26,6 +26,20 @@ def test_builtin_shapes_load_and_count_like_the_real_models():
         assert shape.matmul_params == linear, name
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_lora_on_experts_counts_peft_adapters(family):
+    """lora_params(rank, experts=True): peft's adapters on q, k, v, o and on the stacked expert weights
+    (target_parameters), A (rank x experts, in) and B (out, rank x experts) per stack."""
+    model = tiny_model(family)
+    shape = ModelShape.resolve(model)
+    stacks = [p for n, p in model.named_parameters() if p.dim() == 3]
+    assert shape.n_layers * shape.layer_expert_params == sum(p.numel() for p in stacks)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(LORA_TARGETS), target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    assert shape.lora_params(4, experts=True) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert shape.lora_params(4) < shape.lora_params(4, experts=True)
+
+
 def test_qwen2_5_7b_numbers_of_the_design():
     shape = ModelShape.from_name("qwen2.5-7b")
     assert shape.matmul_params == pytest.approx(7.07e9, rel=0.01)

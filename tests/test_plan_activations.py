@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_oomb.core.config import ChunkConfig
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape
-from lightning_oomb.core.plan.activations import activation_bytes, layer_activation_bytes, model_activation_bytes
+from lightning_oomb.core.plan.activations import (activation_bytes, expert_adapter_bytes, layer_activation_bytes,
+                                                  model_activation_bytes)
 from lightning_oomb.core.ranks import Ranks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.integrations.transformers import bind
@@ -82,6 +83,24 @@ def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precisi
     if precision == "bf16-mixed":  # the layers' bf16 weight casts are saved too (a separate line of the plan)
         expected += 2 * shape.n_layers * shape.layer_matmul_params
     assert expected == pytest.approx(counted, rel=0.10)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_lora_on_experts_adds_the_adapted_stacks_and_the_experts_inputs(precision):
+    """What LoRA on the stacked expert weights adds to a chunk's saved tensors: each layer's W + B @ A and the
+    experts' matmul inputs, against the same chunk under LoRA on q, k, v, o alone."""
+    def counted(target_parameters):
+        model = peft.get_peft_model(tiny_model("qwen3_moe"), peft.LoraConfig(
+            r=4, target_modules=list(LORA_TARGETS), target_parameters=target_parameters))
+        return saved_bytes_of_one_chunk(model, 64, precision)
+
+    shape = ModelShape.resolve(tiny_model("qwen3_moe"))
+    added = counted(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) - counted(None)
+    assert shape.n_layers * expert_adapter_bytes(shape, 64, precision) == pytest.approx(added, rel=0.10)
+    planned = [activation_bytes(shape, 64, precision, lora_rank=4, lora_experts=e) for e in (False, True)]
+    assert planned[1] - planned[0] == shape.n_layers * expert_adapter_bytes(shape, 64, precision)
+    # without a rank there are no adapters: the option changes nothing
+    assert activation_bytes(shape, 64, precision, lora_experts=True) == activation_bytes(shape, 64, precision)
 
 
 def test_layer_checkpointing_keeps_layer_inputs_attention_outputs_and_one_layer():

@@ -26,3 +26,31 @@ def test_offload_plan_is_flat_on_the_gpu_and_holds_the_pages_on_the_host():
         assert "offloaded to pinned host memory" in str(p)
     staging = next(v for k, v in plans["64K"].gpu_lines.items() if k.startswith("offload staging: 2 segments"))
     assert staging == 2 * 65536 * (57_344 + 114_688) // 28  # K, V, dK, dV of one layer, two halves
+
+
+def test_fit_start_plan_counts_lora_on_experts():
+    """The plan a step makes of a peft model (core.placement.place_step, as at fit start): with target_parameters
+    on a mixture of experts it counts the adapters of the stacked expert weights as trainable, and what their
+    forward keeps; with q, k, v, o alone the plan is the one it always was."""
+    import peft
+    from tiny_models import tiny_model
+
+    from lightning_oomb.core.config import ChunkConfig
+    from lightning_oomb.core.placement import place_step
+
+    def placed(target_parameters):
+        model = peft.get_peft_model(tiny_model("qwen3_moe"), peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=target_parameters))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        p = place_step(model, 1, 64, ChunkConfig(chunk_size=32, page_size=16), torch.device("cpu")).plan
+        return p, trainable
+
+    plain, plain_trainable = placed(None)
+    experts, experts_trainable = placed(["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert not plain.config.lora_experts and experts.config.lora_experts
+    assert "LoRA rank 4 (experts too)" in str(experts) and "experts too" not in str(plain)
+    for p, trainable in ((plain, plain_trainable), (experts, experts_trainable)):
+        gradients = next(v for k, v in p.gpu_lines.items() if k.startswith("gradients"))
+        assert gradients == 4 * trainable  # float32 adapters
+    activations = [next(v for k, v in p.gpu_lines.items() if k.startswith("activations")) for p in (plain, experts)]
+    assert activations[1] > activations[0]

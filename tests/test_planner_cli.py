@@ -36,6 +36,25 @@ def test_cli_prints_a_plan(capsys):
     assert code == 1 and "DOES NOT FIT on GPU 85.90 GB (80.00 GiB)" in out and "layer checkpointing (" in out
 
 
+def test_cli_plans_lora_on_experts(tmp_path, capsys):
+    """--lora-experts: the adapters of a mixture of experts' stacked expert weights trained too."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8)))
+    common = ["plan", "--model", str(tmp_path), "--context", "128K", "--chunk", "8K", "--lora-rank", "16",
+              "--gpu-memory", "140GiB", "--host-memory", "128GiB", "--checkpoint-layers", "on"]
+    outs = []
+    for extra in ([], ["--lora-experts"]):
+        assert cli_main(common + extra) == 0
+        outs.append(capsys.readouterr().out)
+    assert "LoRA rank 16 (experts too)" in outs[1] and "experts too" not in outs[0]
+    # r x E x (3 I_e + 2h) per layer on top of q, k, v, o's 13.4M
+    assert "gradients (fp32, 13.4M trainable)" in outs[0] and "gradients (fp32, 643M trainable)" in outs[1]
+
+
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit):
         cli_main(["plan", "--model", "qwen2.5-7b", "--context", "12q", "--gpu-memory", "80GB"])

@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_oomb import OOMBStrategy, PagedKVCallback
-from tiny_models import BACKENDS, VOCAB, rel_err, tiny_model
+from tiny_models import BACKENDS, COMMON, FAMILIES, VOCAB, rel_err, tiny_model
 
 
 class UserModule(LightningModule):
@@ -107,6 +107,24 @@ def test_lora_module():
                 if "lora_B" in n:
                     p.normal_(0, 0.1)
         return UserModule(model)
+
+    compare(make, STEPS_TOL)
+
+
+def test_lora_on_experts_through_causal_lm_module():
+    """CausalLMModule's lora_target_parameters (LoRA on qwen3_moe's stacked expert weights, with the load-balancing
+    loss) under OOMBStrategy: the updates plain training gives."""
+    pytest.importorskip("peft")
+    from lightning_oomb import CausalLMModule
+
+    config = dict(model_type="qwen3_moe", **COMMON, **FAMILIES["qwen3_moe"], output_router_logits=True)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+    def make():
+        module = CausalLMModule(config=config, lora_rank=4, lora_target_parameters=experts, optimizer="sgd",
+                                learning_rate=0.5)
+        module.materialize()  # the weights compare() starts from
+        return module
 
     compare(make, STEPS_TOL)
 

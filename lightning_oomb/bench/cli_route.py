@@ -287,9 +287,11 @@ def baseline(args, config: Path, steps: int) -> dict:
     if model_args.get("lora_rank"):
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=model_args["lora_rank"], lora_alpha=model_args.get("lora_alpha", 16),
-            target_modules=model_args.get("lora_target_modules") or ["q_proj", "k_proj", "v_proj", "o_proj"]))
+        from ..lightning.module import lora_config
+
+        model = peft.get_peft_model(model, lora_config(
+            model_args["lora_rank"], model_args.get("lora_alpha", 16), model_args.get("lora_target_modules"),
+            model_args.get("lora_target_parameters")))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = OptimizerSpec.parse(model_args.get("optimizer", "adamw")).build(

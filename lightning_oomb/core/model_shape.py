@@ -280,9 +280,24 @@ class ModelShape:
         """All parameters: layers (matrices, biases, norms), embedding, lm_head unless tied, final norm."""
         return self.n_layers * self.layer_params + self.root_params
 
-    def lora_params(self, rank: int) -> int:
-        """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection."""
+    @property
+    def layer_expert_params(self) -> int:
+        """Elements of one layer's stacked expert weights: gate, up and down of every routed expert (0 without
+        experts; a shared expert is a plain MLP, not counted)."""
+        return 3 * self.n_experts * self.hidden * self.expert_intermediate
+
+    @property
+    def routed_intermediate(self) -> int:
+        """Hidden units of the routed experts one token goes through: its top-k experts' widths together."""
+        return self.intermediate - self.shared_intermediate if self.n_experts else 0
+
+    def lora_params(self, rank: int, experts: bool = False) -> int:
+        """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection.
+        ``experts``: also on the stacked expert weights (peft's target_parameters): r x (in + out) per expert
+        for gate/up (hidden -> 2 x width) and for down (width -> hidden)."""
         per_layer = (self.hidden + self.q_width) * 2 + (self.hidden + self.kv_width) * 2
+        if experts:
+            per_layer += self.n_experts * (3 * self.expert_intermediate + 2 * self.hidden)
         return self.n_layers * rank * per_layer
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

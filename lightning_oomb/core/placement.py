@@ -179,7 +179,10 @@ def place_step(
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     peft_config = getattr(model, "peft_config", None)
-    lora_rank = next(iter(peft_config.values())).r if peft_config else 0
+    adapter = next(iter(peft_config.values())) if peft_config else None
+    lora_rank = adapter.r if adapter is not None else 0
+    # peft's target_parameters on a mixture of experts: its stacked expert weights adapted too
+    lora_experts = bool(getattr(adapter, "target_parameters", None)) and ModelShape.resolve(model).n_experts > 0
     if torch.is_autocast_enabled(device.type):
         precision = "bf16-mixed"
     else:
@@ -195,8 +198,8 @@ def place_step(
         chunk = ChunkConfig.build(config, chunk_size=min(config.chunk_size, seq_len),
                                   host_memory=budget * kv_head_split, segment_tokens=segment)
         return plan(model, PlanConfig(
-            seq_len, chunk, batch=batch, lora_rank=lora_rank, optimizer=optimizer, precision=precision,
-            tensor_parallel=kv_head_split, fused_ops=uses_triton(config.attention, device),
+            seq_len, chunk, batch=batch, lora_rank=lora_rank, lora_experts=lora_experts, optimizer=optimizer,
+            precision=precision, tensor_parallel=kv_head_split, fused_ops=uses_triton(config.attention, device),
             host_process_bytes=process, host_pending_bytes=pending_host_bytes, pages=pages, **decided,
         ), gpu_memory=gpu_total)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import itertools
 import math
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -84,6 +86,9 @@ class CausalLMModule(LightningModule):
             the weights are created in bfloat16 whatever this says.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
         lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
+        lora_target_parameters: parameters adapted directly (peft's ``target_parameters``, peft >= 0.17): the
+            fused 3-D expert weights of mixtures of experts, e.g. ``["mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj"]``, next to ``lora_target_modules`` (``[]`` there: the experts alone).
         lora_dtype: "float32" (default): the adapters train in float32 whatever the precision (under
             ``bf16-true`` too: they are small, and bf16 would round their updates away); "weights": in the
             weights' dtype.
@@ -132,6 +137,7 @@ class CausalLMModule(LightningModule):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
+        lora_target_parameters: list[str] | None = None,
         lora_dtype: str = "float32",
         quantization: str | dict | None = None,
         optimizer: str = "adamw",
@@ -160,6 +166,8 @@ class CausalLMModule(LightningModule):
             if value < low or (name == "learning_rate" and value == 0):
                 bound = "> 0" if name == "learning_rate" else f">= {low}"
                 raise SetupError(f"model.{name} must be {bound}, got {value!r}")
+        if lora_target_parameters is not None:
+            check_target_parameters_option(lora_target_parameters, lora_rank)
         self.quantization = Quantization.parse(quantization, "model.quantization")
         if self.quantization is not None:
             if lora_rank == 0:
@@ -293,9 +301,12 @@ class CausalLMModule(LightningModule):
             return model
         import peft
 
-        targets = self.hparams.lora_target_modules or ["q_proj", "k_proj", "v_proj", "o_proj"]
-        lora = peft.LoraConfig(r=self.hparams.lora_rank, lora_alpha=self.hparams.lora_alpha, target_modules=targets)
-        return peft.get_peft_model(model, lora)
+        hparams = self.hparams
+        parameters = hparams.lora_target_parameters
+        if parameters is not None:
+            check_target_parameters_match(model, parameters)
+        return peft.get_peft_model(model, lora_config(hparams.lora_rank, hparams.lora_alpha,
+                                                      hparams.lora_target_modules, parameters))
 
     @override
     def setup(self, stage: str) -> None:
@@ -484,6 +495,71 @@ def config_from_dict(config: dict):
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError) as e:
         raise SetupError(f"model.config: {_one_line(e)}") from None
+
+
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def lora_config(rank: int, alpha: float, target_modules: list[str] | None = None,
+                target_parameters: list[str] | None = None):
+    """peft's ``LoraConfig`` for CausalLMModule's LoRA options. Without ``target_parameters``, an empty or
+    missing ``target_modules`` means the attention projections; with them, ``[]`` adapts the parameters alone
+    and None keeps the attention projections next to them."""
+    import peft
+
+    if target_parameters is None:
+        return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_DEFAULT_TARGETS)
+    modules = LORA_DEFAULT_TARGETS if target_modules is None else target_modules
+    return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, target_parameters=list(target_parameters))
+
+
+EXPERT_PARAMETERS_EXAMPLE = "[mlp.experts.gate_up_proj, mlp.experts.down_proj]"
+
+
+def check_target_parameters_option(names: object, lora_rank: int) -> None:
+    """A SetupError, before any model is read, where ``model.lora_target_parameters`` cannot apply: no LoRA
+    rank, not a list of names, or a peft without ``target_parameters`` (added in peft 0.17)."""
+    if lora_rank == 0:
+        raise SetupError("model.lora_target_parameters names parameters for LoRA adapters: set model.lora_rank > 0 "
+                         "(e.g. 16)")
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names or not all(
+            isinstance(n, str) and n for n in names):
+        raise SetupError(f"model.lora_target_parameters must be a non-empty list of parameter names, e.g. "
+                         f"{EXPERT_PARAMETERS_EXAMPLE}; got {names!r}")
+    if importlib.util.find_spec("peft") is None:
+        raise SetupError("model.lora_target_parameters needs peft >= 0.17, not installed here: "
+                         "pip install 'peft>=0.17'")
+    import peft
+
+    if not any(f.name == "target_parameters" for f in dataclasses.fields(peft.LoraConfig)):
+        raise SetupError(f"model.lora_target_parameters needs peft >= 0.17, which adapts parameters; installed: "
+                         f"peft {peft.__version__}: pip install -U 'peft>=0.17'")
+
+
+def check_target_parameters_match(model: torch.nn.Module, names: list[str]) -> None:
+    """A SetupError where a name of ``model.lora_target_parameters`` matches no parameter of ``model`` (matched
+    as peft matches: the whole name, or its last dot-separated parts) or one LoRA cannot adapt: peft adapts a
+    2-D matrix (out, in) or a 3-D stack of expert matrices (experts, out, in), or (experts, in, out) where the
+    experts' module says ``is_transposed``. Runs on the meta-device structure, before any weight is built."""
+    params = dict(model.named_parameters())
+    for target in names:
+        found = [n for n in params if n == target or n.endswith(f".{target}")]
+        if not found:
+            raise SetupError(f"model.lora_target_parameters: {target!r} names no parameter of the model; "
+                             f"{_stacked_parameters_hint(params)}")
+        odd = next((n for n in found if params[n].dim() not in (2, 3)), None)
+        if odd is not None:
+            raise SetupError(f"model.lora_target_parameters: {target!r} names {odd}, a {params[odd].dim()}-D "
+                             "parameter; LoRA adapts matrices (2-D) and stacks of expert matrices (3-D)")
+
+
+def _stacked_parameters_hint(params: dict[str, torch.nn.Parameter]) -> str:
+    """What the model's 3-D parameters (mixture-of-experts stacks) are called within a layer, for an error."""
+    stacks = sorted({re.sub(r"^.*?\.\d+\.", "", n) for n, p in params.items() if p.dim() == 3})
+    if not stacks:
+        return ("it has no stacked expert weights (3-D parameters): adapt its linear layers with "
+                "model.lora_target_modules")
+    return f"its stacked expert weights are {', '.join(stacks)}"
 
 
 def check_pretrained_dir(path: str, gguf_file: str | None = None) -> Path:

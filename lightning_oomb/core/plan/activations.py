@@ -6,18 +6,35 @@ from __future__ import annotations
 from ..model_shape import PROFILES, ModelShape
 
 
+def expert_adapter_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true") -> int:
+    """What LoRA on the stacked expert weights (peft's target_parameters) adds to one layer's saved tensors for
+    ``tokens`` tokens, in bytes. peft computes each adapted stack W + scale x B @ A for the experts' forward,
+    whose matmuls keep it for backward: one layer's expert weights again, in the weights' dtype (a fixed
+    cost per layer and chunk, whatever the chunk's length). The weights now need a gradient, so the matmuls
+    keep their inputs too: each token's hidden state once per chosen expert, and its experts' down inputs."""
+    p = PROFILES[precision]
+    top_k = shape.routed_intermediate // shape.expert_intermediate if shape.n_experts else 0
+    per_token = p.linear * (top_k * shape.hidden + shape.routed_intermediate)
+    return shape.layer_expert_params * p.param + tokens * per_token
+
+
 def layer_activation_bytes(
-    shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True
+    shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True,
+    lora_experts: bool = False,
 ) -> int:
     """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
 
     Per token: norm statistics and outputs, q, k, v, the attention output and log-sum-exp, o_proj's input and
     the MLP's tensors, as transformers' Llama/Qwen2/Qwen3 layers with lightning_oomb's attention save them
     (the formulas: docs/planner.md, "What it counts"; tests/test_plan_activations.py counts real ones).
-    ``lora_rank`` > 0: peft adapters on q, k, v, o, the rest frozen. ``fused_ops``: the Triton steps'
-    RMSNorm/RoPE/SwiGLU (False: transformers' own ops). A tensor-parallel rank's ``shape``
-    (``ModelShape.tensor_parallel_part``) has its part of the heads and MLP width.
+    ``lora_rank`` > 0: peft adapters on q, k, v, o, the rest frozen; ``lora_experts``: on the stacked expert
+    weights too (``expert_adapter_bytes``). ``fused_ops``: the Triton steps' RMSNorm/RoPE/SwiGLU (False:
+    transformers' own ops). A tensor-parallel rank's ``shape`` (``ModelShape.tensor_parallel_part``) has its
+    part of the heads and MLP width.
     """
+    if lora_experts and lora_rank > 0:
+        return (layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
+                + expert_adapter_bytes(shape, tokens, precision))
     p = PROFILES[precision]
     h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
     lora = lora_rank > 0
@@ -77,7 +94,7 @@ def model_activation_bytes(
 
 def activation_bytes(
     shape: ModelShape, tokens: int, precision: str = "bf16-true", checkpoint_layers: bool = False, lora_rank: int = 0,
-    fused_ops: bool = True,
+    fused_ops: bool = True, lora_experts: bool = False,
 ) -> int:
     """Saved activations of one chunk's stage-2 forward (``tokens`` = batch x chunk tokens), in bytes.
 
@@ -85,9 +102,10 @@ def activation_bytes(
     dtype, kept by the checkpoint for the recompute) and attention output and log-sum-exp (q's dtype and
     float32 per head, which the recompute takes instead of attending again), plus one layer's full
     activations (the recompute).
-    fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops).
+    fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops). lora_experts: LoRA on
+    the stacked expert weights too (``expert_adapter_bytes``).
     """
-    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
+    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
     if checkpoint_layers:
         p = PROFILES[precision]
         per_layer = shape.hidden * p.residual + shape.q_width * p.qk + 4 * shape.n_heads

@@ -30,11 +30,12 @@ class Collective:
         return self.calls * self.bus_bytes / (COLLECTIVE_GBPS * 1e9)
 
 
-def trainable_split(shape: "ModelShape", lora_rank: int) -> tuple[int, int]:
+def trainable_split(shape: "ModelShape", lora_rank: int, lora_experts: bool = False) -> tuple[int, int]:
     """(trainable parameters inside the decoder layers, trainable parameters of the root: embeddings, final norm,
-    output layer). LoRA trains only adapters, which sit in the layers."""
+    output layer). LoRA trains only adapters, which sit in the layers (``lora_experts``: on the stacked expert
+    weights too)."""
     if lora_rank:
-        return shape.lora_params(lora_rank), 0
+        return shape.lora_params(lora_rank, lora_experts), 0
     return shape.n_layers * shape.layer_params, shape.root_params
 
 
@@ -57,7 +58,7 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
             found.append(Collective("all-reduce", "the whole weights' gradients (float32)", 1,
                                     2 * (world - 1) / world * 4 * replicated))
         return found
-    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
+    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank, c.lora_experts)
     if c.sharding == "none":
         return [Collective("all-reduce", "every gradient (float32)", 1, 2 * (n - 1) / n * 4 * (layer_trainable +
                                                                                            root_trainable))]

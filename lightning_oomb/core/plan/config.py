@@ -64,6 +64,8 @@ class PlanConfig:
     # -- the run around the step
     batch: int = 1  # sequences per step (per rank)
     lora_rank: int = 0  # 0: full training
+    # with lora_rank: LoRA on the stacked expert weights too (CausalLMModule's lora_target_parameters)
+    lora_experts: bool = False
     # QLoRA: the frozen base weights in 4 bits, as CausalLMModule's option of that name takes it ("nf4", "fp4" or
     # {"quant_type": ..., "double_quant": ...}); read as a Quantization
     quantization: "Quantization | str | dict | None" = None

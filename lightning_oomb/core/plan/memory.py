@@ -26,7 +26,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     """GPU and host memory of one step, by named line, in bytes."""
     p = PROFILES[c.precision]
     param_dtype = bytes_name(p.param)
-    lora = shape.lora_params(c.lora_rank) if c.lora_rank else 0
+    lora = shape.lora_params(c.lora_rank, c.lora_experts) if c.lora_rank else 0
     trainable = lora if c.lora_rank else shape.total_params
     head_trained = c.lora_rank == 0
     if c.host_process_bytes is None:
@@ -78,11 +78,12 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     t = c.chunk_tokens
     ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
     gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
-        shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops
+        shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
     )
     # Gradients in flight while autograd walks back through a layer: at most what that layer saved
     # (an assumption, see docs/planner.md).
-    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops)
+    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops,
+                                                                     c.lora_experts)
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
     if c.stage_1_loss and c.loss_grads != "recomputed":
         kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
@@ -233,7 +234,7 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -
     p = PROFILES[c.precision]
     dtype = bytes_name(p.param)
     n = c.devices
-    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
+    layer_trainable, root_trainable = trainable_split(shape, c.lora_rank, c.lora_experts)
     layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
     per_layer = layer_weights // shape.n_layers
     shard = f"1/{n} shard" + (f" of this rank's 1/{c.tensor_parallel} by KV heads" if c.tensor_parallel > 1 else "")
@@ -305,7 +306,8 @@ def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:
     loss's dL/dh (the output layer's gradient goes into the step's float32 sum, counted once)."""
     p = PROFILES[c.precision]
     t = c.chunk_tokens
-    return activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops) + t * shape.hidden * p.linear
+    return (activation_bytes(shape, t, c.precision, False, c.lora_rank, c.fused_ops, c.lora_experts)
+            + t * shape.hidden * p.linear)
 
 
 def loss_grad_bytes(shape: ModelShape, chunk_tokens: int, n_chunks: int, precision: str) -> int:

@@ -110,9 +110,10 @@ class Plan:
 
     def __str__(self) -> str:
         c, s = self.config, self.shape
-        training = f"LoRA rank {c.lora_rank}" if c.lora_rank else "full training"
+        rank = f"rank {c.lora_rank}" + (" (experts too)" if c.lora_experts and s.n_experts else "")
+        training = f"LoRA {rank}" if c.lora_rank else "full training"
         if c.quantization is not None:
-            training = f"QLoRA rank {c.lora_rank} (base weights in 4-bit {c.quantization.describe()})"
+            training = f"QLoRA {rank} (base weights in 4-bit {c.quantization.describe()})"
         ckpt = "on" if c.checkpoint_layers else "off"
         if self.checkpoint_auto:
             ckpt += " (auto)"

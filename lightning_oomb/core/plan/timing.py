@@ -93,7 +93,8 @@ def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: 
 def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     """FLOPs one step of ``config`` (a PlanConfig, or the context in tokens per sequence, with ``options``
     replacing fields by name: ``PlanConfig.build``) executes (docs/planner.md, "Time", has the formulas):
-    linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora), attention (dense, sparse or within packed
+    linear (8 x P_mm per token; LoRA 6 x P_mm + 8 x P_lora, and with ``lora_experts`` what
+    ``expert_adapter_flops`` adds), attention (dense, sparse or within packed
     documents of ``document_length`` tokens), the layer-checkpoint recompute; less what stage 1 keeps
     (``graph_chunks``, ``kept_chunks``, ``host_kept_chunks``: ``attention_kept_chunks``).
     """
@@ -126,6 +127,8 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     attention = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs))
     linear -= 2.0 * shape.active_matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
+    if c.lora_rank > 0 and c.lora_experts:
+        linear += expert_adapter_flops(shape, c, n)
     stage_1 = 2.0 * shape.active_matmul_params * tokens + forward_attention
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
@@ -137,6 +140,17 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     passes = 3 * n - graphs + (n if checkpoint_layers else 0)
     return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
                     stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c))
+
+
+def expert_adapter_flops(shape: ModelShape, c: PlanConfig, n_chunks: int) -> float:
+    """Linear FLOPs that LoRA on the stacked expert weights adds to a step of ``n_chunks`` chunks: the routed
+    experts' weight gradients (2 x the expert parameters a token goes through, per token: frozen experts
+    skip them), and peft's W + scale x B @ A of each stack, 2 x rank x its elements per layer and chunk for
+    each forward (stage 1's, stage 2's, a checkpoint's recompute) and twice that for its backward."""
+    gradients = 2.0 * 3 * shape.hidden * shape.routed_intermediate * shape.n_layers * c.batch * c.context
+    forwards = 2 + (1 if c.checkpoint_layers else 0)
+    folds = 2.0 * c.lora_rank * shape.layer_expert_params * shape.n_layers * n_chunks * (forwards + 2)
+    return gradients + folds
 
 
 def dequant_seconds(shape: ModelShape, c: PlanConfig) -> float:
