@@ -9,7 +9,7 @@ import peft
 import pytest
 import torch
 from tiny_models import tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
 from lightning_oomb.kernels.page_table import StoreSpec
@@ -49,3 +49,18 @@ def test_shape_from_config_dir_model_and_peft(tmp_path):
     assert shape.lora_params(4) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
     with pytest.raises(FileNotFoundError, match="built-in"):
         ModelShape.resolve("no-such-model")
+
+
+def test_qwen2_moe_counts_its_qkv_biases_and_shared_expert_gate():
+    """Qwen2-MoE's q/k/v biases (``qkv_bias``) and the sigmoid gate of its shared expert, an nn.Linear(hidden, 1)
+    per layer: the meta-device model's parameters, and the gate among the weights a token goes through."""
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=101, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.resolve(model)
+    assert shape.qkv_bias and shape.shared_gate
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    attention = 2 * 32 * 32 + 2 * 32 * 16
+    assert shape.layer_active_matmul_params == attention + 3 * 32 * (2 * 16 + 24) + 32 * 4 + 32

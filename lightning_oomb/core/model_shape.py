@@ -17,6 +17,9 @@ SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
 
 Precision = Literal["bf16-true", "bf16-mixed", "32-true"]
 PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+# Mixtures of experts whose shared expert's output is scaled by a sigmoid gate, an nn.Linear(hidden, 1).
+SHARED_GATE_FAMILIES = ("qwen2_moe", "qwen3_next")
+
 
 def builtin_names() -> list[str]:
     """Names of the model shapes shipped in ``lightning_oomb/model_shapes`` (e.g. ``qwen2.5-7b``)."""
@@ -103,6 +106,7 @@ class ModelShape:
     n_experts: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    shared_gate: bool = False  # Qwen2-MoE: a hidden -> 1 linear gate scales the shared expert's output
     window: int = 0  # tokens of the sliding window of window_layers of the layers (0: none)
     window_layers: int = 0
 
@@ -121,7 +125,8 @@ class ModelShape:
             width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
             shared = getattr(config, "shared_expert_intermediate_size", None) or 0
             moe = dict(intermediate=config.num_experts_per_tok * width + shared, n_experts=experts,
-                       expert_intermediate=width, shared_intermediate=shared)
+                       expert_intermediate=width, shared_intermediate=shared,
+                       shared_gate=bool(shared) and model_type in SHARED_GATE_FAMILIES)
         return cls(
             n_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
@@ -133,8 +138,9 @@ class ModelShape:
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             name=name or getattr(config, "name_or_path", "") or model_type or "custom",
-            # Qwen2 always has q/k/v biases; Llama and Qwen3 put `attention_bias` on q, k, v and o.
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            # Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias`; Llama and Qwen3 put `attention_bias` on
+            # q, k, v and o.
+            qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and config.qkv_bias),
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -209,12 +215,13 @@ class ModelShape:
     @property
     def layer_matrices(self) -> tuple[int, ...]:
         """Elements of each weight matrix one decoder layer holds: q, k, v, o, gate, up, down; for a mixture of
-        experts, gate, up and down of every expert, then of the shared expert, then the router."""
+        experts, gate, up and down of every expert, then of the shared expert and its gate, then the router."""
         attention = (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
                      self.q_width * self.hidden)
         if not self.n_experts:
             return attention + (self.hidden * self.intermediate,) * 3
         shared = (self.hidden * self.shared_intermediate,) * 3 if self.shared_intermediate else ()
+        shared += (self.hidden,) if self.shared_gate else ()
         return (attention + (self.hidden * self.expert_intermediate,) * (3 * self.n_experts) + shared
                 + (self.hidden * self.n_experts,))
 
@@ -228,7 +235,8 @@ class ModelShape:
     def layer_active_matmul_params(self) -> int:
         """Weight-matrix parameters one token goes through in a decoder layer (its experts, for a mixture)."""
         attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
-        return attention + 3 * self.hidden * self.intermediate + self.hidden * self.n_experts
+        gate = self.hidden if self.shared_gate else 0
+        return attention + 3 * self.hidden * self.intermediate + self.hidden * self.n_experts + gate
 
     @property
     def head_params(self) -> int:
