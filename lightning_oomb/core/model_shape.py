@@ -226,6 +226,17 @@ class ModelShape:
                 + (self.hidden * self.n_experts,))
 
     @property
+    def layer_linear_matrices(self) -> tuple[int, ...]:
+        """Elements of each weight matrix one decoder layer holds in an nn.Linear (what bitsandbytes quantises):
+        q, k, v, o, gate, up, down; for a mixture of experts q, k, v, o and the shared expert's gate, up, down and
+        gate. transformers holds the experts fused, as (n_experts, ...) nn.Parameters, and the router as an
+        nn.Parameter: no nn.Linear."""
+        if not self.n_experts:
+            return self.layer_matrices
+        shared = (self.hidden * self.shared_intermediate,) * 3 if self.shared_intermediate else ()
+        return self.layer_matrices[:4] + shared + ((self.hidden,) if self.shared_gate else ())
+
+    @property
     def layer_matmul_params(self) -> int:
         """Weight-matrix parameters one decoder layer holds (q, k, v, o, gate, up, down; every expert and the
         router of a mixture of experts)."""

@@ -53,13 +53,14 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         if four_bit:
             gpu[f"weights (4-bit {c.quantization.describe()}: decoder layers' linear layers, "
                 f"{human_count(four_bit)} params)"] = c.quantization.weight_bytes(shape)
-            kept = "embeddings, lm_head, norms" + (", biases" if shape.layer_bias_params else "")
+            kept = ("embeddings, lm_head, norms" + (", biases" if shape.layer_bias_params else "")
+                    + (", experts, routers" if shape.n_experts else ""))
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params - four_bit)} params: {kept}{adapters})"] = (
                 (shape.total_params - four_bit) * p.param + lora * 4)
             # bitsandbytes dequantises a layer's weight for each matmul (forward, and the backward's dL/dx) and
-            # frees it after: one matrix at a time, the largest.
+            # frees it after: one matrix at a time, the largest 4-bit one (experts are not: they stay as loaded).
             gpu[f"dequantised weight (one layer's largest, {param_dtype}, transient)"] = (
-                max(shape.layer_matrices) * p.param)
+                max(shape.layer_linear_matrices) * p.param)
         else:
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})"] = (
                 shape.total_params * p.param + lora * 4)
@@ -279,9 +280,10 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, f
 
 
 def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
-    """Weights ``c.quantization`` holds in 4 bits: every decoder layer's linear layers (transformers keeps the
-    output layer, the embeddings and the norms in the compute dtype; core.quantization); 0 without it."""
-    return shape.n_layers * shape.layer_matmul_params if c.quantization is not None else 0
+    """Weights ``c.quantization`` holds in 4 bits: every decoder layer's nn.Linear layers (transformers keeps
+    the output layer, the embeddings, the norms, and a mixture's experts and routers in the compute dtype;
+    core.quantization); 0 without it."""
+    return shape.n_layers * sum(shape.layer_linear_matrices) if c.quantization is not None else 0
 
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
