@@ -45,7 +45,7 @@ def test_dequantisation_adds_a_pass_over_the_4_bit_weights_per_matmul_pass():
     qlora = plan("qwen2.5-7b", 32768, quantization="nf4", **options)
     c = qlora.config
     one_pass = (qlora.gpu_lines[next(k for k in qlora.gpu_lines if k.startswith("weights (4-bit"))]
-                + 28 * qlora.shape.layer_matmul_params * 2) / (DEQUANT_GBPS * 1e9)
+                + qlora.shape.linear_params * 2) / (DEQUANT_GBPS * 1e9)
     assert dequant_seconds(qlora.shape, c) == pytest.approx(one_pass)
     assert qlora.time.dequant_s == pytest.approx(4 * 8 * one_pass)  # 8 chunks, 3 passes and the recompute each
     assert qlora.time.predicted_s == pytest.approx(lora.time.predicted_s + qlora.time.dequant_s)

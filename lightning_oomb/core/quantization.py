@@ -85,4 +85,4 @@ class Quantization:
         """Bytes bitsandbytes holds for the 4-bit weights of a model of ``shape``: every decoder layer's
         nn.Linear weights, q, k, v, o, gate, up and down (``tensor_bytes`` each); the output layer, embeddings,
         norms, and a mixture's experts and routers (nn.Parameters of no nn.Linear) are not quantised."""
-        return shape.n_layers * sum(self.tensor_bytes(n) for n in shape.layer_linear_matrices)
+        return sum(g.layers * sum(self.tensor_bytes(n) for n in g.linear) for g in shape.layer_groups)

@@ -60,7 +60,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             # bitsandbytes dequantises a layer's weight for each matmul (forward, and the backward's dL/dx) and
             # frees it after: one matrix at a time, the largest 4-bit one (experts are not: they stay as loaded).
             gpu[f"dequantised weight (one layer's largest, {param_dtype}, transient)"] = (
-                max(shape.layer_linear_matrices) * p.param)
+                max(max(g.linear) for g in shape.layer_groups) * p.param)
         else:
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})"] = (
                 shape.total_params * p.param + lora * 4)
@@ -224,8 +224,11 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -
     dtype = bytes_name(p.param)
     n = c.devices
     layer_trainable, root_trainable = trainable_split(shape, c.lora_rank)
-    layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
-    per_layer = layer_weights // shape.n_layers
+    layer_weights = shape.decoder_params + (layer_trainable if c.lora_rank else 0)
+    # One layer at a time: the largest (a mixture's with experts, not its dense ones), with its adapters.
+    adapters = layer_trainable // shape.n_layers if c.lora_rank else 0
+    per_layer = shape.largest_layer_params + adapters
+    per_layer_trainable = adapters if c.lora_rank else shape.largest_layer_params
     shard = f"1/{n} shard" + (f" of this rank's 1/{c.tensor_parallel} by KV heads" if c.tensor_parallel > 1 else "")
     gpu = {
         f"weights: root (embeddings, final norm, output layer; {dtype}, whole, "
@@ -246,7 +249,7 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -
     else:
         gpu[f"gradients: decoder layers, {shard} ({dtype})"] = -(-layer_trainable // n) * p.param
     gpu[f"reduce-scatter in flight: one layer's gradients ({dtype}) and their float32 copy"] = (
-        layer_trainable // shape.n_layers * (p.param + 4))
+        per_layer_trainable * (p.param + 4))
     what, rate = state
     if root_trainable:
         gpu[f"optimizer state: root ({what}, whole)"] = int(rate * root_trainable)
@@ -263,7 +266,7 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, f
     whole weights' gradients are averaged after stage 2 through oomb_ddp's float32 bucket."""
     p = PROFILES[c.precision]
     dtype = bytes_name(p.param)
-    layers, root = shape.n_layers * shape.layer_params, shape.root_params
+    layers, root = shape.decoder_params, shape.root_params
     part = f"1/{c.tensor_parallel} by KV heads"
     what, rate = state
     replicated = shape.n_layers * shape.layer_replicated_params + root
@@ -283,7 +286,7 @@ def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
     """Weights ``c.quantization`` holds in 4 bits: every decoder layer's nn.Linear layers (transformers keeps
     the output layer, the embeddings, the norms, and a mixture's experts and routers in the compute dtype;
     core.quantization); 0 without it."""
-    return shape.n_layers * sum(shape.layer_linear_matrices) if c.quantization is not None else 0
+    return shape.linear_params if c.quantization is not None else 0
 
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
