@@ -176,7 +176,7 @@ def test_the_planner_holds_every_expert_and_times_a_tokens(model_type, config):
     assert shape.total_params == sum(p.numel() for p in model.parameters())
     width = config.get("moe_intermediate_size", 512)
     attention = 2 * 256 * shape.q_width + 2 * 256 * shape.kv_width
-    assert shape.layer_active_matmul_params == attention + 3 * 256 * 2 * width + 256 * 8
+    assert shape.active_matmul_params == 2 * (attention + 3 * 256 * 2 * width + 256 * 8) + 1000 * 256
     with pytest.raises(ValueError, match="tensor parallelism of mixture-of-experts layers is not built"):
         shape.tensor_parallel_part(2)
 

@@ -9,9 +9,10 @@ import peft
 import pytest
 import torch
 from tiny_models import tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_oomb.core.model_shape import LORA_TARGETS, ModelShape, builtin_names, load_config_dict, transformers_config
+from lightning_oomb.core.model_shape import (LORA_TARGETS, ModelShape, builtin_names, expert_layers, load_config_dict,
+                                             transformers_config)
 from lightning_oomb.kernels.page_table import StoreSpec
 
 
@@ -63,3 +64,91 @@ def test_shape_from_config_dir_model_and_peft(tmp_path):
     assert shape.lora_params(4) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
     with pytest.raises(FileNotFoundError, match="built-in"):
         ModelShape.resolve("no-such-model")
+
+
+def test_qwen2_moe_counts_its_qkv_biases_and_shared_expert_gate():
+    """Qwen2-MoE's q/k/v biases (``qkv_bias``) and the sigmoid gate of its shared expert, an nn.Linear(hidden, 1)
+    per layer: the meta-device model's parameters, and the gate among the weights a token goes through."""
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=101, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.resolve(model)
+    assert shape.qkv_bias and shape.shared_gate
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    attention = 2 * 32 * 32 + 2 * 32 * 16
+    assert shape.active_matmul_params == 2 * (attention + 3 * 32 * (2 * 16 + 24) + 32 * 4 + 32) + 101 * 32
+
+
+MOE = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, num_experts_per_tok=2, pad_token_id=0)
+# Mixtures with dense layers among those with experts, each by its family's own fields (and Mixtral, experts in
+# every layer); the last two have attention of their own (MLA), so only their MLPs are compared.
+MIXED = {
+    "qwen2_moe-mlp_only_layers": ("qwen2_moe", dict(num_experts=4, moe_intermediate_size=16,
+                                                    shared_expert_intermediate_size=24, mlp_only_layers=[0, 2])),
+    "qwen3_moe-sparse_step": ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, head_dim=8,
+                                                decoder_sparse_step=2)),
+    "qwen3_moe-both": ("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16, head_dim=8, decoder_sparse_step=2,
+                                         mlp_only_layers=[3])),
+    "mixtral": ("mixtral", dict(num_local_experts=4)),
+    "deepseek_v3-first_k_dense_replace": ("deepseek_v3", dict(n_routed_experts=4, moe_intermediate_size=16,
+                                                              n_shared_experts=2, first_k_dense_replace=2)),
+    "glm4_moe_lite-mlp_layer_types": ("glm4_moe_lite", dict(n_routed_experts=4, moe_intermediate_size=16,
+                                                            mlp_layer_types=["dense", "sparse", "dense", "sparse"])),
+}
+OWN_ATTENTION = ("deepseek_v3", "glm4_moe_lite")
+
+
+def mlp_params(group) -> int:
+    """Weight parameters of one MLP of a layer group: its nn.Linear weights after q, k, v, o, and its experts'."""
+    return sum(group.linear[4:]) + group.fused
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_mixtures_count_their_dense_layers_as_dense(case):
+    """Which layers hold experts and what each layer holds, against the meta-device model transformers builds
+    from the config: the layers with 3D (fused expert) parameters, each layer's MLP parameters, its nn.Linear
+    weights (what bitsandbytes would quantise), and where the attention is one ModelShape knows, every
+    parameter of each layer and of the model."""
+    model_type, fields = MIXED[case]
+    config = AutoConfig.for_model(model_type, **MOE, **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    layers = model.model.layers
+    assert expert_layers(config) == [any(p.dim() == 3 for p in layer.parameters()) for layer in layers]
+    kinds = [g for g in shape.layer_groups for _ in range(g.layers)]
+    assert len(kinds) == len(layers) and shape.dense_layers == expert_layers(config).count(False)
+    built = sorted(sum(p.numel() for p in layer.mlp.parameters()) for layer in layers)
+    assert built == sorted(mlp_params(g) for g in kinds)
+    if model_type in OWN_ATTENTION:
+        return
+    per_layer = shape.layer_bias_params + shape.layer_norm_params
+    assert sorted(sum(p.numel() for p in layer.parameters()) for layer in layers) == sorted(
+        sum(g.linear) + g.fused + per_layer for g in kinds)
+    linear = sum(m.weight.numel() for m in layers.modules() if type(m) is torch.nn.Linear)
+    assert shape.linear_params == linear
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_layer_params == max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+
+
+@pytest.mark.parametrize("case", [c for c in MIXED if MIXED[c][0] not in OWN_ATTENTION])
+def test_mixtures_time_the_weights_a_token_goes_through(case):
+    """active_matmul_params (P_mm) against the matmul FLOPs torch counts in a forward of the model on a few
+    tokens (its experts one by one, transformers' eager experts): 2 per weight a token goes through, in a
+    dense layer its dense MLP, in a layer with experts its two of four, the shared expert and its gate, and the
+    router."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model_type, fields = MIXED[case]
+    config = AutoConfig.for_model(model_type, **MOE, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    tokens = 7
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(input_ids=torch.randint(0, 101, (1, tokens)))
+    counts = counter.get_flop_counts()["Global"]
+    matmul = sum(v for op, v in counts.items() if str(op) in ("aten.mm", "aten.addmm"))
+    assert matmul == 2 * tokens * ModelShape.from_config(config).active_matmul_params

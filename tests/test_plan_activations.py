@@ -81,7 +81,7 @@ def test_activation_formula_qk_norm_lora_and_autocast(family, lora_rank, precisi
     counted = saved_bytes_of_one_chunk(model, 64, precision, fused_ops)
     expected = activation_bytes(shape, 64, precision, lora_rank=lora_rank, fused_ops=fused_ops)
     if precision == "bf16-mixed":  # the layers' bf16 weight casts are saved too (a separate line of the plan)
-        expected += 2 * shape.n_layers * shape.layer_matmul_params
+        expected += 2 * shape.decoder_matmul_params
     assert expected == pytest.approx(counted, rel=0.10)
 
 

@@ -10,6 +10,11 @@ from lightning_oomb.core.units import parse_tokens
 H200 = dict(gpu_memory=141e9, host_memory=128e9, checkpoint_auto=True)
 
 
+def line(lines: dict[str, int], start: str) -> int:
+    """The bytes of the plan line whose name starts with ``start``."""
+    return next(v for k, v in lines.items() if k.startswith(start))
+
+
 def test_bf16_kv_gradient_pages_take_two_bytes_a_value():
     p = plan("qwen2.5-7b", 32768, grad_dtype=torch.bfloat16, **H200)
     grads = next(v for k, v in p.gpu_lines.items() if k.startswith("KV-gradient pages"))
@@ -54,3 +59,30 @@ def test_fit_start_plan_counts_lora_on_experts():
         assert gradients == 4 * trainable  # float32 adapters
     activations = [next(v for k, v in p.gpu_lines.items() if k.startswith("activations")) for p in (plain, experts)]
     assert activations[1] > activations[0]
+
+
+def test_a_mixture_with_dense_layers_holds_each_layer_as_built():
+    """Qwen3-MoE with experts in every second layer (decoder_sparse_step=2), the others a dense MLP: weights,
+    gradients and AdamW's state of full training are the meta-built model's parameters; sharded, the layers
+    gathered or reduce-scattered one at a time are the largest, those with experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_oomb.core.optimizers import plan_state_bytes
+    from lightning_oomb.core.plan.assumptions import ZERO3_GATHERED_LAYERS
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    options = dict(precision="bf16-true", optimizer="adamw", gpu_memory=2**40, host_memory=2**40)
+    one = plan(model, 4096, **options).gpu_lines
+    assert line(one, "weights (bf16") == line(one, "gradients (bf16") == 2 * params
+    assert line(one, "optimizer state") == int(plan_state_bytes("adamw", 2) * params)
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert layers[0] < layers[1]  # dense, then experts
+    sharded = plan(model, 4096, devices=2, sharding="zero3", **options).gpu_lines
+    assert line(sharded, "gathered weights") == ZERO3_GATHERED_LAYERS * max(layers) * 2
+    assert line(sharded, "reduce-scatter in flight") == max(layers) * (2 + 4)
+    assert line(sharded, "weights: decoder layers") == -(-sum(layers) // 2) * 2

@@ -5,6 +5,8 @@ dequantisation's workspace and time, and what it is refused without."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_oomb.cli import main as cli_main
 from lightning_oomb.core.config import SparseConfig
@@ -12,6 +14,7 @@ from lightning_oomb.core.errors import SetupError
 from lightning_oomb.core.plan import max_context, plan
 from lightning_oomb.core.plan.assumptions import DEQUANT_GBPS
 from lightning_oomb.core.plan.timing import dequant_seconds
+from lightning_oomb.core.quantization import Quantization
 from lightning_oomb.core.units import GIB
 
 CARD = dict(gpu_memory=24 * GIB, host_memory=64 * GIB, grad_dtype="bfloat16", checkpoint_auto=True)
@@ -42,13 +45,39 @@ def test_dequantisation_adds_a_pass_over_the_4_bit_weights_per_matmul_pass():
     qlora = plan("qwen2.5-7b", 32768, quantization="nf4", **options)
     c = qlora.config
     one_pass = (qlora.gpu_lines[next(k for k in qlora.gpu_lines if k.startswith("weights (4-bit"))]
-                + 28 * qlora.shape.layer_matmul_params * 2) / (DEQUANT_GBPS * 1e9)
+                + qlora.shape.linear_params * 2) / (DEQUANT_GBPS * 1e9)
     assert dequant_seconds(qlora.shape, c) == pytest.approx(one_pass)
     assert qlora.time.dequant_s == pytest.approx(4 * 8 * one_pass)  # 8 chunks, 3 passes and the recompute each
     assert qlora.time.predicted_s == pytest.approx(lora.time.predicted_s + qlora.time.dequant_s)
     slower = plan("qwen2.5-7b", 32768, quantization="nf4", matmul_tflops=395.0, **options)
     assert slower.time.dequant_s == pytest.approx(2 * qlora.time.dequant_s)
     assert "dequantising the 4-bit weights" in str(qlora) and "dequantising" not in str(lora)
+
+
+def test_qlora_of_a_mixture_of_experts_quantises_its_linear_layers_only():
+    """Qwen2-MoE built on the meta device: bitsandbytes (transformers' replace_with_bnb_linear) quantises the
+    modules of type nn.Linear, so q, k, v, o and the shared expert with its gate, not the experts (fused
+    (n_experts, ...) nn.Parameters) nor the router: those stay bf16 in the other weights line, and the dequantised
+    matrix is the largest nn.Linear's, the shared expert's, not an expert's. One pass of dequantisation reads and
+    writes the quantised weights only."""
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=384)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = [m.weight.numel() for layer in model.model.layers for m in layer.modules() if type(m) is torch.nn.Linear]
+    assert len(linear) == 2 * (4 + 3 + 1)
+    options = dict(lora_rank=8, gpu_memory=2**40, host_memory=2**40)
+    step = plan(model, 4096, quantization="nf4", **options)
+    lines = step.gpu_lines
+    nf4 = Quantization("nf4")
+    assert next(v for k, v in lines.items() if k.startswith("weights (4-bit")) == sum(map(nf4.tensor_bytes, linear))
+    other = sum(p.numel() for p in model.parameters()) - sum(linear)
+    bf16 = next(k for k in lines if k.startswith("weights (bf16"))
+    assert lines[bf16] == other * 2 + step.shape.lora_params(8) * 4 and "experts, routers" in bf16
+    assert lines["dequantised weight (one layer's largest, bf16, transient)"] == 256 * 384 * 2
+    one_pass = (sum(map(nf4.tensor_bytes, linear)) + 2 * sum(linear)) / (DEQUANT_GBPS * 1e9)
+    assert dequant_seconds(step.shape, step.config) == pytest.approx(one_pass)
 
 
 def test_qlora_fits_a_longer_context_than_lora_on_a_24_gib_gpu():

@@ -252,16 +252,30 @@ def test_cli_exports_the_adapter_and_resumes_bitwise(assets, tmp_path, capsys):
 # == what the planner counts ======================================================================================
 
 
+def tiny_moe():
+    """A random Qwen2-MoE: in its first layer 4 experts of width 16 and a shared expert of 24 (with its gate), in
+    its second a dense MLP (``mlp_only_layers``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{**TINY, "model_type": "qwen2_moe"}, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[1])
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
 @pytest.mark.parametrize("quantization", ["nf4", {"quant_type": "fp4", "double_quant": True}])
-def test_planner_counts_the_weight_bytes_bitsandbytes_holds(quantization, tmp_path):
+def test_planner_counts_the_weight_bytes_bitsandbytes_holds(quantization, family, tmp_path):
     """`plan(..., quantization=...)`'s weight lines against what bitsandbytes allocated for a random
     llama-shaped model quantised on the CPU (an MLP width of 49 leaves each MLP matrix's last absmax block half
-    full): the 4-bit line is every Params4bit's packed codes and its quant_state's tensors (absmax and the
+    full) and a mixture of experts with a dense layer, whose experts and routers (nn.Parameters, no nn.Linear)
+    stay float32: the 4-bit line is every Params4bit's packed codes and its quant_state's tensors (absmax and the
     type's map; with double quantisation the 8-bit absmax, the nested absmax, offset and map), the other line
-    every other parameter (embeddings, lm_head, norms, LoRA's float32 adapters). Within 0.1% (today: to the byte)."""
+    every other parameter (embeddings, lm_head, norms, experts, routers, LoRA's float32 adapters). Within 0.1%
+    (today: to the byte)."""
     from lightning_oomb.core.plan import plan
 
-    tiny_model("llama", intermediate_size=49).save_pretrained(tmp_path)
+    (tiny_model("llama", intermediate_size=49) if family == "llama" else tiny_moe()).save_pretrained(tmp_path)
     model = quantized(CausalLMModule(pretrained=str(tmp_path), quantization=quantization, **LORA))
     four_bit = other = 0
     for p in model.parameters():

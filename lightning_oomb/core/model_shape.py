@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -17,6 +17,7 @@ SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
 
 Precision = Literal["bf16-true", "bf16-mixed", "32-true"]
 PRECISIONS = ("bf16-true", "bf16-mixed", "32-true")
+
 
 def builtin_names() -> list[str]:
     """Names of the model shapes shipped in ``lightning_oomb/model_shapes`` (e.g. ``qwen2.5-7b``)."""
@@ -72,16 +73,93 @@ def _windows(config: Any) -> dict[str, int]:
     return {"window": int(window), "window_layers": layers} if layers else {}
 
 
+# Mixtures of experts whose config says, by a rule of their own, which decoder layers hold experts (the others a
+# dense MLP of intermediate_size), as transformers' modeling code of the family applies it. Configs with
+# `mlp_layer_types` say it layer by layer; the other families are counted with experts in every layer.
+SPARSE_STEP_FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_next")  # mlp_only_layers, decoder_sparse_step
+FIRST_K_DENSE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")  # first_k_dense_replace
+NUM_DENSE_FAMILIES = ("afmoe", "lfm2_moe")  # num_dense_layers
+# Mixtures whose shared expert is DeepSeek's: n_shared_experts experts of moe_intermediate_size, as one MLP.
+SHARED_EXPERTS_FAMILIES = ("axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "glm4_moe",
+                           "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "kimi_linear", "minicpm5_moe", "solar_open")
+# Mixtures whose shared expert's output is scaled by a sigmoid gate, an nn.Linear(hidden, 1).
+SHARED_GATE_FAMILIES = ("qwen2_moe", "qwen3_next")
+
+
+def expert_layers(config: Any) -> list[bool]:
+    """Whether each decoder layer of a mixture-of-experts ``config`` holds experts, as transformers builds it
+    (every layer where the family is none of those above and the config has no ``mlp_layer_types``)."""
+    n = config.num_hidden_layers
+    model_type = getattr(config, "model_type", "")
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds is not None and set(kinds) <= {"sparse", "dense"}:
+        # transformers' per-layer field (its configs validate these two values; the families' layers build
+        # experts where it says "sparse")
+        return [kind == "sparse" for kind in kinds]
+    if model_type in SPARSE_STEP_FAMILIES:
+        dense = set(config.mlp_only_layers or ())
+        return [i not in dense and (i + 1) % config.decoder_sparse_step == 0 for i in range(n)]
+    if model_type in FIRST_K_DENSE_FAMILIES:
+        # DeepSeek's own modeling code also reads `moe_layer_freq`; transformers' does not, so neither does this.
+        return [i >= (config.first_k_dense_replace or 0) for i in range(n)]
+    if model_type in NUM_DENSE_FAMILIES:
+        return [i >= config.num_dense_layers for i in range(n)]
+    return [True] * n
+
+
+def _shared_width(config: Any, width: int) -> int:
+    """Width of a mixture's shared expert (0: none): Qwen's ``shared_expert_intermediate_size``, or DeepSeek's
+    ``n_shared_experts`` experts of ``width`` as one MLP."""
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    if not shared and getattr(config, "model_type", "") in SHARED_EXPERTS_FAMILIES:
+        shared = (getattr(config, "n_shared_experts", None) or 0) * width
+    return shared
+
+
+def _mlp_fields(config: Any) -> dict[str, Any]:
+    """ModelShape's MLP fields of ``config``: ``intermediate`` for a dense model; for a mixture of experts the
+    experts', the shared expert's and the dense layers' widths, and how many layers are dense."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    kinds = expert_layers(config) if experts else []
+    if not any(kinds):
+        return dict(intermediate=config.intermediate_size)
+    # Qwen-MoE's and DeepSeek's experts have their own width; Mixtral's are intermediate_size wide
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = _shared_width(config, width)
+    dense = kinds.count(False)
+    return dict(intermediate=config.num_experts_per_tok * width + shared, n_experts=experts,
+                expert_intermediate=width, shared_intermediate=shared,
+                shared_gate=bool(shared) and getattr(config, "model_type", "") in SHARED_GATE_FAMILIES,
+                dense_layers=dense, dense_intermediate=config.intermediate_size if dense else 0)
+
+
+class LayerGroup(NamedTuple):
+    """Decoder layers built alike (``ModelShape.layer_groups``).
+
+    layers: how many. linear: elements of each weight matrix one of them holds in an nn.Linear: q, k, v, o, then
+    a dense MLP's gate, up, down, or a mixture's shared expert's and its gate. fused: elements of its other
+    weight matrices, nn.Parameters of no nn.Linear: every expert's gate, up and down (transformers stores them
+    fused, (n_experts, ...)) and the router. active: weight-matrix elements one token goes through (its experts,
+    the shared expert and the router of a mixture).
+    """
+
+    layers: int
+    linear: tuple[int, ...]
+    fused: int
+    active: int
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral families, and
     mixtures of experts).
 
     Biases and QK-norm only change ``total_params``; ``matmul_params`` counts weight matrices.
-    Mixture of experts (``n_experts`` > 0): every layer holds ``n_experts`` SwiGLU experts of width
-    ``expert_intermediate`` and a router, and each token goes through ``intermediate`` of them in total (its
-    experts' widths together, plus a shared expert's): memory counts every expert, time and activations a
-    token's.
+    Mixture of experts (``n_experts`` > 0): each layer but ``dense_layers`` of them (a dense MLP of width
+    ``dense_intermediate``; ``expert_layers`` says which) holds ``n_experts`` SwiGLU experts of width
+    ``expert_intermediate``, a router and maybe a shared expert, and each token goes through ``intermediate`` of
+    them in total (its experts' widths together, plus the shared expert's): memory counts every expert, time a
+    token's (``layer_groups``), activations a token's in every layer.
     ``tensor_parallel``: the ranks each decoder layer is split over (``tensor_parallel_part``), whose head counts
     and MLP width are then one rank's.
     """
@@ -103,6 +181,9 @@ class ModelShape:
     n_experts: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    shared_gate: bool = False  # Qwen2-MoE: a hidden -> 1 linear gate scales the shared expert's output
+    dense_layers: int = 0  # of a mixture of experts: layers with a dense MLP instead, dense_intermediate wide
+    dense_intermediate: int = 0
     window: int = 0  # tokens of the sliding window of window_layers of the layers (0: none)
     window_layers: int = 0
 
@@ -115,17 +196,10 @@ class ModelShape:
         model_type = getattr(config, "model_type", "")
         n_heads = config.num_attention_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-        moe = dict(intermediate=config.intermediate_size)
-        if experts:  # Qwen-MoE's experts have their own width; Mixtral's are intermediate_size wide
-            width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-            shared = getattr(config, "shared_expert_intermediate_size", None) or 0
-            moe = dict(intermediate=config.num_experts_per_tok * width + shared, n_experts=experts,
-                       expert_intermediate=width, shared_intermediate=shared)
         return cls(
             n_layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            **moe,
+            **_mlp_fields(config),
             **_windows(config),
             n_heads=n_heads,
             n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
@@ -133,8 +207,9 @@ class ModelShape:
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             name=name or getattr(config, "name_or_path", "") or model_type or "custom",
-            # Qwen2 always has q/k/v biases; Llama and Qwen3 put `attention_bias` on q, k, v and o.
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            # Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias`; Llama and Qwen3 put `attention_bias` on
+            # q, k, v and o.
+            qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and config.qkv_bias),
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -207,28 +282,40 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     @property
-    def layer_matrices(self) -> tuple[int, ...]:
-        """Elements of each weight matrix one decoder layer holds: q, k, v, o, gate, up, down; for a mixture of
-        experts, gate, up and down of every expert, then of the shared expert, then the router."""
-        attention = (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
-                     self.q_width * self.hidden)
+    def attention_matrices(self) -> tuple[int, int, int, int]:
+        """Elements of q, k, v and o of one decoder layer."""
+        return (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
+                self.q_width * self.hidden)
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The decoder layers by kind, each kind's weight matrices (``LayerGroup``): all alike in a dense model;
+        a mixture's layers with experts, then its dense layers (if any)."""
+        attention = self.attention_matrices
         if not self.n_experts:
-            return attention + (self.hidden * self.intermediate,) * 3
+            mlp = (self.hidden * self.intermediate,) * 3
+            return (LayerGroup(self.n_layers, attention + mlp, 0, sum(attention + mlp)),)
         shared = (self.hidden * self.shared_intermediate,) * 3 if self.shared_intermediate else ()
-        return (attention + (self.hidden * self.expert_intermediate,) * (3 * self.n_experts) + shared
-                + (self.hidden * self.n_experts,))
+        shared += (self.hidden,) if self.shared_gate else ()
+        router = self.hidden * self.n_experts
+        experts = LayerGroup(self.n_layers - self.dense_layers, attention + shared,
+                             3 * self.hidden * self.expert_intermediate * self.n_experts + router,
+                             sum(attention) + 3 * self.hidden * self.intermediate + router
+                             + (self.hidden if self.shared_gate else 0))
+        if not self.dense_layers:
+            return (experts,)
+        mlp = (self.hidden * self.dense_intermediate,) * 3
+        return experts, LayerGroup(self.dense_layers, attention + mlp, 0, sum(attention + mlp))
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weight-matrix parameters one decoder layer holds (q, k, v, o, gate, up, down; every expert and the
-        router of a mixture of experts)."""
-        return sum(self.layer_matrices)
+    def linear_params(self) -> int:
+        """Weight-matrix parameters the decoder layers hold in nn.Linear layers (what bitsandbytes quantises)."""
+        return sum(g.layers * sum(g.linear) for g in self.layer_groups)
 
     @property
-    def layer_active_matmul_params(self) -> int:
-        """Weight-matrix parameters one token goes through in a decoder layer (its experts, for a mixture)."""
-        attention = 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
-        return attention + 3 * self.hidden * self.intermediate + self.hidden * self.n_experts
+    def decoder_matmul_params(self) -> int:
+        """Weight-matrix parameters of all decoder layers: their nn.Linear layers, experts and routers."""
+        return sum(g.layers * (sum(g.linear) + g.fused) for g in self.layer_groups)
 
     @property
     def head_params(self) -> int:
@@ -237,14 +324,15 @@ class ModelShape:
 
     @property
     def matmul_params(self) -> int:
-        """Weight-matrix parameters held: every linear layer including lm_head, not the input embedding."""
-        return self.n_layers * self.layer_matmul_params + self.head_params
+        """Weight-matrix parameters held: every linear layer, expert and router, lm_head included, not the input
+        embedding."""
+        return self.decoder_matmul_params + self.head_params
 
     @property
     def active_matmul_params(self) -> int:
         """P_mm of docs/planner.md, "Time": the weight-matrix parameters one token goes through, lm_head
         included (``matmul_params`` but for a mixture of experts)."""
-        return self.n_layers * self.layer_active_matmul_params + self.head_params
+        return sum(g.layers * g.active for g in self.layer_groups) + self.head_params
 
     @property
     def layer_bias_params(self) -> int:
@@ -265,9 +353,14 @@ class ModelShape:
         return self.layer_norm_params + (self.hidden if self.o_bias else 0) + (self.hidden if self.mlp_bias else 0)
 
     @property
-    def layer_params(self) -> int:
-        """All parameters of one decoder layer: matrices, biases, norms (what FSDP2 shards per layer)."""
-        return self.layer_matmul_params + self.layer_bias_params + self.layer_norm_params
+    def decoder_params(self) -> int:
+        """All parameters of the decoder layers: matrices, biases, norms (what FSDP2 shards)."""
+        return self.decoder_matmul_params + self.n_layers * (self.layer_bias_params + self.layer_norm_params)
+
+    @property
+    def largest_layer_params(self) -> int:
+        """All parameters of the largest decoder layer (what FSDP2 gathers, or reduce-scatters, at a time)."""
+        return max(sum(g.linear) + g.fused for g in self.layer_groups) + self.layer_bias_params + self.layer_norm_params
 
     @property
     def root_params(self) -> int:
@@ -278,7 +371,7 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         """All parameters: layers (matrices, biases, norms), embedding, lm_head unless tied, final norm."""
-        return self.n_layers * self.layer_params + self.root_params
+        return self.decoder_params + self.root_params
 
     @property
     def layer_expert_params(self) -> int:
@@ -295,10 +388,12 @@ class ModelShape:
         """Adapter parameters of rank ``rank`` on q, k, v, o of every layer: r x (in + out) per projection.
         ``experts``: also on the stacked expert weights (peft's target_parameters): r x (in + out) per expert
         for gate/up (hidden -> 2 x width) and for down (width -> hidden)."""
-        per_layer = (self.hidden + self.q_width) * 2 + (self.hidden + self.kv_width) * 2
-        if experts:
-            per_layer += self.n_experts * (3 * self.expert_intermediate + 2 * self.hidden)
-        return self.n_layers * rank * per_layer
+        attention = self.n_layers * ((self.hidden + self.q_width) * 2 + (self.hidden + self.kv_width) * 2)
+        adapted_experts = 0
+        if experts and self.n_experts:  # only the layers that hold experts
+            per_layer = self.n_experts * (3 * self.expert_intermediate + 2 * self.hidden)
+            adapted_experts = (self.n_layers - self.dense_layers) * per_layer
+        return rank * (attention + adapted_experts)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``."""

@@ -6,8 +6,10 @@ two 4-bit codes a byte and keeps, per block of ``BLOCK`` weights, the block's ab
 with double quantisation an 8-bit code of it, the float32 absmax of every ``NESTED_BLOCK`` of those codes, one
 float32 offset and the 256-entry float32 map of the 8-bit codes. Each quantised tensor also has its own copy of
 the 16-entry float32 map of its 4-bit type. transformers quantises the ``nn.Linear`` layers but the output layer
-(``get_keys_to_not_convert``: the output embeddings, tied weights and the last module stay in the compute dtype),
-so the embeddings, norms, biases and lm_head keep their dtype.
+(``replace_with_bnb_linear`` takes modules of type nn.Linear exactly; ``get_keys_to_not_convert``: the output
+embeddings, tied weights and the last module stay in the compute dtype), so the embeddings, norms, biases and
+lm_head keep their dtype, and so do a mixture of experts' experts (transformers 5 holds each layer's experts as
+fused (n_experts, ...) nn.Parameters) and routers (an nn.Parameter too).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class Quantization:
         return math.ceil(n / 2) + self.absmax_bytes(n) + maps
 
     def weight_bytes(self, shape: "ModelShape") -> int:
-        """Bytes bitsandbytes holds for the 4-bit weights of a model of ``shape``: every decoder layer's q, k,
-        v, o, gate, up and down (``tensor_bytes`` each); the output layer, embeddings and norms are not
-        quantised."""
-        return shape.n_layers * sum(self.tensor_bytes(n) for n in shape.layer_matrices)
+        """Bytes bitsandbytes holds for the 4-bit weights of a model of ``shape``: every decoder layer's
+        nn.Linear weights, q, k, v, o, gate, up and down (``tensor_bytes`` each); the output layer, embeddings,
+        norms, and a mixture's experts and routers (nn.Parameters of no nn.Linear) are not quantised."""
+        return sum(g.layers * sum(self.tensor_bytes(n) for n in g.linear) for g in shape.layer_groups)

@@ -36,7 +36,7 @@ def trainable_split(shape: "ModelShape", lora_rank: int, lora_experts: bool = Fa
     weights too)."""
     if lora_rank:
         return shape.lora_params(lora_rank, lora_experts), 0
-    return shape.n_layers * shape.layer_params, shape.root_params
+    return shape.decoder_params, shape.root_params
 
 
 def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
@@ -63,7 +63,7 @@ def step_collectives(shape: "ModelShape", c: "PlanConfig") -> list[Collective]:
         return [Collective("all-reduce", "every gradient (float32)", 1, 2 * (n - 1) / n * 4 * (layer_trainable +
                                                                                            root_trainable))]
     share = (n - 1) / n
-    weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
+    weights = shape.decoder_params + (layer_trainable if c.lora_rank else 0)
     param = PROFILES[c.precision].param
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, c.n_chunks)
     gathers = 3 * c.n_chunks - graphs if c.sharding == "zero3" else 1

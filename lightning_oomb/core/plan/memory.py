@@ -53,13 +53,14 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         if four_bit:
             gpu[f"weights (4-bit {c.quantization.describe()}: decoder layers' linear layers, "
                 f"{human_count(four_bit)} params)"] = c.quantization.weight_bytes(shape)
-            kept = "embeddings, lm_head, norms" + (", biases" if shape.layer_bias_params else "")
+            kept = ("embeddings, lm_head, norms" + (", biases" if shape.layer_bias_params else "")
+                    + (", experts, routers" if shape.n_experts else ""))
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params - four_bit)} params: {kept}{adapters})"] = (
                 (shape.total_params - four_bit) * p.param + lora * 4)
             # bitsandbytes dequantises a layer's weight for each matmul (forward, and the backward's dL/dx) and
-            # frees it after: one matrix at a time, the largest.
+            # frees it after: one matrix at a time, the largest 4-bit one (experts are not: they stay as loaded).
             gpu[f"dequantised weight (one layer's largest, {param_dtype}, transient)"] = (
-                max(shape.layer_matrices) * p.param)
+                max(max(g.linear) for g in shape.layer_groups) * p.param)
         else:
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})"] = (
                 shape.total_params * p.param + lora * 4)
@@ -235,8 +236,11 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -
     dtype = bytes_name(p.param)
     n = c.devices
     layer_trainable, root_trainable = trainable_split(shape, c.lora_rank, c.lora_experts)
-    layer_weights = shape.n_layers * shape.layer_params + (layer_trainable if c.lora_rank else 0)
-    per_layer = layer_weights // shape.n_layers
+    layer_weights = shape.decoder_params + (layer_trainable if c.lora_rank else 0)
+    # One layer at a time: the largest (a mixture's with experts, not its dense ones), with its adapters.
+    adapters = layer_trainable // shape.n_layers if c.lora_rank else 0
+    per_layer = shape.largest_layer_params + adapters
+    per_layer_trainable = adapters if c.lora_rank else shape.largest_layer_params
     shard = f"1/{n} shard" + (f" of this rank's 1/{c.tensor_parallel} by KV heads" if c.tensor_parallel > 1 else "")
     gpu = {
         f"weights: root (embeddings, final norm, output layer; {dtype}, whole, "
@@ -257,7 +261,7 @@ def _sharded_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, float]) -
     else:
         gpu[f"gradients: decoder layers, {shard} ({dtype})"] = -(-layer_trainable // n) * p.param
     gpu[f"reduce-scatter in flight: one layer's gradients ({dtype}) and their float32 copy"] = (
-        layer_trainable // shape.n_layers * (p.param + 4))
+        per_layer_trainable * (p.param + 4))
     what, rate = state
     if root_trainable:
         gpu[f"optimizer state: root ({what}, whole)"] = int(rate * root_trainable)
@@ -274,7 +278,7 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, f
     whole weights' gradients are averaged after stage 2 through oomb_ddp's float32 bucket."""
     p = PROFILES[c.precision]
     dtype = bytes_name(p.param)
-    layers, root = shape.n_layers * shape.layer_params, shape.root_params
+    layers, root = shape.decoder_params, shape.root_params
     part = f"1/{c.tensor_parallel} by KV heads"
     what, rate = state
     replicated = shape.n_layers * shape.layer_replicated_params + root
@@ -291,9 +295,10 @@ def _tensor_parallel_lines(shape: ModelShape, c: PlanConfig, state: tuple[str, f
 
 
 def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
-    """Weights ``c.quantization`` holds in 4 bits: every decoder layer's linear layers (transformers keeps the
-    output layer, the embeddings and the norms in the compute dtype; core.quantization); 0 without it."""
-    return shape.n_layers * shape.layer_matmul_params if c.quantization is not None else 0
+    """Weights ``c.quantization`` holds in 4 bits: every decoder layer's nn.Linear layers (transformers keeps
+    the output layer, the embeddings, the norms, and a mixture's experts and routers in the compute dtype;
+    core.quantization); 0 without it."""
+    return shape.linear_params if c.quantization is not None else 0
 
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:

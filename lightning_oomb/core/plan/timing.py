@@ -160,7 +160,7 @@ def dequant_seconds(shape: ModelShape, c: PlanConfig) -> float:
     bandwidth per matmul FLOP (an H200 4.8 TB/s for 790 TFLOP/s, an RTX 4090 1.0 TB/s for 165)."""
     if c.quantization is None:
         return 0.0
-    written = shape.n_layers * shape.layer_matmul_params * PROFILES[c.precision].param
+    written = shape.linear_params * PROFILES[c.precision].param
     rate = DEQUANT_GBPS * 1e9 * c.matmul_tflops / DEFAULT_MATMUL_TFLOPS
     return (c.quantization.weight_bytes(shape) + written) / rate
 
