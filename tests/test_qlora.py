@@ -290,6 +290,14 @@ def test_planner_counts_the_weight_bytes_bitsandbytes_holds(quantization, family
     planned_4 = next(v for k, v in step.gpu_lines.items() if k.startswith("weights (4-bit"))
     planned_other = next(v for k, v in step.gpu_lines.items() if k.startswith("weights (fp32"))
     assert planned_4 == pytest.approx(four_bit, rel=1e-3) and planned_other == pytest.approx(other, rel=1e-3)
+    # The plan a step makes of the model itself (fit start, every step: core.placement.place_step) reads its
+    # quantisation from the model's config: the same lines.
+    from lightning_oomb.core.config import ChunkConfig
+    from lightning_oomb.core.placement import place_step
+
+    placed = place_step(model, 1, 64, ChunkConfig(chunk_size=32, page_size=16), torch.device("cpu")).plan
+    assert {k: v for k, v in placed.gpu_lines.items() if k.startswith("weights")} == {
+        k: v for k, v in step.gpu_lines.items() if k.startswith("weights")}
 
 
 # == bad input ===================================================================================================

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..integrations.transformers import causal_lm
 from .attention import uses_triton
 from .config import ChunkConfig
 from .host_memory import host_budget, host_headroom, process_host_bytes
@@ -24,6 +25,7 @@ from .plan.assumptions import (
 )
 from .plan.memory import loss_grad_bytes
 from .plan.config import Pages
+from .quantization import Quantization
 from .plan.placement import asked_graphs, host_kept_for_stage_2, kept_for_stage_2, page_choices, place_pages
 from .units import GIB
 
@@ -183,6 +185,8 @@ def place_step(
     lora_rank = adapter.r if adapter is not None else 0
     # peft's target_parameters on a mixture of experts: its stacked expert weights adapted too
     lora_experts = bool(getattr(adapter, "target_parameters", None)) and ModelShape.resolve(model).n_experts > 0
+    # QLoRA: the base weights as bitsandbytes holds them (4 bits), not at the weights' dtype
+    quantization = Quantization.of_model(causal_lm(model).config) if lora_rank else None
     if torch.is_autocast_enabled(device.type):
         precision = "bf16-mixed"
     else:
@@ -198,7 +202,8 @@ def place_step(
         chunk = ChunkConfig.build(config, chunk_size=min(config.chunk_size, seq_len),
                                   host_memory=budget * kv_head_split, segment_tokens=segment)
         return plan(model, PlanConfig(
-            seq_len, chunk, batch=batch, lora_rank=lora_rank, lora_experts=lora_experts, optimizer=optimizer,
+            seq_len, chunk, batch=batch, lora_rank=lora_rank, lora_experts=lora_experts, quantization=quantization,
+            optimizer=optimizer,
             precision=precision, tensor_parallel=kv_head_split, fused_ops=uses_triton(config.attention, device),
             host_process_bytes=process, host_pending_bytes=pending_host_bytes, pages=pages, **decided,
         ), gpu_memory=gpu_total)

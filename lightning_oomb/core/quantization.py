@@ -60,6 +60,16 @@ class Quantization:
             raise SetupError(f"{option}: double_quant must be true or false, got {spec.double_quant!r}")
         return spec
 
+    @classmethod
+    def of_model(cls, config: object) -> "Quantization | None":
+        """The 4-bit quantisation a transformers model config says its weights were loaded with (its
+        ``quantization_config``: a ``BitsAndBytesConfig`` or its dict), None for any other."""
+        q = getattr(config, "quantization_config", None)
+        get = q.get if isinstance(q, dict) else lambda name, default=None: getattr(q, name, default)
+        if q is None or not get("load_in_4bit", False):
+            return None
+        return cls(get("bnb_4bit_quant_type", "fp4"), bool(get("bnb_4bit_use_double_quant", False)))
+
     def hf_config(self, compute_dtype: torch.dtype):
         """transformers' ``BitsAndBytesConfig`` for ``from_pretrained``, computing in ``compute_dtype``."""
         from transformers import BitsAndBytesConfig
