@@ -237,3 +237,28 @@ def test_host_with_bf16_gradient_pages():
         grads.append({n: g.clone() for n, g in grads_of(model).items()})
         model.zero_grad(set_to_none=True)
     assert_grads_close(grads[1], grads[0], bf16_page_tolerance(-(-seq_len // chunk)))
+
+
+def test_streamed_windowed_layers_visit_only_their_window():
+    """A sliding window of 6 tokens: each chunk's streamed past is the segments its window reaches, no more
+    (host pages hold NaN until written, so a stray read would show), and the gradient is transformers' own."""
+    config = ChunkConfig(chunk_size=8, page_size=4, offload="host", segment_tokens=8, attention="reference")
+    ids = torch.randint(0, VOCAB, (1, 40))
+    traffic = {}
+    for window in (6, None):
+        model = tiny_model("mistral", sliding_window=window)
+        spec = StoreSpec(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.float32,
+                         **(dict(window_layers=(0, 1), window=window) if window else {}))
+        pool = new_pool(spec, 10, 4, torch.device("cpu"), True, Placement("host", 8, 1))
+        for pages in (pool.k, pool.v, pool.dk, pool.dv):
+            pages.fill_(float("nan"))
+        want_loss, want = full_sequence_grads(model, ids)
+        seq = ChunkedSequence(model, ids, config=config, pools=lambda *args: pool)
+        seq.fill()
+        loss = seq.backward()
+        traffic[window] = pool.streamer.take_stats().h2d_bytes
+        assert rel_err(loss, want_loss) <= 1e-5
+        assert_grads_close(grads_of(model), want, 1e-5)
+    # Chunks at 8..32 see the segments from their window's first key (start - 5) on: one segment each instead
+    # of all before them.
+    assert traffic[6] < traffic[None] * 0.7, traffic

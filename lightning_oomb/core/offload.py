@@ -220,12 +220,14 @@ class Streamer:
             self._step["runs"][key] = runs
         return runs
 
-    def _segments(self, start: int) -> list[tuple[int, int, int]]:
-        """The past of the chunk at ``start`` that its queries see, as segments (index, lo, hi): segment i holds
-        tokens [i * n, (i + 1) * n) of every sequence, in staging half i % 2. Those wholly before the chunk's
-        first key (packed documents) are left out."""
+    def _segments(self, start: int, layer: int) -> list[tuple[int, int, int]]:
+        """The past of the chunk at ``start`` that ``layer``'s queries see, as segments (index, lo, hi): segment i
+        holds tokens [i * n, (i + 1) * n) of every sequence, in staging half i % 2. Those wholly before the
+        chunk's first key (packed documents; a sliding-window layer's window) are left out."""
         n = self._step["seg_tokens"]
         first_key = self._step["first_keys"].get(start, 0)
+        if layer in self.spec.window_layers:
+            first_key = max(first_key, start - self.spec.window + 1)
         first = first_key // n if first_key < start else -(-start // n)
         return [(i, i * n, min((i + 1) * n, start)) for i in range(first, -(-start // n))]
 
@@ -368,7 +370,7 @@ class Streamer:
         if ahead is not None and ahead[:3] == (direction, layer, start):
             return ahead[3]
         grads = direction == "backward"
-        for index, lo, hi in self._segments(start)[:2]:
+        for index, lo, hi in self._segments(start, layer)[:2]:
             self._load(layer, index, lo, hi, grads)
         return self._load_chunk_grads(layer, start, t) if grads else None
 
@@ -385,7 +387,7 @@ class Streamer:
     # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
     def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None):
         """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
-        segments = self._segments(start)
+        segments = self._segments(start, store.layer)
         view = self._step["seg_view"]
         self._first_loads("forward", store.layer, start, q.shape[2])
         state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True, doc_start=doc_start, chunk_start=start)
@@ -404,7 +406,7 @@ class Streamer:
                  doc_start=None):
         """``backend.attention_backward`` over a host-resident past: (dq, dk, dv) of the chunk; the past's
         dK, dV are added into the host gradient pages."""
-        segments = self._segments(start)
+        segments = self._segments(start, store.layer)
         view = self._step["seg_view"]
         t = q.shape[2]
         turn = self._first_loads("backward", store.layer, start, t)

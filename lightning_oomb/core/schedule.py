@@ -246,6 +246,7 @@ class ChunkedSequence:
             n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             window_layers=tuple(sorted(windows)),
+            window=max(windows.values(), default=0),
             grad_ring_pages=gradient_ring_pages(max(windows.values()), config.chunk_size, config.page_size)
             if windows else 0,
         )

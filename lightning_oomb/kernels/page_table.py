@@ -40,9 +40,10 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 class StoreSpec:
     """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``.
 
-    window_layers: the layers with a sliding window, whose gradient pages a pool may keep in a ring of
-    ``grad_ring_pages`` pages per sequence (``core.pages.gradient_ring_pages``): a page's gradient is only
-    added into by the chunks in its window, and is read by its own chunk's backward."""
+    window_layers: the layers with a sliding window of at most ``window`` tokens, whose gradient pages a pool
+    may keep in a ring of ``grad_ring_pages`` pages per sequence (``core.pages.gradient_ring_pages``: a page's
+    gradient is only added into by the chunks in its window, and is read by its own chunk's backward), and
+    whose host pages a streamed step visits from the window's first page on (``core.offload``)."""
 
     n_layers: int
     n_kv_heads: int
@@ -50,6 +51,7 @@ class StoreSpec:
     dtype: torch.dtype
     grad_dtype: torch.dtype = torch.float32
     window_layers: tuple[int, ...] = ()
+    window: int = 0
     grad_ring_pages: int = 0
 
     def bytes_per_token(self, with_grads: bool = True) -> int:
