@@ -271,13 +271,17 @@ def test_sliding_window_with_layer_checkpoints_and_streamed_host_pages():
     check_against_full(model, ids, chunk_size=8, page_size=4, offload="host", segment_tokens=12)
 
 
-def test_sliding_window_within_packed_documents():
-    """Each query sees the later of its document's start and its window's."""
+@pytest.mark.parametrize("sparse", [None, {"budget_pages": 5, "sink_pages": 1, "local_pages": 1}],
+                         ids=["dense", "sparse-covering-the-window"])
+def test_sliding_window_within_packed_documents(sparse):
+    """Each query sees the later of its document's start and its window's; sparse attention whose budget covers
+    the window (6 tokens: at most 4 pages of 2) selects exactly those keys."""
     model = tiny_model("mistral", sliding_window=6)
     ids = torch.randint(0, VOCAB, (1, 30))
     position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
     want_loss, want = separate_documents_grads(model, ids, position_ids)
-    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
+    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=2,
+                                     sparse=sparse)
     assert rel_err(loss, want_loss) <= TOL
     assert_grads_close(grads_of(model), want, TOL)
 
