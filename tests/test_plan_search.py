@@ -117,3 +117,20 @@ def test_max_context_is_zero_when_not_one_chunk_fits():
 
     limit = max_context("qwen2.5-7b", gpu_memory=16e9, host_memory=128e9, checkpoint_auto=True)  # AdamW state alone is 28 GiB
     assert limit.context == 0 and not limit.plan.fits and "not even one chunk" in str(limit)
+
+
+def test_host_kv_gathers_per_query_tile_suggest_one_selection_per_chunk():
+    """QLoRA at 512K on a 24 GiB card: with K/V pages of some layers on the host, a selection per query tile
+    gathers most of the past for every chunk; one per chunk bounds it, fits with fewer host layers and is
+    offered as a faster step; a step that already selects per chunk is offered nothing of the kind."""
+    from lightning_oomb.core.plan import plan_placed
+
+    options = dict(lora_rank=16, quantization="nf4", grad_dtype="bfloat16", checkpoint_layers=True,
+                   gpu_memory=24 << 30, host_memory=64 << 30)
+    tile = plan_placed("qwen2.5-7b", 1 << 19, sparse={"budget_pages": 64}, **options)
+    assert tile.fits and tile.config.host_kv_layers
+    offered = [s for s in tile.suggestions if s.cli == "--selection chunk"]
+    assert len(offered) == 1 and offered[0].goal == "time" and offered[0].plan.fits
+    assert offered[0].plan.time.predicted_s < 0.9 * tile.time.predicted_s
+    chunk = plan_placed("qwen2.5-7b", 1 << 19, sparse={"budget_pages": 64, "per_query_tile": False}, **options)
+    assert not [s for s in chunk.suggestions if s.cli == "--selection chunk"]

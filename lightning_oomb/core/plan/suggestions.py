@@ -76,6 +76,9 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
             if len(found) > 1:
                 found.append(Suggestion("all of the above together", estimate(combined),
                                         " ".join(x.cli for x in found), ", ".join(x.python for x in found)))
+    per_chunk = _one_selection_per_chunk(result, fewest_on_host)
+    if per_chunk is not None:
+        found.append(per_chunk)
     t = result.time
     if t.attention_flops > t.linear_flops and not c.sparse:
         config = SparseConfig()
@@ -88,6 +91,24 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
                 "query", sparse, f"--budget-pages {config.budget_pages}",
                 f"sparse=SparseConfig(budget_pages={config.budget_pages})", goal="time"))
     return found
+
+
+def _one_selection_per_chunk(result: Plan, fewest_on_host: Callable[[PlanConfig], Plan]) -> Suggestion | None:
+    """With host K/V layers and a selection per query tile, whose gathers grow with the past: one selection per
+    chunk (another sparse pattern: every tile of a chunk attends to the same pages), which bounds a chunk's
+    gather to ``budget_pages`` per KV head, when it makes a step fit that does not, or saves a tenth of one
+    that does."""
+    c = result.config
+    if not (c.sparse and c.sparse.per_query_tile and c.host_kv_layers):
+        return None
+    other = fewest_on_host(c.replace(sparse=dataclasses.replace(c.sparse, per_query_tile=False)))
+    if not other.fits or (result.fits and other.time.predicted_s > 0.9 * result.time.predicted_s):
+        return None
+    b = c.sparse.budget_pages
+    return Suggestion(f"one page selection per chunk: a host K/V layer gathers at most {b} pages per KV head "
+                      "for it (every query tile of a chunk then attends to the same pages)", other,
+                      "--selection chunk", "sparse=SparseConfig(..., per_query_tile=False)",
+                      goal="memory" if not result.fits else "time")
 
 
 def _changes(before: PlanConfig, after: PlanConfig) -> dict[str, Any]:
