@@ -42,7 +42,10 @@ def parse_bytes(text: str | int) -> int:
     KiB..TiB), ``1024B``. A number alone is refused (141 bytes is never what was meant); an int is bytes."""
     if isinstance(text, int):
         return text
-    value, unit = _split(text, "a memory size")
+    try:
+        value, unit = _split(text, "a memory size")
+    except ValueError as e:
+        raise ValueError(f"{e}: give a number and its unit, e.g. 140GiB, 141GB, 512MiB") from None
     if unit not in _BYTE_UNITS:
         raise ValueError(f"cannot read the memory size {text!r}: give its unit, e.g. 140GiB, 141GB, 512MiB")
     return int(value * _BYTE_UNITS[unit])
