@@ -169,3 +169,16 @@ def test_a_step_reusing_a_pool_keeps_the_runs_budget_and_growth_allowance():
     fit_start = Placement("gpu", 8, host_budget=100 * GIB, host_process=GIB + compile_bytes)
     assert run_host_budget(None, GIB, fit_start, compile_bytes) == (100 * GIB, GIB)
     assert run_host_budget(None, GIB + compile_bytes, fit_start) == (100 * GIB, GIB + compile_bytes)  # after it
+
+
+def test_pages_are_touched_before_they_are_pinned():
+    """touch_pages writes one byte of every 4 KiB page (the kernel maps them on torch's threads, not inside
+    cudaHostRegister) and nothing else."""
+    from lightning_oomb.core.host_memory import touch_pages
+
+    t = torch.full((3, 5000), 7.0)
+    touch_pages(t)
+    flat = t.view(-1).view(torch.uint8)
+    touched = torch.zeros_like(flat, dtype=torch.bool)
+    touched[::4096] = True
+    assert (flat[touched] == 0).all() and torch.equal(flat[~touched], torch.full((3, 5000), 7.0).view(-1).view(torch.uint8)[~touched])

@@ -138,6 +138,13 @@ class HostLedger:
             self.held.pop(what, None)
 
 
+def touch_pages(t: torch.Tensor, page_bytes: int = 4096) -> None:
+    """Write a byte of every ``page_bytes`` page of the contiguous host tensor ``t``, on torch's intra-op
+    threads: the kernel then maps its pages in parallel, where cudaHostRegister would fault them in one by one
+    (torch's own cudaHostRegister path maps pages on several threads first for the same reason)."""
+    t.view(-1).view(torch.uint8)[::page_bytes].zero_()
+
+
 def pinned_empty(
     shape: tuple[int, ...], dtype: torch.dtype, pin: bool, ledger: HostLedger | None = None, what: str = "pages"
 ) -> torch.Tensor:
@@ -158,6 +165,7 @@ def pinned_empty(
     if pin and t.numel():
         cudart = torch.cuda.cudart()
         start = time.perf_counter()
+        touch_pages(t)
         err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if ledger is not None:
             ledger.pin_seconds += time.perf_counter() - start
