@@ -240,7 +240,9 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
     machine = f"{p.machine + ': ' if p.machine else ''}GPU {_gib(p.gpu_memory)} GiB, host budget {_gib(p.host_memory)} GiB"
     note = textwrap.fill(
         "The machine limit: the GPU memory a one-chunk step leaves free plus the host memory budget's room for "
-        "pinned pages, over the bytes a token stores (K, V and their gradients, all layers). Dense steps past "
+        "pinned pages, over the bytes a token stores (K, V and their gradients, all layers"
+        + ("; the sliding-window layers' gradients are a ring of their window" if p.shape.window_layers else "")
+        + "). Dense steps past "
         "the GPU stream every page from the host; sparse steps keep the KV-gradient pages, then the K/V pages, "
         "of as many layers there as they need, gathering each chunk's selected pages.", width=110)
     ranks = ([f"{args.devices} data-parallel ranks (sharding {args.sharding})"] if args.devices > 1 else []) + (

@@ -163,8 +163,12 @@ def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 
     refused = not (checkpoint_auto or base.checkpoint_layers)
     least = one if refused else placed(1, base.checkpointed(True), False)
     c = least.config
-    per_token = c.batch * (least.shape.kv_bytes_per_token(_kv_dtype(c.precision))
-                           + least.shape.kv_bytes_per_token(c.grad_dtype))
+    shape = least.shape
+    # Sliding-window layers' gradient pages can be a ring of their window (core.pages.gradient_ring_pages),
+    # which no token adds to: the limit counts the other layers' gradients.
+    grad_layers = shape.n_layers - shape.window_layers
+    per_token = c.batch * (shape.kv_bytes_per_token(_kv_dtype(c.precision))
+                           + shape.kv_bytes_per_token(c.grad_dtype) * grad_layers // shape.n_layers)
     host_room = least.host_memory - sum(v for k, v in least.host_lines.items() if k.startswith("process"))
     # The one-chunk step's own pages on the GPU are room for tokens too (its pinned ones are in host_room).
     own_pages = sum(v for k, v in least.gpu_lines.items() if k.startswith(("K/V pages", "KV-gradient pages")))
