@@ -239,6 +239,7 @@ class ChunkedSequence:
             self.first_keys, self.one_document = chunk_documents(position_ids, self.chunks)
         cfg = self.lm.config
         windows = layer_windows(self.lm)
+        widest = max(windows.values(), default=0)
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
@@ -246,9 +247,8 @@ class ChunkedSequence:
             n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
             window_layers=tuple(sorted(windows)),
-            window=max(windows.values(), default=0),
-            grad_ring_pages=gradient_ring_pages(max(windows.values()), config.chunk_size, config.page_size)
-            if windows else 0,
+            window=widest,
+            grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
         )
         self.decoder = self.lm.get_decoder()
         self.head = self.lm.get_output_embeddings()
@@ -316,7 +316,7 @@ class ChunkedSequence:
         fill = self._stage == "fill"
         sparse = self.config.sparse
         selection = None
-        first_keys = self._first_keys(window, q.shape[2])
+        bounds = self._chunk_bounds(window, q.shape[2])
         with torch.no_grad():  # a chunk whose graph stage 1 keeps runs with autograd: the store is no part of it
             if fill:
                 if k.dtype != self.pool.spec.dtype:
@@ -325,7 +325,7 @@ class ChunkedSequence:
             if sparse is not None and fill:
                 summaries = self.pool.summaries(sparse.score, layer_idx)
                 # Select from the past's summaries, then add this chunk's keys for the chunks after it.
-                selection = select_pages(q, store, summaries, sparse, self._start, first_keys[0])
+                selection = select_pages(q, store, summaries, sparse, self._start, bounds[0])
                 update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
                 if self._with_grads:
                     self.selections[key] = selection
@@ -333,7 +333,7 @@ class ChunkedSequence:
                 selection = self.selections[key]
         if fill and layer_idx == self._last_layer and not self._hidden_needed:
             raise _LastKVStored
-        store, start, doc_start, one_document = self._past(store, selection is None, *first_keys)
+        store, start, doc_start, one_document = self._past(store, selection is None, *bounds)
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
                                                       doc_start, one_document, sinks)
@@ -357,7 +357,7 @@ class ChunkedSequence:
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
                                one_document, sinks)
 
-    def _first_keys(self, window: int | None, queries: int) -> tuple[torch.Tensor | None, int | None, int]:
+    def _chunk_bounds(self, window: int | None, queries: int) -> tuple[torch.Tensor | None, int | None, int]:
         """The current chunk's (doc_start, one_document, page) for a layer with a sliding ``window`` (None: full
         causal attention): doc_start (B, T) int32 each query's first visible key, from its document and its
         window, or None where neither cuts; one_document the start of the one document every query belongs
@@ -372,12 +372,12 @@ class ChunkedSequence:
 
     def _past(self, store: LayerStore, dense: bool, doc_start: torch.Tensor | None, one: int | None,
               page: int) -> tuple[LayerStore, int, torch.Tensor | None, int | None]:
-        """(store, start, doc_start, one_document) for the current chunk's attention (``_first_keys``). Dense:
+        """(store, start, doc_start, one_document) for the current chunk's attention (``_chunk_bounds``). Dense:
         the store from the page of the chunk's first visible key on, every position counted from that page
         (``LayerStore.from_page``), so that no kernel visits, or launches a program for, the keys before it
-        (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host skip earlier
-        documents' segments already (``core/offload.py``); a sparse selection names pages of the whole store
-        and none before the first visible key (``core.sparse.select_pages``)."""
+        (the key-stationary dK/dV kernel has one per past key tile). Pages streamed from the host skip the segments
+        before the chunk's document and window already (``core/offload.py``); a sparse selection names pages of
+        the whole store and none before the first visible key (``core.sparse.select_pages``)."""
         if not dense or not page or store.streamer is not None:
             return store, self._start, doc_start, one
         offset = page * self.config.page_size
