@@ -11,9 +11,8 @@ import torch
 
 import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig
-from lightning_oomb.core.served import serve
-from tiny_models import (BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, grads_of, rel_err,
-                         separate_documents_grads, tiny_model)
+from tiny_models import (BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, assert_served_matches, grads_of,
+                         rel_err, separate_documents_grads, tiny_model)
 
 TOL = 1e-5
 # With chunks of 8 and pages of 4: starts at 7 (mid-chunk, mid-page), 16 (chunk border), 17 (mid-page, a
@@ -83,11 +82,7 @@ def test_eval_loss_and_served_forward():
     loss = lightning_oomb.eval_loss(model, ids, position_ids=position_ids, chunk_size=8, page_size=4,
                                     attention=backend)
     assert rel_err(loss, want_loss) <= TOL
-    with serve(model, config):
-        served = model(input_ids=ids, labels=ids, position_ids=position_ids).loss
-    served.backward()
-    assert rel_err(served.detach(), want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    assert_served_matches(model, config, want_loss, want, TOL, input_ids=ids, labels=ids, position_ids=position_ids)
 
 
 def test_one_document_per_row_is_the_unpacked_step_bitwise():

@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_oomb
 from lightning_oomb.integrations import fused_ops, support
-from tiny_models import (BACKENDS, COMMON, FAMILIES, VOCAB, assert_grads_close, full_sequence_grads, grads_of,
-                         rel_err, separate_documents_grads, tiny_model)
+from tiny_models import (BACKENDS, COMMON, FAMILIES, VOCAB, assert_grads_close, assert_served_matches,
+                         full_sequence_grads, grads_of, rel_err, separate_documents_grads, tiny_model)
 
 TOL = 1e-5
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -77,7 +77,6 @@ def test_lora_on_experts_matches_full_sequence(family, backend):
     loss: the loss and every adapter's gradient, uneven last chunk, pages that cut chunks, with and without
     layer checkpoints, and through the served forward OOMBStrategy runs."""
     from lightning_oomb.core.config import ChunkConfig
-    from lightning_oomb.core.served import serve
 
     model = with_expert_lora(family)
     ids = torch.randint(0, VOCAB, (1, 37))
@@ -90,11 +89,8 @@ def test_lora_on_experts_matches_full_sequence(family, backend):
     check_against_full(model, ids, labels, chunk_size=8, page_size=3, checkpoint_layers=True)
     model.zero_grad(set_to_none=True)
     want_loss, want = full_sequence_grads(model, ids, labels)
-    with serve(model, ChunkConfig(chunk_size=8, page_size=3)):
-        served = model(input_ids=ids, labels=labels).loss
-    served.backward()
-    assert rel_err(served.detach(), want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    assert_served_matches(model, ChunkConfig(chunk_size=8, page_size=3), want_loss, want, TOL, input_ids=ids,
+                          labels=labels)
 
 
 def test_packed_documents_of_a_family_match_separate_documents():
@@ -187,7 +183,6 @@ def test_load_balancing_loss_and_its_gradient_match_the_whole_sequence(family, b
     """output_router_logits=True: the experts' load-balancing loss over every layer and token of the sequence,
     and its gradient, through train_step, layer checkpoints, eval_loss and the served forward."""
     from lightning_oomb.core.config import ChunkConfig
-    from lightning_oomb.core.served import serve
 
     model = tiny_model(family, output_router_logits=True, router_aux_loss_coef=0.5)
     ids = torch.randint(0, VOCAB, (2, 29))
@@ -201,11 +196,7 @@ def test_load_balancing_loss_and_its_gradient_match_the_whole_sequence(family, b
         assert_grads_close(grads_of(model), want, TOL)
         model.zero_grad(set_to_none=True)
     config = ChunkConfig(chunk_size=8, page_size=4, attention=backend)
-    with serve(model, config):
-        served = model(input_ids=ids, labels=ids).loss
-    served.backward()
-    assert rel_err(served.detach(), want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    assert_served_matches(model, config, want_loss, want, TOL, input_ids=ids, labels=ids)
     model.eval()
     with torch.no_grad():
         reference = model(input_ids=ids, labels=ids).loss

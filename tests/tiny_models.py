@@ -133,6 +133,18 @@ def assert_grads_close(got: dict, want: dict, tol: float):
     assert worst[0] <= tol, f"gradient of {worst[1]} off by {worst[0]:.2e} (tolerance {tol:.0e})"
 
 
+def assert_served_matches(model, config, want_loss: torch.Tensor, want: dict, tol: float, **inputs) -> None:
+    """The served forward (``core.served.serve``, what OOMBStrategy runs) of ``model(**inputs)`` under the step
+    options ``config`` and its backward: the loss and every gradient against ``want_loss`` and ``want``."""
+    from lightning_oomb.core.served import serve
+
+    with serve(model, config):
+        served = model(**inputs).loss
+    served.backward()
+    assert rel_err(served.detach(), want_loss) <= tol
+    assert_grads_close(grads_of(model), want, tol)
+
+
 def assert_adamw_updates_close(got: dict, want: dict, start: dict, tol: float = 1e-5):
     """Weights after AdamW steps against the reference run's, compared as updates from ``start`` (norm-wise,
     per parameter) within ``tol``; k_proj.bias within 1e-3. Under RoPE that bias's gradient is small, not zero:
