@@ -46,8 +46,18 @@ def add_budget_pages(parser: argparse.ArgumentParser, help: str = "sparse: past 
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
-    """``--selection {tile,chunk}`` (SparseConfig.per_query_tile True or False)."""
-    default = "tile" if SPARSE["per_query_tile"] else "chunk"
-    parser.add_argument("--selection", choices=("tile", "chunk"), default=default,
-                        help="sparse: one page selection per query tile (default) or per chunk, which bounds the "
-                        "pages a host K/V layer gathers (SparseConfig.per_query_tile=False)")
+    """``--selection {auto,tile,chunk}`` (SparseConfig.per_query_tile None, True or False)."""
+    default = SELECTIONS[SPARSE["per_query_tile"]]
+    parser.add_argument("--selection", choices=tuple(SELECTIONS.values()), default=default,
+                        help="sparse: one page selection per query tile or per chunk, which bounds the pages a host "
+                        "K/V layer gathers (SparseConfig.per_query_tile); auto: per chunk with --offload host, per "
+                        f"tile otherwise (default {default})")
+
+
+# --selection's choices by the SparseConfig.per_query_tile each gives.
+SELECTIONS = {None: "auto", True: "tile", False: "chunk"}
+
+
+def per_query_tile(selection: str) -> bool | None:
+    """SparseConfig.per_query_tile of a ``--selection`` choice."""
+    return {name: value for value, name in SELECTIONS.items()}[selection]

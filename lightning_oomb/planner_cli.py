@@ -15,6 +15,7 @@ import textwrap
 
 from .cli_flags import (
     SPARSE, STEP, add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_page_size, add_selection,
+    per_query_tile,
 )
 from .core.config import ChunkConfig, SparseConfig
 from .core.host_memory import host_budget, host_headroom, machine_host_memory
@@ -195,7 +196,7 @@ def assumptions(args: argparse.Namespace) -> str:
 
 
 def _sparse(budget_pages: int, selection: str) -> SparseConfig:
-    return SparseConfig(budget_pages=budget_pages, per_query_tile=selection == "tile")
+    return SparseConfig(budget_pages=budget_pages, per_query_tile=per_query_tile(selection))
 
 
 def what_it_would_take(model: str, result, limit) -> str:
@@ -215,7 +216,8 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
     """The longest context of each common case (``config`` with its training and attention replaced), one row
     each, next to the machine's physical limit; ``machine``: ``max_context``'s other arguments."""
     rank, budget = args.lora_rank or 16, args.budget_pages or SPARSE["budget_pages"]
-    per = "" if args.selection == "tile" else ", one selection per chunk"
+    sparse_rows = config.replace(sparse=_sparse(budget, args.selection)).sparse  # per_query_tile decided by offload
+    per = "" if sparse_rows.per_query_tile else ", one selection per chunk"
     full = dict(lora_rank=0, quantization=None, optimizer=args.optimizer)
     cases = [(f"full training, {args.optimizer}", full)]
     experts = " (experts too)" if args.lora_experts else ""
@@ -226,7 +228,7 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
                       dict(lora_rank=rank, quantization=config.quantization, optimizer="adamw")))
     rows = []
     for name, options in cases:
-        for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", _sparse(budget, args.selection))):
+        for attention, sparse in (("dense", None), (f"sparse {budget} pages{per}", sparse_rows)):
             limit = max_context(model, config, sparse=sparse, **options, **machine)
             p = limit.plan
             fitted = f"{limit.context:,}" if limit.context else "none"

@@ -79,7 +79,8 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     argv = ["bench", "--model", str(tiny_config(tmp_path)), "--lengths", "256", "--modes", "sparse,sparse-offload",
             "--repeats", "1", "--warmup", "0", "--chunk", "64", "--page-size", "16", "--budget-pages", "6",
             "--add-launch", "4x8x2", "--gather-programs", "2", "--out", str(out)]
-    assert cli_main(argv) == 0
+    # The same step with its pages on the GPU and in host memory: one selection per query tile in both.
+    assert cli_main([*argv, "--selection", "tile"]) == 0
     _, rows = read_rows(out / "results.csv")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert host_pages.ADD_LAUNCH == host_pages.AddLaunch()  # the sweep's launch was for its points only
@@ -94,6 +95,10 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     _, (per_chunk,) = read_rows(tmp_path / "chunk" / "results.csv")
     assert 0 < int(per_chunk["kv_pages_gathered"]) <= int(rows[1]["kv_pages_gathered"])
     assert "6 pages per chunk" in (tmp_path / "chunk" / "results.md").read_text()
+    # --selection auto (the default): per chunk where the pages live in host memory.
+    assert cli_main([*argv[:6], "sparse-offload", *argv[7:-1], str(tmp_path / "auto")]) == 0
+    _, (auto,) = read_rows(tmp_path / "auto" / "results.csv")
+    assert auto["kv_pages_gathered"] == per_chunk["kv_pages_gathered"] and auto["loss"] == per_chunk["loss"]
     # Warm-up steps' gathers are not counted: the count is per timed step.
     warm = [*argv[:6], "sparse-offload", *argv[7:-1], str(tmp_path / "warm"), "--selection", "chunk"]
     warm[warm.index("--repeats") + 1], warm[warm.index("--warmup") + 1] = "2", "1"

@@ -204,7 +204,8 @@ def test_sparse_gradient_pages_on_the_host_give_the_gpu_pages_bits(monkeypatch):
     torch.manual_seed(0)
     model = two_layer_bf16_qwen2()
     ids = torch.randint(0, model.config.vocab_size, (1, 2048), device="cuda")
-    sparse = lightning_oomb.SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    # Per query tile in both (offload="host" would select per chunk): the same step, its pages elsewhere.
+    sparse = lightning_oomb.SparseConfig(budget_pages=4, sink_pages=1, local_pages=1, per_query_tile=True)
     results = {}
     for offload in ("gpu", "host"):
         model.zero_grad(set_to_none=True)

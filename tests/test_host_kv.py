@@ -8,6 +8,8 @@ order); the GPU test at the end checks the host-mapped gather itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,7 +25,9 @@ from lightning_oomb.core.sparse import select_pages
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, grads_of, needs_interpreter, tiny_model
 
-SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
+# One selection per query tile whatever the placement (offload="host" would select per chunk): the tests compare
+# the same step with its pages in different places.
+SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=True)
 
 
 def _step(model, ids, **kwargs):
@@ -212,7 +216,8 @@ def test_planner_moves_gradient_pages_first_then_kv_pages():
     K/V pages of 2 layers (the bench's step, placed against the GPU's measured free memory, needed
     none: the planner counts 1.75 GiB of CUDA context and first-step workspaces, what a fit measured); without
     layer checkpointing 1.75M needs K/V pages of 5 layers there (and then the host budget is 8 GiB short). With 'host' every page and its summary is there; past the point where one gather's staging stops
-    growing (every tile's selection distinct), the GPU grows by the selections only."""
+    growing (every tile's selection distinct), the GPU grows by the selections only; with one selection per
+    chunk (what offload='host' selects unless told otherwise) it does not grow."""
     common = dict(optimizer="none", grad_dtype=torch.bfloat16, sparse=SparseConfig(budget_pages=64),
                   gpu_memory=140 * 2**30, host_memory=112 * 2**30, checkpoint_layers=True)
     one = plan_placed("qwen2.5-7b", 1 << 20, **common)
@@ -223,17 +228,28 @@ def test_planner_moves_gradient_pages_first_then_kv_pages():
     assert (eager.config.host_grad_layers, eager.config.host_kv_layers) == (28, 5) and not eager.fits
     assert any(k.startswith("pinned K/V pages") for k in eager.host_lines)
     assert eager.time.host_gather_s > 0 and "gathering the host K/V layers" in str(eager)
-    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **{**common, "host_memory": 1 << 41})
-                  for n in (1 << 20, 1 << 21))
+    per_tile = {**common, "host_memory": 1 << 41, "sparse": SparseConfig(budget_pages=64, per_query_tile=True)}
+    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **per_tile) for n in (1 << 20, 1 << 21))
     assert (small.config.host_kv_layers, big.config.host_kv_layers) == (28, 28)
     assert big.gpu_lines[next(k for k in big.gpu_lines if k.startswith("K/V pages"))] == 0
     per_10k = (big.peak_gpu_bytes - small.peak_gpu_bytes) / (1 << 20) * 10_000
     # the selections (28 layers x 4 KV heads x 64 int32 entries per query tile), and the two gathers' staging
     # growing by their last 32 pages (8,160 past pages at 1M, all 8,192 a chunk's tiles can name at 2M)
     assert 2.2e6 < per_10k < 2.5e6
-    per_chunk = {**common, "host_memory": 1 << 41, "sparse": SparseConfig(budget_pages=64, per_query_tile=False)}
-    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **per_chunk) for n in (1 << 20, 1 << 21))
+    small, big = (plan_placed("qwen2.5-7b", n, offload="host", **{**common, "host_memory": 1 << 41})
+                  for n in (1 << 20, 1 << 21))
+    assert not big.config.sparse.per_query_tile and "one selection per chunk" in str(big)
     assert (big.peak_gpu_bytes - small.peak_gpu_bytes) / (1 << 20) * 10_000 < 0.1e6  # the summaries are on the host
+
+
+def test_host_pages_select_per_chunk_unless_told_otherwise():
+    """offload='host' with per_query_tile left open is the per-chunk step (bitwise), whose gathers are bounded."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    open_choice = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
+    want = _step(model, ids, offload="host", sparse=dataclasses.replace(open_choice, per_query_tile=False))
+    got = _step(model, ids, offload="host", sparse=open_choice)
+    _assert_same(got, want)
 
 
 def test_gather_time_counts_every_attention_call():
@@ -254,7 +270,7 @@ def test_gather_time_counts_every_attention_call():
 def test_gpu_host_kv_pages_give_the_gpu_gradient():
     model = tiny_model("qwen2", dtype=torch.bfloat16).cuda()
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
-    sparse = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    sparse = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1, per_query_tile=True)
     options = dict(chunk_size=64, page_size=16, sparse=sparse, grad_dtype=torch.bfloat16)
     results = []
     for offload in ("gpu", "host"):

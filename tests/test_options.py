@@ -94,6 +94,22 @@ def test_the_plan_cli_builds_the_declared_config_from_its_defaults():
         assert _same(getattr(args, flag), CHUNK[name]), flag
 
 
+def test_the_page_selection_left_open_is_per_chunk_with_host_pages_and_per_tile_otherwise():
+    """SparseConfig.per_query_tile None: ChunkConfig decides it from offload (per chunk with "host", whose
+    per-tile gathers grow with the past); what is given stays; --selection auto gives None."""
+    sparse = SparseConfig(budget_pages=8)
+    assert sparse.per_query_tile is None
+    decided = {o: ChunkConfig(sparse=sparse, offload=o).sparse.per_query_tile for o in ("gpu", "auto", "host")}
+    assert decided == {"gpu": True, "auto": True, "host": False}
+    assert ChunkConfig(sparse={"budget_pages": 8, "per_query_tile": True}, offload="host").sparse.per_query_tile
+    assert PlanConfig.build(1 << 20, sparse=sparse, offload="host").sparse.per_query_tile is False
+    with pytest.raises(SetupError, match="per_query_tile must be True, False or None"):
+        SparseConfig(per_query_tile="tile")
+    args = build_parser().parse_args(["--model", "qwen2.5-7b", "--context", "1M", "--budget-pages", "8",
+                                      "--offload", "host"])
+    assert args.selection == "auto" and plan_config(args).sparse.per_query_tile is False
+
+
 def test_the_cli_flags_of_plan_and_bench_give_the_declared_defaults_under_one_spelling():
     plan_args = build_parser().parse_args(["--model", "qwen2.5-7b", "--context", "128K"])
     bench_args = bench_parser().parse_args([])

@@ -104,7 +104,8 @@ def test_config_validation():
     assert SparseConfig.coerce({"budget_pages": 8}) == SparseConfig(budget_pages=8)
     from lightning_oomb.core.config import ChunkConfig
 
-    assert ChunkConfig(sparse={"budget_pages": 8, "score": "minmax"}).sparse == SparseConfig(budget_pages=8, score="minmax")
+    assert ChunkConfig(sparse={"budget_pages": 8, "score": "minmax"}).sparse == SparseConfig(
+        budget_pages=8, score="minmax", per_query_tile=True)
 
 
 # == the reference against the masked dense oracle =========================================================
@@ -492,8 +493,9 @@ def test_mixin_trains_sparse_through_a_trainer(tmp_path, monkeypatch):
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     trainer.fit(module, DataLoader(data, batch_size=None))
     assert trainer.global_step == 2
-    assert strategy.chunk_config.sparse == want
-    assert made and all(c == want for c in made)
+    decided = dataclasses.replace(want, per_query_tile=True)  # offload "auto": one selection per query tile
+    assert strategy.chunk_config.sparse == decided
+    assert made and all(c == decided for c in made)
     assert any(not torch.equal(p, before[n]) for n, p in module.named_parameters())
     ckpt = torch.load(next(tmp_path.rglob("*.ckpt")), weights_only=False)
     hp = ckpt["hyper_parameters"]
@@ -506,7 +508,8 @@ def test_mixin_trains_sparse_through_a_trainer(tmp_path, monkeypatch):
 def test_strategy_takes_a_dict():
     from lightning_oomb import OOMBStrategy
 
-    assert OOMBStrategy(sparse={"budget_pages": 8}).chunk_config.sparse == SparseConfig(budget_pages=8)
+    assert OOMBStrategy(sparse={"budget_pages": 8}).chunk_config.sparse == SparseConfig(budget_pages=8,
+                                                                                          per_query_tile=True)
     assert OOMBStrategy().chunk_config.sparse is None
 
 

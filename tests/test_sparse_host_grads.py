@@ -21,7 +21,9 @@ from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool,
 from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, assert_grads_close, grads_of, needs_interpreter, rel_err, tiny_model
 
-SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1)
+# One selection per query tile whatever the placement (offload="host" would select per chunk): the tests compare
+# the same step with its pages in different places.
+SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=True)
 
 
 def _step(model, ids, **kwargs):

@@ -540,6 +540,10 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "max_steps": (["--trainer.max_steps", "-3"], "trainer: `max_steps` must be a non-negative integer"),
         **({} if torch.cuda.is_available() else {
             "no GPU": (["--trainer.accelerator", "gpu"], "trainer: No supported gpu backend found!")}),
+        "one selection per chunk over packed documents": (
+            ["--trainer.strategy.init_args.sparse", '{"budget_pages": 8}', "--trainer.strategy.init_args.offload", "host",
+             "--data.init_args.document_masking", "true"],
+            "(the default with offload='host') selects one page set per chunk, which packed documents cannot share"),
         "unknown optimizer": (["--model.optimizer", "adamw9"], "model.optimizer: unknown optimizer 'adamw9'"),
         "optimizer argument": (["--model.optimizer", "adamw8bit", "--model.optimizer_args", '{"momentum": 0.9}'],
                                "model.optimizer: adamw8bit takes no argument 'momentum'"),

@@ -30,8 +30,9 @@ class BenchConfig:
     checkpoint_layers: bool = STEP["checkpoint_layers"]
     grad_dtype: str = STEP["grad_dtype"]
     budget_pages: int = SPARSE["budget_pages"]
-    # sparse: one page selection per query tile (True) or per chunk (SparseConfig.per_query_tile).
-    per_query_tile: bool = SPARSE["per_query_tile"]
+    # sparse: one page selection per query tile (True), per chunk (False), or per chunk in the modes whose pages
+    # live in host memory and per tile in the others (None), as SparseConfig.per_query_tile.
+    per_query_tile: bool | None = SPARSE["per_query_tile"]
     # sparse with host gradient layers: how the staged gradients are added into them ("PROGRAMSxROWSxWARPS",
     # kernels.host_pages.AddLaunch); "" keeps host_pages.ADD_LAUNCH.
     add_launch: str = ""

@@ -22,7 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from .. import train_step
-from ..cli_flags import add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_selection
+from ..cli_flags import (
+    add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_selection, per_query_tile,
+)
 from ..core.config import ChunkConfig, SparseConfig
 from ..core.model_shape import ModelShape
 from ..core.schedule import ChunkedSequence
@@ -346,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    sparse = (SparseConfig(budget_pages=args.budget_pages, per_query_tile=args.selection == "tile")
+    sparse = (SparseConfig(budget_pages=args.budget_pages, per_query_tile=per_query_tile(args.selection))
               if args.budget_pages else None)
     context = parse_tokens(args.context)
     n_chunks = -(-context // args.chunk)

@@ -57,7 +57,9 @@ def write_outputs(results: list[PointResult], config: BenchConfig, command: str,
     )
     if any(MODES[m].sparse for m in config.modes):
         settings += (f", sparse: {config.budget_pages} pages per "
-                     + ("query tile" if config.per_query_tile else "chunk (one selection for all its query tiles)"))
+                     + {True: "query tile", False: "chunk (one selection for all its query tiles)",
+                        None: "query tile (per chunk in the modes with host pages: SparseConfig.per_query_tile "
+                              "None)"}[config.per_query_tile])
     if config.document_length is not None:
         settings += (f", sequences packed from documents of {config.document_length:,} tokens (position ids "
                      "restarting at 0 for each)")

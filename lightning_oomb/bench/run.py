@@ -37,7 +37,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..cli_flags import STEP, add_budget_pages, add_chunk, add_grad_dtype, add_page_size, add_selection
+from ..cli_flags import (
+    STEP, add_budget_pages, add_chunk, add_grad_dtype, add_page_size, add_selection, per_query_tile,
+)
 from ..core.config import ATTENTIONS
 from ..core.model_shape import load_config_dict
 from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, lengths=args.lengths, modes=args.modes, chunk_size=args.chunk, page_size=args.page_size,
         batch=args.batch, lora_rank=args.lora_rank, repeats=args.repeats, warmup=args.warmup, attention=args.attention,
         checkpoint_layers=args.checkpoint_layers, grad_dtype=args.grad_dtype, budget_pages=args.budget_pages,
-        per_query_tile=args.selection == "tile", add_launch=args.add_launch, gather_programs=args.gather_programs,
+        per_query_tile=per_query_tile(args.selection), add_launch=args.add_launch, gather_programs=args.gather_programs,
         matmul_tflops=args.matmul_tflops,
         document_length=args.document_length,
         out=args.out, device=args.device, seed=args.seed,

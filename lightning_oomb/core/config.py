@@ -26,6 +26,14 @@ OFFLOADS: tuple[str, ...] = get_args(Offload)
 SPARSE_SCORES: tuple[str, ...] = get_args(SparseScore)
 
 
+# Packed documents (position_ids) under one page selection per chunk: refused at set-up and at step start.
+PER_CHUNK_OVER_DOCUMENTS = (
+    "SparseConfig(per_query_tile=False) (the default with offload='host') selects one page set per chunk, which "
+    "packed documents cannot share; set per_query_tile: true (SparseConfig, or SparseCausalLMModule's argument) "
+    "to select per query tile, or train without position_ids (document_masking: false)"
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SparseConfig:
     """Page-level sparse attention over the stored past; ``None`` where a config is taken means dense.
@@ -41,7 +49,9 @@ class SparseConfig:
         chunk, by the mean query of all its tiles, that every tile attends to: a chunk then reads at most
         ``budget_pages`` distinct past pages per KV head, which bounds what layers with K/V pages in host
         memory gather for it (docs/architecture.md, "Host K/V pages for sparse steps"). Not with packed
-        documents.
+        documents. None: decided by the ``ChunkConfig`` that holds it, from its ``offload``: False with
+        "host" (every layer's K/V pages in host memory, where per-tile gathers grow with the past), True
+        otherwise.
     """
 
     budget_pages: int = 64
@@ -49,7 +59,7 @@ class SparseConfig:
     local_pages: int = 4
     score: SparseScore = "mean"
     per_kv_head: bool = True
-    per_query_tile: bool = True
+    per_query_tile: bool | None = None
 
     def __post_init__(self):
         for name, low in (("budget_pages", 1), ("sink_pages", 0), ("local_pages", 0)):
@@ -63,9 +73,11 @@ class SparseConfig:
             )
         if self.score not in SPARSE_SCORES:
             raise SetupError(f"SparseConfig.score must be 'mean' or 'minmax', got {self.score!r}")
-        for name in ("per_kv_head", "per_query_tile"):
-            if not isinstance(getattr(self, name), bool):
-                raise SetupError(f"SparseConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.per_kv_head, bool):
+            raise SetupError(f"SparseConfig.per_kv_head must be True or False, got {self.per_kv_head!r}")
+        if self.per_query_tile is not None and not isinstance(self.per_query_tile, bool):
+            raise SetupError(f"SparseConfig.per_query_tile must be True, False or None (decided by offload), got "
+                             f"{self.per_query_tile!r}")
 
     @classmethod
     def coerce(cls, value: "SparseConfig | dict | None") -> "SparseConfig | None":
@@ -103,7 +115,8 @@ class ChunkConfig:
         grad_dtype: dtype of the KV-gradient store, "float32" or "bfloat16" (or the torch dtype): bfloat16
             halves its memory, each chunk's contribution rounded to bf16 as it is added (docs/benchmarks.md).
         sparse: None (dense attention) or a ``SparseConfig`` (or a dict of its fields): page-level sparse
-            attention over the past (lightning_oomb.core.sparse).
+            attention over the past (lightning_oomb.core.sparse). Its ``per_query_tile`` None is decided here:
+            one selection per chunk with offload="host", per query tile otherwise.
         offload: where the K/V and KV-gradient pages live: "gpu", "host" (pinned host memory, streamed through
             the GPU: GPU memory flat in the context length) or "auto" (the GPU when the step fits there, else the
             host; lightning_oomb.core.placement.place_step).
@@ -150,6 +163,9 @@ class ChunkConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "sparse", SparseConfig.coerce(self.sparse))
+        if self.sparse is not None and self.sparse.per_query_tile is None:
+            object.__setattr__(self, "sparse", dataclasses.replace(self.sparse,
+                                                                   per_query_tile=self.offload != "host"))
         for name in ("host_memory", "gpu_memory"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():

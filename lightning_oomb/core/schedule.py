@@ -28,7 +28,7 @@ from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm, layer_windows
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
-from .config import ChunkConfig, SparseConfig
+from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
@@ -208,8 +208,7 @@ class ChunkedSequence:
         self.device = input_ids.device
         self.backend = resolve_backend(config.attention, self.device, sparse=config.sparse is not None)
         if config.sparse is not None and not config.sparse.per_query_tile and self.doc_start is not None:
-            raise ValueError("SparseConfig(per_query_tile=False) selects one page set per chunk, which packed "
-                             "documents cannot share; use per_query_tile=True with position_ids")
+            raise ValueError(PER_CHUNK_OVER_DOCUMENTS)
         self.fused_ops = uses_triton(config.attention, self.device)
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}

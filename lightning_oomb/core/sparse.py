@@ -110,9 +110,10 @@ def select_pages(
     windows): a tile then selects among the past pages from that of its earliest first key on, and entries it
     cannot fill are -1. With ``config.per_query_tile`` False one selection, made for the chunk's mean query
     among the pages its first query may see, serves every tile (each query's kernel masks the keys before its
-    own first key)."""
+    own first key); None (a SparseConfig that no ChunkConfig has decided) selects per tile, as a step with
+    its pages on the GPU does."""
     ps = store.page_size
-    if not config.per_query_tile:
+    if config.per_query_tile is False:
         n_tiles = -(-q.shape[2] // ps)
         # The chunk's mean query as one tile of all its rows: the mean of the tiles' means, weighted by rows.
         whole = q.float().mean(2, keepdim=True).expand(-1, -1, ps, -1)

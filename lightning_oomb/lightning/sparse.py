@@ -2,7 +2,7 @@
 
     class MyModule(SparseAttentionMixin, LightningModule):
         def __init__(self, ..., budget_pages=64, sink_pages=1, local_pages=4, sparse_score="mean",
-                     per_kv_head=True, per_query_tile=True):
+                     per_kv_head=True, per_query_tile=None):
             super().__init__()
             self.save_hyperparameters()
 
@@ -66,7 +66,7 @@ class SparseCausalLMModule(SparseAttentionMixin, CausalLMModule):
         local_pages: int = _SPARSE["local_pages"],
         sparse_score: str = _SPARSE["score"],
         per_kv_head: bool = _SPARSE["per_kv_head"],
-        per_query_tile: bool = _SPARSE["per_query_tile"],
+        per_query_tile: bool | None = _SPARSE["per_query_tile"],
         **kwargs: Any,
     ):
         if budget_pages is not None:  # refuse bad options before loading a model

@@ -15,7 +15,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from ..core.config import ChunkConfig, SparseConfig, option_defaults, option_docs
+from ..core.config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig, option_defaults, option_docs
 from ..core.errors import SetupError
 from ..core.host_memory import (
     GIB, available_host_memory, host_budget, host_headroom, machine_host_memory, process_host_bytes,
@@ -115,6 +115,9 @@ class OOMBStrategyMixin:
         if module_sparse is not None:  # the module's sparse options (SparseAttentionMixin) take precedence
             self.chunk_config = dataclasses.replace(self.chunk_config, sparse=module_sparse)
         trainer = self.lightning_module.trainer
+        sparse = self.chunk_config.sparse
+        if sparse is not None and not sparse.per_query_tile and getattr(trainer.datamodule, "document_masking", False):
+            raise SetupError(PER_CHUNK_OVER_DOCUMENTS)
         if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(PagedKVCallback())
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
