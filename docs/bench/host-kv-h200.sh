@@ -6,7 +6,7 @@
 #   2. the same with every page on the host (mode sparse-offload) at 256K and 768K: the GPU's growth per +10K
 #      tokens, the pages gathered, the gathers' time on the compute stream (stage 1) and on the side stream
 #      (stage 2, ahead of their calls), and against 1. how much of it the step time shows;
-#   3. one selection per query tile (the default) at 256K, every page on the host: an unbounded union.
+#   3. one selection per query tile (--selection tile) at 256K, every page on the host: an unbounded union.
 # 1M does not fit with every page on the host within the machine's 112 GiB budget.
 # Every point is one step, timed cold (no warm-up step: the CSV's pin_s is the share spent page-locking host
 # memory), so the whole fits one lease next to other work (8 minutes at 8676b3d). Run it under setsid and read
@@ -19,5 +19,6 @@ common=(--model qwen2.5-7b --budget-pages 64 --grad-dtype bfloat16 --checkpoint-
 python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse --lengths 64K,256K --selection chunk --out "$out/gpu"
 python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K,768K --selection chunk \
     --out "$out/chunk"
-python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K --out "$out/tile"
+python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K --selection tile \
+    --out "$out/tile"
 touch "$out/done"
