@@ -14,6 +14,14 @@ SPARSE = option_defaults(SparseConfig)
 GRAD_DTYPES = ("float32", "bfloat16")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """The parser of ``lightning-oomb plan`` and ``bench``: an error is one line (the usage block is for
+    --help), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def add_chunk(parser: argparse.ArgumentParser, help: str = "tokens per chunk") -> None:
     """``--chunk TOKENS`` (ChunkConfig.chunk_size; K = 1024, as in 4K)."""
     parser.add_argument("--chunk", type=argparse_type(parse_tokens), default=STEP["chunk_size"],

@@ -14,7 +14,7 @@ import textwrap
 
 
 from .cli_flags import (
-    SPARSE, STEP, add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_page_size, add_selection,
+    SPARSE, STEP, OneLineParser, add_budget_pages, add_chunk, add_grad_dtype, add_offload, add_page_size, add_selection,
     per_query_tile,
 )
 from .core.config import ChunkConfig, SparseConfig
@@ -30,13 +30,6 @@ from .core.units import argparse_type, parse_bytes, parse_tokens
 
 # "auto" is the planner's choice (off if the step fits without it), not a ChunkConfig value.
 CHECKPOINT_CHOICES = ("on", "off", "auto")
-
-
-class _Parser(argparse.ArgumentParser):
-    """An error is one line (the usage block is for --help), exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def _join_negative_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -58,7 +51,7 @@ def _join_negative_values(argv: list[str], parser: argparse.ArgumentParser) -> l
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="lightning-oomb plan",
         description="Memory and time of one chunk-recurrent training step, before running it. "
         "Token counts: K = 1024, M = 1024*1024 (1M = 1,048,576). Memory: 141GB = 141e9 bytes, 80GiB = 80*2^30.",

@@ -113,6 +113,17 @@ def test_sparse_offload_mode_moves_every_layer_to_the_host(tmp_path):
     assert refused.value.code == 2
 
 
+def test_bad_step_options_are_one_line_before_a_model_is_built(tmp_path, capsys):
+    """A sparse budget its sink and local pages overflow: SparseConfig's message, one line, exit 2."""
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["bench", "--model", str(tiny_config(tmp_path)), "--modes", "sparse", "--budget-pages", "4",
+                  "--out", str(tmp_path / "out")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sink_pages + local_pages (1 + 4) must not exceed budget_pages (4)" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_out_of_memory_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     def step(model, input_ids, config):
         if input_ids.shape[1] > 64:

@@ -38,22 +38,23 @@ import sys
 from pathlib import Path
 
 from ..cli_flags import (
-    STEP, add_budget_pages, add_chunk, add_grad_dtype, add_page_size, add_selection, per_query_tile,
+    STEP, OneLineParser, add_budget_pages, add_chunk, add_grad_dtype, add_page_size, add_selection, per_query_tile,
 )
-from ..core.config import ATTENTIONS
+from ..core.config import ATTENTIONS, ChunkConfig
+from ..core.errors import SetupError
 from ..core.model_shape import load_config_dict
 from ..core.plan.assumptions import DEFAULT_MATMUL_TFLOPS
 from ..core.units import argparse_type, parse_tokens
 from ..kernels import host_pages
 from .config import BenchConfig
-from .modes import MODES, check_modes
+from .modes import MODES, check_modes, step_options
 from .report import markdown_table, write_outputs
 from .sweep import bench_device, machine_name, run
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``lightning-oomb bench``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="lightning-oomb bench",
         description="Step time and peak memory of training modes over context lengths (K = 1024 tokens, M = 1024^2).",
     )
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     try:
         load_config_dict(config.model)
-    except FileNotFoundError as error:
+        for mode in config.modes:  # the step options, checked before a model is built
+            ChunkConfig(**step_options(config, MODES[mode].sparse_config(config)))
+    except (FileNotFoundError, SetupError) as error:
         parser.error(str(error))
     results = run(config)
     command = "lightning-oomb bench " + shlex.join(argv)
