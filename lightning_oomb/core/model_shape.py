@@ -176,7 +176,8 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3, Gemma 3)
+    layer_norms: int = 2  # hidden-size RMSNorms per layer (Gemma 3: also after attention and after the MLP)
     tensor_parallel: int = 1
     n_experts: int = 0
     expert_intermediate: int = 0
@@ -212,7 +213,8 @@ class ModelShape:
             qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and config.qkv_bias),
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            layer_norms=4 if model_type == "gemma3_text" else 2,
         )
 
     @classmethod
@@ -343,8 +345,8 @@ class ModelShape:
 
     @property
     def layer_norm_params(self) -> int:
-        """RMSNorm weights of one decoder layer: before attention, before the MLP, and Qwen3's q and k norms."""
-        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        """RMSNorm weights of one decoder layer: ``layer_norms`` of the hidden size, and per-head q and k norms."""
+        return self.layer_norms * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def layer_replicated_params(self) -> int:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The models users train (issue 56) on one H200 (nvidia-h200 kind), through the bench, random bf16 weights of
+# the built-in shapes, bf16 KV-gradients, layer checkpointing, no optimizer:
+#   1. Qwen3-30B-A3B (128 experts, 8 per token), LoRA rank 16 on q, k, v, o, sparse attention (64 pages of 128):
+#      the planner's longest context on this machine (`lightning-oomb plan --max-context`, its host budget),
+#      one cold step (mode sparse);
+#   2. Gemma 3 12B at 128K dense, LoRA rank 16: the built-in shape (five sliding-window layers of 1,024 tokens
+#      per global layer) and the same shape with every layer global (layer_types all full_attention, written
+#      to OUT/gemma-3-12b-global/config.json), one warm-up and one timed step each (mode oomb): the
+#      sliding-window layers' speed-up and memory.
+# About 10 minutes. Run it under setsid and read OUT/*/results.csv and OUT/max-context.txt back (device README).
+#   bash docs/bench/families-h200.sh OUT
+set -u
+out=${1:-/root/families}
+mkdir -p "$out"
+python3 -m lightning_oomb.cli plan --model qwen3-30b-a3b --max-context --lora-rank 16 --budget-pages 64 \
+  --grad-dtype bfloat16 --checkpoint-layers on > "$out/max-context.txt" 2>&1
+row="LoRA rank 16, sparse"
+context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}')
+case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt"; exit 1 ;; esac
+echo "longest LoRA sparse context of qwen3-30b-a3b on this machine: $context tokens"
+common=(--grad-dtype bfloat16 --checkpoint-layers --lora-rank 16)
+python3 -m lightning_oomb.cli bench --model qwen3-30b-a3b "${common[@]}" --modes sparse --budget-pages 64 \
+  --lengths "$context" --repeats 1 --warmup 0 --out "$out/moe"
+mkdir -p "$out/gemma-3-12b-global"
+python3 - "$out/gemma-3-12b-global/config.json" <<'PY'
+import json, sys
+from lightning_oomb.core.model_shape import load_config_dict
+config = load_config_dict("gemma-3-12b")
+config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+json.dump(config, open(sys.argv[1], "w"))
+PY
+python3 -m lightning_oomb.cli bench --model gemma-3-12b "${common[@]}" --modes oomb --lengths 128K --repeats 1 \
+  --warmup 1 --out "$out/gemma-windows"
+python3 -m lightning_oomb.cli bench --model "$out/gemma-3-12b-global/config.json" "${common[@]}" --modes oomb \
+  --lengths 128K --repeats 1 --warmup 1 --out "$out/gemma-global"
+touch "$out/done"
