@@ -287,6 +287,32 @@ def test_rope_reads_views_in_place():
         assert torch.equal(g, w)
 
 
+def test_fused_rope_returns_the_dtype_of_the_models_own():
+    """OLMo 2's RoPE computes in float32 and casts back to q's dtype; Llama's promotes to cos's float32. The
+    fused op swapped in returns what each model's own does (else a half-precision OLMo 2 step would store
+    float32 K): fp16 q, k (the interpreter rounds bf16 wrongly; the rule is the same) and float32 cos, sin."""
+    import sys
+
+    from tiny_models import tiny_model
+
+    from lightning_oomb.integrations.fused_ops import fused_ops
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 6, 8, dtype=torch.float16), torch.randn(1, 2, 6, 8, dtype=torch.float16)
+    for family, want_dtype in (("olmo2", torch.float16), ("llama", torch.float32)):
+        lm = tiny_model(family)
+        modeling = sys.modules[type(lm.model.layers[0]).__module__]
+        cos, sin = lm.model.rotary_emb(torch.zeros(1, 6, 8), torch.arange(6)[None])
+        original = modeling.apply_rotary_pos_emb
+        want = original(q, k, cos, sin)
+        with fused_ops(lm):
+            assert modeling.apply_rotary_pos_emb is not original  # swapped for the fused op
+            got = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype == want_dtype, family
+            torch.testing.assert_close(g.float(), w.float(), rtol=2e-3, atol=2e-3)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Cross-entropy (the loss of a piece of logits and, in their place, its gradient)
 # --------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ PROBE_TOLERANCE = 1e-4
 PROBE_ROWS = 4
 
 _agrees: dict[object, bool] = {}  # class or (modeling module, rotary class) -> the probe's answer
+_keeps_dtype: dict[object, bool] = {}  # a modeling module's apply_rotary_pos_emb -> _rope_keeps_dtype's answer
 
 
 def _probe(key: object, device: torch.device, ours: Callable[[], torch.Tensor],
@@ -105,12 +106,23 @@ def _mlp_agrees(m: nn.Module) -> bool:
     return _probe(type(m), device, lambda: _fused_mlp(probe, x), lambda: type(m).forward(probe, x))
 
 
-def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1):
+def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1, keep_dtype=False):
     if unsqueeze_dim != 1 or cos.shape[-1] != q.shape[-1]:  # another layout, or a partial rotary: the model's own
         return original(q, k, cos, sin, unsqueeze_dim)
     from ..kernels.rope import apply_rope
 
-    return apply_rope(q, k, cos, sin)
+    return apply_rope(q, k, cos, sin, out_dtype=q.dtype if keep_dtype else None)
+
+
+def _rope_keeps_dtype(original, device: torch.device) -> bool:
+    """Whether ``original`` (a modeling module's apply_rotary_pos_emb) returns q's dtype for bf16 q, k and
+    float32 cos, sin (OLMo 2 casts back) rather than the promoted float32 (Llama's q * cos)."""
+    if original not in _keeps_dtype:
+        q = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16, device=device)
+        cos = torch.ones(1, 2, 4, device=device)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            _keeps_dtype[original] = original(q, q, cos, cos)[0].dtype == torch.bfloat16
+    return _keeps_dtype[original]
 
 
 def _rope_agrees(modeling, lm: PreTrainedModel) -> bool:
@@ -180,7 +192,8 @@ def fused_ops(lm: PreTrainedModel) -> Iterator[None]:
     modeling = [mod for mod in modeling if hasattr(mod, "apply_rotary_pos_emb") and _rope_agrees(mod, lm)]
     originals = [mod.apply_rotary_pos_emb for mod in modeling]
     for mod, original in zip(modeling, originals):
-        mod.apply_rotary_pos_emb = partial(_fused_rope, original)
+        keep = _rope_keeps_dtype(original, _device(lm))
+        mod.apply_rotary_pos_emb = partial(_fused_rope, original, keep_dtype=keep)
     try:
         with instance_forwards(forwards):
             yield

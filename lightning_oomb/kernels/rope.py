@@ -132,9 +132,10 @@ def _launch(
 
 class RopeFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                out_dtype: torch.dtype | None = None):
         # HF's q * cos promotes: cos in fp32 with bf16 q gives an fp32 q_embed there too.
-        dtype = torch.promote_types(q.dtype, cos.dtype)
+        dtype = out_dtype or torch.promote_types(q.dtype, cos.dtype)
         q_out, k_out = torch.empty_like(q, dtype=dtype), torch.empty_like(k, dtype=dtype)
         _launch(q, k, q_out, k_out, cos, sin, transpose=False)
         ctx.save_for_backward(cos, sin)
@@ -146,18 +147,19 @@ class RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dq, dk = torch.empty_like(dq_out, dtype=ctx.in_dtype), torch.empty_like(dk_out, dtype=ctx.in_dtype)
         _launch(dq_out, dk_out, dq, dk, cos, sin, transpose=True)
-        return dq, dk, None, None
+        return dq, dk, None, None, None
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``, fused.
 
     q (B, H_q, T, D), k (B, H_kv, T, D): any strides (the model's transposed views are read in place), one
     float dtype, D even. cos, sin: (B, T, D) or (1, T, D) (broadcast over the batch), not requiring grad.
-    Returns (q_embed, k_embed) laid out like q and k, in ``promote_types(q.dtype, cos.dtype)``, computed
-    in fp32 and rounded once. Saves only cos and sin for backward.
+    Returns (q_embed, k_embed) laid out like q and k, in ``out_dtype`` (None: ``promote_types(q.dtype,
+    cos.dtype)``, as Llama's code gives; OLMo 2's casts back to q's), computed in fp32 and rounded once.
+    Saves only cos and sin for backward.
     """
     _check(q, k, cos, sin)
-    return RopeFunction.apply(q, k, cos, sin)
+    return RopeFunction.apply(q, k, cos, sin, out_dtype)
