@@ -116,12 +116,16 @@ def _fused_rope(original, q, k, cos, sin, unsqueeze_dim=1, keep_dtype=False):
 
 def _rope_keeps_dtype(original, device: torch.device) -> bool:
     """Whether ``original`` (a modeling module's apply_rotary_pos_emb) returns q's dtype for bf16 q, k and
-    float32 cos, sin (OLMo 2 casts back) rather than the promoted float32 (Llama's q * cos)."""
+    float32 cos, sin over the whole head (OLMo 2 casts back) rather than the promoted float32 (Llama's
+    q * cos). A function that takes no such cos (GPT-OSS's halves) never meets the fused op."""
     if original not in _keeps_dtype:
         q = torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16, device=device)
         cos = torch.ones(1, 2, 4, device=device)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            _keeps_dtype[original] = original(q, q, cos, cos)[0].dtype == torch.bfloat16
+            try:
+                _keeps_dtype[original] = original(q, q, cos, cos)[0].dtype == torch.bfloat16
+            except (ValueError, RuntimeError, TypeError, IndexError):
+                _keeps_dtype[original] = False
     return _keeps_dtype[original]
 
 
