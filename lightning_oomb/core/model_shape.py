@@ -178,6 +178,10 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3, Gemma 3)
     layer_norms: int = 2  # hidden-size RMSNorms per layer (Gemma 3: also after attention and after the MLP)
+    # "llama": weight x the normalised input cast to the model's dtype; "gemma": x (1 + weight) in float32, which
+    # the fused RMSNorm does not compute (the model's own norms and GELU MLP run: core.plan.activations)
+    norm_style: str = "llama"
+    model_type: str = ""  # transformers' name of the family ("" when given by hand)
     tensor_parallel: int = 1
     n_experts: int = 0
     expert_intermediate: int = 0
@@ -215,6 +219,8 @@ class ModelShape:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             layer_norms=4 if model_type == "gemma3_text" else 2,
+            norm_style="gemma" if model_type == "gemma3_text" else "llama",
+            model_type=model_type,
         )
 
     @classmethod

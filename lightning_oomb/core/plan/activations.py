@@ -3,7 +3,21 @@ stage 2, in bytes (docs/planner.md, "What it counts")."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from ..model_shape import PROFILES, ModelShape
+from .assumptions import UNMODELLED_ACTIVATION_FACTOR
+
+# Families whose decoder layers' saved tensors the formulas count (tests/test_plan_activations.py checks each
+# against a real chunk); "" is a shape given by hand, counted as a Llama layer.
+MODELLED_FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+
+
+def activations_modelled(shape: ModelShape) -> bool:
+    """Whether the formulas model ``shape``'s family; other families' layers are counted at
+    UNMODELLED_ACTIVATION_FACTOR times a Llama layer's (the plan's activation line says so)."""
+    return shape.model_type in MODELLED_FAMILIES
 
 
 def expert_adapter_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true") -> int:
@@ -18,33 +32,75 @@ def expert_adapter_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-
     return shape.layer_expert_params * p.param + tokens * per_token
 
 
+def routed_expert_bytes(shape: ModelShape, precision: str = "bf16-true", lora_rank: int = 0) -> int:
+    """Bytes one token saves in a layer's routed experts, as transformers' grouped-matmul experts save them
+    (its other expert implementations save the same tensors): the router's probabilities (float32), the
+    chosen experts and their order (int64) and weights; per chosen expert the gate and up outputs, the
+    activation and the expert's output (before its routing weight), and with trainable experts also the
+    token's hidden state gathered for it and the down projection's input. LoRA on q, k, v, o leaves the
+    experts frozen (``expert_adapter_bytes`` adds what adapters on them save). Under autocast counted in
+    float32, as the CPU's autocast leaves grouped matmuls (whether CUDA's casts them is not measured)."""
+    if not shape.n_experts:
+        return 0
+    p = PROFILES[precision]
+    h, e = shape.hidden, shape.expert_intermediate
+    top_k = shape.routed_intermediate // e
+    per_expert = h + 3 * e if lora_rank > 0 else 2 * h + 4 * e
+    return (4 if p.autocast_weight_copies else p.linear) * top_k * per_expert + 4 * shape.n_experts + 48 * top_k
+
+
+def _mlp_bytes(shape: ModelShape, p, width: int, fused: bool, lora: bool, down_input: bool) -> int:
+    """Bytes one token saves in a gated MLP of ``width`` hidden units: gate, up, the activation and down's
+    input with the model's own ops (three under LoRA, the frozen down projection keeping no input); the fused
+    SwiGLU keeps gate and up (and down's input where ``down_input``)."""
+    if fused:
+        return (2 if lora or not down_input else 3) * p.linear * width
+    return (3 if lora else 4) * p.linear * width
+
+
 def layer_activation_bytes(
     shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True,
-    lora_experts: bool = False,
+    lora_experts: bool = False, expert_layer: bool | None = None,
 ) -> int:
     """Bytes one decoder layer saves for backward in stage 2 for ``tokens`` tokens (batch x chunk).
 
     Per token: norm statistics and outputs, q, k, v, the attention output and log-sum-exp, o_proj's input and
-    the MLP's tensors, as transformers' Llama/Qwen2/Qwen3 layers with lightning_oomb's attention save them
-    (the formulas: docs/planner.md, "What it counts"; tests/test_plan_activations.py counts real ones).
+    the MLP's tensors, as transformers' layers with lightning_oomb's attention save them (the formulas:
+    docs/planner.md, "What it counts"; tests/test_plan_activations.py counts real ones of each family).
     ``lora_rank`` > 0: peft adapters on q, k, v, o, the rest frozen; ``lora_experts``: on the stacked expert
     weights too (``expert_adapter_bytes``). ``fused_ops``: the Triton steps' RMSNorm/RoPE/SwiGLU (False:
-    transformers' own ops). A tensor-parallel rank's ``shape`` (``ModelShape.tensor_parallel_part``) has its
-    part of the heads and MLP width.
+    transformers' own ops), which Gemma 3's layers do not take. ``expert_layer``: a mixture's layer with
+    experts (True) or a dense one (False); None: whichever saves more. A tensor-parallel rank's ``shape``
+    (``ModelShape.tensor_parallel_part``) has its part of the heads and MLP width. A family the formulas
+    do not model (``activations_modelled``) is counted at UNMODELLED_ACTIVATION_FACTOR times a Llama layer.
     """
-    if lora_experts and lora_rank > 0:
-        return (layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)
+    if not activations_modelled(shape):
+        as_llama = dataclasses.replace(shape, model_type="")
+        return math.ceil(UNMODELLED_ACTIVATION_FACTOR * layer_activation_bytes(
+            as_llama, tokens, precision, lora_rank, fused_ops, lora_experts, expert_layer))
+    if expert_layer is None:
+        kinds = [True] * bool(shape.n_experts and shape.dense_layers < shape.n_layers) + [False] * bool(
+            not shape.n_experts or shape.dense_layers)
+        return max(layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts, kind)
+                   for kind in kinds)
+    if lora_experts and lora_rank > 0 and expert_layer:
+        return (layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, expert_layer=True)
                 + expert_adapter_bytes(shape, tokens, precision))
     p = PROFILES[precision]
-    h, i, dq, dkv = shape.hidden, shape.intermediate, shape.q_width, shape.kv_width
+    h, dq, dkv = shape.hidden, shape.q_width, shape.kv_width
     lora = lora_rank > 0
+    gemma = shape.norm_style == "gemma"
+    fused_ops = fused_ops and not gemma  # x (1 + w) norms and a GELU MLP: the model's own ops run
+    # The MLP: a dense one (a mixture's dense layers, or its shared expert) and the routed experts.
+    width = (shape.shared_intermediate if expert_layer else shape.dense_intermediate) if shape.n_experts \
+        else shape.intermediate
+    routed = routed_expert_bytes(shape, precision, lora_rank) if expert_layer else 0
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
     if fused_ops:
         # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
         # shard, which kernels.linear.swiglu_linear does not take)
         down_input = p.autocast_weight_copies or shape.tensor_parallel > 1
-        mlp = 2 if lora or not down_input else 3  # gate, up (and down_proj's input)
-        per_token = 2 * (p.residual * h + 4) + attention + mlp * p.linear * i
+        per_token = 2 * (p.residual * h + 4) + attention + _mlp_bytes(shape, p, width, True, lora, down_input) + routed
         if lora:
             per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
         elif p.autocast_weight_copies:
@@ -54,16 +110,20 @@ def layer_activation_bytes(
         if shape.qk_norm:  # input (the projection's output) and rstd per head
             per_token += p.linear * (dq + dkv) + 4 * (shape.n_heads + shape.n_kv_heads)
         return tokens * per_token
-    norm_stats = 2 * (4 * h + 4)
+    # Each norm keeps its float32 input and rstd; with trainable weights also the normalised input that the
+    # weight multiplies: in the model's dtype, or Gemma's float32.
+    norm_stats = shape.layer_norms * (4 * h + 4)
+    normalized = 4 if gemma else p.residual
+    mlp = _mlp_bytes(shape, p, width, False, lora, False) + routed
     if not lora:
-        per_token = norm_stats + 2 * p.residual * h + attention + 4 * p.linear * i
+        per_token = norm_stats + shape.layer_norms * normalized * h + attention + mlp
         if p.autocast_weight_copies:
             per_token += 5 * 2 * h  # five bf16 casts of the fp32 norm outputs
         else:
             per_token += 2 * p.linear * h  # the two norm outputs, saved by the projections reading them
-        qk_norm_outputs = p.linear * (dq + dkv)
+        qk_norm_outputs = (4 if gemma else p.linear) * (dq + dkv)
     else:
-        per_token = norm_stats + attention + 3 * p.linear * i + 4 * lora_rank * p.linear
+        per_token = norm_stats + attention + mlp + 4 * lora_rank * p.linear
         # The q, k, v adapters save the first norm's output, under autocast one bf16 cast each.
         per_token += 3 * 2 * h if p.autocast_weight_copies else p.linear * h
         qk_norm_outputs = 0
@@ -82,14 +142,17 @@ def model_activation_bytes(
     (see ``layer_activation_bytes``); with LoRA the final norm's then cancels the first layer's."""
     p = PROFILES[precision]
     h = shape.hidden
-    rope = 2 * shape.head_dim * p.param
-    if fused_ops:
+    gemma = shape.norm_style == "gemma"
+    # Gemma 3's sliding-window and global layers each have their RoPE (other bases): two cos, sin pairs.
+    rope_sets = 2 if gemma and 0 < shape.window_layers < shape.n_layers else 1
+    rope = rope_sets * 2 * shape.head_dim * p.param
+    if fused_ops and not gemma:
         return tokens * (rope if lora_rank > 0 else 8 + rope + p.residual * h + 4)
     final_norm_stats = 4 * h + 4
     if lora_rank > 0:
         first_norm_stats_not_saved = 4 * h + 4
         return tokens * (rope + final_norm_stats - first_norm_stats_not_saved)
-    return tokens * (8 + rope + final_norm_stats + p.residual * h)
+    return tokens * (8 + rope + final_norm_stats + (4 if gemma else p.residual) * h)
 
 
 def activation_bytes(
@@ -105,11 +168,13 @@ def activation_bytes(
     fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops). lora_experts: LoRA on
     the stacked expert weights too (``expert_adapter_bytes``).
     """
-    one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
     if checkpoint_layers:
         p = PROFILES[precision]
         per_layer = shape.hidden * p.residual + shape.q_width * p.qk + 4 * shape.n_heads
+        one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
         layers = shape.n_layers * tokens * per_layer + one_layer
     else:
-        layers = shape.n_layers * one_layer
+        experts = shape.n_layers - shape.dense_layers if shape.n_experts else 0
+        layers = sum(n * layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts, kind)
+                     for n, kind in ((experts, True), (shape.n_layers - experts, False)) if n)
     return layers + model_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)

@@ -11,6 +11,7 @@ FIRST_STEP_RUNTIME_BYTES = GIB // 2  # bytes: GPU memory a process's first step 
 HOST_PROCESS_BYTES = 3 * GIB  # bytes: host memory a training process takes before any pinned pool
 HOST_GROWTH_BYTES = 2 * GIB  # bytes: host memory a process may add during a run beyond what it was placed with
 PLACEMENT_HEADROOM_SHARE = 0.03  # of the GPU memory: left unused by every placed step (peaks ran up to 3% over)
+UNMODELLED_ACTIVATION_FACTOR = 1.5  # x a Llama layer's saved activations: a family the formulas do not model
 
 # -- what a step keeps from stage 1 for stage 2 ---------------------------------------------------------------
 KEPT_ATTENTION_SHARE = 0.5  # of the GPU memory a step leaves free: kept attention outputs

@@ -15,8 +15,10 @@ from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
 from ..pages import HostGradStaging, gradient_ring_pages
 from ..ranks import GRADIENT_BUCKET_BYTES
 from ..units import human_count
-from .activations import activation_bytes, layer_activation_bytes
-from .assumptions import CUDA_CONTEXT_BYTES, HOST_GROWTH_BYTES, HOST_PROCESS_BYTES, ZERO3_GATHERED_LAYERS
+from .activations import activation_bytes, activations_modelled, layer_activation_bytes
+from .assumptions import (
+    CUDA_CONTEXT_BYTES, HOST_GROWTH_BYTES, HOST_PROCESS_BYTES, UNMODELLED_ACTIVATION_FACTOR, ZERO3_GATHERED_LAYERS,
+)
 from .collectives import trainable_split
 from .config import PlanConfig, offload_segment_pages
 from .formatting import bytes_name, dtype_name
@@ -78,6 +80,9 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         gpu["gradient all-reduce bucket (float32, oomb_ddp)"] = min(GRADIENT_BUCKET_BYTES, 4 * trainable)
     t = c.chunk_tokens
     ckpt = " (layer checkpointing)" if c.checkpoint_layers else ""
+    if not activations_modelled(shape):
+        ckpt += (f"; {shape.model_type}'s layers not modelled: {UNMODELLED_ACTIVATION_FACTOR:g}x a Llama "
+                 "layer's")
     gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
         shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
     )
