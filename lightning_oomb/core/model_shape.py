@@ -176,12 +176,15 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3, Gemma 3)
+    qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3, Gemma 3), or of all of them (OLMo 2)
+    qk_norm_whole: bool = False  # OLMo 2: one norm over all query heads, one over all key heads
     layer_norms: int = 2  # hidden-size RMSNorms per layer (Gemma 3: also after attention and after the MLP)
     # "llama": weight x the normalised input cast to the model's dtype; "gemma": x (1 + weight) in float32, which
     # the fused RMSNorm does not compute (the model's own norms and GELU MLP run: core.plan.activations)
     norm_style: str = "llama"
     model_type: str = ""  # transformers' name of the family ("" when given by hand)
+    expert_biases: bool = False  # GPT-OSS: a bias per expert on gate/up and down, and on the router
+    attention_sinks: bool = False  # GPT-OSS: a learned sink logit per query head and layer
     tensor_parallel: int = 1
     n_experts: int = 0
     expert_intermediate: int = 0
@@ -217,7 +220,10 @@ class ModelShape:
             qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and config.qkv_bias),
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
+            qk_norm_whole=model_type == "olmo2",
+            expert_biases=model_type == "gpt_oss",
+            attention_sinks=model_type == "gpt_oss",
             layer_norms=4 if model_type == "gemma3_text" else 2,
             norm_style="gemma" if model_type == "gemma3_text" else "llama",
             model_type=model_type,
@@ -344,15 +350,20 @@ class ModelShape:
 
     @property
     def layer_bias_params(self) -> int:
+        """Vector parameters of one decoder layer besides its norms: biases (of q, k, v, o, a dense MLP, GPT-OSS's
+        experts and router) and GPT-OSS's attention sinks."""
         n = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
         n += self.hidden if self.o_bias else 0
         n += (2 * self.intermediate + self.hidden) if self.mlp_bias and not self.n_experts else 0
-        return n
+        if self.expert_biases:
+            n += self.n_experts * (2 * self.expert_intermediate + self.hidden + 1)
+        return n + (self.n_heads if self.attention_sinks else 0)
 
     @property
     def layer_norm_params(self) -> int:
-        """RMSNorm weights of one decoder layer: ``layer_norms`` of the hidden size, and per-head q and k norms."""
-        return self.layer_norms * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        """RMSNorm weights of one decoder layer: ``layer_norms`` of the hidden size, and the q and k norms."""
+        qk = (self.q_width + self.kv_width if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        return self.layer_norms * self.hidden + qk
 
     @property
     def layer_replicated_params(self) -> int:
