@@ -200,7 +200,7 @@ class ChunkedSequence:
         self.observer = observer
         self.model = model
         self.lm = causal_lm(model)
-        check_supported(model, input_ids.shape[1])
+        check_supported(model)
         # The experts' load-balancing loss of the whole sequence, where the model adds it.
         self.balance = RouterBalance(self.lm) if getattr(self.lm.config, "output_router_logits", False) else None
         self.input_ids = input_ids

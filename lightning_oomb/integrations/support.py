@@ -40,9 +40,9 @@ def _rope_type(config) -> str:
     return "default"
 
 
-def check_supported(model: nn.Module, seq_len: int) -> None:
-    """Refuse, before any compute, what this engine would not compute exactly for ``seq_len`` tokens. Sliding
-    windows are computed (each layer's own, the keys before it masked and their pages skipped)."""
+def check_supported(model: nn.Module) -> None:
+    """Refuse, before any compute, what this engine would not compute exactly, whatever the sequence length.
+    Sliding windows are computed (each layer's own, the keys before it masked and their pages skipped)."""
     lm = causal_lm(model)
     cfg = lm.config
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"

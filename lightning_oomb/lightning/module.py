@@ -326,11 +326,10 @@ class CausalLMModule(LightningModule):
             raise SetupError("model.quantization: oomb_model_parallel does not shard 4-bit weights; "
                              "use OOMBStrategy or oomb_ddp")
         lm = causal_lm(self.model)
-        seq_len = getattr(self.trainer.datamodule, "seq_len", None) or getattr(lm.config, "max_position_embeddings", 1)
         was_training = lm.training
         lm.train(stage == "fit")  # the attention-dropout check applies to training
         try:
-            check_supported(lm, seq_len)
+            check_supported(lm)
         except NotImplementedError as e:
             source = self.hparams.pretrained or "model.config"
             raise SetupError(f"{source}: this model cannot be trained by lightning_oomb: {e}") from None
