@@ -298,11 +298,12 @@ def test_fused_rope_returns_the_dtype_of_the_models_own():
     from lightning_oomb.integrations.fused_ops import fused_ops
 
     torch.manual_seed(0)
-    q, k = torch.randn(1, 4, 6, 8, dtype=torch.float16), torch.randn(1, 2, 6, 8, dtype=torch.float16)
+    half = dict(dtype=torch.float16, device=DEVICE)
+    q, k = torch.randn(1, 4, 6, 8, **half), torch.randn(1, 2, 6, 8, **half)
     for family, want_dtype in (("olmo2", torch.float16), ("llama", torch.float32)):
-        lm = tiny_model(family)
+        lm = tiny_model(family).to(DEVICE)
         modeling = sys.modules[type(lm.model.layers[0]).__module__]
-        cos, sin = lm.model.rotary_emb(torch.zeros(1, 6, 8), torch.arange(6)[None])
+        cos, sin = lm.model.rotary_emb(torch.zeros(1, 6, 8, device=DEVICE), torch.arange(6, device=DEVICE)[None])
         original = modeling.apply_rotary_pos_emb
         want = original(q, k, cos, sin)
         with fused_ops(lm):
