@@ -184,6 +184,7 @@ class ModelShape:
     norm_style: str = "llama"
     model_type: str = ""  # transformers' name of the family ("" when given by hand)
     expert_biases: bool = False  # GPT-OSS: a bias per expert on gate/up and down, and on the router
+    clamped_experts: bool = False  # GPT-OSS: gate and up clamped, glu = gate sigmoid(alpha gate), (up + 1) glu
     attention_sinks: bool = False  # GPT-OSS: a learned sink logit per query head and layer
     tensor_parallel: int = 1
     n_experts: int = 0
@@ -223,6 +224,7 @@ class ModelShape:
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
             qk_norm_whole=model_type == "olmo2",
             expert_biases=model_type == "gpt_oss",
+            clamped_experts=model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
             layer_norms=4 if model_type == "gemma3_text" else 2,
             norm_style="gemma" if model_type == "gemma3_text" else "llama",

@@ -11,7 +11,7 @@ from .assumptions import UNMODELLED_ACTIVATION_FACTOR
 
 # Families whose decoder layers' saved tensors the formulas count (tests/test_plan_activations.py checks each
 # against a real chunk); "" is a shape given by hand, counted as a Llama layer.
-MODELLED_FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+MODELLED_FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 def activations_modelled(shape: ModelShape) -> bool:
@@ -46,6 +46,8 @@ def routed_expert_bytes(shape: ModelShape, precision: str = "bf16-true", lora_ra
     h, e = shape.hidden, shape.expert_intermediate
     top_k = shape.routed_intermediate // e
     per_expert = h + 3 * e if lora_rank > 0 else 2 * h + 4 * e
+    if shape.clamped_experts:  # GPT-OSS: its clamped gate, sigmoid, up + 1 and glu (frozen experts in bf16: 2e)
+        per_expert += 3 * e
     return (4 if p.autocast_weight_copies else p.linear) * top_k * per_expert + 4 * shape.n_experts + 48 * top_k
 
 
@@ -96,6 +98,8 @@ def layer_activation_bytes(
         else shape.intermediate
     routed = routed_expert_bytes(shape, precision, lora_rank) if expert_layer else 0
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
+    if shape.attention_sinks:  # the output rescaled by the sink's share: its float32 copy and the factor
+        attention += (4 * dq if p.qk != 4 else 0) + 4 * shape.n_heads
     if fused_ops:
         # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
         # shard, which kernels.linear.swiglu_linear does not take)
