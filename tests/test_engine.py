@@ -408,9 +408,9 @@ def test_triton_steps_swap_in_the_fused_ops_and_restore_the_model(monkeypatch):
     for module, name in ((rms_norm, "rms_norm"), (swiglu, "silu_mul_forward"), (rope, "apply_rope")):
         original = getattr(module, name)
 
-        def counted(*args, _original=original, _name=name):
+        def counted(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
-            return _original(*args)
+            return _original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counted)
     model = tiny_model("qwen3")
