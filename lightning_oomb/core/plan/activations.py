@@ -51,7 +51,7 @@ def routed_expert_bytes(shape: ModelShape, precision: str = "bf16-true", lora_ra
     return (4 if p.autocast_weight_copies else p.linear) * top_k * per_expert + 4 * shape.n_experts + 48 * top_k
 
 
-def _mlp_bytes(shape: ModelShape, p, width: int, fused: bool, lora: bool, down_input: bool) -> int:
+def _mlp_bytes(p, width: int, fused: bool, lora: bool, down_input: bool) -> int:
     """Bytes one token saves in a gated MLP of ``width`` hidden units: gate, up, the activation and down's
     input with the model's own ops (three under LoRA, the frozen down projection keeping no input); the fused
     SwiGLU keeps gate and up (and down's input where ``down_input``)."""
@@ -80,9 +80,10 @@ def layer_activation_bytes(
         as_llama = dataclasses.replace(shape, model_type="")
         return math.ceil(UNMODELLED_ACTIVATION_FACTOR * layer_activation_bytes(
             as_llama, tokens, precision, lora_rank, fused_ops, lora_experts, expert_layer))
-    if expert_layer is None:
-        kinds = [True] * bool(shape.n_experts and shape.dense_layers < shape.n_layers) + [False] * bool(
-            not shape.n_experts or shape.dense_layers)
+    if expert_layer is None:  # the larger of the kinds of layer the model has
+        has_experts = shape.n_experts and shape.dense_layers < shape.n_layers
+        has_dense = not shape.n_experts or shape.dense_layers
+        kinds = [kind for kind, present in ((True, has_experts), (False, has_dense)) if present]
         return max(layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts, kind)
                    for kind in kinds)
     if lora_experts and lora_rank > 0 and expert_layer:
@@ -104,7 +105,7 @@ def layer_activation_bytes(
         # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
         # shard, which kernels.linear.swiglu_linear does not take)
         down_input = p.autocast_weight_copies or shape.tensor_parallel > 1
-        per_token = 2 * (p.residual * h + 4) + attention + _mlp_bytes(shape, p, width, True, lora, down_input) + routed
+        per_token = 2 * (p.residual * h + 4) + attention + _mlp_bytes(p, width, True, lora, down_input) + routed
         if lora:
             per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
         elif p.autocast_weight_copies:
@@ -118,7 +119,7 @@ def layer_activation_bytes(
     # weight multiplies: in the model's dtype, or Gemma's float32.
     norm_stats = shape.layer_norms * (4 * h + 4)
     normalized = 4 if gemma else p.residual
-    mlp = _mlp_bytes(shape, p, width, False, lora, False) + routed
+    mlp = _mlp_bytes(p, width, False, lora, False) + routed
     if not lora:
         per_token = norm_stats + shape.layer_norms * normalized * h + attention + mlp
         if p.autocast_weight_copies:
