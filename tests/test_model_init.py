@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_oomb import CausalLMModule
+from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.lightning.module import SetupError
 from lightning_oomb.integrations.transformers import find_causal_lm
 from test_corpus import make_model_dir
@@ -65,6 +66,18 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
     ids = torch.randint(0, TINY["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type, adapted", [("qwen2", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+                                                  ("phi3", {"qkv_proj", "o_proj"})])
+def test_lora_adapts_the_attention_projections_the_model_has(model_type, adapted):
+    """Without lora_target_modules, LoRA goes on every attention projection by the model's own names: Phi-3's
+    fused qkv_proj too, not o_proj alone."""
+    module = CausalLMModule(config=dict(TINY, model_type=model_type, pad_token_id=0), lora_rank=4)
+    names = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in module.model.named_parameters() if "lora_A" in n}
+    assert names == adapted
+    adapters = sum(p.numel() for n, p in module.model.named_parameters() if "lora_" in n)
+    assert ModelShape.resolve(module.model).lora_params(4) == adapters  # what the planner counts
 
 
 def test_construction_builds_only_the_structure():

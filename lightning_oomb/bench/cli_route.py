@@ -291,7 +291,7 @@ def baseline(args, config: Path, steps: int) -> dict:
 
         model = peft.get_peft_model(model, lora_config(
             model_args["lora_rank"], model_args.get("lora_alpha", 16), model_args.get("lora_target_modules"),
-            model_args.get("lora_target_parameters")))
+            model_args.get("lora_target_parameters"), model))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = OptimizerSpec.parse(model_args.get("optimizer", "adamw")).build(

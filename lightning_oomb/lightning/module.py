@@ -85,7 +85,8 @@ class CausalLMModule(LightningModule):
             checkpoint's or config's). The Trainer's precision still decides the training dtype: under bf16-true
             the weights are created in bfloat16 whatever this says.
         lora_rank: > 0 trains LoRA adapters of that rank through peft instead of all weights.
-        lora_alpha, lora_target_modules: the adapters' scale and the modules that get them.
+        lora_alpha, lora_target_modules: the adapters' scale and the modules that get them (None: the
+            attention projections the model has, q_proj, k_proj, v_proj and o_proj, or Phi-3's qkv_proj and o_proj).
         lora_target_parameters: parameters adapted directly (peft's ``target_parameters``, peft >= 0.17): the
             fused 3-D expert weights of mixtures of experts, e.g. ``["mlp.experts.gate_up_proj",
             "mlp.experts.down_proj"]``, next to ``lora_target_modules`` (``[]`` there: the experts alone).
@@ -306,7 +307,7 @@ class CausalLMModule(LightningModule):
         if parameters is not None:
             check_target_parameters_match(model, parameters)
         return peft.get_peft_model(model, lora_config(hparams.lora_rank, hparams.lora_alpha,
-                                                      hparams.lora_target_modules, parameters))
+                                                      hparams.lora_target_modules, parameters, model))
 
     @override
     def setup(self, stage: str) -> None:
@@ -497,18 +498,29 @@ def config_from_dict(config: dict):
 
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The attention projections LoRA adapts by default, as the families name them (Phi-3 fuses q, k, v: qkv_proj).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+
+
+def default_lora_targets(model: torch.nn.Module | None) -> list[str]:
+    """The attention projections ``model`` holds as linear layers (its own names: Phi-3's qkv_proj and o_proj),
+    or LORA_DEFAULT_TARGETS where it holds none of them or is not given."""
+    if model is None:
+        return list(LORA_DEFAULT_TARGETS)
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return [n for n in ATTENTION_PROJECTIONS if n in names] or list(LORA_DEFAULT_TARGETS)
 
 
 def lora_config(rank: int, alpha: float, target_modules: list[str] | None = None,
-                target_parameters: list[str] | None = None):
+                target_parameters: list[str] | None = None, model: torch.nn.Module | None = None):
     """peft's ``LoraConfig`` for CausalLMModule's LoRA options. Without ``target_parameters``, an empty or
-    missing ``target_modules`` means the attention projections; with them, ``[]`` adapts the parameters alone
-    and None keeps the attention projections next to them."""
+    missing ``target_modules`` means the attention projections (``default_lora_targets(model)``); with them,
+    ``[]`` adapts the parameters alone and None keeps the attention projections next to them."""
     import peft
 
     if target_parameters is None:
-        return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or LORA_DEFAULT_TARGETS)
-    modules = LORA_DEFAULT_TARGETS if target_modules is None else target_modules
+        return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or default_lora_targets(model))
+    modules = default_lora_targets(model) if target_modules is None else target_modules
     return peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, target_parameters=list(target_parameters))
 
 
