@@ -183,7 +183,7 @@ class ModelShape:
     # the fused RMSNorm does not compute (the model's own norms and GELU MLP run: core.plan.activations)
     norm_style: str = "llama"
     model_type: str = ""  # transformers' name of the family ("" when given by hand)
-    fused_qkv: bool = False  # Phi-3: q, k, v in one linear layer (qkv_proj), one LoRA adapter for the three
+    fused_projections: bool = False  # Phi-3: q, k, v in one linear layer (qkv_proj), gate and up in another
     expert_biases: bool = False  # GPT-OSS: a bias per expert on gate/up and down, and on the router
     clamped_experts: bool = False  # GPT-OSS: gate and up clamped, glu = gate sigmoid(alpha gate), (up + 1) glu
     attention_sinks: bool = False  # GPT-OSS: a learned sink logit per query head and layer
@@ -224,7 +224,7 @@ class ModelShape:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
             qk_norm_whole=model_type == "olmo2",
-            fused_qkv=model_type == "phi3",
+            fused_projections=model_type == "phi3",
             expert_biases=model_type == "gpt_oss",
             clamped_experts=model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
@@ -412,7 +412,7 @@ class ModelShape:
         for Phi-3's fused qkv_proj).
         ``experts``: also on the stacked expert weights (peft's target_parameters): r x (in + out) per expert
         for gate/up (hidden -> 2 x width) and for down (width -> hidden)."""
-        qkv = (self.hidden + self.q_width + 2 * self.kv_width if self.fused_qkv
+        qkv = (self.hidden + self.q_width + 2 * self.kv_width if self.fused_projections
                else 3 * self.hidden + self.q_width + 2 * self.kv_width)
         attention = self.n_layers * (qkv + self.q_width + self.hidden)
         adapted_experts = 0

@@ -11,7 +11,8 @@ from .assumptions import UNMODELLED_ACTIVATION_FACTOR
 
 # Families whose decoder layers' saved tensors the formulas count (tests/test_plan_activations.py checks each
 # against a real chunk); "" is a shape given by hand, counted as a Llama layer.
-MODELLED_FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "gpt_oss")
+MODELLED_FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "qwen3_moe", "mixtral",
+                     "gpt_oss")
 
 
 def activations_modelled(shape: ModelShape) -> bool:
@@ -94,6 +95,7 @@ def layer_activation_bytes(
     lora = lora_rank > 0
     gemma = shape.norm_style == "gemma"
     fused_ops = fused_ops and not gemma  # x (1 + w) norms and a GELU MLP: the model's own ops run
+    fused_mlp = fused_ops and not shape.fused_projections  # the fused SwiGLU takes gate_proj and up_proj
     # The MLP: a dense one (a mixture's dense layers, or its shared expert) and the routed experts.
     width = (shape.shared_intermediate if expert_layer else shape.dense_intermediate) if shape.n_experts \
         else shape.intermediate
@@ -101,11 +103,13 @@ def layer_activation_bytes(
     attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
     if shape.attention_sinks:  # the output rescaled by the sink's share: its float32 copy and the factor
         attention += (4 * dq if p.qk != 4 else 0) + 4 * shape.n_heads
+    if shape.fused_projections:  # v, a view of qkv_proj's output, keeps all of it
+        attention += p.linear * (dq + dkv)
     if fused_ops:
         # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
         # shard, which kernels.linear.swiglu_linear does not take)
         down_input = p.autocast_weight_copies or shape.tensor_parallel > 1
-        per_token = 2 * (p.residual * h + 4) + attention + _mlp_bytes(p, width, True, lora, down_input) + routed
+        per_token = 2 * (p.residual * h + 4) + attention + _mlp_bytes(p, width, fused_mlp, lora, down_input) + routed
         if lora:
             per_token += 4 * lora_rank * p.linear + (3 * 2 * h if p.autocast_weight_copies else p.linear * h)
         elif p.autocast_weight_copies:
