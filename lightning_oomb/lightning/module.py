@@ -24,6 +24,7 @@ from transformers.utils import is_accelerate_available
 from typing_extensions import override
 
 from ..core.errors import SetupError
+from ..core.model_shape import LORA_TARGETS
 from ..core.optimizers import OptimizerSpec
 from ..core.quantization import Quantization
 from ..core.units import human_count, human_tokens
@@ -497,18 +498,17 @@ def config_from_dict(config: dict):
         raise SetupError(f"model.config: {_one_line(e)}") from None
 
 
-LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # The attention projections LoRA adapts by default, as the families name them (Phi-3 fuses q, k, v: qkv_proj).
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 def default_lora_targets(model: torch.nn.Module | None) -> list[str]:
     """The attention projections ``model`` holds as linear layers (its own names: Phi-3's qkv_proj and o_proj),
-    or LORA_DEFAULT_TARGETS where it holds none of them or is not given."""
+    or LORA_TARGETS (q, k, v, o) where it holds none of them or is not given."""
     if model is None:
-        return list(LORA_DEFAULT_TARGETS)
+        return list(LORA_TARGETS)
     names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return [n for n in ATTENTION_PROJECTIONS if n in names] or list(LORA_DEFAULT_TARGETS)
+    return [n for n in ATTENTION_PROJECTIONS if n in names] or list(LORA_TARGETS)
 
 
 def lora_config(rank: int, alpha: float, target_modules: list[str] | None = None,
