@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
 PARTIAL_SUFFIX = ".partial"
@@ -196,17 +197,32 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a checkpoint (nested collections); a tensor reached twice (tied weights) once."""
+    """Bytes of the tensors in a checkpoint (nested collections); a tensor reached twice (tied weights) once. A
+    tensor subclass that wraps others (torchao's 8-bit optimizer state: uint8 codes and float32 scales) counts
+    the tensors it holds."""
     sizes: dict[tuple, int] = {}
-    apply_to_collection(tree, torch.Tensor, lambda t: sizes.setdefault(_identity(t), t.numel() * t.element_size()))
+
+    def count(t: torch.Tensor) -> None:
+        for inner in _plain_tensors(t):
+            sizes.setdefault(_identity(inner), inner.numel() * inner.element_size())
+
+    apply_to_collection(tree, torch.Tensor, count)
     return sum(sizes.values())
 
 
 def copy_to_host(tree: Any) -> Any:
-    """The checkpoint with every tensor copied into new host memory; a tensor reached twice stays one copy."""
+    """The checkpoint with every tensor copied into new host memory; a tensor reached twice stays one copy. A
+    wrapper subclass (torchao's 8-bit state) keeps its kind, with copies of the tensors it holds."""
     copies: dict[tuple, torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
+        if is_traceable_wrapper_subclass(t):
+            # Rebuilt from copies of the tensors it holds: a subclass's own ``to`` may hand back those same
+            # tensors where the device does not change (torchao's 8-bit state does), which the next update
+            # would then change under the write.
+            names, meta = t.__tensor_flatten__()
+            inner = {name: copy(getattr(t, name)) for name in names}
+            return type(t).__tensor_unflatten__(inner, meta, t.shape, t.stride())
         key = _identity(t)
         if key not in copies:
             copies[key] = t.detach().to("cpu", copy=True)
@@ -215,6 +231,15 @@ def copy_to_host(tree: Any) -> Any:
     return apply_to_collection(tree, torch.Tensor, copy)
 
 
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` itself, or the plain tensors a wrapper subclass holds (``__tensor_flatten__``), recursively: a
+    wrapper has no storage whose address could be read."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [plain for name in names for plain in _plain_tensors(getattr(t, name))]
+
+
 def _identity(t: torch.Tensor) -> tuple:
-    """What makes two tensor objects the same tensor: storage, offset, shape, strides, dtype."""
+    """What makes two plain tensor objects the same tensor: storage, offset, shape, strides, dtype."""
     return (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
