@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch import Callback
+from transformers import AutoConfig
 
 from lightning_oomb.cli import main
 from lightning_oomb.core.host_memory import machine_host_memory
@@ -310,6 +311,34 @@ def test_lora_exports_adapter(assets, tmp_path):
     assert any(p.abs().sum() > 0 for n, p in lora.items() if "lora_B" in n)  # B starts at 0: trained
 
 
+def test_own_model_on_the_cpu_example_as_documented(assets, tmp_path, caplog, monkeypatch):
+    """docs/guide.md's own-model route: examples/corpus_cpu.yaml with --model.config null, --model.pretrained,
+    --data.init_args.tokenizer null and your text trains the model directory's model on its own tokenizer and
+    exports that tokenizer; a tokenizer named beside model.pretrained is said before the plan."""
+    monkeypatch.chdir(ROOT)  # the example's paths are relative to the repository
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    documented = ("--config examples/corpus_cpu.yaml --model.config null --model.pretrained /models/my-model \\\n"
+                  "    --data.init_args.tokenizer null --data.init_args.paths '[/data/my-text]'")
+    assert documented in guide
+    route = ["--config", str(ROOT / "examples" / "corpus_cpu.yaml"), "--model.config", "null", "--model.pretrained",
+             str(assets["model"]), "--data.init_args.paths", f"[{assets['corpus']}]", "--data.init_args.seq_len", "64",
+             "--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    assert main(["fit", *route, "--data.init_args.tokenizer", "null"]) is None
+    export = tmp_path / "runs" / "corpus_cpu" / "main" / "hf_export"
+    assert json.loads((export / "tokenizer.json").read_text()) == json.loads((assets["model"] / "tokenizer.json").read_text())
+    assert "not the one in model.pretrained's directory" not in caplog.text
+
+    shutil.rmtree(tmp_path / "runs")
+    tokenizer_copy = tmp_path / "tokenizer"
+    tokenizer_copy.mkdir()
+    for f in assets["model"].glob("tokenizer*"):
+        shutil.copy(f, tokenizer_copy)
+    assert main(["fit", *route, "--data.init_args.tokenizer", str(tokenizer_copy), "--export", "false"]) is None
+    said = f"tokenizer: {tokenizer_copy} (data.init_args.tokenizer), not the one in model.pretrained's directory"
+    assert said in caplog.text  # on the line after corpus:, which set-up logs before the plan is placed
+
+
 # == checkpoints that resume exactly ========================================================================
 
 
@@ -514,7 +543,17 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
     junk.write_bytes(bytes(range(256)) * 4)
     bad_jsonl = tmp / "bad.jsonl"
     bad_jsonl.write_text(json.dumps({"text": "the cat"}) + "\n{oops}\n")
+    vocab = AutoConfig.from_pretrained(assets["model"]).vocab_size
+    wide_vocab = make_model_dir(tmp / "wide_vocab", vocab_size=600, tokenizer=False)
     return {
+        "another model's tokenizer (more tokens)": (
+            ["--data.init_args.tokenizer", str(ROOT / "examples" / "byte_tokenizer")],
+            f"has 257 tokens but the model's embeddings have {vocab} rows: it is not this model's tokenizer"),
+        "another model's tokenizer (fewer tokens)": (
+            ["--model.pretrained", str(wide_vocab), "--data.init_args.tokenizer", str(assets["model"])],
+            f"has {vocab} tokens but the model's embeddings have 600 rows: it is not this model's tokenizer"),
+        "model.config beside model.pretrained": (
+            ["--model.config", '{"model_type": "qwen2"}'], "add --model.config null beside --model.pretrained"),
         "missing path": (["--data.init_args.paths", f"[{tmp / 'absent'}]"], f"{tmp / 'absent'} does not exist"),
         "seq_len vs chunk": (["--data.init_args.seq_len", "40"],
                              "seq_len 40 is not a multiple of trainer.strategy.init_args.chunk_size 16"),

@@ -219,6 +219,24 @@ def load_tokenizer(path: str, option: str = "data.init_args.tokenizer", gguf_fil
     return _with_eos(tokenizer, path)
 
 
+# Embedding rows past a tokenizer's last id that still count as padding: models round their vocabulary up for
+# fast matmuls (Qwen2.5 by 271-399 rows, DeepSeek-V3 by 465, Phi-3 by 53), by well under 1% of it.
+PADDING_ROWS = 128
+
+
+def check_tokenizer_matches(tokenizer, vocab_size: int, source: str | None) -> None:
+    """Refuse, in one line, a tokenizer that is not the model's: more tokens than the embeddings have rows, or
+    fewer by more than padding (``PADDING_ROWS`` or 1% of the rows, whichever is larger)."""
+    tokens = len(tokenizer)
+    if tokens <= vocab_size and vocab_size - tokens <= max(PADDING_ROWS, vocab_size // 100):
+        return
+    raise CorpusError(
+        f"the tokenizer ({source}) has {tokens:,} tokens but the model's embeddings have {vocab_size:,} rows: it is "
+        "not this model's tokenizer; set data.init_args.tokenizer to the model's own tokenizer directory (null takes "
+        "model.pretrained's)"
+    )
+
+
 def _with_eos(tokenizer, where: str):
     if tokenizer.eos_token_id is None:
         raise CorpusError(
@@ -511,6 +529,13 @@ class TextCorpusDataModule(LightningDataModule):
                     "directory (or train a model from model.pretrained, whose tokenizer is then used)"
                 )
             self.tokenizer = load_tokenizer(source, "model.pretrained")
+        if vocab_size is not None:
+            check_tokenizer_matches(self.tokenizer, vocab_size, source)
+        # A tokenizer named in the config beside model.pretrained is said with the corpus, before the plan: a
+        # YAML written for another model would otherwise lend it its tokenizer without a word.
+        self._other_tokenizer = self.tokenizer_path if (
+            self.tokenizer_path is not None and pretrained is not None
+            and Path(self.tokenizer_path).expanduser().resolve() != Path(pretrained).expanduser().resolve()) else None
         tokens, self.num_documents = tokenize_corpus(self.files, self.tokenizer, self.text_field, self.add_bos)
         self.num_tokens = len(tokens)
         listing = ", ".join(map(str, self.paths))
@@ -547,12 +572,15 @@ class TextCorpusDataModule(LightningDataModule):
         if self.train_set is None:
             return "corpus not read yet"
         val = len(self.val_set) if self.val_set is not None else 0
+        tokenizer = getattr(self, "_other_tokenizer", None)
         return (
             f"corpus: {len(self.files)} files, {self.num_documents:,} documents, {self.num_tokens:,} tokens -> "
             f"{len(self.train_set):,} training and {val:,} validation sequences of {self.seq_len:,} tokens "
             + (f"(each document attends within itself; attention as in documents of {self.document_length:,} "
                "tokens, the length-weighted mean of the pieces the sequences hold)" if self.document_masking
                else "(attention crosses document borders inside a sequence)")
+            + (f"\ntokenizer: {tokenizer} (data.init_args.tokenizer), not the one in model.pretrained's directory; "
+               "set data.init_args.tokenizer null to use the model's own" if tokenizer else "")
         )
 
     # -- loaders ---------------------------------------------------------------------------------------

@@ -154,8 +154,12 @@ class CausalLMModule(LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        if (pretrained is None) == (config is None):
-            raise SetupError("give exactly one of model.pretrained (a local model directory) or model.config (a dict)")
+        if pretrained is None and config is None:
+            raise SetupError("give one of model.pretrained (a local model directory) or model.config (a dict)")
+        if pretrained is not None and config is not None:
+            raise SetupError("give one of model.pretrained (a local model directory) or model.config (a dict), not "
+                             "both: with a YAML that sets model.config, add --model.config null beside "
+                             "--model.pretrained")
         if dtype not in DTYPES:
             raise SetupError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if lora_dtype not in LORA_DTYPES:
