@@ -135,3 +135,21 @@ def test_host_kv_gathers_per_query_tile_suggest_one_selection_per_chunk():
     assert offered[0].plan.time.predicted_s < 0.9 * tile.time.predicted_s
     chunk = plan_placed("qwen2.5-7b", 1 << 19, sparse={"budget_pages": 64, "per_query_tile": False}, **options)
     assert not [s for s in chunk.suggestions if s.cli == "--selection chunk"]
+
+
+def test_sparse_attention_is_offered_only_where_it_is_faster():
+    """On the demo's tiny model at 2,048 tokens attention outweighs the matmuls, but selecting pages costs more
+    than the attention it skips: sparse attention is not offered as a faster step; at 256K tokens of Qwen3-8B,
+    where it saves most of the step, it is."""
+    import yaml
+    from pathlib import Path
+
+    demo = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "passkey_cpu.yaml").read_text())
+    tiny = plan(demo["model"]["config"], 2048, chunk_size=256, page_size=32, **H200)
+    assert tiny.time.attention_flops > tiny.time.linear_flops
+    assert not [s for s in tiny.suggestions if "sparse attention" in s.change]
+    from lightning_oomb.core.plan import plan_placed
+
+    big = plan_placed("qwen3-8b", parse_tokens("256K"), gpu_memory=140 << 30, host_memory=500 << 30)
+    offered = [s for s in big.suggestions if "sparse attention" in s.change]
+    assert offered and offered[0].plan.time.predicted_s <= 0.9 * big.time.predicted_s

@@ -85,7 +85,9 @@ def suggestions_for(result: Plan, estimate: Callable[[PlanConfig], Plan],
         sparse = estimate(c.replace(sparse=config, streamed=False))
         if c.streamed:  # sparse moves the fewest layers' pages to host memory, gradient pages first
             sparse = fewest_on_host(sparse.config)
-        if sparse.fits:  # a faster step that does not fit here is no suggestion
+        # A step that does not fit here is no suggestion, nor one that is not a tenth faster (on a tiny model the
+        # selection costs more than the attention it skips).
+        if sparse.fits and sparse.time.predicted_s <= 0.9 * t.predicted_s:
             found.append(Suggestion(
                 f"page-level sparse attention: at most {config.attended_past_tokens(c.page_size):,} past tokens per "
                 "query", sparse, f"--budget-pages {config.budget_pages}",
