@@ -83,7 +83,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     if not activations_modelled(shape):
         ckpt += (f"; {shape.model_type}'s layers not modelled: {UNMODELLED_ACTIVATION_FACTOR:g}x a Llama "
                  "layer's")
-    gpu[f"activations, one chunk of {t:,} tokens{ckpt}"] = activation_bytes(
+    tokens = f"{t:,} tokens" if c.batch == 1 else f"{t:,} tokens: batch {c.batch} x {t // c.batch:,}"
+    gpu[f"activations, one chunk of {tokens}{ckpt}"] = activation_bytes(
         shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
     )
     # Gradients in flight while autograd walks back through a layer: at most what that layer saved
