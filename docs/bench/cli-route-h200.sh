@@ -6,7 +6,8 @@
 # ends early still has the headline); at 1M all three parts take about 23 minutes, LoRA and 128K about 10.
 # `packed`: the 128K YAML on documents of 32,768 tokens with document masking, 3 steps and no checkpoint, then
 # 2 steps of train_step + AdamW given the same position ids (issue 31 through the user's route).
-# Results: docs/benchmarks.md, "How fast through `lightning-oomb fit`?" and "Checkpoints and resuming".
+# Results: docs/benchmarks.md, "How fast through `lightning-oomb fit`?" and "Checkpoints and resuming through
+# `lightning-oomb fit`".
 #   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k] [packed]
 set -u
 work=${1:-/root/job}

@@ -2,9 +2,10 @@
 # The longest sparse steps one H200 (nvidia-h200 kind, ~112 GiB host budget) holds, through the bench (issue 29):
 # Qwen2.5-7B shape, random bf16 weights, budget 64 pages of 128, one selection per chunk, bf16 KV-gradients,
 # layer checkpointing, no optimizer, offload "auto" (the placement a training step would choose):
-#   1. full training at 1,835,008 tokens (1.75M; planned 5.3 min, KV-gradient pages of every layer on the host);
-#   2. LoRA rank 16 at 2,080,768 tokens (`lightning-oomb plan --max-context`'s LoRA row; 2,097,152 is 4 GiB over
-#      the host budget with whole layers moved).
+#   1. full training at 1,835,008 tokens (1.75M; KV-gradient pages of every layer on the host);
+#   2. LoRA rank 16 at 2,080,768 tokens (the LoRA row of `lightning-oomb plan --max-context` on the H200 at
+#      8676b3d; 2,097,152 was 4 GiB over the host budget with whole layers moved).
+# Results: docs/benchmarks.md, "How long a context fits on one H200".
 # One cold step each (--warmup 0; a 64K step first compiles the kernels): the CSV's pin_s is the share spent page-locking host memory. 12.3 minutes at 8676b3d:
 # run it under setsid and read $OUT/*/results.csv back (device README).
 #   bash docs/bench/longest-context-h200.sh OUT            (CASES="full" runs the first only)
