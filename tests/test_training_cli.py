@@ -226,6 +226,39 @@ def test_fit_logs_plan_tensorboard_and_export(uninterrupted, assets):
     assert saved["data"]["init_args"]["tokenizer"] == str(assets["model"])  # taken from model.pretrained
 
 
+class CountValidations(Callback):
+    """Counts validation epochs (in the class: the CLI builds the instance)."""
+
+    runs = 0
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        CountValidations.runs += 1
+
+
+def test_held_out_validated_once_when_fit_validated_after_its_last_step(assets, tmp_path, capsys):
+    """val_check_interval = max_steps (the demo's): fit validates after its last step, and the held-out line
+    reports that validation instead of running it again."""
+    config = write_config(tmp_path, assets)
+    CountValidations.runs = 0
+    counter = "--trainer.callbacks+=test_training_cli.CountValidations"
+    assert fit(config, "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", counter, "--export", "false") is None
+    assert "held-out: val/loss" in capsys.readouterr().out
+    assert CountValidations.runs == 1
+
+
+def test_resuming_a_finished_run_says_so_and_touches_nothing(resumable, assets, capsys):
+    """``--ckpt_path last`` on a run that reached max_steps: one line says it had finished; nothing is trained,
+    exported or validated again (the export keeps its files and times)."""
+    folder, last, before = resumable
+    export = run_dir(folder) / "hf_export"
+    stamps = {f.name: f.stat().st_mtime_ns for f in export.iterdir()}
+    assert fit(write_config(folder, assets), "--ckpt_path", "last") is None
+    out = capsys.readouterr().out
+    assert f"the run in the checkpoint had already finished (step {STEPS}, trainer.max_steps {STEPS}" in out
+    assert "held-out:" not in out and "exported the trained model" not in out
+    assert {f.name: f.stat().st_mtime_ns for f in export.iterdir()} == stamps and digest(last) == before
+
+
 def test_plan_and_corpus_printed(assets, tmp_path, capsys):
     config = write_config(tmp_path, assets)
     assert fit(config, "--trainer.max_steps", "1", "--export", "false", "--trainer.limit_val_batches", "0") is None

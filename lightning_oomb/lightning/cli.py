@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -123,6 +123,8 @@ class OOMBCLI(LightningCLI):
     def before_fit(self) -> None:
         if self._get(self.config, "ckpt_path") == "last":
             require_last_checkpoint(self.trainer)
+        self.fit_record = FitRecord()
+        self.trainer.callbacks.append(self.fit_record)
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
@@ -142,6 +144,13 @@ class OOMBCLI(LightningCLI):
             if trainer.is_global_zero:
                 print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
             return
+        record = getattr(self, "fit_record", None)
+        if record is not None and record.started_at is None and self._get(self.config, "ckpt_path") is not None:
+            if trainer.is_global_zero:
+                print(f"\nthe run in the checkpoint had already finished (step {trainer.global_step:,}, "
+                      f"trainer.max_steps {trainer.max_steps:,}, epoch {trainer.current_epoch}): nothing trained, "
+                      "exported or validated again; raise --trainer.max_steps (or max_epochs) to train on")
+            return
         if self._get(self.config, "export", True):
             export_hf(trainer, module, self.datamodule,
                       self._get(self.config, "export_dir") or default_export_dir(trainer))
@@ -151,10 +160,14 @@ class OOMBCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if self.datamodule is not None and not _has_val_data(self.datamodule):
             return
-        results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
-        if not results or not trainer.is_global_zero:
+        record = getattr(self, "fit_record", None)
+        if record is not None and record.validated_at == trainer.global_step and record.metrics:
+            merged = record.metrics  # fit validated after its last step (val_check_interval): not run twice
+        else:
+            results = trainer.validate(module, datamodule=self.datamodule, verbose=False)
+            merged = {k: v for result in results for k, v in result.items()}  # one dict per validation loader
+        if not merged or not trainer.is_global_zero:
             return
-        merged = {k: v for result in results for k, v in result.items()}  # one dict per validation loader
         print("\nheld-out:", ", ".join(f"{k} {v:.4f}" for k, v in sorted(merged.items())))
         examples = getattr(module, "val_examples", {})
         if not examples:
@@ -165,6 +178,27 @@ class OOMBCLI(LightningCLI):
         if tokenizer is not None:
             answer, key = repr(tokenizer.decode(answer)), repr(tokenizer.decode(key))
         print(f"example: {length} tokens, passkey {key} stated near the start; the model answers {answer}")
+
+
+class FitRecord(Callback):
+    """What the CLI reports after ``fit`` needs to know of it: the step training started from (None: no step ran,
+    as when a finished run is resumed) and the step and metrics of its last validation."""
+
+    def __init__(self) -> None:
+        self.started_at: int | None = None
+        self.validated_at: int | None = None
+        self.metrics: dict[str, float] = {}
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.started_at = trainer.global_step
+
+    @override
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        self.validated_at = trainer.global_step
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
 
 
 def require_last_checkpoint(trainer) -> None:
