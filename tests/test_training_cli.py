@@ -585,6 +585,12 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "another model's tokenizer (fewer tokens)": (
             ["--model.pretrained", str(wide_vocab), "--data.init_args.tokenizer", str(assets["model"])],
             f"has {vocab} tokens but the model's embeddings have 600 rows: it is not this model's tokenizer"),
+        "a model of another size": (["--model.pretrained", str(make_model_dir(tmp / "wider", intermediate_size=64))],
+                                    "this model's (64, 32): resume with the model it was trained from"),
+        "another optimizer": (["--model.optimizer", "sgd"],
+                              "the checkpoint was trained with model.optimizer adamw, this run asks for sgd"),
+        "another precision": (["--trainer.precision", "bf16-true"],
+                              "the checkpoint was trained with trainer.precision 32-true, this run asks for bf16-true"),
         "model.config beside model.pretrained": (
             ["--model.config", '{"model_type": "qwen2"}'], "add --model.config null beside --model.pretrained"),
         "missing path": (["--data.init_args.paths", f"[{tmp / 'absent'}]"], f"{tmp / 'absent'} does not exist"),
@@ -630,6 +636,41 @@ def test_bad_input_refused_before_training(assets, resumable, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "lightning-oomb: error:" in err and message in err, (name, err[-2000:])
         assert digest(last) == before, name
+
+
+def test_a_new_start_over_a_checkpoint_is_refused_unless_asked(assets, resumable, capsys):
+    """The command of a finished run again without --ckpt_path would train from step 0 beside its checkpoint
+    and export over its model: one line says how to resume or start over; --start_over true trains from step 0
+    into last.ckpt (not last-v1.ckpt)."""
+    folder, last, before = resumable
+    config = write_config(folder, assets)
+    assert fit(config) == 2
+    err = capsys.readouterr().err
+    assert f"lightning-oomb: error: {last} holds this run's last checkpoint: resume it with --ckpt_path last" in err
+    assert digest(last) == before
+    assert fit(config, "--start_over", "true", "--trainer.max_steps", "1", "--export", "false") is None
+    assert load(last)["global_step"] == 1 and sorted(p.name for p in last.parent.glob("*.ckpt")) == ["last.ckpt"]
+
+
+def test_two_runs_into_one_folder_are_refused(assets, resumable, capsys):
+    """While a run holds its checkpoint folder (another process: here this one's lock), a second is refused."""
+    from lightning_oomb.lightning.cli import lock_run_folder
+
+    folder, last, before = resumable
+    held = lock_run_folder(last.parent)
+    try:
+        assert fit(write_config(folder, assets), "--ckpt_path", "last") == 2
+    finally:
+        held.close()
+    assert f"{last.parent} is in use by another run (pid {os.getpid()})" in capsys.readouterr().err
+    assert digest(last) == before
+
+
+def test_options_the_checkpoint_overrides_are_reported(assets, resumable, capsys):
+    folder, last, before = resumable
+    assert fit(write_config(folder, assets), "--ckpt_path", "last", "--model.learning_rate", "1e30") is None
+    assert ("resume: the optimizer and schedule state come from the checkpoint, which overrides "
+            "model.learning_rate 1e+30 (the checkpoint's: 0.01)") in capsys.readouterr().out
 
 
 def test_resume_without_a_checkpoint_is_refused(assets, tmp_path, capsys):

@@ -55,6 +55,9 @@ class OOMBCLI(LightningCLI):
                  "(default: <log_dir>/hf_export, next to the checkpoints folder)",
         )
         parser.add_argument("--export", type=bool, default=True, help="fit: export the trained model at the end")
+        parser.add_argument("--start_over", type=bool, default=False,
+                            help="fit: train from step 0 in a run folder that holds a last checkpoint, replacing it "
+                                 "(without it such a start is refused: resume with --ckpt_path last)")
         parser.add_argument("--plan", type=bool, default=True,
                             help="fit: print the plan of a step as placed (memory against the GPU and host budget)")
         parser.set_defaults({"model": {"class_path": "lightning_oomb.CausalLMModule"}})
@@ -121,8 +124,17 @@ class OOMBCLI(LightningCLI):
     # -- fit -------------------------------------------------------------------------------------------
     @override
     def before_fit(self) -> None:
-        if self._get(self.config, "ckpt_path") == "last":
+        ckpt_path = self._get(self.config, "ckpt_path")
+        if self.trainer.global_rank == 0:  # first, so that a second run at once is told that, whatever it asks
+            for folder in checkpoint_folders(self.trainer):
+                HELD_LOCKS.append(lock_run_folder(folder))
+        if ckpt_path == "last":
             require_last_checkpoint(self.trainer)
+        elif ckpt_path is None and not self._get(self.config, "start_over", False):
+            refuse_going_back(self.trainer)
+        elif ckpt_path is None and self.trainer.global_rank == 0:
+            for path in _last_checkpoints(self.trainer):  # start over: its checkpoint is last.ckpt, not last-v1.ckpt
+                Path(path).unlink()
         self.fit_record = FitRecord()
         self.trainer.callbacks.append(self.fit_record)
         strategy = self.trainer.strategy
@@ -201,16 +213,72 @@ class FitRecord(Callback):
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
 
 
+def checkpoint_folders(trainer) -> list[Path]:
+    """The folders the run's ModelCheckpoint callbacks write to (resolved as they will resolve them)."""
+    folders = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            logger = trainer.loggers[0] if trainer.loggers else None
+            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
+            folders.append(Path(folder).resolve())
+    return folders
+
+
+def _last_checkpoints(trainer) -> list[str]:
+    return sorted(path for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)
+                  for path in callback._find_last_checkpoints(trainer))
+
+
+def refuse_going_back(trainer) -> None:
+    """A run started without ``--ckpt_path`` where its ModelCheckpoint already holds a last checkpoint would train
+    from step 0 beside it (into last-v1.ckpt) and export over the trained model: a resume forgotten. Refuse,
+    naming the way on and the way to start over."""
+    found = _last_checkpoints(trainer)
+    if found:
+        raise SetupError(
+            f"{found[0]} holds this run's last checkpoint: resume it with --ckpt_path last, or train from step 0 "
+            "with --start_over true (replacing it), or give the new run its own "
+            "--trainer.logger.init_args.version"
+        )
+
+
+# Run-folder locks held by this process (lock_run_folder), released when the command returns.
+HELD_LOCKS: list = []
+
+
+def lock_run_folder(folder: Path):
+    """An exclusive lock on ``folder``'s ``.lock`` file, held until released or the process dies (an flock):
+    a second run writing checkpoints into the same folder at once is refused in one line."""
+    import fcntl
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SetupError(f"{folder} is in use by another run ({holder}): wait for it to end, or give this run its "
+                         "own --trainer.logger.init_args.version") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def release_run_folders() -> None:
+    while HELD_LOCKS:
+        HELD_LOCKS.pop().close()  # closing the file releases its flock
+
+
 def require_last_checkpoint(trainer) -> None:
     """``--ckpt_path last`` resumes; with no last checkpoint where the run's ModelCheckpoint writes, Lightning
     would warn and train from scratch: refuse instead, saying where it looked."""
-    folders, found = [], False
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            found = found or bool(callback._find_last_checkpoints(trainer))
-            logger = trainer.loggers[0] if trainer.loggers else None
-            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
-            folders.append(str(Path(folder).resolve()))
+    folders = [str(folder) for folder in checkpoint_folders(trainer)]
+    found = bool(_last_checkpoints(trainer))
     if not found:
         where = " or ".join(folders) or "nowhere (the run has no ModelCheckpoint with save_last: true)"
         raise SetupError(
@@ -356,6 +424,8 @@ def run(args: list[str] | None = None) -> int | None:
             raise
         print(f"lightning-oomb: error: {cause}", file=sys.stderr)
         return 2
+    finally:
+        release_run_folders()
     return None
 
 

@@ -33,6 +33,11 @@ from .quantization import check_installed, keep_trainable_on_cpu, parameter_coun
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 LORA_DTYPES = {"float32": torch.float32, "weights": None}
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+# The key of a checkpoint that says what a resume must share with the run that wrote it (_run_identity).
+RUN_KEY = "oomb_run"
+# Options whose values a resume takes from the checkpoint (the optimizer's param groups, the schedule's base
+# learning rate), not from the command line.
+RESTORED_BY_CHECKPOINT = ("learning_rate", "weight_decay", "optimizer_args")
 
 
 def collect_rng_states() -> dict:
@@ -362,6 +367,7 @@ class CausalLMModule(LightningModule):
         LoRA: 15 GB of a 7B model that ``model.pretrained`` holds already; a 4-bit weight with its quantisation
         state), which loading takes from there."""
         checkpoint["rng_states"] = collect_rng_states()
+        checkpoint[RUN_KEY] = self._run_identity()
         state = checkpoint["state_dict"]
         frozen = self._frozen_names()
         if self.hparams.pretrained is not None and frozen:
@@ -376,6 +382,7 @@ class CausalLMModule(LightningModule):
         """Restores the RNG states, the 4-bit weights a checkpoint holds (with ``config``: their quantisation
         state, which ``load_state_dict`` does not take), and the frozen weights a checkpoint left out from the
         model as loaded from ``model.pretrained``."""
+        self._check_resumable(checkpoint)
         if "rng_states" in checkpoint:
             restore_rng_states(checkpoint["rng_states"])
         if self.quantization is not None:
@@ -394,6 +401,42 @@ class CausalLMModule(LightningModule):
         state, current = checkpoint["state_dict"], self.state_dict()
         for name in self._frozen_names():  # a 4-bit weight's quantisation state stays as loaded
             state.setdefault(name, current[name])
+
+    def _run_identity(self) -> dict[str, str]:
+        """What a resume must share with the run that wrote a checkpoint: its optimizer and its precision."""
+        identity = {"optimizer": self.optimizer_spec.class_path}
+        if self._trainer is not None:
+            identity["precision"] = str(self.trainer.precision)
+        return identity
+
+    def _check_resumable(self, checkpoint: dict) -> None:
+        """Refuse, in one line, a checkpoint that this module would restore into something else: weights of other
+        names or shapes (another model or size), another optimizer (its state would not be this one's), another
+        precision (the weights would be cast without a word); report the options the checkpoint's optimizer and
+        schedule state override."""
+        current = self.state_dict()
+        unknown = [name for name in checkpoint.get("state_dict", {}) if name not in current]
+        if unknown:
+            raise SetupError(f"the checkpoint holds weights this model does not have ({unknown[0]}, "
+                             f"{len(unknown)} in all): resume with the model it was trained from, or start over")
+        for name, tensor in checkpoint.get("state_dict", {}).items():
+            if tuple(tensor.shape) != tuple(current[name].shape):
+                raise SetupError(f"the checkpoint's {name} is {tuple(tensor.shape)}, this model's "
+                                 f"{tuple(current[name].shape)}: resume with the model it was trained from, or "
+                                 "start over")
+        saved, now = checkpoint.get(RUN_KEY, {}), self._run_identity()
+        for key, option in (("optimizer", "model.optimizer"), ("precision", "trainer.precision")):
+            if key in saved and key in now and saved[key] != now[key]:
+                raise SetupError(f"the checkpoint was trained with {option} {saved[key]}, this run asks for "
+                                 f"{now[key]}: resume with {saved[key]}, or start over")
+        if self._trainer is None or "optimizer_states" not in checkpoint:
+            return
+        before = checkpoint.get("hyper_parameters", {})
+        overridden = [f"model.{name} {self.hparams[name]!r} (the checkpoint's: {before[name]!r})"
+                      for name in RESTORED_BY_CHECKPOINT if name in before and before[name] != self.hparams.get(name)]
+        if overridden:
+            _print_rank_zero("resume: the optimizer and schedule state come from the checkpoint, which overrides "
+                             f"{', '.join(overridden)}; start over to train with them")
 
     def _adapters_to_lora_dtype(self) -> None:
         """Cast the LoRA adapters to ``lora_dtype`` where the precision plugin converted them with the model
