@@ -614,7 +614,8 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "16-mixed": (["--trainer.precision", "16-mixed"], "trainer.precision 16-mixed (float16) is not supported"),
         "16-true": (["--trainer.precision", "16-true"], "trainer.precision 16-true (float16) is not supported"),
         "missing checkpoint": (["--ckpt_path", str(tmp / "nope.ckpt")], f"--ckpt_path {tmp / 'nope.ckpt'}: no such file"),
-        "junk checkpoint": (["--ckpt_path", str(junk)], "is not a checkpoint: not a torch.save archive"),
+        "junk checkpoint": (["--ckpt_path", str(junk)],
+                            "is not a checkpoint that can be restored: not a whole torch.save archive"),
         "max_steps": (["--trainer.max_steps", "-3"], "trainer: `max_steps` must be a non-negative integer"),
         **({} if torch.cuda.is_available() else {
             "no GPU": (["--trainer.accelerator", "gpu"], "trainer: No supported gpu backend found!")}),
@@ -650,6 +651,47 @@ def test_a_new_start_over_a_checkpoint_is_refused_unless_asked(assets, resumable
     assert digest(last) == before
     assert fit(config, "--start_over", "true", "--trainer.max_steps", "1", "--export", "false") is None
     assert load(last)["global_step"] == 1 and sorted(p.name for p in last.parent.glob("*.ckpt")) == ["last.ckpt"]
+
+
+def zeroed(path: Path, at: float, length: int) -> None:
+    """Write ``length`` zero bytes into ``path`` at the fraction ``at`` of its size, as a disk or copy might."""
+    data = bytearray(path.read_bytes())
+    start = int(len(data) * at)
+    data[start:start + length] = bytes(length)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("length", [4096, 100_000])
+def test_a_damaged_checkpoint_is_refused_in_one_line_by_path_and_as_last(length, assets, resumable, capsys):
+    """Zeros written into the middle of last.ckpt: the CRC-32 of a record fails, and both --ckpt_path last and
+    the file's path say so in one line before anything is restored (Lightning restored it, and trained on NaN)."""
+    folder, last, before = resumable
+    zeroed(last, 0.5, length)
+    damaged = digest(last)
+    config = write_config(folder, assets)
+    for ckpt_path in ("last", str(last)):
+        assert fit(config, "--ckpt_path", ckpt_path) == 2
+        told = [line for line in capsys.readouterr().err.splitlines() if "lightning-oomb: error:" in line]
+        assert len(told) == 1 and "is not a checkpoint that can be restored: its record" in told[0], told
+        assert "is damaged" in told[0] and str(last) in told[0]
+    assert digest(last) == damaged
+
+
+def test_last_falls_back_to_the_newest_whole_checkpoint(assets, resumable, capsys):
+    """With last.ckpt damaged and an earlier whole checkpoint beside it, --ckpt_path last resumes from that one,
+    saying so; the leftover of an interrupted write is removed at the start, saying so."""
+    folder, last, before = resumable
+    earlier = last.with_name("step=8.ckpt")
+    shutil.copy(last, earlier)
+    os.utime(earlier, (1, 1))  # older than last.ckpt
+    zeroed(last, 0.5, 4096)
+    partial_path(last).write_bytes(b"half a checkpoint")
+    assert fit(write_config(folder, assets), "--ckpt_path", "last") is None
+    out = capsys.readouterr().out
+    assert f"checkpoint: removed {partial_path(last)}, the rest of a write that was interrupted" in out
+    assert f"checkpoint: {last} is not one that can be restored (its record" in out
+    assert f"resuming from {earlier}, the newest that is" in out
+    assert not partial_path(last).exists()
 
 
 def test_two_runs_into_one_folder_are_refused(assets, resumable, capsys):

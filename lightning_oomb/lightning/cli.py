@@ -9,10 +9,10 @@ import difflib
 import importlib
 import inspect
 import json
+import os
 import re
 import shutil
 import sys
-import zipfile
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Optional
@@ -28,7 +28,7 @@ from typing_extensions import override
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
 from .callback import PagedKVCallback
-from .checkpoint import AtomicCheckpointIO
+from .checkpoint import AtomicCheckpointIO, damage, remove_partial_writes
 from .module import CausalLMModule
 from .progress import run_progress_bar
 from .strategy import OOMBStrategy, OOMBStrategyMixin
@@ -128,8 +128,14 @@ class OOMBCLI(LightningCLI):
         if self.trainer.global_rank == 0:  # first, so that a second run at once is told that, whatever it asks
             for folder in checkpoint_folders(self.trainer):
                 HELD_LOCKS.append(lock_run_folder(folder))
+        if self.trainer.global_rank == 0:
+            for folder in checkpoint_folders(self.trainer):
+                for leftover in remove_partial_writes(folder):
+                    print(f"checkpoint: removed {leftover}, the rest of a write that was interrupted", flush=True)
         if ckpt_path == "last":
             require_last_checkpoint(self.trainer)
+            # Lightning would restore the newest last checkpoint whatever its state: the path checked instead.
+            self.config_init[self.subcommand]["ckpt_path"] = resolve_last_checkpoint(self.trainer)
         elif ckpt_path is None and not self._get(self.config, "start_over", False):
             refuse_going_back(self.trainer)
         elif ckpt_path is None and self.trainer.global_rank == 0:
@@ -289,7 +295,7 @@ def require_last_checkpoint(trainer) -> None:
 
 
 def check_checkpoint_file(path: str) -> None:
-    """``--ckpt_path FILE``: a file that ``torch.save`` wrote (a zip archive holding a pickle), checked before the
+    """``--ckpt_path FILE``: a whole file that ``torch.save`` wrote (every record's CRC-32 checked), before the
     model loads; a folder (a distributed checkpoint) is left to the strategy."""
     where = Path(path).expanduser()
     if where.is_dir():
@@ -297,14 +303,29 @@ def check_checkpoint_file(path: str) -> None:
     if not where.exists():
         raise SetupError(f"--ckpt_path {path}: no such file; give a checkpoint this run's ModelCheckpoint wrote "
                          "(its checkpoints folder), or --ckpt_path last")
-    try:
-        with zipfile.ZipFile(where) as archive:
-            pickled = any(name.endswith("data.pkl") for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile) as e:
-        raise SetupError(f"--ckpt_path {path} is not a checkpoint: not a torch.save archive "
-                         f"({type(e).__name__}: {' '.join(str(e).split())})") from None
-    if not pickled:
-        raise SetupError(f"--ckpt_path {path} is not a checkpoint: a zip archive without torch.save's data.pkl")
+    wrong = damage(where)
+    if wrong is not None:
+        raise SetupError(f"--ckpt_path {path} is not a checkpoint that can be restored: {wrong}")
+
+
+def resolve_last_checkpoint(trainer) -> str:
+    """The checkpoint ``--ckpt_path last`` resumes from: the newest last checkpoint of the run's folders if it
+    is whole, else the newest ``.ckpt`` file there that is (said in one line); none whole is refused in one
+    line naming the newest and what is wrong with it."""
+    newest_last = max(_last_checkpoints(trainer), key=os.path.getmtime)
+    wrong = damage(newest_last)
+    if wrong is None:
+        return newest_last
+    others = sorted((p for folder in checkpoint_folders(trainer) for p in folder.glob("*.ckpt")
+                     if str(p) != newest_last), key=os.path.getmtime, reverse=True)
+    fallback = next((str(p) for p in others if damage(p) is None), None)
+    if fallback is None:
+        raise SetupError(f"--ckpt_path last: {newest_last} is not a checkpoint that can be restored: {wrong}; "
+                         "no other checkpoint in its folder is whole. Start over with --start_over true")
+    if trainer.is_global_zero:
+        print(f"checkpoint: {newest_last} is not one that can be restored ({wrong}); resuming from {fallback}, "
+              "the newest that is", flush=True)
+    return fallback
 
 
 def _has_val_data(datamodule) -> bool:
