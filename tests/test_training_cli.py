@@ -7,6 +7,7 @@ them); only the runs that get killed are subprocesses.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -61,6 +62,24 @@ class KillingCheckpointIO(AtomicCheckpointIO):
             f.write(data[: len(data) // 2])
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        super()._write(checkpoint, f)
+
+
+class FullDiskCheckpointIO(AtomicCheckpointIO):
+    """Atomic saving whose disk fills up halfway through save number ``full_at`` (ENOSPC, as write(2) says)."""
+
+    def __init__(self, full_at: int = 2):
+        super().__init__(asynchronous=False)
+        self.full_at, self.saves = full_at, 0
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.saves += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def _write(self, checkpoint, f):
+        if self.saves == self.full_at:
+            f.write(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
         super()._write(checkpoint, f)
 
 
@@ -692,6 +711,27 @@ def test_last_falls_back_to_the_newest_whole_checkpoint(assets, resumable, capsy
     assert f"checkpoint: {last} is not one that can be restored (its record" in out
     assert f"resuming from {earlier}, the newest that is" in out
     assert not partial_path(last).exists()
+
+
+def test_a_full_disk_mid_write_is_one_line_and_keeps_the_last_checkpoint(assets, tmp_path, capsys):
+    config = write_config(tmp_path, assets)
+    plugin = "--trainer.plugins=" + json.dumps({"class_path": "test_training_cli.FullDiskCheckpointIO"})
+    assert fit(config, plugin, "--export", "false") == 2
+    told = [line for line in capsys.readouterr().err.splitlines() if "lightning-oomb: error:" in line]
+    assert len(told) == 1 and "checkpoint: the disk of" in told[0] and "filled up while last.ckpt was written" in told[0]
+    last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == EVERY and not partial_path(last).exists()
+
+
+def test_a_disk_without_room_for_two_checkpoints_is_refused_before_the_first_step(assets, tmp_path, capsys,
+                                                                                 monkeypatch):
+    from lightning_oomb.lightning import checkpoint
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    assert fit(write_config(tmp_path, assets), "--export", "false") == 2
+    told = [line for line in capsys.readouterr().err.splitlines() if "lightning-oomb: error:" in line]
+    assert len(told) == 1 and "need room for two in" in told[0] and "its disk has 0.00 GB free" in told[0]
+    assert not list((run_dir(tmp_path) / "checkpoints").glob("*.ckpt"))
 
 
 def test_two_runs_into_one_folder_are_refused(assets, resumable, capsys):

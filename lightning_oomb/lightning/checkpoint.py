@@ -4,6 +4,7 @@ next step computes, and sharded folders."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import threading
@@ -19,7 +20,28 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
+from ..core.errors import SetupError
+
 PARTIAL_SUFFIX = ".partial"
+
+
+class CheckpointError(SetupError):
+    """A checkpoint that cannot be written (no room on its disk): told in one line, the last whole one kept."""
+
+
+def check_disk_room(folder: Path, checkpoint_bytes: int) -> None:
+    """Refuse, in one line, a run whose checkpoint folder cannot hold two checkpoints of ``checkpoint_bytes``:
+    an atomic write keeps the previous one until the new one is whole. Checkpoints already there count as room,
+    since the run's own replace them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    held = sum(p.stat().st_size for p in folder.glob("*.ckpt") if p.is_file())
+    if free + held < 2 * checkpoint_bytes:
+        raise CheckpointError(
+            f"the checkpoints of this run ({checkpoint_bytes / 1e9:.2f} GB each) need room for two in {folder} "
+            f"(an atomic write keeps the last one until the next is whole), and its disk has {free / 1e9:.2f} GB "
+            "free: free space there, or set ModelCheckpoint's dirpath to a disk that has it"
+        )
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -122,10 +144,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         started = time.perf_counter() if started is None else started
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = partial_path(path)
-        with open(partial, "wb") as f:
-            self._write(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(partial, "wb") as f:
+                self._write(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            written = partial.stat().st_size if partial.exists() else 0
+            _remove(partial)  # a half-written file would keep the disk full
+            if e.errno != errno.ENOSPC:
+                raise
+            raise CheckpointError(
+                f"checkpoint: the disk of {path.parent} filled up while {path.name} was written ({written / 1e9:.2f} "
+                f"of {tensor_bytes(checkpoint) / 1e9:.2f} GB); the previous {path.name} is whole and kept. Free "
+                "room for two checkpoints there, or set ModelCheckpoint's dirpath to a disk that has it, and "
+                "resume with --ckpt_path last"
+            ) from None
         os.replace(partial, path)
         _fsync_dir(path.parent)
         self.last_save_s, self.last_size = time.perf_counter() - started, path.stat().st_size

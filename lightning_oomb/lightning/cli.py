@@ -142,7 +142,7 @@ class OOMBCLI(LightningCLI):
             for path in _last_checkpoints(self.trainer):  # start over: its checkpoint is last.ckpt, not last-v1.ckpt
                 Path(path).unlink()
         self.fit_record = FitRecord()
-        self.trainer.callbacks.append(self.fit_record)
+        self.trainer.callbacks += [self.fit_record, DiskRoomCheck()]
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
@@ -217,6 +217,26 @@ class FitRecord(Callback):
             return
         self.validated_at = trainer.global_step
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+
+
+class DiskRoomCheck(Callback):
+    """Before the first step: each checkpoint folder of the run has room for two of its checkpoints (its weights
+    as saved, its optimizer state and the state the first update creates)."""
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from ..core.optimizers import pending_state
+        from .checkpoint import check_disk_room, tensor_bytes
+
+        frozen_left_out = getattr(pl_module.hparams, "get", lambda *_: None)("pretrained") is not None
+        weights = sum(p.numel() * p.element_size() for p in pl_module.parameters()
+                      if p.requires_grad or not frozen_left_out)
+        state = sum(tensor_bytes(o.state_dict()["state"]) for o in trainer.optimizers)
+        size = weights + state + pending_state(trainer.optimizers)[1]
+        for folder in checkpoint_folders(trainer):
+            check_disk_room(folder, size)
 
 
 def checkpoint_folders(trainer) -> list[Path]:
