@@ -369,3 +369,13 @@ def test_new_token_ids_start_at_the_mean_of_the_other_embedding_rows():
     for bad in ([], [64], [-1], list(range(64))):
         with pytest.raises(SetupError, match="model.new_token_ids must be ids in"):
             CausalLMModule(config=TINY, new_token_ids=bad)
+
+
+def test_config_fields_given_as_text_are_read_as_yaml_would():
+    """--model.config.hidden_size 128 reaches model.config as the text '128' (jsonargparse cannot know the type
+    of a dict's value): numbers, booleans and 1e-5 are read as what they spell."""
+    from lightning_oomb.lightning.module import config_from_dict
+
+    config = config_from_dict({"model_type": "qwen2", "hidden_size": "128", "rms_norm_eps": "1e-5",
+                               "tie_word_embeddings": "false", "num_attention_heads": 4})
+    assert (config.hidden_size, config.rms_norm_eps, config.tie_word_embeddings) == (128, 1e-5, False)

@@ -610,6 +610,8 @@ def bad_inputs(assets: dict, tmp: Path) -> dict[str, tuple[list[str], str]]:
                               "the checkpoint was trained with model.optimizer adamw, this run asks for sgd"),
         "another precision": (["--trainer.precision", "bf16-true"],
                               "the checkpoint was trained with trainer.precision 32-true, this run asks for bf16-true"),
+        "accumulate_grad_batches 0": (["--trainer.accumulate_grad_batches", "0"],
+                                      "trainer.accumulate_grad_batches must be an integer >= 1, got 0"),
         "model.config beside model.pretrained": (
             ["--model.config", '{"model_type": "qwen2"}'], "add --model.config null beside --model.pretrained"),
         "missing path": (["--data.init_args.paths", f"[{tmp / 'absent'}]"], f"{tmp / 'absent'} does not exist"),

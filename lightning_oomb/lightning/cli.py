@@ -99,6 +99,9 @@ class OOMBCLI(LightningCLI):
                 f"trainer.precision {precision} (float16) is not supported: it needs a gradient scaler that "
                 "lightning_oomb does not replay exactly; use bf16-true, bf16-mixed or 32-true"
             )
+        accumulate = config.get("trainer", {}).get("accumulate_grad_batches")
+        if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
+            raise SetupError(f"trainer.accumulate_grad_batches must be an integer >= 1, got {accumulate!r}")
         # jsonargparse would report a bad strategy option as a failed Union match, many lines away from its cause.
         strategy = config.get("trainer", {}).get("strategy")
         class_path = str(getattr(strategy, "class_path", ""))

@@ -12,6 +12,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -535,7 +536,8 @@ class CausalLMModule(LightningModule):
 
 def config_from_dict(config: dict):
     """A transformers config from ``model.config`` (a dict with ``model_type``); the family's defaults apply."""
-    fields = dict(config)
+    # A field set on the command line (--model.config.hidden_size 128) arrives as text: read it as YAML would.
+    fields = {k: _scalar(v) if isinstance(v, str) else v for k, v in dict(config).items()}
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise SetupError("model.config needs a `model_type` (e.g. qwen2, llama)")
@@ -543,6 +545,22 @@ def config_from_dict(config: dict):
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError) as e:
         raise SetupError(f"model.config: {_one_line(e)}") from None
+
+
+def _scalar(text: str) -> Any:
+    """``text`` as the number, boolean or null it spells (YAML's reading, and 1e-5 as a float), else itself."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return text
+    return value
 
 
 # The attention projections LoRA adapts by default, as the families name them (Phi-3 fuses q, k, v: qkv_proj).
