@@ -2,7 +2,7 @@
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
 (``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``CausalLMModule``,
-``PasskeyDataModule``, ``PasskeyTextDataModule``, ``TextCorpusDataModule``) loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
+``PasskeyDataModule``, ``PasskeyTextDataModule``, ``TextCorpusDataModule``, ``TorchThreads``) loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
 needs neither.
 """
 
@@ -12,6 +12,7 @@ _CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (
     "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "CausalLMModule",
     "PasskeyDataModule", "PasskeyTextDataModule", "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
+    "TorchThreads",
 )
 
 __all__ = ["ChunkConfig", "SparseConfig", "eval_loss", "serve", "train_step", *_LIGHTNING]

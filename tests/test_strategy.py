@@ -406,3 +406,19 @@ def test_sharded_checkpoint_folder_replaces_what_was_there(tmp_path):
         replace_folder(finished, target)
         assert (target / "shard").read_text() == str(earlier)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_torch_threads_sets_the_runs_threads_and_refuses_nonsense():
+    import lightning as L
+
+    from lightning_oomb import TorchThreads
+    from lightning_oomb.core.errors import SetupError
+
+    before = torch.get_num_threads()
+    try:
+        TorchThreads(1).setup(L.Trainer(accelerator="cpu", logger=False), None, "fit")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SetupError, match="num_threads must be an integer >= 1, got 0"):
+        TorchThreads(0)

@@ -13,6 +13,7 @@ from .module import CausalLMModule
 from .passkey_text import PasskeyTextDataModule
 from .sparse import SparseAttentionMixin, SparseCausalLMModule
 from .strategy import OOMBStrategy
+from .threads import TorchThreads
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -28,4 +29,5 @@ __all__ = [
     "SparseAttentionMixin",
     "SparseCausalLMModule",
     "TextCorpusDataModule",
+    "TorchThreads",
 ]
