@@ -29,6 +29,7 @@ from ..core.config import ChunkConfig
 from ..core.errors import SetupError
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
+from .guard import NonFiniteError, NonFiniteGuard
 from .module import CausalLMModule
 from .progress import run_progress_bar
 from .strategy import OOMBStrategy, OOMBStrategyMixin
@@ -42,7 +43,8 @@ class OOMBCLI(LightningCLI):
     SparseCausalLMModule; without one, CausalLMModule) and any DataModule.
 
     Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
-    another CheckpointIO plugin), the plan of a step as placed is printed before the first one, and
+    another CheckpointIO plugin), steps whose loss or gradients are not finite are skipped or stop the run
+    (``NonFiniteGuard``, unless the config names one), the plan of a step as placed is printed before the first one, and
     afterwards the model (or LoRA adapter) is exported in Hugging Face format with its tokenizer and the
     held-out result is reported.
     """
@@ -125,6 +127,10 @@ class OOMBCLI(LightningCLI):
             require_last_checkpoint(self.trainer)
         self.fit_record = FitRecord()
         self.trainer.callbacks.append(self.fit_record)
+        # A step that is not finite is skipped, and steps in a row stop the run (NonFiniteGuard); a guard the
+        # config names (trainer.callbacks) keeps its own options.
+        if not any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(NonFiniteGuard())
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
@@ -334,7 +340,8 @@ def export_hf(trainer, module, datamodule, target) -> Path:
 
 def run(args: list[str] | None = None) -> int | None:
     """``lightning-oomb fit|validate|test ARGS`` (None: the command line's, which LightningCLI then reads
-    itself; given both, it warns): None when the command ran, 2 after bad input (told in one line on stderr)."""
+    itself; given both, it warns): None when the command ran, 2 after bad input, 1 when training stopped on a
+    loss, gradient or weights that are not finite (each told in one line on stderr)."""
     try:
         OOMBCLI(
             CausalLMModule,
@@ -349,6 +356,9 @@ def run(args: list[str] | None = None) -> int | None:
     except ArgumentError as e:
         print(f"lightning-oomb: error: {argument_error_line(e)}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"\nlightning-oomb: error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
         cause = _setup_error(e)
