@@ -1,17 +1,20 @@
 """What `lightning-oomb fit` does when training goes wrong: a loss or gradient that is not finite, a loss that
-diverges, a signal that ends the run. Each case runs the tiny model and corpus of test_training_cli on the CPU."""
+diverges, a signal that ends the run. Each case runs the tiny model and corpus of test_training_cli on the CPU,
+in-process."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
 
-from test_training_cli import assets, fit, load, run_dir, write_config  # noqa: F401 (assets: a fixture)
+from test_training_cli import assets, fit, load, run_dir, write_config  # noqa: F401 (a fixture)
 
 
 class PoisonGrads(Callback):
@@ -125,3 +128,47 @@ def test_diverging_loss_is_warned_once(assets, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("training is diverging") == 1, err[-3000:]
     assert re.search(r"warning: step 2: the loss \S+ is [\d,]+ times the run's lowest \(\S+ at step 1\)", err)
+
+
+# == signals ================================================================================================
+
+
+class SignalAtStep(Callback):
+    """Sends this process ``signum`` as step ``step`` (1-based) begins: the signal arrives mid-step."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+def signal_at(step: int, signum: int) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": "test_faults.SignalAtStep",
+                                                 "init_args": {"step": step, "signum": int(signum)}})
+
+
+def test_sigterm_ends_the_step_with_a_checkpoint_and_status_143(assets, tmp_path, capsys):
+    """A scheduler's SIGTERM during step 3 (checkpoints every 2 steps): the step ends, last.ckpt is written at
+    step 3, the tool's line says so, and the command's status is 143 (128 + SIGTERM) rather than 0 (main's
+    return value is the process's exit status)."""
+    config = write_config(tmp_path, assets)
+    assert fit(config, signal_at(3, signal.SIGTERM)) == 128 + signal.SIGTERM
+    last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    assert load(last)["global_step"] == 3
+    err = capsys.readouterr().err
+    assert f"training was interrupted by SIGTERM after step 3: nothing exported; resume with --ckpt_path last " \
+           f"({last}, step 3)" in err, err[-3000:]
+    assert not (run_dir(tmp_path) / "hf_export").exists()
+
+
+def test_ctrl_c_prints_the_interrupted_line_and_status_130(assets, tmp_path, capsys):
+    config = write_config(tmp_path, assets)
+    try:
+        assert fit(config, signal_at(3, signal.SIGINT)) == 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores a second Ctrl-C from then on
+    last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    assert f"training was interrupted by SIGINT after step 2: nothing exported; resume with --ckpt_path last " \
+           f"({last}, step 2)" in capsys.readouterr().err

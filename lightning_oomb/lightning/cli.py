@@ -11,6 +11,7 @@ import inspect
 import json
 import re
 import shutil
+import signal
 import sys
 import zipfile
 from argparse import ArgumentError
@@ -23,12 +24,13 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
 from .callback import PagedKVCallback
-from .checkpoint import AtomicCheckpointIO
+from .checkpoint import AtomicCheckpointIO, SigtermCheckpoint
 from .guard import NonFiniteError, NonFiniteGuard
 from .module import CausalLMModule
 from .progress import run_progress_bar
@@ -36,6 +38,15 @@ from .strategy import OOMBStrategy, OOMBStrategyMixin
 
 # Arguments of from_pretrained that transformers keeps in a tokenizer's saved config.
 LOAD_ONLY_FLAGS = ("local_files_only", "cache_dir", "force_download", "token", "revision")
+
+
+class Interrupted(Exception):
+    """A signal ended the command after its line was printed; it exits with 128 + the signal's number, as a
+    shell reports a process a signal ended (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.status = 128 + signum
 
 
 class OOMBCLI(LightningCLI):
@@ -89,6 +100,32 @@ class OOMBCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        # Lightning ends a run on SIGTERM with SIGTERMException after the step in progress, and after Ctrl-C with
+        # sys.exit(1) once torn down: both SystemExit, whose statuses (0 and 1) would tell a scheduler or an
+        # `&&` chain nothing of the signal.
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            self._interrupted(subcommand, signal.SIGTERM)
+        except SystemExit as e:
+            if not isinstance(e.__context__, KeyboardInterrupt):
+                raise
+            self._interrupted(subcommand, signal.SIGINT)
+        except KeyboardInterrupt:  # outside the Trainer's handling (before or after fit)
+            self._interrupted(subcommand, signal.SIGINT)
+
+    def _interrupted(self, subcommand: str, signum: int) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.is_global_zero:
+            name = signal.Signals(signum).name
+            if subcommand == "fit" and trainer is not None:
+                print(f"\n{interrupted_line(trainer, name)}", file=sys.stderr, flush=True)
+            else:
+                print(f"\n{subcommand} was interrupted by {name}: no result", file=sys.stderr, flush=True)
+        raise Interrupted(signum) from None
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
         precision = str(config.get("trainer", {}).get("precision"))
@@ -127,6 +164,8 @@ class OOMBCLI(LightningCLI):
             require_last_checkpoint(self.trainer)
         self.fit_record = FitRecord()
         self.trainer.callbacks.append(self.fit_record)
+        if not any(isinstance(cb, SigtermCheckpoint) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(SigtermCheckpoint())
         # A step that is not finite is skipped, and steps in a row stop the run (NonFiniteGuard); a guard the
         # config names (trainer.callbacks) keeps its own options.
         if not any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
@@ -148,7 +187,7 @@ class OOMBCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.interrupted:
             if trainer.is_global_zero:
-                print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
+                print(f"\n{interrupted_line(trainer)}")
             return
         record = getattr(self, "fit_record", None)
         if record is not None and record.started_at is None and self._get(self.config, "ckpt_path") is not None:
@@ -205,6 +244,19 @@ class FitRecord(Callback):
             return
         self.validated_at = trainer.global_step
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+
+
+def interrupted_line(trainer, signal_name: str | None = None) -> str:
+    """The line a fit that was interrupted ends with: at which step, and where ``--ckpt_path last`` resumes."""
+    how = f" by {signal_name}" if signal_name else ""
+    last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last
+            and cb.last_model_path and Path(cb.last_model_path).exists()]
+    if last:
+        step = last[0]._last_global_step_saved  # 0: none saved by this process (a resumed run's is older)
+        resume = f"resume with --ckpt_path last ({last[0].last_model_path}" + (f", step {step:,})" if step else ")")
+    else:
+        resume = "no last checkpoint was written, so a new run starts from the beginning"
+    return f"training was interrupted{how} after step {trainer.global_step:,}: nothing exported; {resume}"
 
 
 def require_last_checkpoint(trainer) -> None:
@@ -341,7 +393,8 @@ def export_hf(trainer, module, datamodule, target) -> Path:
 def run(args: list[str] | None = None) -> int | None:
     """``lightning-oomb fit|validate|test ARGS`` (None: the command line's, which LightningCLI then reads
     itself; given both, it warns): None when the command ran, 2 after bad input, 1 when training stopped on a
-    loss, gradient or weights that are not finite (each told in one line on stderr)."""
+    loss, gradient or weights that are not finite, 128 + the signal's number when SIGINT or SIGTERM ended it
+    (each told in one line on stderr)."""
     try:
         OOMBCLI(
             CausalLMModule,
@@ -359,6 +412,8 @@ def run(args: list[str] | None = None) -> int | None:
     except NonFiniteError as e:
         print(f"\nlightning-oomb: error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        return e.status
     except Exception as e:
         # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
         cause = _setup_error(e)
