@@ -1,5 +1,5 @@
 """What `lightning-oomb fit` does when training goes wrong: a loss or gradient that is not finite, a loss that
-diverges, a signal that ends the run. Each case runs the tiny model and corpus of test_training_cli on the CPU,
+diverges, a signal that ends the run, a machine with little memory free. Each case runs the tiny model and corpus of test_training_cli on the CPU,
 in-process."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
+from lightning_oomb.core.host_memory import GIB
+from test_host_memory import free_memory
 from test_training_cli import assets, fit, load, run_dir, write_config  # noqa: F401 (a fixture)
 
 
@@ -172,3 +174,19 @@ def test_ctrl_c_prints_the_interrupted_line_and_status_130(assets, tmp_path, cap
     last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
     assert f"training was interrupted by SIGINT after step 2: nothing exported; resume with --ckpt_path last " \
            f"({last}, step 2)" in capsys.readouterr().err
+
+
+# == a small or busy machine ================================================================================
+
+
+def test_too_little_free_memory_is_one_line_and_host_memory_is_honoured(assets, tmp_path, capsys, monkeypatch):
+    """1 GiB free: fit is refused at its start with one line saying what is free and what the run needs (it was
+    a negative budget refused as bad input, whatever host_memory said); given host_memory, the run trains."""
+    free_memory(monkeypatch, GIB)
+    config = write_config(tmp_path, assets)
+    assert fit(config) == 2
+    lines = _error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and re.match(r"lightning-oomb: error: this CPU run needs \d+\.\d\d GiB of host memory .* "
+                                        r"but this machine has 1\.00 GiB free", lines[0]), lines
+    assert fit(config, "--trainer.strategy.init_args.host_memory", "3GiB", "--trainer.max_steps", "1",
+               "--export", "false") is None

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
+from ..core.plan import PlanError
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO, SigtermCheckpoint
 from .guard import NonFiniteError, NonFiniteGuard
@@ -394,7 +395,7 @@ def run(args: list[str] | None = None) -> int | None:
     """``lightning-oomb fit|validate|test ARGS`` (None: the command line's, which LightningCLI then reads
     itself; given both, it warns): None when the command ran, 2 after bad input, 1 when training stopped on a
     loss, gradient or weights that are not finite, 128 + the signal's number when SIGINT or SIGTERM ended it
-    (each told in one line on stderr)."""
+    (each told in one line on stderr; a step that does not fit, 2, with its plan after the line)."""
     try:
         OOMBCLI(
             CausalLMModule,
@@ -414,6 +415,9 @@ def run(args: list[str] | None = None) -> int | None:
         return 1
     except Interrupted as e:
         return e.status
+    except PlanError as e:  # a step that does not fit: its first line says why, the plan follows
+        print(f"lightning-oomb: error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
         # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).
         cause = _setup_error(e)
