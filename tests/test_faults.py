@@ -1,6 +1,6 @@
 """What `lightning-oomb fit` does when training goes wrong: a loss or gradient that is not finite, a loss that
-diverges, a signal that ends the run, a machine with little memory free. Each case runs the tiny model and corpus of test_training_cli on the CPU,
-in-process."""
+diverges, a signal that ends the run, a machine with little memory free. Each case runs the tiny model and
+corpus of test_training_cli on the CPU, in-process."""
 
 from __future__ import annotations
 

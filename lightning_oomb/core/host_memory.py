@@ -5,9 +5,10 @@ in host memory in all, resident set and pinned pages together. By default it is 
 the step is placed plus what the kernel could still give it (MemAvailable, and no more than its cgroup's
 memory limit leaves), less a headroom for the rest of the machine: max(HOST_HEADROOM_MIN_BYTES,
 HOST_HEADROOM_SHARE of the machine's RAM), but at most half of what is available, so that on a small or busy
-machine a run may still take half of what is free; a user sets it with ``host_memory=`` (bytes). The placement (``placement.place_step``) decides every pinned block of a
-step against it before any is made, and every pinned block is made here, by ``pinned_empty``, which counts it
-in a ``HostLedger`` and refuses one that the placement did not leave room for.
+machine a run may still take half of what is free; a user sets it with ``host_memory=`` (bytes). The
+placement (``placement.place_step``) decides every pinned block of a step against it before any is made, and
+every pinned block is made here, by ``pinned_empty``, which counts it in a ``HostLedger`` and refuses one that
+the placement did not leave room for.
 """
 
 from __future__ import annotations

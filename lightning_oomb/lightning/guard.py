@@ -12,6 +12,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from ..core.errors import SetupError
+
 
 class NonFiniteError(RuntimeError):
     """Training stopped: steps in a row with a loss or gradient that is not finite, or weights that are not
@@ -35,11 +37,12 @@ class NonFiniteGuard(Callback):
     learning-rate schedule moves on, as for any step). At ``stop_after`` such steps in a row the run stops with
     ``NonFiniteError`` before that step's update and before its checkpoint, so the last checkpoint stays the
     last one written from finite weights. The check costs one read of the loss and of the gradients' largest
-    magnitude per step (one device synchronisation; on several ranks one all-reduce of a flag).
+    magnitude per step (one device synchronisation; on several ranks one all-reduce of a flag), and one pass
+    over the trained weights per checkpoint.
 
     Args:
         stop_after: steps in a row with a non-finite loss or gradient at which the run stops (1: at the first).
-            The default, 3, skips one or two: a single non-finite step is often one batch overflowing, which
+            The default, 3, skips up to two in a row: a single non-finite step is often one batch overflowing, which
             losing that batch survives; three in a row mean the weights or the learning rate are broken and
             more steps would only spend compute.
         divergence_factor: print one warning per run when a step's loss exceeds this many times the lowest
@@ -49,9 +52,9 @@ class NonFiniteGuard(Callback):
 
     def __init__(self, stop_after: int = 3, divergence_factor: float | None = 100.0):
         if stop_after < 1:
-            raise ValueError(f"stop_after must be >= 1, got {stop_after}")
+            raise SetupError(f"NonFiniteGuard: stop_after must be >= 1, got {stop_after}")
         if divergence_factor is not None and divergence_factor <= 1:
-            raise ValueError(f"divergence_factor must be > 1 or None, got {divergence_factor}")
+            raise SetupError(f"NonFiniteGuard: divergence_factor must be > 1 or None, got {divergence_factor}")
         self.stop_after = stop_after
         self.divergence_factor = divergence_factor
         self._loss: torch.Tensor | None = None
@@ -104,9 +107,8 @@ class NonFiniteGuard(Callback):
                 f"{_last_checkpoint(trainer)}. Try: {_hint(trainer)}"
             )
         optimizer.zero_grad(set_to_none=True)  # optimizers skip a parameter without a gradient: nothing changes
-        left = self.stop_after - self._in_a_row
         _print_rank_zero(trainer, f"step {step}: {what}: its update was skipped (weights and optimizer state "
-                                  f"unchanged); {left} more such step{'s' * (left > 1)} in a row stop the run. "
+                                  f"unchanged); the run stops at the {_nth(self.stop_after)} such step in a row. "
                                   f"If it recurs: {_hint(trainer)}")
 
     def _watch_divergence(self, trainer: Trainer, loss: float, step: int) -> None:
@@ -117,7 +119,8 @@ class NonFiniteGuard(Callback):
             return
         self._warned = True
         _print_rank_zero(trainer, f"warning: step {step}: the loss {loss:.4g} is {loss / lowest:,.0f} times the "
-                                  f"run's lowest ({lowest:.4g} at step {at}): training is diverging. Try: {_hint(trainer)}")
+                                  f"run's lowest ({lowest:.4g} at step {at}): training is diverging. "
+                                  f"Try: {_hint(trainer)}")
 
     @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
