@@ -1,8 +1,9 @@
 """lightning_oomb: exact chunk-recurrent training of transformers causal LMs on very long contexts.
 
 The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Lightning layer
-(``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``CausalLMModule``,
-``PasskeyDataModule``, ``PasskeyTextDataModule``, ``TextCorpusDataModule``, ``TorchThreads``) loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
+(``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``NonFiniteGuard``,
+``CausalLMModule``, ``PasskeyDataModule``, ``PasskeyTextDataModule``, ``TextCorpusDataModule``, ``TorchThreads``)
+loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
 needs neither.
 """
 
@@ -10,8 +11,8 @@ from .core.config import ChunkConfig, SparseConfig
 
 _CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (
-    "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "CausalLMModule",
-    "PasskeyDataModule", "PasskeyTextDataModule", "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
+    "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "NonFiniteGuard",
+    "CausalLMModule", "PasskeyDataModule", "PasskeyTextDataModule", "TextCorpusDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
     "TorchThreads",
 )
 

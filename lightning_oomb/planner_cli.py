@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory", type=argparse_type(parse_bytes), default=None,
                         help="GPU memory with its unit, e.g. 140GiB for an H200 (what torch sees; default: this machine's CUDA device)")
     parser.add_argument("--host-memory", type=argparse_type(parse_bytes), default=None,
-                        help="the run's host memory budget with its unit, e.g. 112GiB (default: what a run started now would get: the memory this machine has available less max(8 GiB, 10%% of its RAM))")
+                        help="the run's host memory budget with its unit, e.g. 112GiB (default: what a run started now would get: the memory this machine has available less max(8 GiB, 10%% of its RAM) or half of it if less)")
     parser.add_argument("--document-length", type=argparse_type(parse_tokens), default=None, metavar="TOKENS",
                         help="sequences packed from documents of this many tokens, e.g. 32K (position ids "
                         "restarting every TOKENS): attention within documents only; default one document per sequence")

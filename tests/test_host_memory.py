@@ -35,7 +35,9 @@ def test_ledger_counts_blocks_while_they_live_and_refuses_past_its_limit():
 
 
 def test_default_budget_is_the_process_plus_available_less_the_headroom():
-    assert host_headroom(64 * GIB) == 8 * GIB and host_headroom(200 * GIB) == 20 * GIB
+    assert host_headroom(64 * GIB, 40 * GIB) == 8 * GIB and host_headroom(200 * GIB, 100 * GIB) == 20 * GIB
+    # a small or busy machine: half of what is free, not a headroom larger than all of it
+    assert host_headroom(23 * GIB, 6 * GIB) == 3 * GIB and host_headroom(23 * GIB, 0) == 0
     assert host_budget(123) == 123
     budget = host_budget()
     assert 0 < budget < process_host_bytes() + 2**50
@@ -182,3 +184,45 @@ def test_pages_are_touched_before_they_are_pinned():
     touched = torch.zeros_like(flat, dtype=torch.bool)
     touched[::4096] = True
     assert (flat[touched] == 0).all() and torch.equal(flat[~touched], torch.full((3, 5000), 7.0).view(-1).view(torch.uint8)[~touched])
+
+
+def free_memory(monkeypatch, nbytes: int) -> None:
+    """This machine as one with ``nbytes`` of MemAvailable and no cgroup limit."""
+    from lightning_oomb.core import host_memory
+
+    real = host_memory.proc_field_bytes
+    monkeypatch.setattr(host_memory, "proc_field_bytes",
+                        lambda path, field: nbytes if field == "MemAvailable" else real(path, field))
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda: None)
+
+
+def test_a_busy_machine_trains_a_small_model_and_a_full_one_says_what_is_free(monkeypatch):
+    """6 GiB free of 23: the 8 GiB headroom left a negative budget and every step was refused as bad input. Now
+    the headroom is at most half of what is free; with too little free the step is refused with one line that
+    says how much is free and how much the run needs, unless host_memory (honoured as given) says otherwise."""
+    from lightning_oomb.core.plan import PlanError
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 16))
+    free_memory(monkeypatch, 6 * GIB)
+    assert host_budget() == process_host_bytes() + 3 * GIB
+    lightning_oomb.train_step(model, ids, chunk_size=8, page_size=4)
+    free_memory(monkeypatch, GIB)
+    with pytest.raises(PlanError, match=r"^this CPU run needs \d+\.\d\d GiB of host memory .* but this machine has "
+                                        r"1\.00 GiB free and the run's host memory budget is"):
+        lightning_oomb.train_step(tiny_model("qwen2"), ids, chunk_size=8, page_size=4)
+    lightning_oomb.train_step(tiny_model("qwen2"), ids, chunk_size=8, page_size=4, host_memory=4 * GIB)
+
+
+def test_a_cgroup_limit_is_what_the_machine_has(monkeypatch, tmp_path):
+    """In a container or a job limited to 2.5 GB MemAvailable is the host's: what the process may still take is
+    what the limit leaves (page cache the kernel can reclaim not counted as used)."""
+    from lightning_oomb.core import host_memory
+
+    (tmp_path / "memory.max").write_text("2500000000\n")
+    (tmp_path / "memory.current").write_text("1500000000\n")
+    (tmp_path / "memory.stat").write_text("anon 900000000\ninactive_file 500000000\n")
+    monkeypatch.setattr(host_memory, "CGROUP_ROOT", str(tmp_path))
+    assert host_memory.cgroup_memory() == (2_500_000_000, 1_000_000_000)
+    assert host_memory.available_host_memory() <= 1_500_000_000
+    assert host_memory.machine_host_memory() == 2_500_000_000

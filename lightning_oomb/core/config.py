@@ -138,7 +138,8 @@ class ChunkConfig:
         host_memory: the run's host memory budget, bytes (a whole number, 128e9 too) or a size with its unit such
             as "100GiB": what the training process may hold in host memory in all, its own resident set and every
             pinned page included. None: what it holds when the step is placed plus what the machine has
-            available, less max(8 GiB, 10% of the RAM) (lightning_oomb.core.host_memory).
+            available, less max(8 GiB, 10% of the RAM) or half of what is available if less
+            (lightning_oomb.core.host_memory).
             Every pinned block a step makes is decided against it before any is made; a step that cannot fit is
             refused.
         gpu_memory: the run's GPU memory budget, bytes or a size with its unit such as "24GiB": every step is

@@ -2,11 +2,13 @@
 
 A run has one host memory budget (docs/planner.md, "Host memory"): the bytes the training process may hold
 in host memory in all, resident set and pinned pages together. By default it is what the process holds when
-the step is placed plus what the kernel could still give it (MemAvailable), less a headroom of
-max(HOST_HEADROOM_MIN_BYTES, HOST_HEADROOM_SHARE of the machine's RAM) for the rest of the machine; a user
-sets it with ``host_memory=`` (bytes). The placement (``placement.place_step``) decides every pinned block of a
-step against it before any is made, and every pinned block is made here, by ``pinned_empty``, which counts it
-in a ``HostLedger`` and refuses one that the placement did not leave room for.
+the step is placed plus what the kernel could still give it (MemAvailable, and no more than its cgroup's
+memory limit leaves), less a headroom for the rest of the machine: max(HOST_HEADROOM_MIN_BYTES,
+HOST_HEADROOM_SHARE of the machine's RAM), but at most half of what is available, so that on a small or busy
+machine a run may still take half of what is free; a user sets it with ``host_memory=`` (bytes). The
+placement (``placement.place_step``) decides every pinned block of a step against it before any is made, and
+every pinned block is made here, by ``pinned_empty``, which counts it in a ``HostLedger`` and refuses one that
+the placement did not leave room for.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 GIB = 1 << 30
+CGROUP_ROOT = "/sys/fs/cgroup"  # where the kernel's cgroup files are (a container sees its own group there)
 HOST_HEADROOM_MIN_BYTES = 8 * GIB
 HOST_HEADROOM_SHARE = 0.10
 
@@ -30,13 +33,61 @@ class HostMemoryError(RuntimeError):
 
 
 def machine_host_memory() -> int:
-    """Bytes of RAM of this machine."""
+    """Bytes of RAM of this machine, or the memory limit of this process's cgroup where that is less."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        ram = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         import psutil
 
-        return int(psutil.virtual_memory().total)
+        ram = int(psutil.virtual_memory().total)
+    limit = cgroup_memory()
+    return ram if limit is None else min(ram, limit[0])
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _stat_field(path: str, name: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == name:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(the memory limit of this process's cgroup, what the cgroup holds that the kernel cannot reclaim: its
+    usage less its inactive file pages), in bytes; None without a limit. Reads the cgroup v2 files of the
+    process's own group (/sys/fs/cgroup as a container sees it), else cgroup v1's memory controller."""
+    group = ""
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    group = line[3:].strip().rstrip("/")
+    except OSError:
+        pass
+    for folder in dict.fromkeys([f"{CGROUP_ROOT}{group}", CGROUP_ROOT]):
+        limit = _read_int(f"{folder}/memory.max")
+        if limit is not None:
+            used = _read_int(f"{folder}/memory.current") or 0
+            return limit, used - _stat_field(f"{folder}/memory.stat", "inactive_file")
+    folder = f"{CGROUP_ROOT}/memory"
+    limit = _read_int(f"{folder}/memory.limit_in_bytes")
+    if limit is None or limit >= 1 << 60:  # v1 writes no limit as the largest page-aligned number
+        return None
+    used = _read_int(f"{folder}/memory.usage_in_bytes") or 0
+    return limit, used - _stat_field(f"{folder}/memory.stat", "total_inactive_file")
 
 
 def proc_field_bytes(path: str, field: str) -> int | None:
@@ -52,9 +103,12 @@ def proc_field_bytes(path: str, field: str) -> int | None:
 
 
 def available_host_memory() -> int:
-    """Bytes of host memory the kernel could give this process now (MemAvailable), else all of it."""
+    """Bytes of host memory the kernel could give this process now: MemAvailable (else all the RAM), and no
+    more than what its cgroup's limit leaves (a container's or a job's: past it the process is killed)."""
     available = proc_field_bytes("/proc/meminfo", "MemAvailable")
-    return machine_host_memory() if available is None else available
+    available = machine_host_memory() if available is None else available
+    limit = cgroup_memory()
+    return available if limit is None else max(0, min(available, limit[0] - limit[1]))
 
 
 def process_host_bytes() -> int:
@@ -93,18 +147,22 @@ def reset_peak_process_host_bytes() -> None:
         pass
 
 
-def host_headroom(total: int | None = None) -> int:
-    """Host memory a default budget leaves to the rest of the machine: max(8 GiB, 10% of its RAM)."""
+def host_headroom(total: int | None = None, available: int | None = None) -> int:
+    """Bytes of host memory a default budget leaves to the rest of the machine: max(8 GiB, 10% of its RAM
+    (``total``)), but at most half of what is ``available`` (default: now), so that a small or busy machine
+    gives a run half of what it has free rather than nothing."""
     total = machine_host_memory() if total is None else total
-    return max(HOST_HEADROOM_MIN_BYTES, int(HOST_HEADROOM_SHARE * total))
+    available = available_host_memory() if available is None else available
+    return min(max(HOST_HEADROOM_MIN_BYTES, int(HOST_HEADROOM_SHARE * total)), available // 2)
 
 
 def host_budget(host_memory: int | None = None) -> int:
     """The run's host memory budget in bytes: ``host_memory`` if given, else what this process holds now plus
-    MemAvailable, less ``host_headroom()``."""
+    what is available, less ``host_headroom()`` (at least the process and half of what is available)."""
     if host_memory is not None:
         return int(host_memory)
-    return process_host_bytes() + available_host_memory() - host_headroom()
+    available = available_host_memory()
+    return process_host_bytes() + available - host_headroom(available=available)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..integrations.transformers import causal_lm
 from .attention import uses_triton
 from .config import ChunkConfig
-from .host_memory import host_budget, host_headroom, process_host_bytes
+from .host_memory import available_host_memory, host_budget, host_headroom, process_host_bytes
 from .model_shape import ModelShape, _kv_dtype
 from .plan import Plan, PlanConfig, PlanError, plan
 from .plan.assumptions import (
@@ -125,7 +125,8 @@ def place_step(
     (``config.host_memory``, else ``host_memory.host_budget()``): what the process holds now (less
     ``reusable_host_bytes`` of a pool it reuses), HOST_GROWTH_BYTES for what it may add, and every pinned
     block the step makes must fit in it. Raises PlanError with the plan and what would make it fit. On a
-    CPU device nothing is checked.
+    CPU device, whose memory is the host's, the step (what it adds to the process) and the host lines together
+    must fit in the budget.
 
     With every page on the GPU it also decides how many chunks' autograd graphs and attention outputs
     stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
@@ -219,13 +220,35 @@ def place_step(
         if device.type != "cuda":
             result.gpu_lines.pop("CUDA context and workspaces (assumed)", None)
             result.device = "cpu"
-            result.notes.append("no CUDA device: the step's memory is this machine's RAM too, where the CPU run "
-                                "keeps everything; nothing is checked")
-        if device.type != "cuda":
+            check_on_cpu(result)
             return dataclasses.replace(placement, plan=result)
         # the next step's growth allowance counts from what this one planned the process to reach
         return dataclasses.replace(placement, host_limit=host_free, host_budget=budget,
                                    host_process=grown_from + pending_host_bytes, plan=result)
+
+    missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
+
+    def check_on_cpu(step: Plan) -> None:
+        """A CPU run keeps everything in RAM: the host lines (the process, its growth allowance, host pages) and
+        what the step adds to the process must fit in the budget. Checked where a pool is placed; a step that
+        reuses one was placed with it (its process has grown by what the first step left cached)."""
+        adds = sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing
+        need = step.peak_host_bytes + max(0, adds - reusable_gpu_bytes)
+        if reused is not None or need <= budget:
+            step.notes.append(f"no CUDA device: the step's memory is this machine's RAM too; with the process and "
+                              f"its growth allowance it needs {need / GIB:.2f} GiB of the host memory budget of "
+                              f"{budget / GIB:.2f} GiB")
+            return
+        free = available_host_memory()
+        made = ("the host_memory given" if config.host_memory is not None else
+                f"the process plus what is free, less a {host_headroom(available=free) / GIB:.2f} GiB headroom")
+        raise PlanError(
+            f"this CPU run needs {need / GIB:.2f} GiB of host memory (the process's {process / GIB:.2f} GiB, "
+            f"{HOST_GROWTH_BYTES / GIB:.0f} GiB for its growth, {adds / GIB:.2f} GiB for the step) but this machine "
+            f"has {free / GIB:.2f} GiB free and the run's host memory budget is {budget / GIB:.2f} GiB ({made}); "
+            "nothing was allocated for it. Free memory, give host_memory, or train a smaller model or context"
+            f"\n\n{step}"
+        )
 
     if device.type != "cuda":
         gpu_total = host_free = budget
@@ -249,7 +272,6 @@ def place_step(
     free -= int(PLACEMENT_HEADROOM_SHARE * gpu_total) + (0 if reusable_gpu_bytes else FIRST_STEP_RUNTIME_BYTES)
     host_free = budget - grown_from - HOST_GROWTH_BYTES - pending_host_bytes  # room for pinned blocks
     free, host_free = agree([free, host_free])
-    missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
     shape = ModelShape.resolve(model).tensor_parallel_part(kv_head_split)
     chunk_tokens = batch * min(config.chunk_size, seq_len)
     loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)

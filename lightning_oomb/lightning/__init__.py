@@ -7,6 +7,7 @@ from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
 from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
+from .guard import NonFiniteError, NonFiniteGuard
 from .ddp import OOMBDDPStrategy
 from .model_parallel import OOMBModelParallelStrategy
 from .module import CausalLMModule
@@ -19,6 +20,8 @@ __all__ = [
     "AtomicCheckpointIO",
     "CausalLMModule",
     "CorpusError",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "OOMBDDPStrategy",
     "OOMBModelParallelStrategy",
     "OOMBStrategy",

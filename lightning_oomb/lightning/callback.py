@@ -22,10 +22,12 @@ GIB = 2**30
 
 
 def probe_kv_dtype(
-    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype, kv_head_split: int = 1
+    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype, kv_head_split: int = 1,
+    host_memory: int | None = None,
 ) -> StoreSpec:
     """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec (of this rank's
-    1/kv_head_split of the KV heads under tensor parallelism)."""
+    1/kv_head_split of the KV heads under tensor parallelism); ``host_memory``: the run's host memory budget
+    (bytes), which the probe's step is placed against as every step of the run is."""
     seen: list[StoreSpec] = []
 
     def record(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
@@ -34,7 +36,8 @@ def probe_kv_dtype(
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
-        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu")
+        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu",
+                             host_memory=host_memory)
         # keep_last: the last layer's forward runs to its end (stage 1 may stop at its K/V store), so that a
         # layer sharded by FSDP is not left gathered, mid-forward, until the first step.
         ChunkedSequence(model, ids, config=config, pools=record, ranks=Ranks(kv_head_split)).fill(
@@ -113,7 +116,7 @@ class PagedKVCallback(Callback):
                                         agree=trainer.strategy.ranks.least,
                                         kv_head_split=trainer.strategy.ranks.kv_head_split)
         spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype,
-                              trainer.strategy.ranks.kv_head_split)
+                              trainer.strategy.ranks.kv_head_split, config.host_memory)
         pages = shape[0] * -(-shape[1] // self._page_size)
         started = time.perf_counter()
         self.pool = new_pool(spec, pages, self._page_size, self._device, True, self.placement)

@@ -1,5 +1,5 @@
 """Checkpoints that are either the old one or the new one, whenever the process dies: files written while the
-next step computes, and sharded folders."""
+next step computes, and sharded folders; and a last checkpoint when SIGTERM ends a run."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -330,3 +332,23 @@ def remove_partial_writes(folder: Path) -> list[Path]:
     for leftover in leftovers:
         _remove(leftover)
     return leftovers
+
+
+class SigtermCheckpoint(Callback):
+    """On SIGTERM (a scheduler preempting the job, ``kill``), the step in progress ends with a last checkpoint
+    where the run's ModelCheckpoint writes its own (``save_last``), unless it saved one at that step already;
+    Lightning then stops the run (``SIGTERMException``), and ``--ckpt_path last`` resumes from that step instead
+    of the last periodic checkpoint. The checkpoint is saved where ModelCheckpoint saves its own, at the step's
+    end, so that it resumes as theirs do. Every rank takes part (one all-reduce of a flag per step on several)."""
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # The signal may reach one rank before the others: a save is collective, so all agree first.
+        if not trainer.strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
+            return
+        for callback in trainer.checkpoint_callbacks:
+            if (isinstance(callback, ModelCheckpoint) and callback.save_last
+                    and callback._last_global_step_saved != trainer.global_step):
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+        # Lightning's own check at the step's end is of this rank's flag: a rank the signal did not reach stops too.
+        trainer._signal_connector.received_sigterm = True

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 from argparse import ArgumentError
 from pathlib import Path
@@ -23,12 +24,15 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
+from ..core.plan import PlanError
 from .callback import PagedKVCallback
-from .checkpoint import AtomicCheckpointIO, damage, remove_partial_writes
+from .checkpoint import AtomicCheckpointIO, SigtermCheckpoint, damage, remove_partial_writes
+from .guard import NonFiniteError, NonFiniteGuard
 from .module import CausalLMModule
 from .progress import run_progress_bar
 from .strategy import OOMBStrategy, OOMBStrategyMixin
@@ -37,12 +41,22 @@ from .strategy import OOMBStrategy, OOMBStrategyMixin
 LOAD_ONLY_FLAGS = ("local_files_only", "cache_dir", "force_download", "token", "revision")
 
 
+class Interrupted(Exception):
+    """A signal ended the command after its line was printed; it exits with 128 + the signal's number, as a
+    shell reports a process a signal ended (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.status = 128 + signum
+
+
 class OOMBCLI(LightningCLI):
     """LightningCLI for CausalLMModule (or a subclass named by ``model.class_path``, such as
     SparseCausalLMModule; without one, CausalLMModule) and any DataModule.
 
     Around ``fit``: checkpoints are written atomically (``AtomicCheckpointIO``, unless the config names
-    another CheckpointIO plugin), the plan of a step as placed is printed before the first one, and
+    another CheckpointIO plugin), steps whose loss or gradients are not finite are skipped or stop the run
+    (``NonFiniteGuard``, unless the config names one), the plan of a step as placed is printed before the first one, and
     afterwards the model (or LoRA adapter) is exported in Hugging Face format with its tokenizer and the
     held-out result is reported.
     """
@@ -90,6 +104,32 @@ class OOMBCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        # Lightning ends a run on SIGTERM with SIGTERMException after the step in progress, and after Ctrl-C with
+        # sys.exit(1) once torn down: both SystemExit, whose statuses (0 and 1) would tell a scheduler or an
+        # `&&` chain nothing of the signal.
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            self._interrupted(subcommand, signal.SIGTERM)
+        except SystemExit as e:
+            if not isinstance(e.__context__, KeyboardInterrupt):
+                raise
+            self._interrupted(subcommand, signal.SIGINT)
+        except KeyboardInterrupt:  # outside the Trainer's handling (before or after fit)
+            self._interrupted(subcommand, signal.SIGINT)
+
+    def _interrupted(self, subcommand: str, signum: int) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.is_global_zero:
+            name = signal.Signals(signum).name
+            if subcommand == "fit" and trainer is not None:
+                print(f"\n{interrupted_line(trainer, name)}", file=sys.stderr, flush=True)
+            else:
+                print(f"\n{subcommand} was interrupted by {name}: no result", file=sys.stderr, flush=True)
+        raise Interrupted(signum) from None
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
         precision = str(config.get("trainer", {}).get("precision"))
@@ -131,8 +171,6 @@ class OOMBCLI(LightningCLI):
         if self.trainer.global_rank == 0:  # first, so that a second run at once is told that, whatever it asks
             for folder in checkpoint_folders(self.trainer):
                 HELD_LOCKS.append(lock_run_folder(folder))
-        if self.trainer.global_rank == 0:
-            for folder in checkpoint_folders(self.trainer):
                 for leftover in remove_partial_writes(folder):
                     print(f"checkpoint: removed {leftover}, the rest of a write that was interrupted", flush=True)
         if ckpt_path == "last":
@@ -146,6 +184,12 @@ class OOMBCLI(LightningCLI):
                 Path(path).unlink()
         self.fit_record = FitRecord()
         self.trainer.callbacks += [self.fit_record, DiskRoomCheck()]
+        if not any(isinstance(cb, SigtermCheckpoint) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(SigtermCheckpoint())
+        # A step that is not finite is skipped, and steps in a row stop the run (NonFiniteGuard); a guard the
+        # config names (trainer.callbacks) keeps its own options.
+        if not any(isinstance(cb, NonFiniteGuard) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(NonFiniteGuard())
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
@@ -163,7 +207,7 @@ class OOMBCLI(LightningCLI):
         trainer, module = self.trainer, self.model
         if trainer.interrupted:
             if trainer.is_global_zero:
-                print("\ntraining was interrupted: nothing exported; resume with --ckpt_path last")
+                print(f"\n{interrupted_line(trainer)}")
             return
         record = getattr(self, "fit_record", None)
         if record is not None and record.started_at is None and self._get(self.config, "ckpt_path") is not None:
@@ -222,85 +266,8 @@ class FitRecord(Callback):
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
 
 
-class DiskRoomCheck(Callback):
-    """Before the first step: each checkpoint folder of the run has room for two of its checkpoints (its weights
-    as saved, its optimizer state and the state the first update creates)."""
-
-    @override
-    def on_train_start(self, trainer, pl_module) -> None:
-        if not trainer.is_global_zero:
-            return
-        from ..core.optimizers import pending_state
-        from .checkpoint import check_disk_room, tensor_bytes
-
-        frozen_left_out = getattr(pl_module.hparams, "get", lambda *_: None)("pretrained") is not None
-        weights = sum(p.numel() * p.element_size() for p in pl_module.parameters()
-                      if p.requires_grad or not frozen_left_out)
-        state = sum(tensor_bytes(o.state_dict()["state"]) for o in trainer.optimizers)
-        size = weights + state + pending_state(trainer.optimizers)[1]
-        for folder in checkpoint_folders(trainer):
-            check_disk_room(folder, size)
-
-
-def checkpoint_folders(trainer) -> list[Path]:
-    """The folders the run's ModelCheckpoint callbacks write to (resolved as they will resolve them)."""
-    folders = []
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            logger = trainer.loggers[0] if trainer.loggers else None
-            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
-            folders.append(Path(folder).resolve())
-    return folders
-
-
-def _last_checkpoints(trainer) -> list[str]:
-    return sorted(path for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)
-                  for path in callback._find_last_checkpoints(trainer))
-
-
-def refuse_going_back(trainer) -> None:
-    """A run started without ``--ckpt_path`` where its ModelCheckpoint already holds a last checkpoint would train
-    from step 0 beside it (into last-v1.ckpt) and export over the trained model: a resume forgotten. Refuse,
-    naming the way on and the way to start over."""
-    found = _last_checkpoints(trainer)
-    if found:
-        raise SetupError(
-            f"{found[0]} holds this run's last checkpoint: resume it with --ckpt_path last, or train from step 0 "
-            "with --start_over true (replacing it), or give the new run its own "
-            "--trainer.logger.init_args.version"
-        )
-
-
-# Run-folder locks held by this process (lock_run_folder), released when the command returns.
-HELD_LOCKS: list = []
-
-
-def lock_run_folder(folder: Path):
-    """An exclusive lock on ``folder``'s ``.lock`` file, held until released or the process dies (an flock):
-    a second run writing checkpoints into the same folder at once is refused in one line."""
-    import fcntl
-    import os
-
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(folder / ".lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise SetupError(f"{folder} is in use by another run ({holder}): wait for it to end, or give this run its "
-                         "own --trainer.logger.init_args.version") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}")
-    handle.flush()
-    return handle
-
-
-def release_run_folders() -> None:
-    while HELD_LOCKS:
-        HELD_LOCKS.pop().close()  # closing the file releases its flock
+from .checkpoint import AtomicCheckpointIO, SigtermCheckpoint, damage, remove_partial_writes
+from .guard import NonFiniteError, NonFiniteGuard
 
 
 def require_last_checkpoint(trainer) -> None:
@@ -446,7 +413,9 @@ def export_hf(trainer, module, datamodule, target) -> Path:
 
 def run(args: list[str] | None = None) -> int | None:
     """``lightning-oomb fit|validate|test ARGS`` (None: the command line's, which LightningCLI then reads
-    itself; given both, it warns): None when the command ran, 2 after bad input (told in one line on stderr)."""
+    itself; given both, it warns): None when the command ran, 2 after bad input, 1 when training stopped on a
+    loss, gradient or weights that are not finite, 128 + the signal's number when SIGINT or SIGTERM ended it
+    (each told in one line on stderr; a step that does not fit, 2, with its plan after the line)."""
     try:
         OOMBCLI(
             CausalLMModule,
@@ -460,6 +429,14 @@ def run(args: list[str] | None = None) -> int | None:
         )
     except ArgumentError as e:
         print(f"lightning-oomb: error: {argument_error_line(e)}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:
+        print(f"\nlightning-oomb: error: {e}", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        return e.status
+    except PlanError as e:  # a step that does not fit: its first line says why, the plan follows
+        print(f"lightning-oomb: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         # Bad input is reported as one message (jsonargparse wraps errors raised while instantiating classes).

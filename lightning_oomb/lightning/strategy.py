@@ -161,7 +161,8 @@ class OOMBStrategyMixin:
         if self.chunk_config.host_memory is not None:
             budget = self.chunk_config.host_memory // local_ranks
         else:
-            budget = process_host_bytes() + (available_host_memory() - host_headroom()) // local_ranks
+            available = available_host_memory()
+            budget = process_host_bytes() + (available - host_headroom(available=available)) // local_ranks
         self.chunk_config = dataclasses.replace(self.chunk_config, host_memory=budget)
 
     @property
