@@ -18,7 +18,6 @@ from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
@@ -266,8 +265,100 @@ class FitRecord(Callback):
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
 
 
-from .checkpoint import AtomicCheckpointIO, SigtermCheckpoint, damage, remove_partial_writes
-from .guard import NonFiniteError, NonFiniteGuard
+class DiskRoomCheck(Callback):
+    """Before the first step: each checkpoint folder of the run has room for two of its checkpoints (its weights
+    as saved, its optimizer state and the state the first update creates)."""
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        from ..core.optimizers import pending_state
+        from .checkpoint import check_disk_room, tensor_bytes
+
+        frozen_left_out = getattr(pl_module.hparams, "get", lambda *_: None)("pretrained") is not None
+        weights = sum(p.numel() * p.element_size() for p in pl_module.parameters()
+                      if p.requires_grad or not frozen_left_out)
+        state = sum(tensor_bytes(o.state_dict()["state"]) for o in trainer.optimizers)
+        size = weights + state + pending_state(trainer.optimizers)[1]
+        for folder in checkpoint_folders(trainer):
+            check_disk_room(folder, size)
+
+
+def checkpoint_folders(trainer) -> list[Path]:
+    """The folders the run's ModelCheckpoint callbacks write to (resolved as they will resolve them)."""
+    folders = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            logger = trainer.loggers[0] if trainer.loggers else None
+            folder = callback.dirpath or (Path(logger.log_dir) / "checkpoints" if logger else trainer.default_root_dir)
+            folders.append(Path(folder).resolve())
+    return folders
+
+
+def _last_checkpoints(trainer) -> list[str]:
+    return sorted(path for callback in trainer.checkpoint_callbacks if isinstance(callback, ModelCheckpoint)
+                  for path in callback._find_last_checkpoints(trainer))
+
+
+def refuse_going_back(trainer) -> None:
+    """A run started without ``--ckpt_path`` where its ModelCheckpoint already holds a last checkpoint would train
+    from step 0 beside it (into last-v1.ckpt) and export over the trained model: a resume forgotten. Refuse,
+    naming the way on and the way to start over."""
+    found = _last_checkpoints(trainer)
+    if found:
+        raise SetupError(
+            f"{found[0]} holds this run's last checkpoint: resume it with --ckpt_path last, or train from step 0 "
+            "with --start_over true (replacing it), or give the new run its own "
+            "--trainer.logger.init_args.version"
+        )
+
+
+# Run-folder locks held by this process (lock_run_folder), released when the command returns.
+HELD_LOCKS: list = []
+
+
+def lock_run_folder(folder: Path):
+    """An exclusive lock on ``folder``'s ``.lock`` file, held until released or the process dies (an flock):
+    a second run writing checkpoints into the same folder at once is refused in one line."""
+    import fcntl
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = open(folder / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SetupError(f"{folder} is in use by another run ({holder}): wait for it to end, or give this run its "
+                         "own --trainer.logger.init_args.version") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
+
+
+def release_run_folders() -> None:
+    while HELD_LOCKS:
+        HELD_LOCKS.pop().close()  # closing the file releases its flock
+
+
+
+
+def interrupted_line(trainer, signal_name: str | None = None) -> str:
+    """The line a fit that was interrupted ends with: at which step, and where ``--ckpt_path last`` resumes."""
+    how = f" by {signal_name}" if signal_name else ""
+    last = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last
+            and cb.last_model_path and Path(cb.last_model_path).exists()]
+    if last:
+        step = last[0]._last_global_step_saved  # 0: none saved by this process (a resumed run's is older)
+        resume = f"resume with --ckpt_path last ({last[0].last_model_path}" + (f", step {step:,})" if step else ")")
+    else:
+        resume = "no last checkpoint was written, so a new run starts from the beginning"
+    return f"training was interrupted{how} after step {trainer.global_step:,}: nothing exported; {resume}"
 
 
 def require_last_checkpoint(trainer) -> None:
