@@ -19,6 +19,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import override
 
@@ -239,6 +240,9 @@ def tensor_bytes(tree: Any) -> int:
     sizes: dict[tuple, int] = {}
 
     def count(t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):  # the whole tensor, as the shards of every rank save it
+            sizes.setdefault(("dtensor", id(t)), t.numel() * t.element_size())
+            return
         for inner in _plain_tensors(t):
             sizes.setdefault(_identity(inner), inner.numel() * inner.element_size())
 
@@ -252,6 +256,11 @@ def copy_to_host(tree: Any) -> Any:
     copies: dict[tuple, torch.Tensor] = {}
 
     def copy(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            key = ("dtensor", id(t))
+            if key not in copies:
+                copies[key] = t.detach().to("cpu", copy=True)
+            return copies[key]
         if is_traceable_wrapper_subclass(t):
             # Rebuilt from copies of the tensors it holds: a subclass's own ``to`` may hand back those same
             # tensors where the device does not change (torchao's 8-bit state does), which the next update
@@ -273,7 +282,8 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     if not is_traceable_wrapper_subclass(t):
         return [t]
     names, _ = t.__tensor_flatten__()
-    return [plain for name in names for plain in _plain_tensors(getattr(t, name))]
+    inner = [getattr(t, name) for name in names]
+    return [plain for i in inner if isinstance(i, torch.Tensor) for plain in _plain_tensors(i)]
 
 
 def _identity(t: torch.Tensor) -> tuple:
