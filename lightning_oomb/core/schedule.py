@@ -32,6 +32,7 @@ from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
+from .model_shape import head_dim, kv_heads
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
@@ -242,9 +243,9 @@ class ChunkedSequence:
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
-            # this rank's heads (tensor parallel); configs without grouped queries name none
-            n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            # this rank's share of the heads (tensor parallel)
+            n_kv_heads=kv_heads(cfg) // ranks.kv_head_split,
+            head_dim=head_dim(cfg),
             window_layers=tuple(sorted(windows)),
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
