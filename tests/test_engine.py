@@ -68,6 +68,7 @@ def test_output_layer_runs_once_per_chunk(family, monkeypatch):
     loss_fn = schedule.linear_cross_entropy
     monkeypatch.setattr(schedule, "linear_cross_entropy", lambda *a, **k: calls.append(1) or loss_fn(*a, **k))
     model = probed(tiny_model(family))
+    calls.clear()  # the probe's own loss
     ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
     labels = ids.clone()
     labels[0, :11] = -100
@@ -107,6 +108,7 @@ def test_served_step_without_room_for_dlh_runs_the_output_layer_again(family, mo
     monkeypatch.setattr(schedule, "place_step",
                         lambda *a, **k: dataclasses.replace(place(*a, **k), loss_grads="recomputed"))
     model = probed(tiny_model(family))
+    calls.clear()  # the probe's own loss
     ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
     labels = ids.clone()
     labels[1, 20:] = -100
