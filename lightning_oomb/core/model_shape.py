@@ -116,9 +116,9 @@ def _shared_width(config: Any, width: int) -> int:
     return shared
 
 
-# Families that name their MLP's width other than intermediate_size: (field, the family's width for None).
-# GPT-2 and GPT-BigCode (StarCoder 1, SantaCoder) default theirs to 4 x hidden.
-MLP_WIDTH_FIELDS = (("n_inner", 4), ("ffn_dim", None), ("dff", None))  # GPT-2/BigCode; OPT, Moshi; CTRL
+# Fields that name the MLP's width in families without intermediate_size: GPT-2 and GPT-BigCode (StarCoder 1,
+# SantaCoder; None: 4 x hidden), OPT and Moshi, CTRL.
+MLP_WIDTH_FIELDS = ("n_inner", "ffn_dim", "dff")
 
 
 def mlp_width(config: Any) -> int:
@@ -128,11 +128,11 @@ def mlp_width(config: Any) -> int:
     width = getattr(config, "intermediate_size", None)
     if width:
         return width
-    for field, times_hidden in MLP_WIDTH_FIELDS:
+    for field in MLP_WIDTH_FIELDS:
         if hasattr(config, field):
-            width = getattr(config, field) or times_hidden * config.hidden_size
+            width = getattr(config, field) or 4 * config.hidden_size
             return width // 2 if getattr(config, "model_type", "") == "moshi" else width
-    names = ", ".join(["intermediate_size"] + [field for field, _ in MLP_WIDTH_FIELDS])
+    names = ", ".join(("intermediate_size", *MLP_WIDTH_FIELDS))
     raise ValueError(f"{type(config).__name__} names its MLP width in none of the fields {names}: lightning_oomb "
                      "cannot size this model")
 
@@ -141,7 +141,8 @@ def kv_heads(config: Any) -> int:
     """The K/V heads each attention layer hands to attention, which the K/V pages store:
     ``num_key_value_heads``, or one per query head where the config names none. JetMoE repeats its K/V heads
     for each of the num_experts_per_tok attention experts of a token (as many as its query heads), tiled
-    rather than grouped: its pages hold them repeated, which is what its queries attend to."""
+    rather than grouped: its pages hold them repeated, which is what its queries attend to (the planner then
+    counts its K/V projections that many times too, a small overestimate of its weights)."""
     if getattr(config, "model_type", "") == "jetmoe":
         return config.num_attention_heads
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
