@@ -12,7 +12,7 @@ import torch
 import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig
 from tiny_models import (BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, assert_served_matches, grads_of,
-                         rel_err, separate_documents_grads, tiny_model)
+                         probed, rel_err, separate_documents_grads, tiny_model)
 
 TOL = 1e-5
 # With chunks of 8 and pages of 4: starts at 7 (mid-chunk, mid-page), 16 (chunk border), 17 (mid-page, a
@@ -232,8 +232,8 @@ def test_dense_chunks_attend_from_their_first_keys_page(monkeypatch):
         calls.append((start, store.table.seq_len, int(doc_start.min()), one_document))
         return forward(q, k, v, store, start, scale, doc_start, one_document)
 
+    model = probed(tiny_model("qwen2"))  # the probe's chunks, none of a document, before the recording
     monkeypatch.setattr(reference_attention, "attention_forward", recorded)
-    model = tiny_model("qwen2")
     position_ids = packed_positions([5, 15, 12])
     ids = torch.randint(0, VOCAB, position_ids.shape)
     check_packed(model, ids, position_ids, chunk_size=8, page_size=4, attention="reference")

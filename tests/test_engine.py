@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import lightning_oomb
-from tiny_models import BACKENDS, VOCAB, assert_grads_close, full_sequence_grads, grads_of, rel_err, tiny_model
+from tiny_models import (BACKENDS, VOCAB, assert_grads_close, full_sequence_grads, grads_of, probed, rel_err,
+                         tiny_model)
 
 TOL = 1e-5
 
@@ -66,7 +67,8 @@ def test_output_layer_runs_once_per_chunk(family, monkeypatch):
     calls = []
     loss_fn = schedule.linear_cross_entropy
     monkeypatch.setattr(schedule, "linear_cross_entropy", lambda *a, **k: calls.append(1) or loss_fn(*a, **k))
-    model = tiny_model(family)
+    model = probed(tiny_model(family))
+    calls.clear()  # the probe's own loss
     ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
     labels = ids.clone()
     labels[0, :11] = -100
@@ -105,7 +107,8 @@ def test_served_step_without_room_for_dlh_runs_the_output_layer_again(family, mo
     place = schedule.place_step
     monkeypatch.setattr(schedule, "place_step",
                         lambda *a, **k: dataclasses.replace(place(*a, **k), loss_grads="recomputed"))
-    model = tiny_model(family)
+    model = probed(tiny_model(family))
+    calls.clear()  # the probe's own loss
     ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
     labels = ids.clone()
     labels[1, 20:] = -100
@@ -124,7 +127,7 @@ def test_served_step_training_only_the_output_layer_runs_the_decoder_once(monkey
     runs no chunk again, and the gradient is the full-sequence one."""
     from lightning_oomb.core import schedule
 
-    model = tiny_model("qwen2")
+    model = probed(tiny_model("qwen2"))
     for name, p in model.named_parameters():
         p.requires_grad_(name == "lm_head.weight")
     ids = torch.randint(0, VOCAB, (1, 29))
@@ -280,7 +283,7 @@ def test_kept_attention_outputs_give_the_same_gradient(checkpoint_layers, sparse
     """Stage 2 reuses stage 1's attention outputs of the kept chunks: bitwise the same gradient, fewer forwards."""
     from lightning_oomb.core import attention
 
-    model = tiny_model("qwen2")
+    model = probed(tiny_model("qwen2"))
     ids = torch.randint(0, VOCAB, (2, 37))  # 5 chunks of 8
     kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
                   sparse=sparse, keep_graphs=0)
@@ -318,7 +321,7 @@ def test_attention_outputs_kept_on_the_host_give_the_same_gradient(checkpoint_la
     from lightning_oomb.core import attention, schedule
     from lightning_oomb.core.schedule import cached_pool
 
-    model = tiny_model("qwen2")
+    model = probed(tiny_model("qwen2"))
     ids = torch.randint(0, VOCAB, (1, 37))  # 5 chunks of 8, the last one short
     kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
                   sparse=sparse, keep_graphs=0, keep_attention=1)
@@ -361,7 +364,7 @@ def test_kept_graphs_give_the_same_gradient(backend, sparse, monkeypatch):
     kept attention outputs serve the chunks before them."""
     from lightning_oomb.core import attention
 
-    model = tiny_model("qwen2")
+    model = probed(tiny_model("qwen2"))
     ids = torch.randint(0, VOCAB, (2 if backend == "reference" else 1, 37))  # 5 chunks of 8
     kwargs = dict(chunk_size=8, page_size=4, attention=backend, sparse=sparse)
     calls = []

@@ -23,7 +23,7 @@ from lightning_oomb.core.model_shape import ModelShape
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.core.sparse import select_pages
 from lightning_oomb.kernels.page_table import StoreSpec
-from tiny_models import VOCAB, grads_of, needs_interpreter, tiny_model
+from tiny_models import VOCAB, grads_of, needs_interpreter, probed, tiny_model
 
 # One selection per query tile whatever the placement (offload="host" would select per chunk): the tests compare
 # the same step with its pages in different places.
@@ -205,9 +205,10 @@ def test_host_kv_layers_are_refused_where_they_cannot_work(monkeypatch):
     # before any page is taken.
     import lightning_oomb.core.schedule as schedule
 
+    model = probed(tiny_model("qwen2"))  # the probe of its first step placed as place_step places it
     monkeypatch.setattr(schedule, "place_step", lambda *args, **kwargs: Placement("gpu", 8, 1, host_kv_layers=2))
     with pytest.raises(ValueError, match="need sparse attention"):
-        ChunkedSequence(tiny_model("qwen2"), torch.randint(0, VOCAB, (1, 16)), config=ChunkConfig(chunk_size=8))
+        ChunkedSequence(model, torch.randint(0, VOCAB, (1, 16)), config=ChunkConfig(chunk_size=8))
 
 
 def test_planner_moves_gradient_pages_first_then_kv_pages():
@@ -331,7 +332,7 @@ def test_planned_gathers_are_the_gathers_a_step_makes(monkeypatch, checkpoint, h
     (a forward and its backward, a checkpoint's recompute and its backward)."""
     from lightning_oomb.core import schedule
 
-    model = tiny_model("qwen2")
+    model = probed(tiny_model("qwen2"))  # the probe of its first step placed as place_step places it
     ids = torch.randint(0, VOCAB, (1, 40))  # 5 chunks of 8, pages of 3
     covering = SparseConfig(budget_pages=16, sink_pages=1, local_pages=1)
     placed = Placement("gpu", 8, 1, 2, graph_chunks=graphs, host_kept_chunks=host_kept, host_kv_layers=2)

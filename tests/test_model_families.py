@@ -8,8 +8,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_oomb
+from lightning_oomb.core import schedule
+from lightning_oomb.core.errors import SetupError
 from lightning_oomb.integrations import fused_ops, support
-from tiny_models import (BACKENDS, COMMON, FAMILIES, VOCAB, assert_grads_close, assert_served_matches,
+from tiny_models import (BACKENDS, COMMON, CONFIGS, FAMILIES, VOCAB, assert_grads_close, assert_served_matches,
                          full_sequence_grads, grads_of, rel_err, separate_documents_grads, tiny_model)
 
 TOL = 1e-5
@@ -153,6 +155,88 @@ def test_a_loss_other_than_cross_entropy_of_the_head_is_refused(monkeypatch):
     """What no config field names is found by the probe: here a scale the field list is told to ignore."""
     monkeypatch.setattr(support, "HEAD_CHANGES", {})
     refuses(build("granite", logits_scaling=2.0), "logits differ from the cross-entropy of lm_head")
+
+
+def test_a_chunked_forward_other_than_the_whole_is_refused():
+    """DiffLlama calls attention twice per layer, with the same keys and other values: the pages keep the second
+    call's values, so its chunked forward is another model, which no config field names. The probe of the
+    chunked forward against the whole-sequence one finds it, in one line, every time it is asked."""
+    model = build("diffllama")
+    refuses(model, r"DiffLlamaForCausalLM \(model_type 'diffllama'\): its forward in chunks of 6 tokens over "
+            r"lightning_oomb's K/V pages differs from its whole-sequence forward on 16 tokens: decoder layer 0's "
+            r"output at position \d+, by up to .*; lightning_oomb would train it wrongly, not supported")
+    with pytest.raises(NotImplementedError) as refused:
+        schedule.check_chunked_forward(model)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_chunked_forward_probe_passes_the_trained_families(family):
+    schedule.check_chunked_forward(tiny_model(family))
+
+
+def test_the_chunked_forward_probe_runs_once_and_leaves_no_trace():
+    """Once per model; the random number generators, the model's mode and gradients as they were; no pages."""
+    model = tiny_model("qwen2")
+    support.check_supported(model)
+    calls = []
+    model.model.layers[0].register_forward_hook(lambda *args: calls.append(1))
+    rng = torch.get_rng_state()
+    schedule.check_chunked_forward(model)
+    assert calls and torch.equal(torch.get_rng_state(), rng)
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert schedule.cached_pool(model) is None
+    calls.clear()
+    schedule.check_chunked_forward(model.eval())
+    assert not calls
+
+
+# Causal LM families beyond FAMILIES, each at a tiny size of its own config fields, dropout off: trained exactly,
+# or refused in one line (the expected message), never an error from inside the engine. GPT-SW3's checkpoints are
+# gpt2's; GPT-BigCode's (StarCoder 1, SantaCoder) have one K/V head; JetMoE repeats its K/V heads for each of its
+# attention experts.
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+OTHER_FAMILIES = {
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, **NO_DROPOUT), None),  # n_inner None: 4 x 32
+    "gpt_bigcode": (dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48, **NO_DROPOUT), None),
+    "opt": (dict(hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                 word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0), None),
+    "ctrl": (dict(n_embd=32, dff=48, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0), None),
+    "moshi": (dict(hidden_size=32, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=64, audio_vocab_size=32,
+                   depth_decoder_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32)),
+              None),
+    "jetmoe": (dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8, intermediate_size=48,
+                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64), None),
+    "diffllama": (COMMON, "its forward in chunks of 6 tokens over lightning_oomb's K/V pages differs"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(OTHER_FAMILIES))
+def test_other_families_train_exactly_or_are_refused_in_one_line(model_type):
+    config, refusal = OTHER_FAMILIES[model_type]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{"vocab_size": VOCAB, **config,
+                                                                                 **SPECIAL})).train()
+    with torch.no_grad():  # as tiny_model: attention far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    want_loss, want = full_sequence_grads(model, ids)
+    try:
+        loss = lightning_oomb.train_step(model, ids, chunk_size=8, page_size=3)
+    except (NotImplementedError, SetupError) as e:
+        assert refusal is not None and refusal in str(e) and "\n" not in str(e), str(e)
+        return
+    assert refusal is None, f"trained, where {refusal!r} was expected"
+    assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
+    # A key's bias without RoPE moves every score of a query alike, which the softmax does not see: its gradient
+    # is zero but for rounding, on both sides, and is compared by its size.
+    largest = max(g.norm() for g in want.values())
+    zero = {n for n, g in want.items() if g.norm() <= 1e-7 * largest}
+    got = grads_of(model)
+    assert all(got[n].norm() <= 1e-6 * largest for n in zero)
+    assert_grads_close({n: got[n] for n in got if n not in zero}, {n: want[n] for n in want if n not in zero}, TOL)
 
 
 @pytest.mark.parametrize("model_type,config", [

@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_oomb import OOMBStrategy, PagedKVCallback
 from tiny_models import BACKENDS, COMMON, FAMILIES, VOCAB, rel_err, tiny_model
@@ -219,9 +220,19 @@ def test_unservable_training_step(module_cls, match):
         fit(module_cls(tiny_model("qwen2")), OOMBStrategy(chunk_size=8), max_steps=1)
 
 
-def test_unsupported_model_fails_at_first_step():
-    with pytest.raises(NotImplementedError, match="attention_dropout=0.1 in training mode"):
-        fit(UserModule(tiny_model("qwen2", attention_dropout=0.1)), OOMBStrategy(chunk_size=8), max_steps=1)
+@pytest.mark.parametrize("model,match", [
+    (lambda: tiny_model("qwen2", attention_dropout=0.1), "attention_dropout=0.1 in training mode"),
+    (lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model("diffllama", **COMMON)).train(),
+     "DiffLlamaForCausalLM .* its forward in chunks of 6 tokens over lightning_oomb's K/V pages differs"),
+])
+def test_unsupported_model_is_refused_at_fit_start(model, match):
+    """Before any step, with the weights made: what check_supported refuses by name, and what the probe of the
+    chunked forward finds (core.schedule.check_chunked_forward), in one line."""
+    from lightning_oomb.core.errors import SetupError
+
+    with pytest.raises(SetupError, match=f"this model cannot be trained by lightning_oomb: .*{match}") as refused:
+        fit(UserModule(model()), OOMBStrategy(chunk_size=8), max_steps=1)
+    assert "\n" not in str(refused.value)
 
 
 def test_memory_series_in_tensorboard(tmp_path):

@@ -87,6 +87,15 @@ def tiny_model(family: str = "qwen2", seed: int = 0, dtype: torch.dtype = torch.
     return model.train()
 
 
+def probed(model):
+    """``model`` after the probe that runs before its first step (core.schedule.check_chunked_forward), for tests
+    that count what a step runs."""
+    from lightning_oomb.core.schedule import check_chunked_forward
+
+    check_chunked_forward(model)
+    return model
+
+
 def full_sequence_grads(model, input_ids, labels=None):
     """Loss and parameter grads of plain transformers full-sequence training."""
     model.zero_grad(set_to_none=True)

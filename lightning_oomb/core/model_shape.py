@@ -116,21 +116,58 @@ def _shared_width(config: Any, width: int) -> int:
     return shared
 
 
+# Fields that name the MLP's width in families without intermediate_size: GPT-2 and GPT-BigCode (StarCoder 1,
+# SantaCoder; None: 4 x hidden), OPT and Moshi, CTRL.
+MLP_WIDTH_FIELDS = ("n_inner", "ffn_dim", "dff")
+
+
+def mlp_width(config: Any) -> int:
+    """The hidden units of a dense decoder layer's MLP (of a mixture of experts: of an expert, unless the config
+    names that otherwise). Moshi's ffn_dim is the output of its gated MLP's first projection, gate and up
+    together: its width is half of that. ValueError where the config names none of these fields."""
+    width = getattr(config, "intermediate_size", None)
+    if width:
+        return width
+    for field in MLP_WIDTH_FIELDS:
+        if hasattr(config, field):
+            width = getattr(config, field) or 4 * config.hidden_size
+            return width // 2 if getattr(config, "model_type", "") == "moshi" else width
+    names = ", ".join(("intermediate_size", *MLP_WIDTH_FIELDS))
+    raise ValueError(f"{type(config).__name__} names its MLP width in none of the fields {names}: lightning_oomb "
+                     "cannot size this model")
+
+
+def kv_heads(config: Any) -> int:
+    """The K/V heads each attention layer hands to attention, which the K/V pages store:
+    ``num_key_value_heads``, or one per query head where the config names none. JetMoE repeats its K/V heads
+    for each of the num_experts_per_tok attention experts of a token (as many as its query heads), tiled
+    rather than grouped: its pages hold them repeated, which is what its queries attend to (the planner then
+    counts its K/V projections that many times too, a small overestimate of its weights)."""
+    if getattr(config, "model_type", "") == "jetmoe":
+        return config.num_attention_heads
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def head_dim(config: Any) -> int:
+    """Channels of one attention head: ``head_dim``, or hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _mlp_fields(config: Any) -> dict[str, Any]:
     """ModelShape's MLP fields of ``config``: ``intermediate`` for a dense model; for a mixture of experts the
     experts', the shared expert's and the dense layers' widths, and how many layers are dense."""
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
     kinds = expert_layers(config) if experts else []
     if not any(kinds):
-        return dict(intermediate=config.intermediate_size)
+        return dict(intermediate=mlp_width(config))
     # Qwen-MoE's and DeepSeek's experts have their own width; Mixtral's are intermediate_size wide
-    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    width = getattr(config, "moe_intermediate_size", None) or mlp_width(config)
     shared = _shared_width(config, width)
     dense = kinds.count(False)
     return dict(intermediate=config.num_experts_per_tok * width + shared, n_experts=experts,
                 expert_intermediate=width, shared_intermediate=shared,
                 shared_gate=bool(shared) and getattr(config, "model_type", "") in SHARED_GATE_FAMILIES,
-                dense_layers=dense, dense_intermediate=config.intermediate_size if dense else 0)
+                dense_layers=dense, dense_intermediate=mlp_width(config) if dense else 0)
 
 
 class LayerGroup(NamedTuple):
@@ -212,8 +249,8 @@ class ModelShape:
             **_mlp_fields(config),
             **_windows(config),
             n_heads=n_heads,
-            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
+            n_kv_heads=kv_heads(config),
+            head_dim=head_dim(config),
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             name=name or getattr(config, "name_or_path", "") or model_type or "custom",

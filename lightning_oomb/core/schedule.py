@@ -22,16 +22,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm, layer_windows
+from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
+from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
+from .model_shape import head_dim, kv_heads
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
@@ -201,6 +204,7 @@ class ChunkedSequence:
         self.model = model
         self.lm = causal_lm(model)
         check_supported(model)
+        check_chunked_forward(model)
         # The experts' load-balancing loss of the whole sequence, where the model adds it.
         self.balance = RouterBalance(self.lm) if getattr(self.lm.config, "output_router_logits", False) else None
         self.input_ids = input_ids
@@ -242,9 +246,9 @@ class ChunkedSequence:
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
             n_layers=cfg.num_hidden_layers,
-            # this rank's heads (tensor parallel); configs without grouped queries name none
-            n_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // ranks.kv_head_split,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            # this rank's share of the heads (tensor parallel)
+            n_kv_heads=kv_heads(cfg) // ranks.kv_head_split,
+            head_dim=head_dim(cfg),
             window_layers=tuple(sorted(windows)),
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
@@ -647,3 +651,136 @@ def eval_loss(
         return seq.fill(with_grads=False)[0]
     finally:
         seq.release()
+
+
+# -- the probe of a model's chunked forward --------------------------------------------------------------
+# Its tokens, in chunks of PROBE_CHUNK over pages of PROBE_PAGE: page borders fall inside chunks, chunk borders
+# inside pages, and the last chunk is short.
+PROBE_TOKENS, PROBE_CHUNK, PROBE_PAGE = 16, 6, 4
+# A position's output differs where the norm of its difference exceeds this share of its norm: 1e-4 in float32
+# (the two forwards of random 36-layer models agree to ~6e-6 on an H100); PROBE_EPS times the machine epsilon of
+# a lower precision, where they round differently (bf16: 25%; random Llama-7B agrees to ~5%). Pages that hold
+# other values than the model attends to (DiffLlama) differ by ~100%; smaller errors are the float32 tests' to
+# find.
+PROBE_RTOL, PROBE_EPS = 1e-4, 32
+# Failures of the engine on a model, which the probe turns into its refusal; not a refusal of the setup, of
+# memory, or one already said.
+_ENGINE_FAILURES = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
+_NOT_ENGINE_FAILURES = (NotImplementedError, SetupError, torch.OutOfMemoryError)
+_forward_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose chunked forward was probed
+
+
+def check_chunked_forward(model: nn.Module) -> None:
+    """Refuse a model whose forward in chunks over the K/V pages is not its whole-sequence forward, whatever
+    the cause, even one that nothing in its config names (DiffLlama calls attention twice per layer, with the
+    same keys and other values, so the pages hold the second call's values for both).
+
+    Stage 1 of the engine on PROBE_TOKENS tokens (reference attention, no gradients, pages of its own, freed
+    after) against the model class's own forward, position by position: every decoder layer's output, the
+    logits, and the loss, which moves by at most twice the largest change of a logit unless something else
+    differs. NotImplementedError in one line naming the first that differs; also where the engine fails on the
+    model. Once per model; skipped for weights not yet made (meta) or sharded (DTensor). Leaves the random
+    number generators, the model's mode and its gradients as they were.
+    """
+    lm = causal_lm(model)
+    if lm in _forward_checked or any(p.is_meta or isinstance(p, DTensor) for p in lm.parameters()):
+        return
+    check_supported(lm)  # first the refusals by name (and out of the hooks: its own probe runs the model)
+    _forward_checked.add(lm)  # the probe's own sequence comes back here
+    try:
+        _probe_chunked_forward(lm)
+    except BaseException:
+        _forward_checked.discard(lm)
+        raise
+
+
+def _probe_chunked_forward(lm: nn.Module) -> None:
+    """check_chunked_forward's probe of ``lm``, a transformers causal LM with its weights made."""
+    name = f"{type(lm).__name__} (model_type {lm.config.model_type!r})"
+    device = lm.get_output_embeddings().weight.device
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
+    layers = decoder_layers(lm)
+    outputs: list[list[torch.Tensor]] = [[] for _ in layers]  # each layer's, one tensor per call
+
+    def keep(index: int):
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            outputs[index].append((out[0] if isinstance(out, tuple) else out).detach())
+        return hook
+
+    hooks = [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # The class's forward: a served model's instance forward is the engine. A mask of ones spares
+            # transformers its search for packed documents in the position ids.
+            whole = type(lm).forward(lm, input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
+                                     use_cache=False)
+            whole_layers = [torch.cat(o, dim=1) if o else None for o in outputs]
+            for o in outputs:
+                o.clear()
+            config = ChunkConfig(chunk_size=PROBE_CHUNK, page_size=PROBE_PAGE, attention="reference")
+
+            def own_pool(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
+                return new_pool(spec, pages, PROBE_PAGE, device, with_grads, placement)
+
+            try:
+                seq = ChunkedSequence(lm, ids, config=config, pools=own_pool, stage_1_loss=True)
+                try:
+                    loss, logits = seq.fill(with_grads=False, keep_last=PROBE_TOKENS)
+                finally:
+                    seq.release()
+            except _NOT_ENGINE_FAILURES:
+                raise
+            except _ENGINE_FAILURES as e:
+                what = " ".join(str(e).split())
+                raise NotImplementedError(f"{name}: lightning_oomb's chunked forward fails on it "
+                                          f"({type(e).__name__}: {what}); not supported") from e
+            chunked_layers = [torch.cat(o, dim=1) if o else None for o in outputs]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    compared = [*zip(whole_layers, chunked_layers), (whole.logits, logits)]
+    eps = max(_epsilon(t.dtype, device) for pair in compared for t in pair if t is not None)
+    rtol = max(PROBE_RTOL, PROBE_EPS * eps)
+    worst = [_worst_position(want, got) for want, got in compared]
+    loss_tol = 2 * worst[-1][1] + rtol * max(abs(whole.loss.item()), 1.0)
+    against = f"loss {loss.item():.6g} in chunks against {whole.loss.item():.6g} whole"
+    differs = next((i for i, (rel, _, _) in enumerate(worst) if rel > rtol), None)
+    if differs is None and abs(loss.item() - whole.loss.item()) <= loss_tol:
+        return
+    if differs is None:
+        what = f"the {against}"
+    else:
+        rel, diff, position = worst[differs]
+        output = "the logits" if differs == len(layers) else f"decoder layer {differs}'s output"
+        what = (f"{output} at position {position}, by up to {diff:.3g} ({rel:.2g} of its norm there, tolerance "
+                f"{rtol:.2g}); {against}")
+    raise NotImplementedError(
+        f"{name}: its forward in chunks of {PROBE_CHUNK} tokens over lightning_oomb's K/V pages differs from its "
+        f"whole-sequence forward on {PROBE_TOKENS} tokens: {what}; lightning_oomb would train it wrongly, not "
+        "supported"
+    )
+
+
+def _epsilon(dtype: torch.dtype, device: torch.device) -> float:
+    """The machine epsilon of computing in ``dtype`` on ``device``: float32 matrix products on CUDA run in TF32 (10
+    mantissa bits) or bf16 where ``torch.set_float32_matmul_precision`` allows it."""
+    if dtype == torch.float32 and device.type == "cuda":
+        precision = torch.get_float32_matmul_precision()
+        if precision != "highest":
+            return 2.0**-10 if precision == "high" else 2.0**-7
+    return torch.finfo(dtype).eps
+
+
+def _worst_position(want: torch.Tensor | None, got: torch.Tensor | None) -> tuple[float, float, int]:
+    """(norm of the difference / norm of ``want``, largest difference of an element, position) at the position
+    where that ratio is largest; (inf, inf, 0) where one is missing or has another shape (a layer that ran in one
+    forward only). (1, T, ...) each."""
+    if want is None and got is None:  # a layer outside the decoder's forward
+        return 0.0, 0.0, 0
+    if want is None or got is None or got.shape != want.shape:
+        return float("inf"), float("inf"), 0
+    want, got = want[0].float().flatten(1), got[0].float().flatten(1)  # (T, features)
+    rel = (got - want).norm(dim=1) / want.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    position = int(rel.argmax())
+    return rel[position].item(), (got[position] - want[position]).abs().max().item(), position

@@ -109,6 +109,11 @@ def find_causal_lm(module: nn.Module) -> PreTrainedModel:
     return found[0][1]
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of the causal LM in ``model``, in order (transformers' checkpointable layers)."""
+    return [m for m in causal_lm(model).modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 @contextlib.contextmanager
 def bind(
     model: nn.Module, attender: ChunkAttender, checkpoint_layers: bool = False, fused_ops: bool = False
@@ -123,7 +128,7 @@ def bind(
     if checkpoint_layers and not lm.training:
         raise ValueError("checkpoint_layers=True needs the model in training mode (model.train())")
     saved_impl = lm.config._attn_implementation
-    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(lm)
     if checkpoint_layers and not layers:
         raise NotImplementedError(f"{type(lm).__name__} has no checkpointable decoder layers")
     saved_ckpt = [(m, m.__dict__.get("gradient_checkpointing"), m.__dict__.get("_gradient_checkpointing_func")) for m in layers]

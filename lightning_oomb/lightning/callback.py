@@ -9,12 +9,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from ..core.config import ChunkConfig
+from ..core.errors import SetupError
 from ..core.host_memory import peak_process_host_bytes, process_host_bytes, reset_peak_process_host_bytes
 from ..core.pages import PagePool
 from ..core.optimizers import pending_state
 from ..core.placement import Placement, place_step
 from ..core.ranks import Ranks
-from ..core.schedule import ChunkedSequence, new_pool, pool_bytes
+from ..core.schedule import ChunkedSequence, check_chunked_forward, new_pool, pool_bytes
 from ..integrations.transformers import find_causal_lm
 from ..kernels.page_table import StoreSpec
 
@@ -101,10 +102,15 @@ class PagedKVCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        model = find_causal_lm(pl_module)
+        try:  # the weights are made now: the model's chunked forward against its whole one, in the run's precision
+            with trainer.precision_plugin.forward_context():
+                check_chunked_forward(model)
+        except NotImplementedError as e:
+            raise SetupError(f"this model cannot be trained by lightning_oomb: {e}") from None
         shape = self._largest_batch(trainer)
         if shape is None:
             return
-        model = find_causal_lm(pl_module)
         config = trainer.strategy.chunk_config
         optimizer, pending, pending_host = pending_state(trainer.optimizers)
         with trainer.precision_plugin.forward_context():  # the precision decides the K/V dtype
