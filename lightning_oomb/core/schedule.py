@@ -38,6 +38,7 @@ from .model_shape import head_dim, kv_heads
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
+from .plan import PlanError
 from .ranks import Ranks
 from .sparse import select_pages, update_summaries
 
@@ -204,7 +205,7 @@ class ChunkedSequence:
         self.model = model
         self.lm = causal_lm(model)
         check_supported(model)
-        check_chunked_forward(model)
+        check_chunked_forward(model, config.host_memory)
         # The experts' load-balancing loss of the whole sequence, where the model adds it.
         self.balance = RouterBalance(self.lm) if getattr(self.lm.config, "output_router_logits", False) else None
         self.input_ids = input_ids
@@ -666,11 +667,12 @@ PROBE_RTOL, PROBE_EPS = 1e-4, 32
 # Failures of the engine on a model, which the probe turns into its refusal; not a refusal of the setup, of
 # memory, or one already said.
 _ENGINE_FAILURES = (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError)
-_NOT_ENGINE_FAILURES = (NotImplementedError, SetupError, torch.OutOfMemoryError)
+# Not the model's doing: a refusal, bad input, or a step that does not fit (the run itself meets them too).
+_NOT_ENGINE_FAILURES = (NotImplementedError, SetupError, PlanError, torch.OutOfMemoryError)
 _forward_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose chunked forward was probed
 
 
-def check_chunked_forward(model: nn.Module) -> None:
+def check_chunked_forward(model: nn.Module, host_memory: int | None = None) -> None:
     """Refuse a model whose forward in chunks over the K/V pages is not its whole-sequence forward, whatever
     the cause, even one that nothing in its config names (DiffLlama calls attention twice per layer, with the
     same keys and other values, so the pages hold the second call's values for both).
@@ -680,7 +682,8 @@ def check_chunked_forward(model: nn.Module) -> None:
     logits, and the loss, which moves by at most twice the largest change of a logit unless something else
     differs. NotImplementedError in one line naming the first that differs; also where the engine fails on the
     model. Once per model; skipped for weights not yet made (meta) or sharded (DTensor). Leaves the random
-    number generators, the model's mode and its gradients as they were.
+    number generators, the model's mode and its gradients as they were. ``host_memory``: the run's host memory
+    budget (ChunkConfig's), which the probe's step is placed against as the run's steps are.
     """
     lm = causal_lm(model)
     if lm in _forward_checked or any(p.is_meta or isinstance(p, DTensor) for p in lm.parameters()):
@@ -688,13 +691,13 @@ def check_chunked_forward(model: nn.Module) -> None:
     check_supported(lm)  # first the refusals by name (and out of the hooks: its own probe runs the model)
     _forward_checked.add(lm)  # the probe's own sequence comes back here
     try:
-        _probe_chunked_forward(lm)
+        _probe_chunked_forward(lm, host_memory)
     except BaseException:
         _forward_checked.discard(lm)
         raise
 
 
-def _probe_chunked_forward(lm: nn.Module) -> None:
+def _probe_chunked_forward(lm: nn.Module, host_memory: int | None) -> None:
     """check_chunked_forward's probe of ``lm``, a transformers causal LM with its weights made."""
     name = f"{type(lm).__name__} (model_type {lm.config.model_type!r})"
     device = lm.get_output_embeddings().weight.device
@@ -718,7 +721,8 @@ def _probe_chunked_forward(lm: nn.Module) -> None:
             whole_layers = [torch.cat(o, dim=1) if o else None for o in outputs]
             for o in outputs:
                 o.clear()
-            config = ChunkConfig(chunk_size=PROBE_CHUNK, page_size=PROBE_PAGE, attention="reference")
+            config = ChunkConfig(chunk_size=PROBE_CHUNK, page_size=PROBE_PAGE, attention="reference",
+                                 host_memory=host_memory)
 
             def own_pool(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
                 return new_pool(spec, pages, PROBE_PAGE, device, with_grads, placement)

@@ -105,7 +105,7 @@ class PagedKVCallback(Callback):
         model = find_causal_lm(pl_module)
         try:  # the weights are made now: the model's chunked forward against its whole one, in the run's precision
             with trainer.precision_plugin.forward_context():
-                check_chunked_forward(model)
+                check_chunked_forward(model, trainer.strategy.chunk_config.host_memory)
         except NotImplementedError as e:
             raise SetupError(f"this model cannot be trained by lightning_oomb: {e}") from None
         shape = self._largest_batch(trainer)
