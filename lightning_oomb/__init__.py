@@ -6,7 +6,10 @@ The core (``train_step``, ``eval_loss``, ``serve``) imports no Lightning; the Li
 needs neither.
 """
 
+from ._noise import quiet_imports
 from .core.config import ChunkConfig, SparseConfig
+
+quiet_imports()  # torchao's notices when transformers imports it (_noise.py)
 
 _CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (
