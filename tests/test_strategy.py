@@ -406,3 +406,21 @@ def test_sharded_checkpoint_folder_replaces_what_was_there(tmp_path):
         replace_folder(finished, target)
         assert (target / "shard").read_text() == str(earlier)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("summary", ["ModelSummary", "RichModelSummary"])
+def test_model_summary_without_uncounted_flops(summary, capsys, caplog):
+    # Lightning counts FLOPs only by running example_input_array: without one its summary printed a FLOPs
+    # column of zeros and "Total FLOPs: 0". The strategy's summary leaves them out and keeps the rest.
+    import logging
+
+    from lightning.pytorch import callbacks
+
+    if summary == "RichModelSummary":
+        pytest.importorskip("rich")
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.callbacks.model_summary"):
+        fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, page_size=4), max_steps=1,
+            callbacks=[getattr(callbacks, summary)(max_depth=2)])
+    printed = capsys.readouterr().out + caplog.text
+    assert "Total params" in printed and "model.model" in printed  # max_depth=2 kept
+    assert "FLOPs" not in printed and "Flops" not in printed
