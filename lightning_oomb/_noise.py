@@ -7,8 +7,11 @@ that emits it, so that every other message of those libraries still shows.
   ``_C_cutlass_90a`` are CUDA kernels of torchao's quantization, not of its optimizers: on a CPU torch every run
   printed two "Failed to load ..." lines); then it registers its enums (KernelPreference, ScaleCalculationMode)
   with torch's pytree, which logs torch's deprecation of that call, torchao's to change.
-- Lightning (the CLI only, :func:`quiet_known_noise`): the advertisements of its cloud services, the deprecation of
-  ``LeafSpec`` inside its own pytree calls, and its advice to add DataLoader workers (below).
+- The CLI only (:func:`quiet_known_noise`): Lightning's advertisements of its cloud services, the deprecation of
+  ``LeafSpec`` inside its own pytree calls, and its advice to add DataLoader workers (below); two warnings of other
+  libraries' calls of each other: peft reads transformers' deprecated ``is_gradient_checkpointing`` (LoRA), and
+  Lightning's LearningRateMonitor copies torchao's tensor learning rate with ``torch.tensor()``; and torch.compile's
+  note that torchao's 8-bit optimizer state defines no cache hash (adamw8bit).
 """
 
 from __future__ import annotations
@@ -65,3 +68,9 @@ def quiet_known_noise() -> None:
     # seconds: Lightning's advice to add DataLoader workers (on machines of more than two cores) does not apply.
     warnings.filterwarnings("ignore", message=r"The '\w+_dataloader' does not have many workers",
                             module=r"lightning\.pytorch\.trainer\.connectors\.data_connector")
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module=r"transformers\.modeling_utils")
+    warnings.filterwarnings("ignore", message=r"To copy construct from a tensor", category=UserWarning,
+                            module=r"lightning\.pytorch\.callbacks\.lr_monitor")
+    warnings.filterwarnings("ignore", message=r"OptimState8bit does not implement _stable_hash_for_caching",
+                            category=UserWarning)
