@@ -23,8 +23,11 @@ if not torch.cuda.is_available():
     multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli", "lightning_oomb.lightning.cli"])
 
 
-@pytest.fixture(autouse=True)
-def _no_command_line(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _no_command_line():
     """The tests run the CLI in-process as a Python program does, ``main([...])``: pytest's own arguments are not
-    that command's line (LightningCLI warns when it is given ``args`` beside a command line)."""
-    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    that command's line (LightningCLI warns when it is given ``args`` beside a command line). Session-wide, so that
+    module fixtures that train see it too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", sys.argv[:1])
+        yield
