@@ -7,7 +7,10 @@ loads on first use. So does the engine (it imports transformers): `lightning-oom
 needs neither.
 """
 
+from ._noise import quiet_imports
 from .core.config import ChunkConfig, SparseConfig
+
+quiet_imports()  # torchao's notices when transformers imports it (_noise.py)
 
 _CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (

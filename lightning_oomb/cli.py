@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import logging
-import re
 import sys
-import warnings
+
+from ._noise import quiet_known_noise
 
 USAGE = """usage: lightning-oomb COMMAND [options]
 
@@ -21,40 +20,6 @@ commands:
 
 
 COMMANDS = ("fit", "validate", "test", "plan", "bench")
-
-
-class _DropMessage(logging.Filter):
-    """Drops the records of the logger it filters whose message starts as ``pattern`` matches."""
-
-    def __init__(self, pattern: str):
-        super().__init__()
-        self.pattern = re.compile(pattern)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(record.getMessage())
-
-
-# Printed on every run and nothing a user of this command can act on: Lightning's advertisements of its cloud
-# services, and deprecations inside Lightning's and torchao's own calls of torch's pytree (torch deprecated LeafSpec
-# and register_constant on enums; the calls are theirs to change). Each is matched by its text and by the logger or
-# module that emits it, so that every other message of those libraries still shows.
-_NOISE = {
-    "lightning.pytorch.utilities.rank_zero": _DropMessage(r"💡 Tip: For seamless cloud (logging|uploads)"),
-    "torch.utils._pytree": _DropMessage(r"<enum '\w+'> is an Enum subclass and is now natively supported by "
-                                        r"torch\.compile"),
-}
-
-
-def quiet_known_noise() -> None:
-    """Filters the messages above; called before a command imports torchao, which logs its deprecation then."""
-    for name, drop in _NOISE.items():
-        logging.getLogger(name).addFilter(drop)  # once: a filter already there is not added again
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
-    # The data modules here make each sequence in the training process, in microseconds against a step of
-    # seconds: Lightning's advice to add DataLoader workers (on machines of more than two cores) does not apply.
-    warnings.filterwarnings("ignore", message=r"The '\w+_dataloader' does not have many workers",
-                            module=r"lightning\.pytorch\.trainer\.connectors\.data_connector")
 
 
 def main(args: list[str] | None = None) -> int | None:

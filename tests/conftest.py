@@ -1,7 +1,9 @@
 import dataclasses
 import multiprocessing
 import os
+import sys
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before any kernel is defined.
@@ -19,3 +21,13 @@ if not torch.cuda.is_available():
     # imported these once, instead of each being a fresh interpreter importing them again (~8 s of CPU each).
     # "conftest" brings the settings above into the server.
     multiprocessing.set_forkserver_preload(["conftest", "lightning_oomb.cli", "lightning_oomb.lightning.cli"])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_command_line():
+    """The tests run the CLI in-process as a Python program does, ``main([...])``: pytest's own arguments are not
+    that command's line (LightningCLI warns when it is given ``args`` beside a command line). Session-wide, so that
+    module fixtures that train see it too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", sys.argv[:1])
+        yield

@@ -237,7 +237,7 @@ def test_trainer_configures_the_model_once(tmp_path, capsys):
     trainer = Trainer(max_steps=2, accelerator="cpu", strategy=OOMBStrategy(chunk_size=8, page_size=4, device="cpu"),
                       logger=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=tmp_path)
-    trainer.fit(module, DataLoader(data, batch_size=None))
+    trainer.fit(module, DataLoader(data, batch_size=None), DataLoader(data, batch_size=None))
     model = module.model
     trainer.validate(module, DataLoader(data, batch_size=None), verbose=False)
     assert module.model is model  # validate kept the trained model

@@ -24,14 +24,18 @@ class UserModule(LightningModule):
         self.log("train_loss", loss)
         return loss
 
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
-
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=self.lr)
         return torch.optim.SGD(params, lr=self.lr)
+
+
+class ValidatedModule(UserModule):
+    """UserModule with a validation step (Lightning warns of one defined where no validation data is given)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
 
 
 def batches(n=4, batch=2, seq_len=27, seed=1):
@@ -93,7 +97,7 @@ def test_gradient_accumulation_and_clipping():
 
 def test_adamw_and_validation_loop():
     # AdamW divides by sqrt(v): entries with tiny gradients magnify rounding, hence 1e-4 on the update.
-    compare(lambda: UserModule(tiny_model("qwen3"), lr=1e-2, optimizer="adamw"), 1e-4, val=batches(2, seed=5))
+    compare(lambda: ValidatedModule(tiny_model("qwen3"), lr=1e-2, optimizer="adamw"), 1e-4, val=batches(2, seed=5))
 
 
 def test_lora_module():
@@ -127,7 +131,7 @@ def test_lora_on_experts_through_causal_lm_module():
         module.materialize()  # the weights compare() starts from
         return module
 
-    compare(make, STEPS_TOL)
+    compare(make, STEPS_TOL, val=batches(2, seed=5))
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
@@ -433,3 +437,21 @@ def test_torch_threads_sets_the_runs_threads_and_refuses_nonsense():
         torch.set_num_threads(before)
     with pytest.raises(SetupError, match="num_threads must be an integer >= 1, got 0"):
         TorchThreads(0)
+
+
+@pytest.mark.parametrize("summary", ["ModelSummary", "RichModelSummary"])
+def test_model_summary_without_uncounted_flops(summary, capsys, caplog):
+    # Lightning counts FLOPs only by running example_input_array: without one its summary printed a FLOPs
+    # column of zeros and "Total FLOPs: 0". The strategy's summary leaves them out and keeps the rest.
+    import logging
+
+    from lightning.pytorch import callbacks
+
+    if summary == "RichModelSummary":
+        pytest.importorskip("rich")
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.callbacks.model_summary"):
+        fit(UserModule(tiny_model("qwen2")), OOMBStrategy(chunk_size=8, page_size=4), max_steps=1,
+            callbacks=[getattr(callbacks, summary)(max_depth=2)])
+    printed = capsys.readouterr().out + caplog.text
+    assert "Total params" in printed and "model.model" in printed  # max_depth=2 kept
+    assert "FLOPs" not in printed and "Flops" not in printed

@@ -9,7 +9,7 @@
 # then `lightning-oomb fit` runs STEPS steps of it (bench.cli_route: random Qwen2.5-7B weights in MODEL_DIR,
 # the child's memory sampled every second). Needs bitsandbytes for the QLoRA cases. Run it under setsid.
 #   bash docs/bench/capped-cards-h200.sh CASE OUT [MODEL_DIR] [STEPS]
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 case_=${1:?CASE}; out=${2:?OUT}; model=${3:-/root/qwen2.5-7b}; steps=${4:-2}
 case $case_ in
   qlora-24) gpu=24GiB; yaml=examples/qlora-24gb.yaml; row="QLoRA rank 16, nf4, sparse"
@@ -18,14 +18,14 @@ case $case_ in
             flags=(--lora-rank 16 --quantization nf4) ;;
   full-80)  gpu=79GiB; yaml=examples/qwen2.5-7b-h100.yaml; row="full training, adamw8bit-kahan, sparse"
             flags=(--optimizer adamw8bit-kahan) ;;
-  *) echo "CASE must be qlora-24, qlora-80 or full-80, got $case_"; exit 1 ;;
+  *) echo "CASE must be qlora-24, qlora-80 or full-80, got $case_" >&2; exit 1 ;;
 esac
 mkdir -p "$out"
-python3 -m lightning_oomb.cli plan --model qwen2.5-7b --max-context --grad-dtype bfloat16 --selection chunk \
-  --gpu-memory "$gpu" "${flags[@]}" > "$out/max-context.txt" 2>&1
-context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}')
-case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt"; exit 1 ;; esac
+logged "$out/max-context.txt" "$python" -m lightning_oomb.cli plan --model qwen2.5-7b --max-context --grad-dtype bfloat16 \
+  --selection chunk --gpu-memory "$gpu" "${flags[@]}"
+context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}' || true)
+case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt" >&2; exit 1 ;; esac
 echo "$case_: longest context on a $gpu budget with this machine's host: $context tokens"
-python3 -m lightning_oomb.bench.cli_route --config "$yaml" --model-dir "$model" --make-model qwen2.5-7b \
+"$python" -m lightning_oomb.bench.cli_route --config "$yaml" --model-dir "$model" --make-model qwen2.5-7b \
   --seq-len "$context" --steps "$steps" --checkpoint-every 0 --gpu-memory "$gpu" --out "$out"
 touch "$out/done"

@@ -9,27 +9,27 @@
 # Results: docs/benchmarks.md, "How fast through `lightning-oomb fit`?" and "Checkpoints and resuming through
 # `lightning-oomb fit`".
 #   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k] [packed]
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 work=${1:-/root/job}
 model=${2:-/root/qwen2.5-7b}
-shift 2
+shift $(( $# < 2 ? $# : 2 ))
 names=${*:-1m lora 128k}
 mkdir -p "$work"
-route() { python3 -m lightning_oomb.bench.cli_route --model-dir "$model" --steps 3 --delete-checkpoints "$@"; }
-[ -f "$model/config.json" ] || python3 -c "import sys; from pathlib import Path
+route() { "$python" -m lightning_oomb.bench.cli_route --model-dir "$model" --steps 3 --delete-checkpoints "$@"; }
+[ -f "$model/config.json" ] || "$python" -c "import sys; from pathlib import Path
 from lightning_oomb.bench.cli_route import make_model
 print(f'random qwen2.5-7b weights written in {make_model(\"qwen2.5-7b\", Path(sys.argv[1])):.1f} s')" "$model"
 for name in $names; do
   case $name in
     1m) free_gb=$(df --output=avail -B1G "$work" | tail -1)
-        [ "$free_gb" -lt 50 ] && { echo "disk free ${free_gb} GB: no room for the 46 GB 1M checkpoint"; exit 1; }
+        [ "$free_gb" -lt 50 ] && { echo "disk free ${free_gb} GB: no room for the 46 GB 1M checkpoint" >&2; exit 1; }
         route --config examples/qwen2.5-7b-1m-sparse.yaml --checkpoint-every 2 --resume --baseline --baseline-steps 2 \
           --out "$work/1m" ;;
     lora) route --config examples/lora.yaml --checkpoint-every 2 --resume --baseline --out "$work/lora" ;;
     128k) route --config examples/qwen2.5-7b-128k.yaml --checkpoint-every 2 --resume --baseline --out "$work/128k" ;;
     packed) route --config examples/qwen2.5-7b-128k.yaml --document-length 32768 --baseline --baseline-steps 2 \
           --out "$work/packed" ;;
-    *) echo "unknown YAML name $name (1m, lora, 128k, packed)"; exit 2 ;;
+    *) echo "unknown YAML name $name (1m, lora, 128k, packed)" >&2; exit 2 ;;
   esac
 done
 touch "$work/done"

@@ -5,10 +5,9 @@
 # (bf16-true) and with 8-bit AdamW, LoRA rank 16, QLoRA nf4 rank 16, each dense and sparse (64 pages); a cell is
 # the longest context in K tokens (1K = 1024), "-" where not one chunk fits. A plan, nothing is run on a GPU.
 #
-#   bash docs/bench/common-cards.sh          (from the repository; PYTHON=... picks the interpreter)
-set -euo pipefail
+#   bash docs/bench/common-cards.sh          (from the repository; PYTHON=... picks the interpreter: lib.sh)
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python
 
-python=${PYTHON:-python}
 gpus=(24 48 80 140)
 hosts=(64 128)
 rows=("full training, adamw, dense" "full training, adamw, sparse 64 pages"
@@ -32,9 +31,11 @@ for model in qwen2.5-7b llama-3.1-8b; do
       header+=" $column |"
       rule+=" ---: |"
       machine=(--model "$model" --gpu-memory "${gpu}GiB" --host-memory "${host}GiB")
+      # Into a variable first: a failing plan stops the script here (in a process substitution it would not).
+      planned=$(cases "${machine[@]}" --lora-rank 16 --quantization nf4; cases "${machine[@]}" --optimizer adamw8bit)
       while IFS=$'\t' read -r name tokens; do
         if [[ $tokens == none ]]; then cell["$name|$column"]="-"; else cell["$name|$column"]="$((tokens / 1024))K"; fi
-      done < <(cases "${machine[@]}" --lora-rank 16 --quantization nf4; cases "${machine[@]}" --optimizer adamw8bit)
+      done <<< "$planned"
     done
   done
   echo "$header"

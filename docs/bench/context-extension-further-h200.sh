@@ -11,7 +11,7 @@
 # (lightning_oomb/bench/context_extension.py) in OUT/summary. With GPU_SUITE=1 the GPU tests run beside the
 # validation and the 256K run (their step times are then shared ones).
 #   bash docs/bench/context-extension-further-h200.sh MODEL_DIR OUT [MINUTES]
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 model=${1:?MODEL_DIR}; out=${2:?OUT}; minutes=${3:-5}
 yaml=examples/smollm2-passkey-64k.yaml
 val_size=${VAL_SIZE:-10}
@@ -24,38 +24,40 @@ yarn32='{rope_parameters: {rope_type: yarn, factor: 32.0, rope_theta: 100000.0, 
 (free -g; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$out/machine.txt" 2>&1
 ( while sleep 20; do echo "$(date +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)" \
     "host used GiB $(free -g | awk '/Mem:/ {print $3}')"; done ) > "$out/monitor.txt" 2>&1 &
-monitor=$!
+kill_at_exit $!
 stage() { echo "$(date +%T) $1" >> "$out/stages.txt"; }
 
 stage exact-64k
-python3 -m lightning_oomb.cli fit --config "$yaml" --model.pretrained "$model" "${runs[@]}" \
+logged "$out/exact-64k.log" "$python" -m lightning_oomb.cli fit --config "$yaml" --model.pretrained "$model" "${runs[@]}" \
   --trainer.logger.init_args.name exact-64k --trainer.max_time "$max_time" --data.init_args.val_size "$val_size" \
-  --export_dir "$out/export-64k" > "$out/exact-64k.log" 2>&1
+  --export_dir "$out/export-64k"
 
 if [ "${GPU_SUITE:-0}" = 1 ]; then
-  ( python3 -m pytest -q -p no:cacheprovider -m gpu tests/ > "$out/gpu-suite.txt" 2>&1; stage gpu-suite-done ) &
+  ( "$python" -m pytest -q -p no:cacheprovider -m gpu tests/ > "$out/gpu-suite.txt" 2>&1; stage gpu-suite-done ) &
+  suite=$!
+  kill_at_exit $suite
 fi
 stage 64k-longer
-python3 -m lightning_oomb.cli validate --config "$yaml" --model.pretrained "$out/export-64k" "${exported[@]}" \
-  "${runs[@]}" --trainer.logger.init_args.name 64k-longer --data.init_args.val_lengths '[131072, 262144]' \
-  --data.init_args.val_size "$val_size" > "$out/64k-longer.log" 2>&1
+logged "$out/64k-longer.log" "$python" -m lightning_oomb.cli validate --config "$yaml" --model.pretrained "$out/export-64k" \
+  "${exported[@]}" "${runs[@]}" --trainer.logger.init_args.name 64k-longer \
+  --data.init_args.val_lengths '[131072, 262144]' --data.init_args.val_size "$val_size"
 
 stage exact-256k
-python3 -m lightning_oomb.cli fit --config "$yaml" --model.pretrained "$out/export-64k" --model.gguf_file null \
+logged "$out/exact-256k.log" "$python" -m lightning_oomb.cli fit --config "$yaml" --model.pretrained "$out/export-64k" \
+  --model.gguf_file null \
   --model.config_overrides "$yarn32" "${runs[@]}" --trainer.logger.init_args.name exact-256k \
   --trainer.max_time "$max_time" --data.init_args.seq_len 262144 \
   --data.init_args.val_lengths '[65536, 131072, 262144]' --data.init_args.val_size "$val_size" \
-  --export_dir "$out/export-256k" > "$out/exact-256k.log" 2>&1
+  --export_dir "$out/export-256k"
 
 stage 256k-sparse
-python3 -m lightning_oomb.cli validate --config "$yaml" --model.pretrained "$out/export-256k" "${exported[@]}" \
+logged "$out/256k-sparse.log" "$python" -m lightning_oomb.cli validate --config "$yaml" \
+  --model.pretrained "$out/export-256k" "${exported[@]}" \
   "${runs[@]}" --trainer.logger.init_args.name 256k-sparse --trainer.strategy.init_args.sparse '{budget_pages: 64}' \
-  --data.init_args.val_lengths '[262144, 524288, 1048576]' --data.init_args.val_size "$val_size" \
-  > "$out/256k-sparse.log" 2>&1
+  --data.init_args.val_lengths '[262144, 524288, 1048576]' --data.init_args.val_size "$val_size"
 
 stage summary
-wait $(jobs -p | grep -v "^$monitor$")
-kill $monitor
-python3 -m lightning_oomb.bench.context_extension "$out/runs" --out "$out/summary" > "$out/summary.log" 2>&1
+[[ -z ${suite:-} ]] || waited "$suite" "$out/gpu-suite.txt"
+logged "$out/summary.log" "$python" -m lightning_oomb.bench.context_extension "$out/runs" --out "$out/summary"
 stage done
 touch "$out/done"

@@ -10,28 +10,28 @@
 #      sliding-window layers' speed-up and memory.
 # About 10 minutes. Run it under setsid and read OUT/*/results.csv and OUT/max-context.txt back (device README).
 #   bash docs/bench/families-h200.sh OUT
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/families}
 mkdir -p "$out"
-python3 -m lightning_oomb.cli plan --model qwen3-30b-a3b --max-context --lora-rank 16 --budget-pages 64 \
-  --grad-dtype bfloat16 --checkpoint-layers on > "$out/max-context.txt" 2>&1
+logged "$out/max-context.txt" "$python" -m lightning_oomb.cli plan --model qwen3-30b-a3b --max-context --lora-rank 16 \
+  --budget-pages 64 --grad-dtype bfloat16 --checkpoint-layers on
 row="LoRA rank 16, sparse"
-context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}')
-case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt"; exit 1 ;; esac
+context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}' || true)
+case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt" >&2; exit 1 ;; esac
 echo "longest LoRA sparse context of qwen3-30b-a3b on this machine: $context tokens"
 common=(--grad-dtype bfloat16 --checkpoint-layers --lora-rank 16)
-python3 -m lightning_oomb.cli bench --model qwen3-30b-a3b "${common[@]}" --modes sparse --budget-pages 64 \
+"$python" -m lightning_oomb.cli bench --model qwen3-30b-a3b "${common[@]}" --modes sparse --budget-pages 64 \
   --lengths "$context" --repeats 1 --warmup 0 --out "$out/moe"
 mkdir -p "$out/gemma-3-12b-global"
-python3 - "$out/gemma-3-12b-global/config.json" <<'PY'
+"$python" - "$out/gemma-3-12b-global/config.json" <<'PY'
 import json, sys
 from lightning_oomb.core.model_shape import load_config_dict
 config = load_config_dict("gemma-3-12b")
 config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
 json.dump(config, open(sys.argv[1], "w"))
 PY
-python3 -m lightning_oomb.cli bench --model gemma-3-12b "${common[@]}" --modes oomb --lengths 128K --repeats 1 \
+"$python" -m lightning_oomb.cli bench --model gemma-3-12b "${common[@]}" --modes oomb --lengths 128K --repeats 1 \
   --warmup 1 --out "$out/gemma-windows"
-python3 -m lightning_oomb.cli bench --model "$out/gemma-3-12b-global/config.json" "${common[@]}" --modes oomb \
+"$python" -m lightning_oomb.cli bench --model "$out/gemma-3-12b-global/config.json" "${common[@]}" --modes oomb \
   --lengths 128K --repeats 1 --warmup 1 --out "$out/gemma-global"
 touch "$out/done"

@@ -12,13 +12,13 @@
 # memory), so the whole fits one lease next to other work (8 minutes at 8676b3d). Run it under setsid and read
 # $OUT/*/results.csv back (device README).
 #   bash docs/bench/host-kv-h200.sh OUT
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/hostkv}
 mkdir -p "$out"
 common=(--model qwen2.5-7b --budget-pages 64 --grad-dtype bfloat16 --checkpoint-layers --repeats 1 --warmup 0)
-python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse --lengths 64K,256K --selection chunk --out "$out/gpu"
-python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K,768K --selection chunk \
+"$python" -m lightning_oomb.cli bench "${common[@]}" --modes sparse --lengths 64K,256K --selection chunk --out "$out/gpu"
+"$python" -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K,768K --selection chunk \
     --out "$out/chunk"
-python3 -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K --selection tile \
+"$python" -m lightning_oomb.cli bench "${common[@]}" --modes sparse-offload --lengths 256K --selection tile \
     --out "$out/tile"
 touch "$out/done"

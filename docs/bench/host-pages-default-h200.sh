@@ -12,12 +12,12 @@
 # Sparse points are one cold step each, as in host-kv-h200.sh. Run it under setsid and read $OUT/*/results.csv
 # back (device README).
 #   bash docs/bench/host-pages-default-h200.sh OUT
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/hostpages}
 mkdir -p "$out"
 sparse=(--model qwen2.5-7b --budget-pages 64 --grad-dtype bfloat16 --checkpoint-layers --repeats 1 --warmup 0)
-python3 -m lightning_oomb.cli bench "${sparse[@]}" --modes sparse --lengths 64K,512K --selection chunk --out "$out/gpu"
-python3 -m lightning_oomb.cli bench "${sparse[@]}" --modes sparse-offload --lengths 256K,512K --out "$out/host"
-python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --checkpoint-layers --modes oomb,offload \
+"$python" -m lightning_oomb.cli bench "${sparse[@]}" --modes sparse --lengths 64K,512K --selection chunk --out "$out/gpu"
+"$python" -m lightning_oomb.cli bench "${sparse[@]}" --modes sparse-offload --lengths 256K,512K --out "$out/host"
+"$python" -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --checkpoint-layers --modes oomb,offload \
     --lengths 128K --repeats 1 --warmup 1 --out "$out/dense"
 touch "$out/done"

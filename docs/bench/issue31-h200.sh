@@ -10,21 +10,20 @@
 #      on the side streams against the step time they add.
 # Run it under setsid and read OUT back in later calls (device README):
 #   setsid nohup bash docs/bench/issue31-h200.sh /root/i31 > /root/i31.log 2>&1 < /dev/null &
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/i31}
 mkdir -p "$out"
 (while true; do echo "$(date +%s) $(free -m | awk '/Mem:/ {print $3, $7}')"; sleep 5; done) > "$out/free.log" &
-sampler=$!
-bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 "$@"; }
+kill_at_exit $!
+bench() { "$python" -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 "$@"; }
 lora=(--modes oomb --lora-rank 16 --checkpoint-layers)
-bench "${lora[@]}" --lengths 32K --repeats 3 --warmup 1 --out "$out/lora-32k" > "$out/lora-32k.log" 2>&1
-bench "${lora[@]}" --lengths 64K,1M --document-length 32K --repeats 1 --warmup 0 --out "$out/lora-packed" \
-    > "$out/lora-packed.log" 2>&1
-bench --modes sparse --lengths 32K --repeats 3 --warmup 1 --out "$out/sparse-32k" > "$out/sparse-32k.log" 2>&1
-bench --modes sparse --lengths 64K,1M --document-length 32K --repeats 1 --warmup 0 --out "$out/sparse-packed" \
-    > "$out/sparse-packed.log" 2>&1
+logged "$out/lora-32k.log" bench "${lora[@]}" --lengths 32K --repeats 3 --warmup 1 --out "$out/lora-32k"
+logged "$out/lora-packed.log" bench "${lora[@]}" --lengths 64K,1M --document-length 32K --repeats 1 --warmup 0 \
+    --out "$out/lora-packed"
+logged "$out/sparse-32k.log" bench --modes sparse --lengths 32K --repeats 3 --warmup 1 --out "$out/sparse-32k"
+logged "$out/sparse-packed.log" bench --modes sparse --lengths 64K,1M --document-length 32K --repeats 1 --warmup 0 \
+    --out "$out/sparse-packed"
 hostkv=(--lengths 256K --budget-pages 64 --selection chunk --checkpoint-layers --repeats 1 --warmup 1)
-bench "${hostkv[@]}" --modes sparse --out "$out/hostkv-gpu" > "$out/hostkv-gpu.log" 2>&1
-bench "${hostkv[@]}" --modes sparse-offload --out "$out/hostkv-host" > "$out/hostkv-host.log" 2>&1
-kill $sampler
+logged "$out/hostkv-gpu.log" bench "${hostkv[@]}" --modes sparse --out "$out/hostkv-gpu"
+logged "$out/hostkv-host.log" bench "${hostkv[@]}" --modes sparse-offload --out "$out/hostkv-host"
 touch "$out/done"

@@ -9,15 +9,16 @@
 # One cold step each (--warmup 0; a 64K step first compiles the kernels): the CSV's pin_s is the share spent page-locking host memory. 12.3 minutes at 8676b3d:
 # run it under setsid and read $OUT/*/results.csv back (device README).
 #   bash docs/bench/longest-context-h200.sh OUT            (CASES="full" runs the first only)
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/longest}
 mkdir -p "$out"
 common=(--model qwen2.5-7b --modes sparse --budget-pages 64 --selection chunk --grad-dtype bfloat16
         --checkpoint-layers --repeats 1 --warmup 0)
 for case in ${CASES:-full lora}; do
     case $case in
-        full) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 65536,1835008 --out "$out/full" ;;
-        lora) python3 -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora-rank 16 --out "$out/lora" ;;
+        full) "$python" -m lightning_oomb.cli bench "${common[@]}" --lengths 65536,1835008 --out "$out/full" ;;
+        lora) "$python" -m lightning_oomb.cli bench "${common[@]}" --lengths 2080768 --lora-rank 16 --out "$out/lora" ;;
+        *) echo "CASES are full and lora, got $case" >&2; exit 1 ;;
     esac
 done
 touch "$out/done"

@@ -8,7 +8,7 @@
 # child's resident set, the machine's memory and the GPU every second (fit-memory.csv). About 16 minutes for
 # two full-training steps, 14 for LoRA: run it under setsid and read OUT back (device README).
 #   [TRAINING=full|lora] [OPTIMIZER=adamw8bit] bash docs/bench/longest-fit-h200.sh OUT MODEL_DIR [STEPS]
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/longest-fit}
 model=${2:-/root/qwen2.5-7b}
 steps=${3:-2}
@@ -17,14 +17,14 @@ optimizer=${OPTIMIZER:-adamw}
 case $training in
   full) row="full training, $optimizer, sparse"; extra=(--optimizer "$optimizer") ;;
   lora) row="LoRA rank 16, sparse"; extra=(--lora-rank 16) ;;
-  *) echo "TRAINING must be full or lora, got $training"; exit 1 ;;
+  *) echo "TRAINING must be full or lora, got $training" >&2; exit 1 ;;
 esac
 mkdir -p "$out"
-python3 -m lightning_oomb.cli plan --model qwen2.5-7b --max-context --grad-dtype bfloat16 --optimizer "$optimizer" \
-  > "$out/max-context.txt" 2>&1
-context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}')
-case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt"; exit 1 ;; esac
+logged "$out/max-context.txt" "$python" -m lightning_oomb.cli plan --model qwen2.5-7b --max-context --grad-dtype bfloat16 \
+  --optimizer "$optimizer"
+context=$(grep "^$row" "$out/max-context.txt" | awk '{for (i = 1; i <= NF; i++) if ($i ~ /^[0-9]+(,[0-9]+)+$/) {gsub(",", "", $i); print $i; exit}}' || true)
+case $context in ''|*[!0-9]*) echo "no longest context for '$row' in $out/max-context.txt" >&2; exit 1 ;; esac
 echo "longest $training sparse context on this machine: $context tokens"
-python3 -m lightning_oomb.bench.cli_route --config examples/qwen2.5-7b-1m-sparse.yaml --model-dir "$model" \
+"$python" -m lightning_oomb.bench.cli_route --config examples/qwen2.5-7b-1m-sparse.yaml --model-dir "$model" \
   --make-model qwen2.5-7b --seq-len "$context" --steps "$steps" --checkpoint-every 0 "${extra[@]}" --out "$out"
 touch "$out/done"

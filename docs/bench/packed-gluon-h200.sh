@@ -9,16 +9,15 @@
 # Host memory sampled every 5 s into OUT/free.log. TESTS replaces the pytest arguments (the kernels' tests take
 # about 3 of the tests' 5 minutes). Run under setsid, read OUT back later:
 #   setsid nohup bash docs/bench/packed-gluon-h200.sh /root/pg > /root/pg.log 2>&1 < /dev/null &
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/pg}
 mkdir -p "$out"
 (while true; do echo "$(date +%s) $(free -m | awk '/Mem:/ {print $3, $7}')"; sleep 5; done) > "$out/free.log" &
-sampler=$!
-python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_triton_attention.py tests/test_gpu_strategies.py \
-    -k "16_bit_gpu or strategies"} > "$out/tests.log" 2>&1
-bench() { python3 -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --modes oomb --lora-rank 16 \
+kill_at_exit $!
+logged "$out/tests.log" "$python" -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_triton_attention.py \
+    tests/test_gpu_strategies.py -k "16_bit_gpu or strategies"}
+bench() { "$python" -m lightning_oomb.cli bench --model qwen2.5-7b --grad-dtype bfloat16 --modes oomb --lora-rank 16 \
     --checkpoint-layers --repeats 1 --warmup 0 "$@"; }
-bench --lengths 64K,1M --document-length 30000 --out "$out/lora-packed-30000" > "$out/lora-packed-30000.log" 2>&1
-bench --lengths 64K,1M --document-length 32K --out "$out/lora-packed-32k" > "$out/lora-packed-32k.log" 2>&1
-kill $sampler
+logged "$out/lora-packed-30000.log" bench --lengths 64K,1M --document-length 30000 --out "$out/lora-packed-30000"
+logged "$out/lora-packed-32k.log" bench --lengths 64K,1M --document-length 32K --out "$out/lora-packed-32k"
 touch "$out/done"

@@ -4,14 +4,14 @@
 # One cuBLAS product of each shape below, back to back for SECONDS each, its rate per second of wall time
 # (CUDA events), while nvidia-smi samples the SM clock, power and the clock-event reasons every 100 ms.
 #   bash docs/bench/sustained-matmul-h200.sh OUT [SECONDS]
-set -u
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/sustained}
 seconds=${2:-45}
 mkdir -p "$out"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_event_reasons.active \
     --format=csv -lms 100 > "$out/smi.csv" 2> "$out/smi.err" &
-smi=$!
-python3 -u - "$seconds" > "$out/matmul.txt" 2>&1 <<'EOF'
+kill_at_exit $!
+logged "$out/matmul.txt" "$python" -u - "$seconds" <<'EOF'
 import sys
 import time
 
@@ -49,5 +49,4 @@ for name, (m, k, n) in shapes.items():
     torch.cuda.empty_cache()
     time.sleep(5)  # each shape starts from a rested card
 EOF
-kill $smi
 touch "$out/done"

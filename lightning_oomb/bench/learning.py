@@ -17,6 +17,7 @@ import platform
 import shlex
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,7 +115,9 @@ def _fit(setup: Setup, start: dict[str, torch.Tensor] | None, precision: str, op
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )
-    trainer.fit(module, train_dataloaders=_loader(data, setup.batch))
+    with warnings.catch_warnings():  # no validation here, on purpose: the held-out loss is eval_loss's
+        warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
+        trainer.fit(module, train_dataloaders=_loader(data, setup.batch))
     return module, losses.values
 
 

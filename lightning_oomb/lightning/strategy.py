@@ -28,6 +28,7 @@ from ..core.units import parse_bytes
 from ..integrations.transformers import find_causal_lm
 from .callback import PagedKVCallback
 from .checkpoint import AtomicCheckpointIO
+from .summary import in_place_of as summary_in_place_of
 
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "bf16-mixed")
 _DEFAULT = option_defaults(ChunkConfig)
@@ -120,6 +121,7 @@ class OOMBStrategyMixin:
             raise SetupError(PER_CHUNK_OVER_DOCUMENTS)
         if not any(isinstance(cb, PagedKVCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(PagedKVCallback())
+        summary_in_place_of(trainer.callbacks)  # Lightning's model summary, without FLOPs it did not count
         if isinstance(self.checkpoint_io, AtomicCheckpointIO):
             self.checkpoint_io.host_room = self._checkpoint_host_room
         find_causal_lm(self.lightning_module)  # fail at set-up, not at the first step
