@@ -44,7 +44,6 @@ def test_softcapping_refused():
 def test_length_dependent_rope():
     model = tiny_model("llama")
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    model.config.rope_scaling = model.config.rope_parameters
     refuses(model, torch.randint(0, VOCAB, (1, 20)), "rope_type 'dynamic'", NotImplementedError)
 
 

@@ -491,7 +491,7 @@ def test_mixin_trains_sparse_through_a_trainer(tmp_path, monkeypatch):
                       enable_model_summary=False, default_root_dir=tmp_path)
     module.materialize()  # the weights, which the Trainer would build in configure_model
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    trainer.fit(module, DataLoader(data, batch_size=None))
+    trainer.fit(module, DataLoader(data, batch_size=None), DataLoader(data, batch_size=None))  # validated sparse too
     assert trainer.global_step == 2
     decided = dataclasses.replace(want, per_query_tile=True)  # offload "auto": one selection per query tile
     assert strategy.chunk_config.sparse == decided
