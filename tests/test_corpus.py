@@ -352,7 +352,7 @@ def test_tokenizer_problems(tmp_path, tokenizer_dir):
         lightning_module=SimpleNamespace(hparams={"pretrained": None}, model=SimpleNamespace(config=SimpleNamespace(vocab_size=4)))
     )
     msg = setup_error(module([corpus], tokenizer_dir), small_vocab)
-    assert "vocabulary has 4 entries" in msg
+    assert "has 30 tokens but the model's embeddings have 4 rows: it is not this model's tokenizer" in msg
 
 
 def test_parquet_errors(tmp_path, tokenizer_dir, monkeypatch):
