@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..integrations.decoder import decoder_of
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows
@@ -254,7 +255,7 @@ class ChunkedSequence:
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
         )
-        self.decoder = self.lm.get_decoder()
+        self.decoder = decoder_of(self.lm)
         self.head = self.lm.get_output_embeddings()
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
