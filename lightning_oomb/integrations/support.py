@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .decoder import decoder_of
 from .router_balance import router_class
 from .transformers import causal_lm
 
@@ -21,6 +22,8 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Layer kinds that mix tokens only through attention; any other (conv, linear attention, mamba) would need its
 # own state carried across chunk borders.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# Layer kinds some hybrids' layer_types also name that mix no tokens (their own MLP or experts' layer).
+TOKENWISE_LAYERS = ("mlp", "moe")
 # Config fields that make the logits or the loss other than cross-entropy of lm_head(h): (value that changes
 # nothing, what the engine would leave out).
 HEAD_CHANGES = {
@@ -46,17 +49,18 @@ def check_supported(model: nn.Module) -> None:
     lm = causal_lm(model)
     cfg = lm.config
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
+    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS))
+    convs = [n for n, m in decoder_of(lm).named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
+    if other_layers or convs:
+        what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
+        raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
+                                  "not supported")
+    # After the layer kinds: a hybrid's recurrent layers are the reason that names what stands in the way.
     if not getattr(lm, "_supports_attention_backend", False):
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
         )
-    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS))
-    convs = [n for n, m in lm.get_decoder().named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
-    if other_layers or convs:
-        what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
-        raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
-                                  "not supported")
     attention = [m for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
     if any(m.is_causal is False for m in attention):
         raise NotImplementedError(f"{name} has bidirectional attention layers: lightning_oomb attention is causal "
@@ -119,7 +123,7 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     # The classes' own forwards: a served model's instance forward is the engine, which comes back here. A
     # mask of ones spares transformers its search for packed documents in the position ids.
     mask = torch.ones_like(ids)
-    decoder = lm.get_decoder()
+    decoder = decoder_of(lm)
     # The experts' load-balancing loss, which the engine adds itself (integrations/router_balance.py), left out.
     extra = {"output_router_logits": False} if hasattr(lm.config, "output_router_logits") else {}
     with torch.no_grad():
