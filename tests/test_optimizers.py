@@ -5,6 +5,11 @@ learns like a 32-true run (the learning-quality benchmark, CPU)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +119,50 @@ def test_compiled_kahan_step_keeps_the_compensation():
         results.append(weight.float() + compensation.float())
         assert compensation.abs().max() > 0
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-9)
+
+
+# One adamw8bit step over CPU tensors built as a run builds it, compared bit for bit with torchao's step run eagerly
+# from the same state; prints the values that differ.
+COMPILED_STEP = """
+import torch
+from torchao.optim.adam import single_param_adam
+from torchao.optim.subclass_8bit import OptimState8bit
+from lightning_oomb.core.optimizers import OptimizerSpec
+
+torch.manual_seed(0)
+p = torch.nn.Parameter((torch.randn(64, 64) * 0.02).bfloat16())
+p.grad = torch.randn(64, 64).bfloat16()
+optimizer = OptimizerSpec.parse("adamw8bit").build([p], lr=1e-3, weight_decay=0.01)
+group, weight = optimizer.param_groups[0], p.detach().clone()
+moments = [OptimState8bit.zeros(p.shape, signed, 256, dtype=p.dtype) for signed in (True, False)]
+single_param_adam(weight, p.grad, torch.tensor(1.0), *moments, None, group["lr"], *group["betas"],
+                  group["weight_decay"], group["eps"], True, False)
+optimizer.step()
+state = optimizer.state[p]
+differ = int((weight != p.detach()).sum())
+for m, key in zip(moments, ("exp_avg", "exp_avg_sq")):
+    differ += int((m.codes != state[key].codes).sum()) + int((m.scale != state[key].scale).sum())
+print(differ)
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="needs a CPU whose default vector ISA (AVX-512) is wider than ATEN_CPU_CAPABILITY=avx2's")
+@pytest.mark.parametrize("first", ["default", "avx2"])
+def test_compiled_cpu_step_is_right_after_another_isa_filled_the_compile_cache(first):
+    """torchao compiles its step with Inductor on the CPU too, and Inductor's on-disk caches leave out the vector
+    ISA its C++ was written for: two processes sharing one cache, under the default capability and under
+    ATEN_CPU_CAPABILITY=avx2 (in either order), each step as eager torchao does, bit for bit. A cache key tag of
+    this test's own leaves no earlier entry for these graphs, while Inductor's checks of the compiler stay cached."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(TORCH_COMPILE_CACHE_KEY_TAG=f"test-{uuid.uuid4().hex}", PYTHONPATH=str(root))
+    for capability in (first, "avx2" if first == "default" else "default"):
+        child = {**env, "ATEN_CPU_CAPABILITY": capability} if capability == "avx2" else env
+        done = subprocess.run([sys.executable, "-c", COMPILED_STEP], cwd=root, env=child, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"{capability}: {done.stderr[-3000:]}"
+        assert done.stdout.split()[-1] == "0", f"{capability}: values that differ from eager torchao: {done.stdout}"
 
 
 def test_bad_choices_are_refused_in_one_line(monkeypatch):
