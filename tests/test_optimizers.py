@@ -146,8 +146,8 @@ print(differ)
 """
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                    reason="needs a CPU whose default vector ISA (AVX-512) is wider than ATEN_CPU_CAPABILITY=avx2's")
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
+                    reason="needs a CPU with AVX-512, a vector ISA wider than ATEN_CPU_CAPABILITY=avx2's")
 @pytest.mark.parametrize("first", ["default", "avx2"])
 def test_compiled_cpu_step_is_right_after_another_isa_filled_the_compile_cache(first):
     """torchao compiles its step with Inductor on the CPU too, and Inductor's on-disk caches leave out the vector
