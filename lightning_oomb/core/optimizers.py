@@ -173,8 +173,8 @@ def key_compile_caches_by_cpu_isa() -> None:
     The on-disk caches (FX graph, AOTAutograd) leave that ISA out of their key: a graph whose C++ was written for
     AVX-512 (16 floats a vector) is then served to a process whose Inductor picked AVX2 (ATEN_CPU_CAPABILITY=avx2,
     or another machine sharing TORCHINDUCTOR_CACHE_DIR), which builds that source with AVX2's flags: its loops
-    step 16 values and compute 8, leaving the rest of each output uninitialised; the other way round they write
-    past their buffers. A tag the user set is kept."""
+    advance by AVX-512's width and compute AVX2's, half of it, leaving the rest of each output unwritten; the
+    other way round they write past their buffers. A tag the user set is kept."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     tags = torch.compiler.config.cache_key_tag.split(";")
