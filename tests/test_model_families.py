@@ -441,8 +441,9 @@ def test_bf16_more_families_within_full_sequence_bf16_error(family):
     torch.manual_seed(0)
     sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, **SPECIAL)
-    if family == "falcon":  # Falcon-7B's one K/V head comes from multi_query, not num_key_value_heads
+    if family == "falcon":  # Falcon-7B's one K/V head comes from multi_query, its MLP width from ffn_hidden_size
         sizes.pop("num_key_value_heads")
+        sizes["ffn_hidden_size"] = sizes.pop("intermediate_size")
     config = AutoConfig.for_model(family, **{**sizes, **GPU_MORE_FAMILIES[family]})
     attention = "eager" if family in ("gemma2", "vaultgemma") else "sdpa"  # SDPA takes no soft cap
     model32 = AutoModelForCausalLM.from_config(config, attn_implementation=attention).cuda().float().train()
