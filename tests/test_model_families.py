@@ -272,6 +272,7 @@ HEAD_FAMILIES = {
     "cohere": dict(),  # logit_scale 0.0625
     "cohere2": dict(sliding_window=11, layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(logits_scaling=4.0),
+    "hyperclovax": dict(logits_scaling=4.0),  # multiplies where Granite divides
     "nanochat": dict(final_logit_softcapping=0.5),
     "gemma2": SOFT_CAPPED,
     "vaultgemma": SOFT_CAPPED,
