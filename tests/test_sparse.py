@@ -290,13 +290,13 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
         made[(start, store.layer)] = selection = select(q, store, summaries, config, start, doc_start)
         return selection
 
-    def record_fwd(q, k, v, store, start, scale, selection, doc_start):
+    def record_fwd(q, k, v, store, start, scale, selection, doc_start, softcap=None):
         calls.append(("fwd", start, store.layer, selection))
-        return fwd(q, k, v, store, start, scale, selection, doc_start)
+        return fwd(q, k, v, store, start, scale, selection, doc_start, softcap)
 
-    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start):
+    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start, softcap=None):
         calls.append(("bwd", start, store.layer, selection))
-        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start)
+        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start, softcap)
 
     monkeypatch.setattr(schedule, "select_pages", record_select)
     monkeypatch.setattr(sparse, "attention_forward", record_fwd)
