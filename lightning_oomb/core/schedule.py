@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..integrations.decoder import decoder_of
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows
+from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
@@ -257,6 +257,7 @@ class ChunkedSequence:
         )
         self.decoder = decoder_of(self.lm)
         self.head = self.lm.get_output_embeddings()
+        self.logit_head = logit_head(self.lm)  # what the model does to the output layer's logits
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
@@ -310,10 +311,12 @@ class ChunkedSequence:
 
     # -- called by every attention layer through the transformers integration -------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """The layer's attention for the current chunk; ``window``: a sliding window of that many tokens (each query
         sees itself and the window - 1 keys before it), None for full causal attention; ``sinks``: (H_q,)
-        attention-sink logits (core/attention.py), or None."""
+        attention-sink logits (core/attention.py), or None; ``softcap``: scores soft-capped to
+        softcap * tanh(score / softcap), or None."""
         if self.pool is None:
             self._take_pages(k.dtype)
         store = self.pool.layer(layer_idx, self.table)
@@ -341,11 +344,11 @@ class ChunkedSequence:
         store, start, doc_start, one_document = self._past(store, selection is None, *bounds)
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                      doc_start, one_document, sinks)
+                                                      doc_start, one_document, sinks, softcap)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
             out, lse = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection, doc_start,
-                                                one_document, sinks)
+                                                one_document, sinks, softcap)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
@@ -358,9 +361,9 @@ class ChunkedSequence:
             # autograd: the checkpoint counts the tensors its forward saves.
             with torch.no_grad():
                 self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                          doc_start, one_document, sinks)
+                                                          doc_start, one_document, sinks, softcap)
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
-                               one_document, sinks)
+                               one_document, sinks, softcap)
 
     def _chunk_bounds(self, window: int | None, queries: int) -> tuple[torch.Tensor | None, int | None, int]:
         """The current chunk's (doc_start, one_document, page) for a layer with a sliding ``window`` (None: full
@@ -449,7 +452,7 @@ class ChunkedSequence:
         loss, grad_rows = linear_cross_entropy(
             rows, self.head.weight, self.head.bias, targets, self.n_valid,
             self.head_grads if with_grads else None, with_grad_hidden=with_grads and self._decoder_trains,
-            fused=self.fused_ops,
+            fused=self.fused_ops, head=self.logit_head,
         )
         if grad_rows is None:
             return loss, None
@@ -501,7 +504,8 @@ class ChunkedSequence:
                     if self.stage_1_loss:
                         total += loss
                 if keep_last and end > first_kept:
-                    kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
+                    logits = self.head(hidden[:, max(0, first_kept - start) :])
+                    kept.append(self.logit_head.apply(logits, inplace=True))
                 if self.observer is not None:
                     self.observer(1, index, start, end)
         if self.stage_1_loss and self.balance is not None:

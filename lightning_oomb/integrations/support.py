@@ -1,7 +1,8 @@
 """Which transformers causal LMs the engine trains exactly: any whose layers mix tokens only in attention called
 through transformers' AttentionInterface (causal, a RoPE or position embedding that does not depend on the
-sequence length) and whose loss is the cross-entropy of ``lm_head(h)``. ``check_supported`` refuses every
-other model before any compute, in one line naming what stands in the way and what to set.
+sequence length) and whose loss is the cross-entropy of ``lm_head(h)`` as the model's head changes it
+(``LogitHead``: a scale, a soft cap). ``check_supported`` refuses every other model before any compute, in one
+line naming what stands in the way and what to set.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from .decoder import decoder_of
 from .router_balance import router_class
-from .transformers import causal_lm
+from .transformers import causal_lm, logit_head
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -24,13 +25,9 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 # Layer kinds some hybrids' layer_types also name that mix no tokens (their own MLP or experts' layer).
 TOKENWISE_LAYERS = ("mlp", "moe")
-# Config fields that make the logits or the loss other than cross-entropy of lm_head(h): (value that changes
-# nothing, what the engine would leave out).
-HEAD_CHANGES = {
-    "final_logit_softcapping": (None, "the soft-capping of the logits"),
-    "logits_scaling": (1.0, "the division of the logits by logits_scaling"),
-    "logit_scale": (1.0, "the scaling of the logits by logit_scale"),
-}
+# Model types whose attention layers call transformers' AttentionInterface though their class does not declare
+# ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
+INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon")
 PROBE_TOKENS = 8
 _loss_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose loss was probed
 
@@ -41,6 +38,14 @@ def _rope_type(config) -> str:
         if isinstance(params, dict) and ("rope_type" in params or "type" in params):
             return params.get("rope_type", params.get("type"))
     return "default"
+
+
+def _alibi(cfg) -> bool:
+    """Whether the model biases its attention scores by ALiBi: BLOOM always, MPT and Falcon where their config
+    says so (``attn_config.alibi``, ``alibi``)."""
+    attention = getattr(cfg, "attn_config", None)
+    return (cfg.model_type == "bloom" or getattr(cfg, "alibi", False) is True
+            or getattr(attention, "alibi", False) is True)
 
 
 def check_supported(model: nn.Module) -> None:
@@ -55,8 +60,13 @@ def check_supported(model: nn.Module) -> None:
         what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
         raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
                                   "not supported")
-    # After the layer kinds: a hybrid's recurrent layers are the reason that names what stands in the way.
-    if not getattr(lm, "_supports_attention_backend", False):
+    if _alibi(cfg):
+        raise NotImplementedError(
+            f"{name} adds ALiBi position biases (a slope per head times the key's distance) to its attention "
+            "scores, which lightning_oomb's attention does not compute: not supported"
+        )
+    # After the layer kinds and ALiBi: what stands in the way is named before the own-code attention it comes with.
+    if not getattr(lm, "_supports_attention_backend", False) and cfg.model_type not in INTERFACE_WITHOUT_FLAG:
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
@@ -65,13 +75,6 @@ def check_supported(model: nn.Module) -> None:
     if any(m.is_causal is False for m in attention):
         raise NotImplementedError(f"{name} has bidirectional attention layers: lightning_oomb attention is causal "
                                   "only")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise NotImplementedError("attn_logit_softcapping is not implemented by lightning_oomb attention")
-    for field, (neutral, what) in HEAD_CHANGES.items():
-        value = getattr(cfg, field, neutral)
-        if value is not None and value != neutral:
-            raise NotImplementedError(f"{name} has {field}={value}: {what} is not implemented by lightning_oomb's "
-                                      "chunked loss")
     if getattr(cfg, "output_router_logits", False) and router_class(lm) is None:
         raise NotImplementedError(
             f"{name} has output_router_logits=True, which adds the experts' load-balancing loss, and records no "
@@ -110,9 +113,10 @@ def _check_deterministic_training(lm: nn.Module, name: str) -> None:
 
 
 def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
-    """The model's own loss and logits on a few tokens against cross-entropy of lm_head(decoder(ids)), what the
-    engine computes: whatever else a model adds (a scale, an auxiliary loss) shows here. Once per model; skipped
-    for weights not yet made (meta) or sharded (DTensor), whose families the checks above already cover."""
+    """The model's own loss and logits on a few tokens against cross-entropy of head(lm_head(decoder(ids))), what
+    the engine computes (``head``: its ``LogitHead``, from the config): whatever else a model adds (a scale no
+    config field names, an auxiliary loss) shows here. Once per model; skipped for weights not yet made (meta) or
+    sharded (DTensor), whose families the checks above already cover."""
     if lm in _loss_checked:
         return
     params = list(lm.parameters())
@@ -129,14 +133,15 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     with torch.no_grad():
         out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, **extra)
         hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = lm.get_output_embeddings()(hidden)
+        logits = logit_head(lm).apply(lm.get_output_embeddings()(hidden))
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     same_logits = out.logits.shape == logits.shape and torch.allclose(out.logits.float(), logits.float(),
                                                                       rtol=1e-3, atol=1e-3)
     if not same_logits or not torch.allclose(out.loss.float(), loss, rtol=1e-3, atol=1e-4):
         what = "logits" if not same_logits else f"loss ({out.loss.item():.6g} against {loss.item():.6g})"
         raise NotImplementedError(
-            f"{name}'s {what} differ from the cross-entropy of lm_head(hidden states) on {PROBE_TOKENS} tokens: "
+            f"{name}'s {what} differ from the cross-entropy of lm_head(hidden states) on {PROBE_TOKENS} tokens "
+            "(with the logit scale and soft cap its config names): "
             "the model adds something (a scale, a cap, an auxiliary loss) that lightning_oomb's chunked loss "
             "does not compute; not supported"
         )
