@@ -7,6 +7,7 @@ line naming what stands in the way and what to set.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -66,7 +67,7 @@ def check_supported(model: nn.Module) -> None:
             "scores, which lightning_oomb's attention does not compute: not supported"
         )
     # After the layer kinds and ALiBi: what stands in the way is named before the own-code attention it comes with.
-    if not getattr(lm, "_supports_attention_backend", False) and cfg.model_type not in INTERFACE_WITHOUT_FLAG:
+    if not _calls_attention_interface(lm):
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
@@ -89,6 +90,16 @@ def check_supported(model: nn.Module) -> None:
     if lm.training:
         _check_deterministic_training(lm, name)
     _check_loss_is_cross_entropy(lm, name)
+
+
+def _calls_attention_interface(lm: nn.Module) -> bool:
+    """Whether ``lm``'s attention goes through transformers' AttentionInterface: its class says so, or it is one
+    of INTERFACE_WITHOUT_FLAG and its modeling module, in the installed transformers, looks the function up there
+    (older releases of those families computed attention in their own code)."""
+    if getattr(lm, "_supports_attention_backend", False):
+        return True
+    modeling = sys.modules.get(type(lm).__module__)
+    return lm.config.model_type in INTERFACE_WITHOUT_FLAG and "ALL_ATTENTION_FUNCTIONS" in vars(modeling or object)
 
 
 def _check_deterministic_training(lm: nn.Module, name: str) -> None:
