@@ -512,6 +512,35 @@ class ChunkedSequence:
             total += self.balance.loss()
         return total, (torch.cat(kept, dim=1) if kept else None)
 
+    def extend(self, end: int, keep_last: int = 0) -> torch.Tensor | None:
+        """Stage 1 without gradients over input_ids' tokens [stored, end), after the ``stored`` tokens that
+        earlier calls wrote into the pages (none at first), in chunks of ``chunk_size``; returns the logits
+        (B, keep_last, V) of the span's last ``keep_last`` positions, else None. ``fill`` runs every chunk at
+        once; decoding needs the tokens one at a time, each chosen from the logits before it, so a caller may
+        write input_ids[:, stored:end] between calls (lightning_oomb.evaluation). No loss, no load-balancing
+        loss."""
+        stored = getattr(self, "_stored", 0)
+        if self._stage not in ("new", "fill") or (self._stage == "fill" and (self._with_grads or not stored)):
+            raise RuntimeError("extend() continues its own stage 1 only: not after fill() or backward()")
+        if not stored < end <= self.input_ids.shape[1] or not 0 <= keep_last <= end - stored:
+            raise ValueError(f"extend({end}, keep_last={keep_last}) after {stored} stored tokens of "
+                             f"{self.input_ids.shape[1]}: needs {stored} < end <= {self.input_ids.shape[1]} and "
+                             f"keep_last <= {end - stored}")
+        self._stage, self._with_grads, self._decoder_trains = "fill", False, False
+        first_kept = end - keep_last
+        kept = []
+        with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
+            for start in range(stored, end, self.config.chunk_size):
+                stop = min(start + self.config.chunk_size, end)
+                self._set_chunk(self._chunk + 1 if stored else 0)  # a new key for the chunk's selections
+                self._hidden_needed = stop > first_kept
+                hidden = self._chunk_hidden(start, stop)
+                if stop > first_kept:
+                    logits = self.head(hidden[:, max(0, first_kept - start):])
+                    kept.append(self.logit_head.apply(logits, inplace=True))
+                self._stored = stored = stop
+        return torch.cat(kept, dim=1) if kept else None
+
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stage 2: adds d(grad_scale * loss)/d(param) to every param.grad; returns the loss (detached)."""
         if self._stage != "fill" or not self._with_grads:
