@@ -21,8 +21,8 @@ class GenerateOutput:
     sequences: (B, T_prompt + n) int64, the prompt and the n new tokens, as ``generate`` returns alone.
     logprobs: (B, n) float32, the log-probability (natural log) of each new token under the model's
         distribution at its step: log_softmax of the final logits, what transformers'
-        ``compute_transition_scores(sequences, scores, normalize_logits=True)`` gives for greedy search. Where a
-        sequence has ended (batches), its padding's entries are 0.
+        ``compute_transition_scores(sequences, scores, normalize_logits=True)`` gives for greedy search (where a
+        sequence of a batch has ended, that of its padding token, as there).
     """
 
     sequences: torch.Tensor
@@ -64,6 +64,9 @@ def generate(
     activations; logits of one position per sequence at a time.
     """
     lm = causal_lm(model)
+    if "attention_mask" in options:  # the transformers habit; the pages hold every position of every sequence
+        raise ValueError("generate takes unpadded prompts of one length and no attention_mask; generate prompts "
+                         "of other lengths one call each")
     eos = _eos_ids(eos_token_id, lm)
     if max_new_tokens is None:
         raise ValueError("generate needs max_new_tokens (the most new tokens per sequence), got None")
@@ -98,10 +101,9 @@ def generate(
         for step in range(max_new_tokens):
             scores = torch.log_softmax(logits.float(), dim=-1)
             token = logits.argmax(dim=-1)
-            logprob = scores.gather(1, token[:, None])[:, 0]
             if pad_token_id is not None:
                 token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-            logprob = logprob.masked_fill(finished, 0.0)
+            logprob = scores.gather(1, token[:, None])[:, 0]
             chosen.append(token)
             logprobs.append(logprob)
             if eos:
