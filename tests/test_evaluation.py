@@ -98,6 +98,8 @@ def test_generate_refuses_what_it_cannot_do_in_one_line():
         with pytest.raises(ValueError, match=match) as caught:
             call()
         assert "\n" not in str(caught.value)
+    with pytest.raises(TypeError, match="token ids"):
+        lightning_oomb.generate(model, prompt().float(), max_new_tokens=2)
 
 
 def whole_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -148,3 +150,30 @@ def test_scoring_refuses_empty_requests_in_one_line():
         with pytest.raises(ValueError) as caught:
             call()
         assert "\n" not in str(caught.value)
+
+
+def test_extend_continues_its_own_stage_1_only():
+    """ChunkedSequence.extend, the engine's hook for decoding: spans after the stored tokens, never after fill()."""
+    from lightning_oomb.core.schedule import ChunkedSequence
+
+    model = tiny_model("qwen2").eval()
+    ids = prompt(length=9)
+    seq = ChunkedSequence(model, ids, config=lightning_oomb.ChunkConfig(**CUTS))
+    try:
+        assert seq.extend(5) is None
+        with pytest.raises(ValueError, match="after 5 stored tokens"):
+            seq.extend(5)
+        with pytest.raises(ValueError, match="keep_last"):
+            seq.extend(7, keep_last=3)
+        with torch.no_grad():
+            want = model(input_ids=ids).logits[:, 7:9]
+        assert (seq.extend(9, keep_last=2) - want).abs().max().item() <= TOL
+    finally:
+        seq.release()
+    seq = ChunkedSequence(model, ids, config=lightning_oomb.ChunkConfig(**CUTS), stage_1_loss=True)
+    try:
+        seq.fill(with_grads=False)
+        with pytest.raises(RuntimeError, match="not after fill"):
+            seq.extend(9)
+    finally:
+        seq.release()

@@ -77,6 +77,8 @@ def generate(
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be (batch, prompt_len) token ids of B >= 1 unpadded prompts of one "
                          f"length, got {shape}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold token ids (int64 or int32), got dtype {input_ids.dtype}")
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
     positions = getattr(lm.config, "max_position_embeddings", None)
