@@ -45,7 +45,7 @@ def test_generate_matches_transformers_greedy(family):
 @pytest.mark.parametrize("options", [
     dict(offload="host", segment_tokens=4),  # streamed in segments that cut pages and chunks
     dict(sparse={"budget_pages": 64}),  # a budget over every page: dense attention
-    dict(sparse={"budget_pages": 64}, offload="host"),
+    dict(sparse={"budget_pages": 64}, offload="host"),  # every layer's K/V pages in host memory, gathered
 ], ids=["host", "sparse-full-budget", "sparse-full-budget-host"])
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 def test_generate_over_host_and_sparse_pages(family, options):
