@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -308,6 +308,8 @@ class ChunkedSequence:
         self._start = 0
         self._with_grads = True
         self._window_cache: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)
+        self._stored = 0  # extend(): the tokens whose K/V are in the pages
+        self._bound = False  # inside bound()
 
     # -- called by every attention layer through the transformers integration -------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -519,7 +521,7 @@ class ChunkedSequence:
         once; decoding needs the tokens one at a time, each chosen from the logits before it, so a caller may
         write input_ids[:, stored:end] between calls (lightning_oomb.evaluation). No loss, no load-balancing
         loss."""
-        stored = getattr(self, "_stored", 0)
+        stored = self._stored
         if self._stage not in ("new", "fill") or (self._stage == "fill" and (self._with_grads or not stored)):
             raise RuntimeError("extend() continues its own stage 1 only: not after fill() or backward()")
         if not stored < end <= self.input_ids.shape[1] or not 0 <= keep_last <= end - stored:
@@ -529,7 +531,8 @@ class ChunkedSequence:
         self._stage, self._with_grads, self._decoder_trains = "fill", False, False
         first_kept = end - keep_last
         kept = []
-        with torch.no_grad(), bind(self.model, self, fused_ops=self.fused_ops):
+        binding = contextlib.nullcontext() if self._bound else self.bound()
+        with torch.no_grad(), binding:
             for start in range(stored, end, self.config.chunk_size):
                 stop = min(start + self.config.chunk_size, end)
                 self._set_chunk(self._chunk + 1 if stored else 0)  # a new key for the chunk's selections
@@ -540,6 +543,17 @@ class ChunkedSequence:
                     kept.append(self.logit_head.apply(logits, inplace=True))
                 self._stored = stored = stop
         return torch.cat(kept, dim=1) if kept else None
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[None]:
+        """The model's attention routed to this sequence for every ``extend`` inside. Each ``bind`` walks every
+        module of the model: once per decoded token, that is a quarter of a tiny model's decoding time on a CPU."""
+        with bind(self.model, self, fused_ops=self.fused_ops):
+            self._bound = True
+            try:
+                yield
+            finally:
+                self._bound = False
 
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stage 2: adds d(grad_scale * loss)/d(param) to every param.grad; returns the loss (detached)."""

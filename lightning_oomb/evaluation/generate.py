@@ -99,23 +99,25 @@ def generate(
     finished = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=ids.device)
     try:
-        logits = seq.extend(prompt, keep_last=1)[:, -1]  # (B, V)
-        for step in range(max_new_tokens):
-            scores = torch.log_softmax(logits.float(), dim=-1)
-            token = logits.argmax(dim=-1)
-            if pad_token_id is not None:
-                token = torch.where(finished, torch.full_like(token, pad_token_id), token)
-            logprob = scores.gather(1, token[:, None])[:, 0]
-            chosen.append(token)
-            logprobs.append(logprob)
-            if eos:
-                finished |= torch.isin(token, eos_t)
-                if bool(finished.all()):
+        # Bound once: the model's attention goes to the sequence for every token, not rebound per token.
+        with seq.bound():
+            logits = seq.extend(prompt, keep_last=1)[:, -1]  # (B, V)
+            for step in range(max_new_tokens):
+                scores = torch.log_softmax(logits.float(), dim=-1)
+                token = logits.argmax(dim=-1)
+                if pad_token_id is not None:
+                    token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+                logprob = scores.gather(1, token[:, None])[:, 0]
+                chosen.append(token)
+                logprobs.append(logprob)
+                if eos:
+                    finished |= torch.isin(token, eos_t)
+                    if bool(finished.all()):
+                        break
+                if step + 1 == max_new_tokens:
                     break
-            if step + 1 == max_new_tokens:
-                break
-            ids[:, prompt + step] = token
-            logits = seq.extend(prompt + step + 1, keep_last=1)[:, -1]
+                ids[:, prompt + step] = token
+                logits = seq.extend(prompt + step + 1, keep_last=1)[:, -1]
     finally:
         seq.release()
     sequences = torch.cat([input_ids.long(), torch.stack(chosen, dim=1)], dim=1)
