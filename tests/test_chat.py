@@ -247,3 +247,33 @@ def test_packed_step_equals_the_conversations_trained_separately(tmp_path):
         want_loss += out.detach()
     assert rel_err(loss, want_loss) <= 1e-5, (loss.item(), want_loss.item())
     assert_grads_close(got, grads_of(model), 1e-5)
+
+
+def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys):
+    import yaml
+
+    from lightning_oomb.cli import main
+
+    tok_dir = save_tokenizer(tmp_path / "tok")
+    f = write_jsonl(tmp_path / "c.jsonl", conversations(8))
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "logger": False,
+                    "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+                    "num_sanity_val_steps": 0,
+                    "strategy": {"class_path": "lightning_oomb.OOMBStrategy",
+                                 "init_args": {"chunk_size": 32, "page_size": 16}}},
+        "model": {"config": {"model_type": "qwen2", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 48,
+                             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
+                  "learning_rate": 1e-3},
+        "data": {"class_path": "lightning_oomb.ChatDataModule",
+                 "init_args": {"paths": [str(f)], "tokenizer": str(tok_dir), "seq_len": 128, "batch_size": 2}},
+    }
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path), "--export", "false"]) in (None, 0)
+    with f.open("a") as out:
+        out.write('{"messages": [\n')
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path), "--export", "false"]) == 2
+    assert f"{f}, line 9: not valid JSON" in capsys.readouterr().err
