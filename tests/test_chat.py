@@ -144,7 +144,7 @@ def test_bad_rows_name_the_file_the_row_and_the_fix(tmp_path):
         ChatRenderer(make_tokenizer(strict)).render(odd, "row 7")
     silent = CHATML.replace("{{ '<|im_start|>'", "{% if m['role'] != 'narrator' %}{{ '<|im_start|>'").replace(
         "<|im_end|>\n' }}{% endfor %}", "<|im_end|>\n' }}{% endif %}{% endfor %}")
-    with pytest.raises(ChatDataError, match="row 7: the chat template leaves out message 2 .role 'narrator'"):
+    with pytest.raises(ChatDataError, match="row 7: the chat template does not render message 2 .role 'narrator'"):
         ChatRenderer(make_tokenizer(silent)).render(odd, "row 7")
     with pytest.raises(ChatDataError, match="no assistant message"):
         ChatRenderer(make_tokenizer()).render(TALK[:2], "row 1")
@@ -163,6 +163,7 @@ def conversations(n: int) -> list[dict]:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -175,9 +176,16 @@ def test_datamodule_packs_whole_conversations_with_document_masking(tmp_path):
     import pyarrow.parquet as pq
 
     rows = conversations(12)
-    write_jsonl(tmp_path / "a.jsonl", rows[:6])
-    pq.write_table(pa.Table.from_pylist(rows[6:]), tmp_path / "b.parquet")
-    dm = lightning_oomb.ChatDataModule([str(tmp_path)], tokenizer=str(tok_dir), seq_len=128, batch_size=2)
+    write_jsonl(tmp_path / "chats" / "a.jsonl", rows[:4])
+    pq.write_table(pa.Table.from_pylist(rows[4:8]), tmp_path / "chats" / "b.parquet")
+    # A folder as datasets' save_to_disk writes it: Arrow IPC streams named in state.json.
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    with pa.ipc.new_stream(str(saved / "data-00000-of-00001.arrow"), pa.Table.from_pylist(rows[8:]).schema) as w:
+        w.write_table(pa.Table.from_pylist(rows[8:]))
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    dm = lightning_oomb.ChatDataModule([str(tmp_path / "chats"), str(saved)], tokenizer=str(tok_dir), seq_len=128,
+                                       batch_size=2)
     dm.setup("fit")
     renderer = ChatRenderer(dm.tokenizer)
     convs = [renderer.render(r["messages"], "") for r in rows]

@@ -36,7 +36,8 @@ class ChatDataError(SetupError):
 
 
 def find_chat_files(paths: list[str]) -> list[Path]:
-    """The conversation files: each path a .jsonl/.parquet file or a folder searched recursively, sorted."""
+    """The conversation files: each path a .jsonl/.parquet file, a folder ``datasets``' ``save_to_disk`` wrote
+    (taken whole), or a folder searched recursively for .jsonl/.parquet files, sorted."""
     if not paths:
         raise ChatDataError("data.init_args.paths is empty: give one or more .jsonl or .parquet files or folders")
     files: list[Path] = []
@@ -45,10 +46,17 @@ def find_chat_files(paths: list[str]) -> list[Path]:
         if not path.exists():
             raise ChatDataError(f"data.init_args.paths: {raw} does not exist; check the path (relative paths are "
                                 f"taken from the current directory, {os.getcwd()})")
-        if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = ", ".join(sorted(p.name for p in path.iterdir() if (p / "state.json").is_file()))
+            raise ChatDataError(f"data.init_args.paths: {raw} is a saved DatasetDict; give one split's folder "
+                                f"({splits})")
+        if (path / "state.json").is_file():
+            files.append(path)  # a datasets save_to_disk folder: its .arrow files are one table
+        elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in CHAT_SUFFIXES)
             if not found:
-                raise ChatDataError(f"data.init_args.paths: the folder {raw} holds no .jsonl or .parquet files")
+                raise ChatDataError(f"data.init_args.paths: the folder {raw} holds no .jsonl or .parquet files (nor "
+                                    "is it a datasets save_to_disk folder)")
             files += found
         elif path.suffix.lower() in CHAT_SUFFIXES:
             files.append(path)
@@ -83,8 +91,11 @@ def _missing(record: Any, where: str) -> ChatDataError:
 
 
 def read_conversations(file: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """(where, messages) of each row of a .jsonl (blank lines skipped) or .parquet file; where names the file
-    and the line (JSONL, from 1) or row (Parquet, from 0)."""
+    """(where, messages) of each row of a .jsonl (blank lines skipped) or .parquet file or a save_to_disk
+    folder; where names the file and the line (JSONL, from 1) or row (Parquet and saved datasets, from 0)."""
+    if file.is_dir():
+        yield from _read_saved_dataset(file)
+        return
     if file.suffix.lower() == ".parquet":
         yield from _read_parquet(file)
         return
@@ -124,6 +135,32 @@ def _read_parquet(file: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
     for group in range(pf.num_row_groups):
         for messages in pf.read_row_group(group, columns=["messages"]).column(0).to_pylist():
             where = f"{file}, row {row}"
+            yield where, check_messages(messages, where)
+            row += 1
+
+
+def _read_saved_dataset(folder: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    # save_to_disk writes Arrow IPC streams named in state.json, which pyarrow reads without ``datasets``.
+    import pyarrow as pa
+
+    try:
+        names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ChatDataError(f"{folder}: state.json does not list the dataset's files ({e}); save it again with "
+                            "save_to_disk") from None
+    if any(not isinstance(n, str) or Path(n).name != n for n in names):
+        raise ChatDataError(f"{folder}: state.json names files outside the folder ({names}); save it again with "
+                            "save_to_disk")
+    row = 0
+    for name in names:
+        try:
+            table = pa.ipc.open_stream(pa.memory_map(str(folder / name))).read_all()
+        except (OSError, pa.ArrowInvalid) as e:
+            raise ChatDataError(f"{folder / name}: not a readable Arrow file ({e})") from None
+        if "messages" not in table.column_names:
+            raise _missing(dict.fromkeys(table.column_names), str(folder))
+        for messages in table.column("messages").to_pylist():
+            where = f"{folder}, row {row}"
             yield where, check_messages(messages, where)
             row += 1
 
@@ -200,8 +237,9 @@ class ChatRenderer:
             content = m["content"].strip()
             found = text.find(content, cursor)
             if found < 0:
-                raise ChatDataError(f"{where}: the chat template leaves out message {k} (role {m['role']!r}): a role "
-                                    "it does not know? use the roles the template renders (system, user, assistant)")
+                raise ChatDataError(f"{where}: the chat template does not render message {k} (role {m['role']!r}) "
+                                    "as given: a role it does not know, or text it rewrites; use the roles the "
+                                    "template renders (system, user, assistant)")
             cursor = found + len(content)
 
     def _marked_spans(self, messages, where: str, n_assistant: int):
