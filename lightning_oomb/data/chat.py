@@ -189,7 +189,8 @@ class ChatRenderer:
             raise ChatDataError("the tokenizer has no chat template; use a tokenizer that has one (an instruct "
                                 "model's) or set data.init_args.chat_template")
         self.tokenizer, self.train_on = tokenizer, train_on
-        self.markers = bool(GENERATION_MARKER.search(self.template))
+        # transformers maps the markers to tokens through character offsets, which only fast tokenizers give.
+        self.markers = bool(GENERATION_MARKER.search(self.template)) and getattr(tokenizer, "is_fast", False)
         self.special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
 
