@@ -205,6 +205,12 @@ def test_datamodule_packs_whole_conversations_with_document_masking(tmp_path):
     # Every conversation in exactly one sequence.
     every = [tuple(dm.train_set.conversations[c].ids) for b in dm.train_set.bins for c in b]
     assert sorted(every) == sorted(by_ids)
+    # val_fraction holds out whole conversations.
+    held = lightning_oomb.ChatDataModule([str(tmp_path / "chats"), str(saved)], tokenizer=str(tok_dir), seq_len=128,
+                                         val_fraction=0.25)
+    held.setup("fit")
+    parts = [[tuple(d.conversations[c].ids) for b in d.bins for c in b] for d in (held.train_set, held.val_set)]
+    assert len(parts[1]) == 3 and sorted(parts[0] + parts[1]) == sorted(by_ids)
 
 
 def test_conversations_longer_than_seq_len_are_counted_and_refused_or_truncated(tmp_path):
