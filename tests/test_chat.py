@@ -273,6 +273,7 @@ def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys):
     config = {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "logger": False,
+                    "default_root_dir": str(tmp_path),
                     "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
                     "num_sanity_val_steps": 0,
                     "strategy": {"class_path": "lightning_oomb.OOMBStrategy",
