@@ -30,7 +30,7 @@ def test_sample_fits_the_length_and_hides_its_answers(task, tokenizer):
     assert a == b  # deterministic in (task, length, index, seed)
     assert make_sample(task, length, tokenizer, index=1).prompt != a.prompt
     assert make_sample(task, length, tokenizer, index=0, seed=1).prompt != a.prompt
-    assert a.tokens == len(tokenizer.encode(a.prompt, add_special_tokens=False))
+    assert a.tokens == len(tokenizer.encode(a.prompt, add_special_tokens=True))
     total = a.tokens + a.max_new_tokens
     assert 0.9 * length <= total <= length, (task, total)
     assert a.references and all(r in a.prompt for r in a.references)

@@ -69,8 +69,8 @@ class Sample:
     """One prompt of a task at one length.
 
     prompt: the text the model continues (ends with the answer prefix). references: the strings the answer
-    must contain. tokens: the prompt's length in tokens of the tokenizer it was made with; tokens +
-    max_new_tokens <= the length asked for.
+    must contain. tokens: the prompt's length in tokens of the tokenizer it was made with, its special tokens
+    included (``encode(prompt, add_special_tokens=True)``); tokens + max_new_tokens <= the length asked for.
     """
 
     task: str
@@ -243,7 +243,8 @@ BUILDERS: dict[str, Callable[[TaskSpec, random.Random, int], Builder]] = {
 
 
 def _count(tokenizer: Tokenizer, text: str) -> int:
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    # With the special tokens the model is given (a BOS token, for many), as the prompt is encoded to decode it.
+    return len(tokenizer.encode(text, add_special_tokens=True))
 
 
 def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, seed: int = 0) -> Sample:
