@@ -258,27 +258,42 @@ def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, se
     rng = random.Random(f"{task}/{length}/{index}/{seed}")
     build = BUILDERS[spec.kind](spec, rng, length)
     budget = length - spec.max_new_tokens
-    tokens = lambda n: _count(tokenizer, build(rng, n)[0])
+    # A 1M-token prompt is megabytes of text, so each count is a tokenizer pass over it: the search interpolates
+    # (the count grows about linearly with the filler) and bisects only where interpolation stalls.
+    seen: dict[int, int] = {}
+
+    def tokens(n: int) -> int:
+        if n not in seen:
+            seen[n] = _count(tokenizer, build(rng, n)[0])
+        return seen[n]
+
     low = 1
     if tokens(low) > budget:
         raise ValueError(f"{task} at {length} tokens: its prompt alone takes {tokens(low)} tokens and it generates "
                          f"{spec.max_new_tokens}; ask for a longer length")
-    # Filler grows about linearly: estimate the count from a small prompt, then bisect around it.
     probe = 64
     per_unit = max((tokens(probe) - tokens(low)) / (probe - low), 1e-3)
-    guess = max(low + 1, int((budget - tokens(low)) / per_unit) + 1)
-    high = guess
-    while tokens(high) <= budget:
-        low, high = high, high * 2
+    high = max(low + 1, int((budget - tokens(low)) / per_unit) + 1)
+    while tokens(high) <= budget:  # an upper bracket: the estimate, or past it
+        low, high = high, high + max(2, (high - low) // 8, int((budget - tokens(high)) / per_unit) + 2)
     # tokens(low) <= budget < tokens(high)
+    steps = 0
     while high - low > 1:
-        mid = (low + high) // 2
+        steps += 1
+        if steps % 3:  # interpolated between the brackets
+            rate = (tokens(high) - tokens(low)) / (high - low)
+            mid = min(max(low + int((budget - tokens(low)) / max(rate, 1e-3)), low + 1), high - 1)
+            if tokens(mid) <= budget and mid + 1 < high and tokens(mid + 1) > budget:
+                low, high = mid, mid + 1
+                continue
+        else:
+            mid = (low + high) // 2
         if tokens(mid) <= budget:
             low = mid
         else:
             high = mid
     prompt, references = build(rng, low)
-    return Sample(task, length, index, prompt, references, _count(tokenizer, prompt), spec.max_new_tokens)
+    return Sample(task, length, index, prompt, references, tokens(low), spec.max_new_tokens)
 
 
 def make_samples(task: str, length: int, tokenizer: Tokenizer, n: int, seed: int = 0) -> list[Sample]:
