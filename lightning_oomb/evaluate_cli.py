@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     report = dict(model=str(args.model), gguf_file=args.gguf_file, tasks=tasks, lengths=lengths,
                   samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
+                  plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
+                            pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans}),
                   scores=scores, details={t: {human_tokens(n): results[t][n]["samples"] for n in lengths}
                                           for t in tasks})
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -90,6 +90,8 @@ def test_evaluate_end_to_end(model_dir, tmp_path, capsys):
     assert table[0].split() == ["640", "768"] and [r.split()[0] for r in table[1:4]] == ["vt", "fwe", "mean"]
     results = json.loads((out / "results.json").read_text())
     assert results["lengths"] == [640, 768] and set(results["scores"]) == {"vt", "fwe"}
+    # K and V of 2 layers, 1 KV head of 16 dims, float32: 256 bytes a token
+    assert results["plan"]["pages"]["640"] == {"bytes": 640 * 256, "on": "cpu"}
     assert all(0 <= v <= 100 for row in results["scores"].values() for v in row.values())
     detail = results["details"]["vt"]["640"][0]
     assert detail["tokens"] + 30 <= 640 and len(detail["references"]) == 5 and isinstance(detail["prediction"], str)
