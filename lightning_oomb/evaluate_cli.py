@@ -17,10 +17,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
 
-from .cli_flags import STEP, OneLineParser, add_budget_pages, add_chunk, add_offload, add_page_size
+from .cli_flags import OneLineParser, add_budget_pages, add_chunk, add_offload, add_page_size
 from .core.units import human_tokens, parse_tokens
 
+if TYPE_CHECKING:
+    from .core.model_shape import ModelShape
+
+T = TypeVar("T")
 DTYPES = ("auto", "bfloat16", "float32")
 GiB = 2 ** 30
 
@@ -65,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.error(message)  # one line, exit 2
 
 
-def _parse_list(parser, text: str, what: str, parse) -> list:
+def _parse_list(parser: argparse.ArgumentParser, text: str, what: str, parse: Callable[[str], T]) -> list[T]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         _fail(parser, f"--{what} is empty")
@@ -90,7 +95,7 @@ class LengthPlan:
     why: str = ""
 
 
-def eval_plan(shape, tokens: list[int], dtype_bytes: int, chunk: int, device: str, offload: str,
+def eval_plan(shape: ModelShape, tokens: list[int], dtype_bytes: int, chunk: int, device: str, offload: str,
               gpu_memory: int | None, host_memory: int | None, max_positions: int | None) -> tuple[int, list[LengthPlan]]:
     """Each length's K/V pages (bytes = 2 x layers x KV heads x head_dim x dtype bytes x tokens) against the
     memory left once the weights (``shape.total_params`` x dtype bytes) and one chunk's activations (an
@@ -131,7 +136,7 @@ def eval_plan(shape, tokens: list[int], dtype_bytes: int, chunk: int, device: st
     return fixed, plans
 
 
-def _check_model_dir(parser, path: str, gguf_file: str | None):
+def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None) -> tuple[Path, Any, Any]:
     """The model's config and tokenizer, or one line and exit 2: a missing directory, config, weights, gguf
     package or tokenizer. Reads no weights."""
     from transformers import AutoConfig, AutoTokenizer
@@ -200,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     where, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file)
+    from .evaluation.ruler import make_sample
+
+    for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
+        try:
+            make_sample(t, lengths[0], tokenizer, 0, args.seed)
+        except ValueError as e:
+            _fail(parser, f"--lengths: {e}")
     shape = ModelShape.from_config(config, name=Path(args.model).name)
     bytes_ = torch.empty((), dtype=dtype).element_size()
     fixed, plans = eval_plan(shape, lengths, bytes_, args.chunk, device, args.offload, gpu_memory, host_memory,
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(model, tokenizer, tasks: list[str], lengths: list[int], samples: int, seed: int, options: dict,
+def run(model: Any, tokenizer: Any, tasks: list[str], lengths: list[int], samples: int, seed: int, options: dict,
         device: str) -> dict:
     """Every task at every length: ``samples`` prompts each, decoded greedily (the task's max_new_tokens, EOS
     of the tokenizer's or the model's), scored as RULER does. One progress line per task and length on stderr.
@@ -269,7 +281,7 @@ def run(model, tokenizer, tasks: list[str], lengths: list[int], samples: int, se
     return results
 
 
-def format_table(scores: dict, tasks: list[str], lengths: list[str]) -> str:
+def format_table(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str]) -> str:
     """The scores (0-100) as a text table: a row per task, a column per length, and the tasks' mean."""
     head = ["task", *lengths]
     rows = [[t, *(f"{scores[t][n]:.1f}" for n in lengths)] for t in tasks]
@@ -279,7 +291,7 @@ def format_table(scores: dict, tasks: list[str], lengths: list[str]) -> str:
     return "\n".join([line(head), *(line(r) for r in rows)])
 
 
-def heatmap(scores: dict, tasks: list[str], lengths: list[str], path: Path, title: str = "") -> None:
+def heatmap(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str], path: Path, title: str = "") -> None:
     """The scores as a task x length heatmap PNG (0 red, 100 green), each cell labelled."""
     import matplotlib
 

@@ -117,6 +117,8 @@ def test_a_length_that_does_not_fit_is_one_line(model_dir, capsys):
     assert "--lengths 8K does not fit: beyond the model's max_position_embeddings 4,096" in err
     err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "2K", "--host-memory", "1MiB"])
     assert "--lengths 2K does not fit: its K/V pages take" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt,niah_single_1", "--lengths", "400,1K"])
+    assert "--lengths: vt at 400 tokens: its prompt alone takes" in err
 
 
 def test_a_directory_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):
