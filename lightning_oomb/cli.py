@@ -1,5 +1,5 @@
 """The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs
-(lightning_oomb/lightning/cli.py), plus the plain ``plan`` and ``bench`` commands."""
+(lightning_oomb/lightning/cli.py), plus the plain ``plan``, ``bench`` and ``evaluate`` commands."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ commands:
   test      test loss (Lightning CLI)
   plan      memory and time of one step before running it: plan --model qwen2.5-7b --context 1M --gpu-memory 140GiB
   bench     measure steps against plain transformers on this GPU: bench --model qwen2.5-7b --lengths 16k,32k
+  evaluate  RULER's synthetic tasks at each context length: evaluate --model DIR --lengths 4K,16K,64K
 
 `lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration)."""
 
 
-COMMANDS = ("fit", "validate", "test", "plan", "bench")
+COMMANDS = ("fit", "validate", "test", "plan", "bench", "evaluate")
 
 
 def main(args: list[str] | None = None) -> int | None:
@@ -39,6 +40,10 @@ def main(args: list[str] | None = None) -> int | None:
         from .bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[0] == "evaluate":
+        from .evaluate_cli import main as evaluate_main
+
+        return evaluate_main(argv[1:])
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         import difflib
 

@@ -1,0 +1,314 @@
+"""``lightning-oomb evaluate``: RULER's synthetic tasks (``evaluation/ruler.py``) at a list of context lengths, each
+prompt decoded greedily over the engine's K/V pages (``lightning_oomb.generate``).
+
+Order: the flags, the optional packages, the model directory and its tokenizer are checked, then the eval plan
+(K/V pages of each length, no gradients) says what fits; any of them refused is one line and exit status 2,
+before the model loads. Then one progress line per task and length, the task x length table, and in --out:
+results.json (scores, and every sample's prediction) and heatmap.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
+
+from .cli_flags import OneLineParser, add_budget_pages, add_chunk, add_offload, add_page_size
+from .core.units import human_tokens, parse_tokens
+
+if TYPE_CHECKING:
+    from .core.model_shape import ModelShape
+
+T = TypeVar("T")
+DTYPES = ("auto", "bfloat16", "float32")
+GiB = 2 ** 30
+
+
+def _size(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB on, MiB below."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2 ** 20:.1f} MiB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .evaluation.ruler import TASKS
+
+    parser = OneLineParser(
+        prog="lightning-oomb evaluate",
+        description="RULER's synthetic tasks (no downloaded data) at each context length, on a local Hugging Face "
+        "model directory: a plan first, then a task x length table, results.json and heatmap.png. Token counts: "
+        "K = 1024, M = 1024*1024.",
+    )
+    parser.add_argument("--model", required=True, help="a model directory written by save_pretrained, with its "
+                        "tokenizer")
+    parser.add_argument("--gguf_file", default=None, help="the GGUF file in --model to load instead (needs gguf)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {', '.join(TASKS)} "
+                        "(default all)")
+    parser.add_argument("--lengths", required=True, help="comma-separated token counts, e.g. 4K,16K,64K,256K,1M: "
+                        "each prompt and the tokens its task generates together")
+    parser.add_argument("--samples", type=int, default=10, help="prompts per task and length (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="the samples' seed (default 0)")
+    parser.add_argument("--out", default="ruler_results", help="folder of results.json and heatmap.png "
+                        "(default ruler_results)")
+    add_chunk(parser)
+    add_page_size(parser)
+    add_offload(parser, help="where the K/V pages live; auto: the GPU if they fit there, else host memory")
+    add_budget_pages(parser, default=0, help="page-level sparse attention with this many past pages per query "
+                     "tile; 0: dense")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="the weights' dtype; auto: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if there is one)")
+    parser.add_argument("--gpu-memory", default=None, help="the GPU memory the plan may use, e.g. 70GiB "
+                        "(default: the device's free memory)")
+    parser.add_argument("--host-memory", default=None, help="the run's host memory budget, e.g. 100GiB "
+                        "(default: what this machine has available less a headroom)")
+    return parser
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.error(message)  # one line, exit 2
+
+
+def _parse_list(parser: argparse.ArgumentParser, text: str, what: str, parse: Callable[[str], T]) -> list[T]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        _fail(parser, f"--{what} is empty")
+    try:
+        return [parse(t) for t in items]
+    except ValueError as e:
+        _fail(parser, f"--{what}: {e}")
+
+
+@dataclass
+class LengthPlan:
+    """What one length holds: ``tokens`` positions, K/V pages of ``pages`` bytes (no gradient pages) placed
+    ``where`` ("gpu", "host", or None: refused, ``why`` says why)."""
+
+    tokens: int
+    pages: int
+    where: str | None
+    why: str = ""
+
+
+def eval_plan(shape: ModelShape, tokens: list[int], dtype_bytes: int, chunk: int, device: str, offload: str,
+              gpu_memory: int | None, host_memory: int | None, max_positions: int | None) -> tuple[int, list[LengthPlan]]:
+    """Each length's K/V pages (bytes = 2 x layers x KV heads x head_dim x dtype bytes x tokens) against the
+    memory left once the weights (``shape.total_params`` x dtype bytes) and one chunk's activations (an
+    estimate: the chunk's q, k, v, attention output, MLP and residual rows) are placed: free GPU memory, else
+    (offload auto or host) the host memory budget; on the CPU the host budget holds all of it. Returns (the fixed
+    bytes of weights and activations, a LengthPlan per length)."""
+    from .core.host_memory import host_budget, process_host_bytes
+
+    weights = shape.total_params * dtype_bytes
+    row = 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate + 4 * shape.hidden
+    fixed = weights + chunk * row * dtype_bytes
+    per_token = 2 * shape.n_layers * shape.kv_width * dtype_bytes
+    host_room = host_budget(host_memory) - process_host_bytes()
+    gpu_room = None
+    if device.startswith("cuda"):
+        import torch
+
+        free = torch.cuda.mem_get_info(torch.device(device))[0] if gpu_memory is None else gpu_memory
+        gpu_room = free - fixed
+    else:
+        host_room -= fixed
+    plans = []
+    for n in tokens:
+        pages = per_token * n
+        if max_positions is not None and n > max_positions:
+            plans.append(LengthPlan(n, pages, None, f"beyond the model's max_position_embeddings {max_positions:,}"))
+        elif gpu_room is not None and gpu_room < 0:
+            plans.append(LengthPlan(n, pages, None, f"the weights and one chunk ({_size(fixed)}) do not fit "
+                                    "the GPU"))
+        elif gpu_room is not None and offload != "host" and pages <= gpu_room:
+            plans.append(LengthPlan(n, pages, "gpu"))
+        elif (gpu_room is None or offload != "gpu") and pages <= host_room:
+            plans.append(LengthPlan(n, pages, "host" if gpu_room is not None else "cpu"))
+        else:
+            room = max(gpu_room or 0, host_room if offload != "gpu" or gpu_room is None else 0)
+            plans.append(LengthPlan(n, pages, None, f"its K/V pages take {_size(pages)}, {_size(max(room, 0))} is free "
+                                    f"for them (offload {offload})"))
+    return fixed, plans
+
+
+def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None) -> tuple[Path, Any, Any]:
+    """The model's config and tokenizer, or one line and exit 2: a missing directory, config, weights, gguf
+    package or tokenizer. Reads no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .core.errors import SetupError
+    from .lightning.module import check_pretrained_dir
+
+    try:
+        where = check_pretrained_dir(path, gguf_file)
+    except SetupError as e:
+        _fail(parser, str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf_file: "))
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True, **extra)
+    except Exception as e:  # transformers raises OSError, ValueError or TypeError by what is missing
+        _fail(parser, f"--model: {path} has no tokenizer that loads offline (tokenizer.json, tokenizer.model or "
+              f"vocab files; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save the model's "
+              "tokenizer with tokenizer.save_pretrained(DIR)")
+    try:
+        config = AutoConfig.from_pretrained(str(where), local_files_only=True, **extra)
+    except Exception as e:
+        _fail(parser, f"--model: the config in {path} could not be read ({type(e).__name__})")
+    return where, config, tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the evaluation; 0 when it ran, 2 for input refused before the model loads."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    from .evaluation.ruler import TASKS
+
+    def task(name: str) -> str:
+        if name not in TASKS:
+            close = difflib.get_close_matches(name, TASKS, n=1)
+            raise ValueError(f"unknown task {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; the tasks: {', '.join(TASKS)}")
+        return name
+
+    tasks = list(dict.fromkeys(_parse_list(parser, args.tasks, "tasks", task)))
+    lengths = sorted(set(_parse_list(parser, args.lengths, "lengths", parse_tokens)))
+    if args.samples < 1:
+        _fail(parser, f"--samples must be >= 1, got {args.samples}")
+    from .core.units import parse_bytes
+
+    try:
+        gpu_memory = None if args.gpu_memory is None else parse_bytes(args.gpu_memory)
+        host_memory = None if args.host_memory is None else parse_bytes(args.host_memory)
+    except ValueError as e:
+        _fail(parser, str(e))
+    if importlib.util.find_spec("matplotlib") is None:
+        _fail(parser, "the heatmap needs matplotlib: pip install 'lightning-oomb[bench]' (or pip install matplotlib)")
+    shortest = max(TASKS[t].max_new_tokens for t in tasks)
+    if lengths[0] <= shortest:
+        _fail(parser, f"--lengths {human_tokens(lengths[0])} is no longer than the {shortest} tokens the tasks "
+              "generate; give lengths of 1K tokens or more")
+
+    import torch
+
+    from ._noise import quiet_known_noise
+    from .core.model_shape import ModelShape
+
+    quiet_known_noise()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        _fail(parser, f"--device {device}: there is no CUDA device here")
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    where, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file)
+    from .evaluation.ruler import make_sample
+
+    for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
+        try:
+            make_sample(t, lengths[0], tokenizer, 0, args.seed)
+        except ValueError as e:
+            _fail(parser, f"--lengths: {e}")
+    shape = ModelShape.from_config(config, name=Path(args.model).name)
+    bytes_ = torch.empty((), dtype=dtype).element_size()
+    fixed, plans = eval_plan(shape, lengths, bytes_, args.chunk, device, args.offload, gpu_memory, host_memory,
+                             getattr(config, "max_position_embeddings", None))
+    refused = [p for p in plans if p.where is None]
+    if refused:
+        _fail(parser, "; ".join(f"--lengths {human_tokens(p.tokens)} does not fit: {p.why}" for p in refused))
+    print(f"Eval plan ({device}, {dtype}, K/V pages only, no gradients): weights and one chunk "
+          f"{_size(fixed)}; " + ", ".join(f"{human_tokens(p.tokens)}: {_size(p.pages)} of pages on {p.where}"
+                                            for p in plans))
+
+    from .lightning.module import load_pretrained
+
+    model = load_pretrained(str(where), dtype, device, args.gguf_file).eval()
+    options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
+    if args.budget_pages:
+        from .core.config import SparseConfig
+
+        options["sparse"] = SparseConfig(budget_pages=args.budget_pages)
+    results = run(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scores = {t: {human_tokens(n): results[t][n]["score"] for n in lengths} for t in tasks}
+    table = format_table(scores, tasks, [human_tokens(n) for n in lengths])
+    print(table)
+    report = dict(model=str(args.model), gguf_file=args.gguf_file, tasks=tasks, lengths=lengths,
+                  samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
+                  plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
+                            pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans}),
+                  scores=scores, details={t: {human_tokens(n): results[t][n]["samples"] for n in lengths}
+                                          for t in tasks})
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    heatmap(scores, tasks, [human_tokens(n) for n in lengths], out / "heatmap.png", title=Path(args.model).name)
+    print(f"wrote {out / 'results.json'} and {out / 'heatmap.png'}")
+    return 0
+
+
+def run(model: Any, tokenizer: Any, tasks: list[str], lengths: list[int], samples: int, seed: int, options: dict,
+        device: str) -> dict:
+    """Every task at every length: ``samples`` prompts each, decoded greedily (the task's max_new_tokens, EOS
+    of the tokenizer's or the model's), scored as RULER does. One progress line per task and length on stderr.
+    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references, prediction}, ...]}}}."""
+    import torch
+
+    from .evaluation import generate
+    from .evaluation.ruler import make_sample, score
+
+    eos = tokenizer.eos_token_id
+    results: dict = {t: {} for t in tasks}
+    total, done = len(tasks) * len(lengths), 0
+    for n in lengths:
+        for t in tasks:
+            start = time.perf_counter()
+            rows = []
+            for i in range(samples):
+                sample = make_sample(t, n, tokenizer, i, seed)
+                ids = torch.tensor([tokenizer.encode(sample.prompt, add_special_tokens=True)], device=device)
+                with torch.no_grad():
+                    out = generate(model, ids, sample.max_new_tokens, eos_token_id=eos, **options)
+                prediction = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                rows.append(dict(tokens=ids.shape[1], references=sample.references, prediction=prediction))
+            value = score(t, [r["prediction"] for r in rows], [r["references"] for r in rows])
+            results[t][n] = dict(score=value, samples=rows)
+            done += 1
+            print(f"[{done}/{total}] {t} at {human_tokens(n)}: {value:.1f} ({samples} samples, "
+                  f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+    return results
+
+
+def format_table(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str]) -> str:
+    """The scores (0-100) as a text table: a row per task, a column per length, and the tasks' mean."""
+    head = ["task", *lengths]
+    rows = [[t, *(f"{scores[t][n]:.1f}" for n in lengths)] for t in tasks]
+    rows.append(["mean", *(f"{sum(scores[t][n] for t in tasks) / len(tasks):.1f}" for n in lengths)])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(head), *(line(r) for r in rows)])
+
+
+def heatmap(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str], path: Path, title: str = "") -> None:
+    """The scores as a task x length heatmap PNG (0 red, 100 green), each cell labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[scores[t][n] for n in lengths] for t in tasks]
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3, 0.45 * len(tasks) + 1.5))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+    ax.set_xticks(range(len(lengths)), lengths)
+    ax.set_yticks(range(len(tasks)), tasks)
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_title(f"RULER (no downloaded data){': ' + title if title else ''}")
+    fig.colorbar(image, ax=ax, label="score")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

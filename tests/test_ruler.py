@@ -1,0 +1,137 @@
+"""RULER's synthetic tasks (lightning_oomb/evaluation/ruler.py) and ``lightning-oomb evaluate`` on the CPU: the
+generators fit a length in the tokenizer's tokens and hide their answers, the scoring is RULER's, and the
+command runs end to end on a tiny random model or refuses bad input in one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lightning_oomb.cli import main
+from lightning_oomb.evaluation.ruler import TASKS, make_sample, score, string_match_all, string_match_part
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = str(ROOT / "examples" / "byte_tokenizer")  # one token per byte
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_sample_fits_the_length_and_hides_its_answers(task, tokenizer):
+    length = 2048
+    a, b = make_sample(task, length, tokenizer, index=0), make_sample(task, length, tokenizer, index=0)
+    assert a == b  # deterministic in (task, length, index, seed)
+    assert make_sample(task, length, tokenizer, index=1).prompt != a.prompt
+    assert make_sample(task, length, tokenizer, index=0, seed=1).prompt != a.prompt
+    assert a.tokens == len(tokenizer.encode(a.prompt, add_special_tokens=True))
+    total = a.tokens + a.max_new_tokens
+    assert 0.9 * length <= total <= length, (task, total)
+    assert a.references and all(r in a.prompt for r in a.references)
+
+
+def test_answers_are_what_the_recipes_say(tokenizer):
+    vt = make_sample("vt", 2048, tokenizer)
+    assert len(vt.references) == 5 and all(f"VAR {v} =" in vt.prompt for v in vt.references)
+    cwe = make_sample("cwe", 2048, tokenizer)  # under 4K: the 10 common words twice, the others once
+    words = cwe.prompt.split("\n")[1].split()[1::2]
+    assert len(cwe.references) == 10 and all(words.count(w) == 2 for w in cwe.references)
+    assert max(words.count(w) for w in set(words) - set(cwe.references)) == 1
+    fwe = make_sample("fwe", 2048, tokenizer)
+    coded = fwe.prompt.split("coded words. ", 1)[1].split("\n")[0].split()
+    counts = sorted(((coded.count(w), w) for w in set(coded) - {"...."}), reverse=True)
+    assert [w for _, w in counts[:3]] == fwe.references and counts[2][0] > counts[3][0]
+    multi = make_sample("niah_multivalue", 2048, tokenizer)
+    assert len(multi.references) == 4
+
+
+def test_too_short_a_length_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="ask for a longer length"):
+        make_sample("niah_single_1", 200, tokenizer)
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        make_sample("qa_1", 4096, tokenizer)
+
+
+def test_scoring_is_ruler_s():
+    refs = [["1234567", "7654321", "ABC"], ["x"]]
+    # string_match_all: the fraction of a sample's references in its prediction, case-insensitive, in percent
+    assert string_match_all(["1234567 and abc", "no"], refs) == pytest.approx(100 * (2 / 3 + 0) / 2)
+    # string_match_part: any reference
+    assert string_match_part(["1234567 and abc", "no"], refs) == pytest.approx(50.0)
+    assert score("niah_multivalue", ["\x00 1234567, 7654321 and ABC "], [refs[0]]) == 100.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("ruler") / "model"
+    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(where)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(where)
+    return where
+
+
+def test_evaluate_end_to_end(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["evaluate", "--model", str(model_dir), "--tasks", "vt,fwe", "--lengths", "640,768",
+                 "--samples", "1", "--chunk", "256", "--page-size", "64", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "Eval plan" in printed.out and "no gradients" in printed.out
+    assert printed.err.count("[") >= 4 and "[4/4] fwe at 768" in printed.err  # a progress line per task x length
+    table = printed.out.split("task", 1)[1].splitlines()
+    assert table[0].split() == ["640", "768"] and [r.split()[0] for r in table[1:4]] == ["vt", "fwe", "mean"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["lengths"] == [640, 768] and set(results["scores"]) == {"vt", "fwe"}
+    # K and V of 2 layers, 1 KV head of 16 dims, float32: 256 bytes a token
+    assert results["plan"]["pages"]["640"] == {"bytes": 640 * 256, "on": "cpu"}
+    assert all(0 <= v <= 100 for row in results["scores"].values() for v in row.values())
+    detail = results["details"]["vt"]["640"][0]
+    assert detail["tokens"] + 30 <= 640 and len(detail["references"]) == 5 and isinstance(detail["prediction"], str)
+    assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _refused(capsys, args: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_unknown_task_is_one_line(model_dir, capsys):
+    assert "unknown task 'niah_single_9' (did you mean" in _refused(
+        capsys, ["--model", str(model_dir), "--tasks", "vt,niah_single_9", "--lengths", "1K"])
+
+
+def test_a_length_that_does_not_fit_is_one_line(model_dir, capsys):
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K,8K"])
+    assert "--lengths 8K does not fit: beyond the model's max_position_embeddings 4,096" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "2K", "--host-memory", "1MiB"])
+    assert "--lengths 2K does not fit: its K/V pages take" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt,niah_single_1", "--lengths", "400,1K"])
+    assert "--lengths: vt at 400 tokens: its prompt alone takes" in err
+
+
+def test_a_directory_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((model_dir / name).read_bytes())
+    assert "has no tokenizer" in _refused(capsys, ["--model", str(bare), "--tasks", "vt", "--lengths", "1K"])
+
+
+def test_missing_matplotlib_is_one_line(model_dir, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    assert "needs matplotlib" in _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K"])
