@@ -150,7 +150,35 @@ def test_lightning_oomb_lm_eval_finds_the_model_and_says_a_bad_argument_in_one_l
     from lightning_oomb.cli import main
 
     _, tasks = assets
-    args = ["run", "--model", "lightning_oomb", "--include_path", str(tasks), "--tasks", "oomb_choice", "--device", "cpu"]
+    args = ["run", "--model", "lightning_oomb", "--include_path", str(tasks), "--tasks", "oomb_choice",
+            "--device", "cpu"]
     assert main(["lm-eval", *args, "--model_args", "chunk_size=8"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "lightning-oomb lm-eval: error: lightning_oomb needs pretrained=DIR (a local model directory) in --model_args")
+
+
+def test_a_gguf_file_with_config_overrides_scores_beyond_its_original_context(tmp_path):
+    """gguf_file and config_overrides as model.pretrained takes them: a GGUF llama with YaRN over 4x its 128
+    positions scores a text of 300 bytes as the same model loaded by transformers scores it in one forward."""
+    from types import SimpleNamespace
+
+    import torch
+    from test_context_extension import YARN, tiny_llama, write_gguf
+    from transformers import AutoModelForCausalLM
+
+    from lightning_oomb.evaluation.lm_eval_backend import LightningOOMBLM
+
+    write_gguf(tiny_llama(), tmp_path)
+    overrides = {"rope_parameters": YARN, "max_position_embeddings": 512}
+    lm = LightningOOMBLM(pretrained=str(tmp_path), gguf_file="tiny.gguf", tokenizer=str(TOKENIZER), dtype="float32",
+                         device="cpu", config_overrides=json.dumps(overrides), chunk_size=64, page_size=16)
+    assert lm.model.config.rope_parameters["rope_type"] == "yarn" and lm.max_length == 512
+    text = "".join(chr(97 + (7 * i) % 26) for i in range(300))
+    got = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))], disable_tqdm=True)[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32,
+                                                 **overrides).eval()
+    ids = torch.tensor([[lm.prefix_token_id, *lm.tok_encode(text)]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    want = logprobs.gather(1, ids[0, 1:, None]).sum().item()
+    assert abs(got - want) <= TOL * abs(want), (got, want)
