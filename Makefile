@@ -1,6 +1,6 @@
 # Every target sets up .venv first: `make demo` the package and what it needs to run, `make test` the test extras
-# too (pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib). The venv sees the system's packages, so an
-# existing (CUDA) torch is used as it is; only where no torch is importable is torch 2.13.0 installed.
+# too (pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval). The venv sees the system's packages,
+# so an existing (CUDA) torch is used as it is; only where no torch is importable is torch 2.13.0 installed.
 # Commands outside make: `source .venv/bin/activate` first, or call them as .venv/bin/lightning-oomb, .venv/bin/python.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed
-	@echo "== installing the test extras: pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib"
+	@echo "== installing the test extras: pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval"
 	$(PIP) -e ".[dev]"
 	touch $@
 

@@ -1,5 +1,6 @@
 """The ``lightning-oomb`` command: Lightning CLI subcommands (fit, validate, test) with YAML configs
-(lightning_oomb/lightning/cli.py), plus the plain ``plan``, ``bench`` and ``evaluate`` commands."""
+(lightning_oomb/lightning/cli.py), plus the plain ``plan``, ``bench`` and ``evaluate`` commands and ``lm-eval``
+(lm-eval's own command line, with the ``lightning_oomb`` model registered)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ commands:
   plan      memory and time of one step before running it: plan --model qwen2.5-7b --context 1M --gpu-memory 140GiB
   bench     measure steps against plain transformers on this GPU: bench --model qwen2.5-7b --lengths 16k,32k
   evaluate  RULER's synthetic tasks at each context length: evaluate --model DIR --lengths 4K,16K,64K
+  lm-eval   lm-eval's command line with the lightning_oomb model (the [eval] extra):
+            lm-eval run --model lightning_oomb --model_args pretrained=DIR,chunk_size=4096 --tasks TASK
 
 `lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration)."""
 
 
-COMMANDS = ("fit", "validate", "test", "plan", "bench", "evaluate")
+COMMANDS = ("fit", "validate", "test", "plan", "bench", "evaluate", "lm-eval")
 
 
 def main(args: list[str] | None = None) -> int | None:
@@ -44,6 +47,8 @@ def main(args: list[str] | None = None) -> int | None:
         from .evaluate_cli import main as evaluate_main
 
         return evaluate_main(argv[1:])
+    if argv[0] == "lm-eval":
+        return lm_eval_main(argv[1:])
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         import difflib
 
@@ -54,6 +59,29 @@ def main(args: list[str] | None = None) -> int | None:
     from .lightning.cli import run
 
     return run(args)
+
+
+def lm_eval_main(args: list[str]) -> int:
+    """lm-eval's command line on ``args`` (``lm-eval ARGS`` with the ``lightning_oomb`` model registered, which
+    lm-eval does not discover in other packages by itself); a bad model argument is one line, exit status 2."""
+    try:
+        from .evaluation import lm_eval_backend  # noqa: F401  (registers the model "lightning_oomb")
+    except ImportError as e:
+        print(f"lightning-oomb lm-eval: error: {e}", file=sys.stderr)
+        return 2
+    from lm_eval.__main__ import cli_evaluate
+
+    from .core.errors import SetupError
+
+    saved, sys.argv = sys.argv, ["lightning-oomb lm-eval", *args]  # lm-eval's parser reads sys.argv
+    try:
+        cli_evaluate()
+    except SetupError as e:
+        print(f"lightning-oomb lm-eval: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = saved
+    return 0
 
 
 if __name__ == "__main__":

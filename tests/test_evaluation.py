@@ -85,6 +85,18 @@ def test_generate_stops_at_eos_and_pads_a_finished_sequence():
     assert got.shape == (1, ids.shape[1] + 3) and got[0, -1].item() == eos
 
 
+def test_generate_ends_where_stop_says():
+    """``stop`` sees the new tokens after each step; where it answers True the decoding ends, its tokens those
+    of the decoding that ran on."""
+    model = tiny_model("qwen2").eval()
+    ids = prompt()
+    free = lightning_oomb.generate(model, ids, max_new_tokens=6, eos_token_id=[], **CUTS)
+    seen = []
+    got = lightning_oomb.generate(model, ids, max_new_tokens=6, eos_token_id=[],
+                                  stop=lambda new: seen.append(new.shape[1]) or new.shape[1] == 3, **CUTS)
+    assert seen == [1, 2, 3] and torch.equal(got, free[:, :ids.shape[1] + 3])
+
+
 def test_generate_refuses_what_it_cannot_do_in_one_line():
     model = tiny_model("qwen2").eval()
     for call, match in [

@@ -866,7 +866,7 @@ def test_rng_states_round_trip_through_weights_only_load(tmp_path):
 def test_top_level_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("fit", "validate", "test", "plan", "bench", "evaluate"):
+    for command in ("fit", "validate", "test", "plan", "bench", "evaluate", "lm-eval"):
         assert f"\n  {command} " in out, out
 
 
@@ -875,7 +875,8 @@ def test_unknown_command_is_one_line(capsys):
     chunked engine does not serve, is not offered."""
     assert main(["fitt"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "lightning-oomb: error: unknown command 'fitt'; did you mean 'fit'? (commands: fit, validate, test, plan, bench, evaluate)")
+        "lightning-oomb: error: unknown command 'fitt'; did you mean 'fit'? "
+        "(commands: fit, validate, test, plan, bench, evaluate, lm-eval)")
     assert main(["predict", "--config", "x.yaml"]) == 2
     assert "unknown command 'predict'" in capsys.readouterr().err
 

@@ -4,7 +4,7 @@ gradients, as ``eval_loss`` runs it), then each new token attends to the pages a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ def generate(
     *,
     pad_token_id: int | None = None,
     output_logprobs: bool = False,
+    stop: Callable[[torch.Tensor], bool] | None = None,
     config: ChunkConfig | None = None,
     **options: Any,
 ) -> torch.Tensor | GenerateOutput:
@@ -59,6 +60,8 @@ def generate(
     ``pad_token_id`` (None: the generation config's, else the first EOS id) at its later steps, as
     transformers pads. Returns (B, T_prompt + n) int64, n <= max_new_tokens, on input_ids' device; with
     ``output_logprobs`` a ``GenerateOutput`` (sequences and the chosen tokens' log-probabilities).
+    stop: called after each step with the (B, n) new tokens so far; True ends the decoding there (a stopping
+    criterion such as lm-eval's stop strings, which only the caller's tokenizer can read).
     config, options: the ``ChunkConfig`` of the forward (chunk_size, page_size, offload, sparse, ...), as
     ``eval_loss`` takes them. Memory: the K/V pages of T_prompt + max_new_tokens tokens and one chunk's
     activations; logits of one position per sequence at a time.
@@ -114,6 +117,8 @@ def generate(
                     finished |= torch.isin(token, eos_t)
                     if bool(finished.all()):
                         break
+                if stop is not None and stop(torch.stack(chosen, dim=1)):
+                    break
                 if step + 1 == max_new_tokens:
                     break
                 ids[:, prompt + step] = token
