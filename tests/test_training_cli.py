@@ -849,6 +849,17 @@ def test_cpu_corpus_example_runs(tmp_path, monkeypatch):
     assert (tmp_path / "corpus_cpu" / "main" / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.parametrize("name", ["chat_cpu", "smollm2-chat-64k"])
+def test_chat_example_configs_parse(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["class_path"] == "lightning_oomb.ChatDataModule"
+    assert printed["data"]["init_args"]["train_on"] == "assistant"
+    assert printed["data"]["init_args"]["seq_len"] % printed["trainer"]["strategy"]["init_args"]["chunk_size"] == 0
+
+
 def test_cpu_chat_example_runs_on_its_shipped_data(tmp_path, monkeypatch):
     import importlib.util
 
