@@ -292,3 +292,28 @@ def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys):
     capsys.readouterr()
     assert main(["fit", "--config", str(path), "--export", "false"]) == 2
     assert f"{f}, line 9: not valid JSON" in capsys.readouterr().err
+
+
+def test_tokenizer_of_a_gguf_model_comes_from_its_file(tmp_path, monkeypatch):
+    # A GGUF model's directory may hold only the .gguf file (examples/smollm2-chat-64k.yaml): without
+    # data.init_args.tokenizer the tokenizer, chat template included, is read from model.gguf_file there.
+    from types import SimpleNamespace
+
+    import lightning_oomb
+    import lightning_oomb.lightning.chat as chat
+
+    f = write_jsonl(tmp_path / "c.jsonl", conversations(3))
+    asked = []
+    monkeypatch.setattr(chat, "load_tokenizer", lambda *a, **k: asked.append((a, k)) or make_tokenizer())
+    module = SimpleNamespace(hparams={"pretrained": str(tmp_path), "gguf_file": "m.gguf"},
+                             model=SimpleNamespace(config=SimpleNamespace(vocab_size=259)))
+    dm = lightning_oomb.ChatDataModule([str(f)], seq_len=128)
+    monkeypatch.setattr(dm, "_trainer_or_none", lambda: SimpleNamespace(lightning_module=module))
+    dm.setup("fit")
+    assert asked == [((str(tmp_path), "model.pretrained"), {"gguf_file": "m.gguf"})] and dm.num_documents == 3
+    # A tokenizer directory named in the data options is read as it is, whatever the model was loaded from.
+    asked.clear()
+    dm = lightning_oomb.ChatDataModule([str(f)], tokenizer=str(tmp_path), seq_len=128)
+    monkeypatch.setattr(dm, "_trainer_or_none", lambda: SimpleNamespace(lightning_module=module))
+    dm.setup("fit")
+    assert [a for a, _ in asked] == [(str(tmp_path),)]

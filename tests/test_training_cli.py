@@ -849,6 +849,38 @@ def test_cpu_corpus_example_runs(tmp_path, monkeypatch):
     assert (tmp_path / "corpus_cpu" / "main" / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.parametrize("name", ["chat_cpu", "smollm2-chat-64k"])
+def test_chat_example_configs_parse(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["class_path"] == "lightning_oomb.ChatDataModule"
+    assert printed["data"]["init_args"]["train_on"] == "assistant"
+    assert printed["data"]["init_args"]["seq_len"] % printed["trainer"]["strategy"]["init_args"]["chunk_size"] == 0
+
+
+def test_cpu_chat_example_runs_on_its_shipped_data(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.chdir(ROOT)  # its paths are relative to the repository
+    args = ["--trainer.max_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1", "--export", "false"]
+    assert main(["fit", "--config", "examples/chat_cpu.yaml", *args]) is None
+    # The shipped conversations are what examples/make_chat_set.py writes, and its tokenizer reads them alike.
+    spec = importlib.util.spec_from_file_location("make_chat_set", ROOT / "examples" / "make_chat_set.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.write(tmp_path)
+    assert (tmp_path / script.CHAT_SET).read_bytes() == (ROOT / "examples" / script.CHAT_SET).read_bytes()
+    from lightning_oomb.lightning.corpus import load_tokenizer
+
+    line = (ROOT / "examples" / script.CHAT_SET).read_text().splitlines()[0]
+    texts = [load_tokenizer(str(d)).apply_chat_template(json.loads(line)["messages"], tokenize=True)
+             for d in (tmp_path / script.TOKENIZER_DIR, ROOT / "examples" / script.TOKENIZER_DIR)]
+    assert texts[0] == texts[1]
+
+
 def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     import random
 

@@ -30,7 +30,8 @@ class ChatDataModule(TextCorpusDataModule):
     Args:
         paths: ``.jsonl`` (one conversation per line) and ``.parquet`` (one per row) files, or folders of them;
             each row's ``messages`` is a list of ``{"role", "content"}``.
-        tokenizer: a local tokenizer directory with a chat template; None takes the model's ``pretrained``.
+        tokenizer: a local tokenizer directory with a chat template; None takes the model's ``pretrained``
+            (the tokenizer inside its ``gguf_file`` when the model is loaded from one).
         seq_len: tokens per training sequence.
         batch_size: sequences per batch.
         train_on: ``assistant`` (every assistant turn: its content and the end-of-turn token after it, not
@@ -94,7 +95,9 @@ class ChatDataModule(TextCorpusDataModule):
             if source is None:
                 raise ChatDataError("ChatDataModule needs a tokenizer: set data.init_args.tokenizer to a local "
                                     "tokenizer directory with a chat template (or train a model from model.pretrained)")
-            self.tokenizer = load_tokenizer(source, "model.pretrained")
+            # A GGUF model directory may hold no tokenizer files: the tokenizer, chat template included, is in the file.
+            gguf_file = None if self.tokenizer_path else self._model_gguf_file(trainer)
+            self.tokenizer = load_tokenizer(source, "model.pretrained", gguf_file=gguf_file)
         if vocab_size is not None:
             check_tokenizer_matches(self.tokenizer, vocab_size, source)
         renderer = ChatRenderer(self.tokenizer, self.train_on, self.chat_template)
@@ -138,6 +141,11 @@ class ChatDataModule(TextCorpusDataModule):
         lengths = torch.tensor([len(c.ids) for c in conversations], dtype=torch.float64)
         self.document_length = max(1, round(float((lengths * lengths).sum() / lengths.sum())))
         rank_zero_info(self.describe())
+
+    @staticmethod
+    def _model_gguf_file(trainer) -> str | None:
+        module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+        return getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("gguf_file")
 
     def _pack(self, conversations, pad: int) -> PackedConversations:
         bins = best_fit([len(c.ids) for c in conversations], self.seq_len)
