@@ -58,7 +58,7 @@ def oracle(p, selection, doc_start=None):
         allowed &= (torch.arange(p.start + t) >= doc_start.cpu()[:, None, :, None].long())
     s = torch.einsum("bhgtd,bhnd->bhgtn", q.view(b, h, g, t, d), keys) * p.scale
     s = s.masked_fill(~allowed[:, :, None].to(s.device), float("-inf"))
-    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, d)
+    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, -1)
     out.backward(p.dout.double())
     return out.detach(), *(x.grad for x in leaves)
 
@@ -119,10 +119,11 @@ REF_CASES = {
 }
 
 
+@pytest.mark.parametrize("v_dim", [None, 12], ids=["values-as-keys", "values-12-keys-8"])
 @pytest.mark.parametrize("case", list(REF_CASES), ids=list(REF_CASES))
-def test_reference_matches_masked_dense(case):
+def test_reference_matches_masked_dense(case, v_dim):
     b, h, g, d, t, start, ps, budget, per_head = REF_CASES[case]
-    p = make_problem(b, h, g, d, t, start, ps, torch.float32, device="cpu")
+    p = make_problem(b, h, g, d, t, start, ps, torch.float32, device="cpu", v_dim=v_dim)
     sel = random_selection(b, h if per_head else 1, t, start, ps, budget).cpu()
     got = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
     want = oracle(p, sel)
@@ -178,9 +179,9 @@ def doc_starts(lengths, start, t):
     return torch.stack(rows)[:, start:start + t].int()
 
 
-def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE):
+def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE, v_dim=None):
     """A random problem, its chunk's document starts and the selection select_pages makes with them."""
-    p = make_problem(b, h, g, d, t, start, ps, dtype, device=device)
+    p = make_problem(b, h, g, d, t, start, ps, dtype, device=device, v_dim=v_dim)
     summaries = p.pool.summaries(config.score, 1)
     update_summaries(p.store, summaries, config.score, 0, start)
     doc = doc_starts(lengths, start, t).to(p.q.device)
@@ -411,12 +412,35 @@ def test_kernels_match_reference(case, dtype):
     assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
 
 
+# Values of another width than the keys (DeepSeek's MLA): batch, n_kv, group, head_dim, T, start, page_size, budget,
+# per_kv_head, v_dim
+VALUE_WIDTH_CASES = {
+    "values-twice-as-wide-pages-of-5": (2, 2, 2, 16, 23, 41, 5, 3, True, 32),
+    "mla-keys-24-values-16-shared": (1, 2, 3, 24, 37, 50, 16, 2, False, 16),
+    "whole-pages-values-narrower": (1, 2, 2, 16, 64, 96, 32, 2, True, 8),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(VALUE_WIDTH_CASES), ids=list(VALUE_WIDTH_CASES))
+def test_kernels_with_values_of_another_width_match_reference(case, dtype):
+    """Forward, dQ, the chunk's dK/dV and the selected pages' dK/dV with V, dV, out and dO D_v wide."""
+    b, h, g, d, t, start, ps, budget, per_head, v_dim = VALUE_WIDTH_CASES[case]
+    p = make_problem(b, h, g, d, t, start, ps, dtype, v_dim=v_dim)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
+    assert got[0].shape[-1] == v_dim
+    assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
+
+
+@pytest.mark.parametrize("v_dim", [None, 24], ids=["values-as-keys", "values-24-keys-16"])
 @pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
-def test_kernels_match_reference_with_documents(case):
+def test_kernels_match_reference_with_documents(case, v_dim):
     """Packed documents: -1 entries skipped, document masks in the page loops, the chunk and the page dK/dV."""
     b, h, g, d, t, start, ps, budget, per_head, lengths = DOC_CASES[case]
     config = SparseConfig(budget_pages=budget, sink_pages=1, local_pages=1, per_kv_head=per_head)
-    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config)
+    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config, v_dim=v_dim)
     got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)
     want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)
     assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
