@@ -2,8 +2,8 @@
 
 Queries of one chunk, q (B, H_q, T, D), attend to the stored past (tokens [0, start) of the store) and
 causally to the chunk's own keys k (B, H_kv, T, D) and values v (B, H_kv, T, D_v), key tile by key tile with
-an online softmax in float32 (the output is D_v wide, like the values): memory O(T x tile), never O(T x L). The query heads are viewed as (H_kv, g) against each KV head;
-K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
+an online softmax in float32 (the output is D_v wide, like the values): memory O(T x tile), never O(T x L).
+The query heads are viewed as (H_kv, g) against each KV head; K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
 doc_start[:, i] on, whole tiles before the earliest start skipped; ``one_document``: an unpacked chunk over
 the keys from that start.
 """

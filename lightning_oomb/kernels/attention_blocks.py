@@ -148,12 +148,12 @@ def dkdv_step(
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
-    query head h; q_src, do_src as in ``query_rows`` (q's rows HEAD_DIM wide, dO's V_DIM); lse2_ptr, delta_ptr point at row t0 of head h of
-    the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
-    rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or
-    the document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,)
-    before a row's start get no weight from it (packed documents)."""
+    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of query head
+    h; q_src, do_src as in ``query_rows`` (q's rows HEAD_DIM wide, dO's V_DIM); lse2_ptr, delta_ptr point at row t0
+    of head h of the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that
+    no step rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or the
+    document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,) before a row's
+    start get no weight from it (packed documents)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
     do = query_rows(do_src, b, h, t0, m0, sdo_t, T, V_DIM, V_PAD, BLOCK_M, ROWS_TMA)
@@ -202,10 +202,10 @@ def doc_tiles(lo, key_first, key_last, bound, BLOCK_N: tl.constexpr):
 def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
                key_lo, key_first, key_last, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
                V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """The online softmax over the chunk's own keys for queries [m0, m_end) (keys HEAD_DIM wide, values
-    V_DIM): key tiles wholly at or before every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
-    fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from the chunk
-    start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
+    """The online softmax over the chunk's own keys for queries [m0, m_end) (keys HEAD_DIM wide, values V_DIM): key
+    tiles wholly at or before every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query,
+    so no row is ever fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from
+    the chunk start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
     straddle a start masked."""
     # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
     diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
@@ -342,6 +342,12 @@ def output_like(q: torch.Tensor, width: int, dtype: torch.dtype | None = None) -
     if q.stride(1) < q.stride(2):
         return torch.empty((b, t, h, width), dtype=dtype, device=q.device).transpose(1, 2)
     return torch.empty((b, h, t, width), dtype=dtype, device=q.device)
+
+
+def same_layout(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether each (K-side, V-side) pair of tensors has one width and one layout: the kernels then address the
+    values with the keys' offsets (their V_SAME), compiling as they did before values had a width of their own."""
+    return all(a.shape[-1] == b.shape[-1] and a.stride() == b.stride() for a, b in pairs)
 
 
 def kernel_width(q: torch.Tensor, v: torch.Tensor) -> int:

@@ -1,12 +1,13 @@
 """Triton chunk attention over the paged KV store, with the contract of :mod:`lightning_oomb.core.reference_attention`.
 
-The queries q (B, H_q, T, D) of the chunk at tokens [start, start + T) attend to the stored past [0, start),
-read through the page table, and causally to the chunk's own k (B, H_kv, T, D) and v (B, H_kv, T, D_v); query
-head h reads KV head h // (H_q // H_kv), K/V are never repeated; the output is D_v wide. Where D_v == D the
-value width's constexprs equal the key width's and the kernels compile as they would for one width. Forward query-stationary; backward in three launches (delta,
-key-stationary dK/dV, query-stationary dQ), so that every gradient row has one writer: no atomics,
-deterministic. On sm_90 the whole past tiles run in :mod:`.past_attention_sm90`, and these kernels cover the
-chunk's own keys and the past's last partial tile. docs/architecture.md, "The attention kernels", says how.
+The queries q (B, H_q, T, D) of the chunk at tokens [start, start + T) attend to the stored past [0, start), read
+through the page table, and causally to the chunk's own k (B, H_kv, T, D) and v (B, H_kv, T, D_v); query head h
+reads KV head h // (H_q // H_kv), K/V are never repeated; the output is D_v wide (where values are laid out as keys,
+V_SAME, the kernels address them with the keys' offsets and compile as for one width). Forward query-stationary;
+backward in three launches (delta, key-stationary dK/dV, query-stationary dQ), so that every gradient row has one
+writer: no atomics, deterministic. On sm_90 the whole past tiles run in :mod:`.past_attention_sm90`, and these
+kernels cover the chunk's own keys and the past's last partial tile. docs/architecture.md, "The attention kernels",
+says how.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import triton.language as tl
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, doc_tiles, dot_precision, dq_chunk,
     dq_step, fwd_chunk, fwd_step, interpreting, is_sm90, kernel_width, last_dim_contiguous, load_tile, output_like,
-    padded_head_dim, past_tile, pool_descriptors, pool_rows, query_descriptors, query_program, softmax_row_terms,
-    store_tile,
+    padded_head_dim, past_tile, pool_descriptors, pool_rows, query_descriptors, query_program, same_layout,
+    softmax_row_terms, store_tile,
 )
 from .launch import on_device_of
 from .page_table import LayerStore
@@ -42,15 +43,21 @@ def _fwd_kernel(
     so_b, so_h, so_t,
     T, past_lo, past_hi, chunk_start, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, CHUNK: tl.constexpr, CARRY: tl.constexpr, PAGED_TMA: tl.constexpr,
+    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, CARRY: tl.constexpr,
+    PAGED_TMA: tl.constexpr,
 ):
     # Tiles with the longest causal part first, so the last wave of the grid is the cheapest. Queries and keys
-    # are HEAD_DIM wide, values and the output V_DIM (sp_* and svp_* the K and V pools' strides).
+    # are HEAD_DIM wide, values and the output V_DIM (sp_* and svp_* the K and V pools' strides; V_SAME: the V
+    # pool has the K pool's width and strides).
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
                                                                      D_PAD, BLOCK_M, BLOCK_N)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+        svp_page, svp_off, svp_h = sp_page, sp_off, sp_h
+    else:
+        offs_dv = tl.arange(0, V_PAD)
 
     out_ptrs = OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :]
     lse_ptrs = LSE + bh.to(tl.int64) * T + offs_m
@@ -96,7 +103,10 @@ def _fwd_kernel(
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
-        v_rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, svp_page, svp_off)
+        if V_SAME:
+            v_rows = rows
+        else:
+            v_rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, svp_page, svp_off)
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + v_rows[:, None] + offs_dv[None, :], valid, offs_dv, V_DIM, V_PAD)
         seen = valid[None, :]
@@ -156,13 +166,13 @@ def _dkdv_kernel(
     sdv_s, sdv_b, sdv_h, sdv_t,
     T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
-    EVEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    ROWS_TMA: tl.constexpr, EVEN: tl.constexpr,
 ):
     # LSE2, SDELTA: the row terms of ``softmax_row_terms``. EVEN: T is a multiple of BLOCK_M. K, dK rows are
     # HEAD_DIM wide, V, dV and dO rows V_DIM (sp_/svp_: the K/V pools' strides, sg_/sgv_: dK/dV pages',
-    # sdk_/sdv_: the chunk's dK/dV outputs').
+    # sdk_/sdv_: the chunk's dK/dV outputs'; V_SAME: each V tensor has its K tensor's width and strides).
     # Program ids [0, n_past_tiles) own past key tiles, the rest the chunk's own: past tiles are seen by
     # every query, so they are the heaviest and go first; chunk tiles get heavier towards the start.
     # With CHUNK_SPLIT > 1 each chunk tile is shared by CHUNK_SPLIT programs, each over GROUP / CHUNK_SPLIT
@@ -182,7 +192,10 @@ def _dkdv_kernel(
     n_heads = tl.where(is_past, GROUP, GROUP // CHUNK_SPLIT)
     offs_n = lo + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+    else:
+        offs_dv = tl.arange(0, V_PAD)
     q_end = T
     if DOC is not None:
         seen = Q_SEEN + b * tl.num_programs(0) + tile
@@ -198,7 +211,10 @@ def _dkdv_kernel(
     slot = tl.load(SLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
     in_page = tok % PAGE_SIZE
     kv_rows = slot * sp_page + in_page * sp_off + hk * sp_h
-    v_rows = slot * svp_page + in_page * svp_off + hk * svp_h
+    if V_SAME:
+        v_rows = kv_rows
+    else:
+        v_rows = slot * svp_page + in_page * svp_off + hk * svp_h
 
     # K, V from the pool for a past tile, from the chunk's own k, v otherwise (the other load is all
     # masked off, so it costs no memory traffic).
@@ -217,7 +233,10 @@ def _dkdv_kernel(
     # pages have their own table (GSLOTS: SLOTS itself unless a host layer moved into dead K/V pages).
     gslot = tl.load(GSLOTS + b * ss_b + (tok // PAGE_SIZE) * ss_p, mask=n_valid, other=0).to(tl.int64)
     grad_rows = gslot * sg_page + in_page * sg_off + hk * sg_h
-    grad_v_rows = gslot * sgv_page + in_page * sgv_off + hk * sgv_h
+    if V_SAME:
+        grad_v_rows = grad_rows
+    else:
+        grad_v_rows = gslot * sgv_page + in_page * sgv_off + hk * sgv_h
     # (Split chunk tiles start from zero: the launcher adds the stored share once.)
     if CHUNK_SPLIT == 1:
         init_rows = n_valid
@@ -255,14 +274,18 @@ def _dkdv_kernel(
                                     offs_n, T, sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_M,
                                     False, PRECISION, ROWS_TMA, EVEN)
 
-    store_tile(DKP + grad_rows[:, None] + offs_d[None, :], dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM,
-               D_PAD)
-    store_tile(DVP + grad_v_rows[:, None] + offs_dv[None, :], dv.to(DVP.dtype.element_ty), past_rows, offs_dv, V_DIM,
-               V_PAD)
+    g_ptrs = grad_rows[:, None] + offs_d[None, :]
     out_off = split * sdk_s + b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
+    if V_SAME:
+        gv_ptrs = g_ptrs
+        out_v_off = out_off
+    else:
+        gv_ptrs = grad_v_rows[:, None] + offs_dv[None, :]
+        out_v_off = split * sdv_s + b * sdv_b + hk * sdv_h + offs_n[:, None] * sdv_t + offs_dv[None, :]
+    store_tile(DKP + g_ptrs, dk.to(DKP.dtype.element_ty), past_rows, offs_d, HEAD_DIM, D_PAD)
+    store_tile(DVP + gv_ptrs, dv.to(DVP.dtype.element_ty), past_rows, offs_dv, V_DIM, V_PAD)
     store_tile(DK + out_off, dk.to(DK.dtype.element_ty), chunk_rows, offs_d, HEAD_DIM, D_PAD)
-    out_off = split * sdv_s + b * sdv_b + hk * sdv_h + offs_n[:, None] * sdv_t + offs_dv[None, :]
-    store_tile(DV + out_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_dv, V_DIM, V_PAD)
+    store_tile(DV + out_v_off, dv.to(DV.dtype.element_ty), chunk_rows, offs_dv, V_DIM, V_PAD)
 
 
 @triton.jit
@@ -278,14 +301,19 @@ def _dq_kernel(
     sdq_b, sdq_h, sdq_t,
     T, past_lo, past_hi, chunk_start, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr, PAGED_TMA: tl.constexpr,
+    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PAGED_TMA: tl.constexpr,
 ):
     # Q, K and dQ HEAD_DIM wide, V and dO V_DIM (as in _fwd_kernel).
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, T, H_Q, GROUP, HEAD_DIM,
                                                                      D_PAD, BLOCK_M, BLOCK_N)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+        svp_page, svp_off, svp_h = sp_page, sp_off, sp_h
+    else:
+        offs_dv = tl.arange(0, V_PAD)
     # The same loads as sparse_attention._sparse_dq_kernel's, kept inline in both: as one jit helper they give the same
     # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :], m_valid, offs_dv,
@@ -321,7 +349,10 @@ def _dq_kernel(
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
-        v_rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, svp_page, svp_off)
+        if V_SAME:
+            v_rows = rows
+        else:
+            v_rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, svp_page, svp_off)
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + v_rows[:, None] + offs_dv[None, :], valid, offs_dv, V_DIM, V_PAD)
         seen = valid[None, :]
@@ -358,6 +389,10 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
         return KernelTiles(t, t, t)
     if dtype == torch.float32:
         return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
+    if padded_head_dim(head_dim) > 128:
+        # Heads padded to 256 (DeepSeek's keys of 192, Gemma 3's of 256): the tiles below overflow sm_90's shared
+        # memory there; these fit it (tests/compile_kernels_sm90.py), their speed not measured.
+        return KernelTiles(Tiles(128, 64, 8, 2), Tiles(32, 64, 8, 2), Tiles(128, 32, 8, 2))
     if padded_head_dim(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.kernels --sweep, --chunk-sweep)
         # dQ: on sm_90 this kernel only sees the chunk's own keys (the Gluon kernel takes the past), where
         # 128 x 64 in 3 stages does not spill and beat 128 x 128 in 2 (0.352 against 0.385 ms).
@@ -399,9 +434,9 @@ def launch_forward(
             out.stride(0), out.stride(1), out.stride(2),
             t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
-            V_DIM=dv, V_PAD=padded_head_dim(dv), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            PRECISION=dot_precision(q.dtype), CHUNK=chunk, CARRY=carry, PAGED_TMA=descs is not None,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            V_DIM=dv, V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk, CARRY=carry,
+            PAGED_TMA=descs is not None, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
 
 
@@ -495,7 +530,9 @@ def launch_dkdv(
             s_strides[1], dv_out.stride(-4), dv_out.stride(-3), dv_out.stride(-2),
             t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
-            V_DIM=d_v, V_PAD=padded_head_dim(d_v), BLOCK_M=kt.block_m, BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=dot_precision(q.dtype),
+            V_DIM=d_v, V_PAD=padded_head_dim(d_v),
+            V_SAME=same_layout((store.k, store.v), (store.dk, store.dv), (dk_out, dv_out)), BLOCK_M=kt.block_m,
+            BLOCK_N=kt.block_n, CHUNK_SPLIT=split, PRECISION=dot_precision(q.dtype),
             ROWS_TMA=rows is not None, EVEN=t % kt.block_m == 0, num_warps=kt.num_warps, num_stages=kt.num_stages,
         )
     if not chunk:
@@ -529,7 +566,8 @@ def launch_dq(
             dq.stride(0), dq.stride(1), dq.stride(2),
             t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634, scale,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
-            V_DIM=dv, V_PAD=padded_head_dim(dv), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
+            V_DIM=dv, V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m,
+            BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
             ACCUMULATE=accumulate, PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

@@ -36,9 +36,9 @@ def _staged_rows(src_page, slot, hk, r0, rows, offs_r, sd_page, sd_off, sd_h, PA
 def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page, sd_off, sd_h, sdv_page, sdv_off,
                        sdv_h, ss_b, ss_p, n_items, n_pages, staged_pages, start, H_KV: tl.constexpr,
                        PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
-                       V_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+                       V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_R: tl.constexpr):
     # Persistent: item i = (sequence, KV head, i-th distinct page) of the chunk's selection. dK rows are HEAD_DIM
-    # wide, dV rows V_DIM.
+    # wide, dV rows V_DIM (V_SAME: dV's pages have dK's width and strides, and take its offsets).
     offs_r = tl.arange(0, BLOCK_R)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         bh = item // n_pages
@@ -52,8 +52,11 @@ def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page
         for r0 in range(0, rows, BLOCK_R):
             mask, s_ptrs, d_ptrs = _staged_rows(src_page, slot, hk, r0, rows, offs_r, sd_page, sd_off, sd_h,
                                                 PAGE_SIZE, HEAD_DIM, D_PAD)
-            mask_v, s_ptrs_v, d_ptrs_v = _staged_rows(src_page, slot, hk, r0, rows, offs_r, sdv_page, sdv_off, sdv_h,
-                                                      PAGE_SIZE, V_DIM, V_PAD)
+            if V_SAME:
+                mask_v, s_ptrs_v, d_ptrs_v = mask, s_ptrs, d_ptrs
+            else:
+                mask_v, s_ptrs_v, d_ptrs_v = _staged_rows(src_page, slot, hk, r0, rows, offs_r, sdv_page, sdv_off,
+                                                          sdv_h, PAGE_SIZE, V_DIM, V_PAD)
             # stored + share in float32, rounded once: the page kernel's sum for GPU-resident pages.
             dk = tl.load(DST_K + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_K + s_ptrs, mask=mask)
             dv = tl.load(DST_V + d_ptrs_v, mask=mask_v).to(tl.float32) + tl.load(SRC_V + s_ptrs_v, mask=mask_v)
@@ -195,11 +198,11 @@ def add_staged_pages(
 ) -> None:
     """dst[slot of page, :rows, h] += src[b, h, i, :rows] for each distinct selected page i of (sequence b, KV head h).
 
-    dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D or D_v), pinned host memory mapped
-    for the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP',
-    page_size, D or D_v) float32 staging, contiguous; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with NP <= NP'
-    (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the chunk
-    (rows of a past page end there); launch: None for ``ADD_LAUNCH``.
+    dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D or D_v), pinned host memory mapped for
+    the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size, D
+    or D_v) float32 staging, contiguous; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with
+    NP <= NP' (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the
+    chunk (rows of a past page end there); launch: None for ``ADD_LAUNCH``.
     """
     launch = launch or ADD_LAUNCH
     b, h, n_pages = pages.shape
@@ -217,6 +220,6 @@ def add_staged_pages(
             dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
             slots.stride(0), slots.stride(1), b * h * n_pages, n_pages, src_k.shape[2], start,
             H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), V_DIM=dv,
-            V_PAD=triton.next_power_of_2(dv),
+            V_PAD=triton.next_power_of_2(dv), V_SAME=dv == d and dst_v.stride() == dst_k.stride(),
             BLOCK_R=min(launch.block_rows, triton.next_power_of_2(dst_k.shape[1])), num_warps=launch.num_warps,
         )

@@ -480,8 +480,8 @@ def _past_dkdv_kernel(
 def _pool_ok(q: torch.Tensor, store: LayerStore) -> bool:
     # One head dim for keys and values: values of another width run in the Triton kernels.
     return (q.dtype in (torch.bfloat16, torch.float16) and store.k.shape[-1] in (64, 128)
-            and store.v.shape[-1] == store.k.shape[-1] and store.page_size % BLOCK_N == 0 and all(x.is_contiguous() for x in (store.k, store.v))
-            and store.table.slots.stride(1) == 1)
+            and store.v.shape[-1] == store.k.shape[-1] and store.page_size % BLOCK_N == 0
+            and all(x.is_contiguous() for x in (store.k, store.v)) and store.table.slots.stride(1) == 1)
 
 
 def supported(q: torch.Tensor, store: LayerStore, past_end: int) -> bool:

@@ -18,7 +18,7 @@ import triton.language as tl
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, dot_precision, dq_chunk, dq_step,
     fwd_chunk, fwd_step, interpreting, is_sm90, kernel_width, last_dim_contiguous, load_tile, output_like,
-    padded_head_dim, pool_descriptors, query_descriptors, query_program, softmax_row_terms, store_tile,
+    padded_head_dim, pool_descriptors, query_descriptors, query_program, same_layout, softmax_row_terms, store_tile,
 )
 from .chunk_attention import default_tiles as dense_tiles
 from .chunk_attention import launch_delta, launch_dkdv, launch_dq, launch_forward
@@ -44,7 +44,7 @@ def _query_block(pid, T, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl
 def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, kd, vd, hk, sp_page, sp_off, svp_page, svp_off, start, offs_n,
                 offs_d, offs_dv, PAGE_SIZE: tl.constexpr, PAGE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr,
-                PAGED_TMA: tl.constexpr):
+                V_SAME: tl.constexpr, PAGED_TMA: tl.constexpr):
     """K (HEAD_DIM wide), V (V_DIM wide), the row mask and the token positions of key block ``it`` of a tile's page
     list: block it % PAGE_BLOCKS of page ``sel[it // PAGE_BLOCKS]``. Rows at or past ``start`` (the straddling
     page's chunk part) are masked.
@@ -61,7 +61,10 @@ def _page_block(it, sel, ssel_k, slots, ss_p, kp, vp, kd, vd, hk, sp_page, sp_of
     else:
         valid = (n0 + offs_n < PAGE_SIZE) & (tok < start)
         rows = slot.to(tl.int64) * sp_page + (n0 + offs_n) * sp_off
-        v_rows = slot.to(tl.int64) * svp_page + (n0 + offs_n) * svp_off
+        if V_SAME:
+            v_rows = rows
+        else:
+            v_rows = slot.to(tl.int64) * svp_page + (n0 + offs_n) * svp_off
         k = load_tile(kp + rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vp + v_rows[:, None] + offs_dv[None, :], valid, offs_dv, V_DIM, V_PAD)
     return k, v, valid, tok
@@ -101,14 +104,19 @@ def _sparse_fwd_kernel(
     so_b, so_h, so_t,
     T, start, n_sel, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
+    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
-    # Queries and keys HEAD_DIM wide, values and the output V_DIM (sp_*, svp_*: the K and V pools' strides).
+    # Queries and keys HEAD_DIM wide, values and the output V_DIM (sp_*, svp_*: the K and V pools' strides; V_SAME:
+    # the V pool has the K pool's width and strides).
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
                                                                      HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+        svp_page, svp_off, svp_h = sp_page, sp_off, sp_h
+    else:
+        offs_dv = tl.arange(0, V_PAD)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, V_PAD], tl.float32)
@@ -129,7 +137,7 @@ def _sparse_fwd_kernel(
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, svp_page, svp_off, start, offs_n, offs_d, offs_dv, PAGE_SIZE,
-                                       PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, PAGED_TMA)
+                                       PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, V_SAME, PAGED_TMA)
         if DOC is not None:
             seen = valid[None, :] & (tok[None, :] >= key_lo[:, None])
             acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
@@ -165,14 +173,18 @@ def _sparse_dq_kernel(
     sdq_b, sdq_h, sdq_t,
     T, start, n_sel, qk_scale, scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
+    D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
 ):
     # Q, K and dQ HEAD_DIM wide, V and dO V_DIM.
     tile, m0, m_end = _query_block(tl.program_id(0), T, PAGE_SIZE, BLOCK_M, SUB)
     bh, b, h, hk, offs_m, offs_n, offs_d, m_valid, q = query_program(Q, sq_b, sq_h, sq_t, m0, m_end, H_Q, GROUP,
                                                                      HEAD_DIM, D_PAD, BLOCK_M, BLOCK_N)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+        svp_page, svp_off, svp_h = sp_page, sp_off, sp_h
+    else:
+        offs_dv = tl.arange(0, V_PAD)
     # The same loads as chunk_attention._dq_kernel's, kept inline in both: as one jit helper they give the same
     # PTX but another ptxas schedule for the dense dQ's sm_90 build with packed documents (performance-critical).
     do = load_tile(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + offs_dv[None, :], m_valid, offs_dv,
@@ -194,7 +206,7 @@ def _sparse_dq_kernel(
     for it in range(first_it, n_sel * PAGE_BLOCKS):
         k, v, valid, tok = _page_block(it, sel, ssel_k, SLOTS + b * ss_b, ss_p, kp, vp, KD, VD, hk, sp_page,
                                        sp_off, svp_page, svp_off, start, offs_n, offs_d, offs_dv, PAGE_SIZE,
-                                       PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, PAGED_TMA)
+                                       PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, V_SAME, PAGED_TMA)
         if DOC is not None:
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :] & (tok[None, :] >= key_lo[:, None]),
                          PRECISION)
@@ -233,9 +245,9 @@ def _page_dkdv_kernel(
     st_b, st_h, st_i, st_j,
     T, start, qk_scale, scale,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr, ROWS_TMA: tl.constexpr,
-    STAGED: tl.constexpr, EVEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr,
+    ROWS_TMA: tl.constexpr, STAGED: tl.constexpr, EVEN: tl.constexpr,
 ):
     # One program per (page list entry, sequence x KV head), entries outermost: every head's longest
     # programs (its first entries) start in the first wave.
@@ -250,12 +262,15 @@ def _page_dkdv_kernel(
     rows_in_page = tl.where(count > 0, tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE), 0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
-    offs_dv = tl.arange(0, V_PAD)
+    if V_SAME:  # values laid out as keys: the keys' offsets, so that one width compiles as it always did
+        offs_dv = offs_d
+    else:
+        offs_dv = tl.arange(0, V_PAD)
     tiles = TILES + b * st_b + hk * st_h + idx * st_i
     # LSE2, SDELTA: the row terms of attention_blocks.softmax_row_terms. EVEN: every query tile is a whole page of
     # whole BLOCK_M blocks.
     # K, dK and Q rows are HEAD_DIM wide, V, dV and dO rows V_DIM (sp_/svp_: the K/V pools' strides, sg_/sgv_:
-    # the dK/dV pages').
+    # the dK/dV pages'; V_SAME: each V tensor has its K tensor's width and strides).
     # STAGED: DKP/DVP are a (B, H_KV, staged_pages, PAGE_SIZE, D or D_v) float32 staging area (sg_h 0) that receives
     # this chunk's share alone; lightning_oomb.kernels.host_pages adds it into host-resident pages later.
     # Otherwise the page's gradient lives in its GRAD_SLOTS slot (a layer moved into dead pages has its own).
@@ -268,7 +283,10 @@ def _page_dkdv_kernel(
     for n0 in range(0, rows_in_page, BLOCK_N):
         valid = n0 + offs_n < rows_in_page
         kv_rows = slot * sp_page + (n0 + offs_n) * sp_off + hk * sp_h
-        v_rows = slot * svp_page + (n0 + offs_n) * svp_off + hk * svp_h
+        if V_SAME:
+            v_rows = kv_rows
+        else:
+            v_rows = slot * svp_page + (n0 + offs_n) * svp_off + hk * svp_h
         k = load_tile(KP + kv_rows[:, None] + offs_d[None, :], valid, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(VP + v_rows[:, None] + offs_dv[None, :], valid, offs_dv, V_DIM, V_PAD)
         dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -295,7 +313,10 @@ def _page_dkdv_kernel(
                                 offs_n, tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
                                 V_DIM, V_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
-        gv_ptrs = (g_slot * sgv_page + (n0 + offs_n) * sgv_off + hk * sgv_h)[:, None] + offs_dv[None, :]
+        if V_SAME:
+            gv_ptrs = g_ptrs
+        else:
+            gv_ptrs = (g_slot * sgv_page + (n0 + offs_n) * sgv_off + hk * sgv_h)[:, None] + offs_dv[None, :]
         if not STAGED:
             # The stored gradient is added to the chunk's whole share, as the staged path adds them: a page's
             # gradient has the same bits whether its layer's pages live on the GPU or on the host.
@@ -342,6 +363,8 @@ def default_tiles(head_dim: int, dtype: torch.dtype) -> KernelTiles:
         return KernelTiles(t, t, t)
     if dtype == torch.float32:
         return KernelTiles(Tiles(64, 32, 4, 2), Tiles(16, 64, 4, 2), Tiles(64, 32, 4, 2))
+    if padded_head_dim(head_dim) > 128:  # as chunk_attention.default_tiles: within shared memory, speed not measured
+        return KernelTiles(Tiles(64, 32, 4, 2), Tiles(32, 64, 8, 2), Tiles(128, 32, 8, 2))
     if padded_head_dim(head_dim) > 64:  # measured on an H200 (lightning_oomb.bench.sparse_kernels --sweep)
         return KernelTiles(Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2), Tiles(128, 128, 8, 2))
     return KernelTiles(Tiles(128, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3))
@@ -432,7 +455,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
             out.stride(0), out.stride(1), out.stride(2),
             t, start, sel.shape[-1], scale * 1.4426950408889634,
             H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv,
-            V_PAD=padded_head_dim(dv), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype),
+            V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype),
             PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -471,7 +494,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
         *tile_lists.stride(),
         t, start, scale * 1.4426950408889634, scale,
         H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv,
-        V_PAD=padded_head_dim(dv), BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=dot_precision(q.dtype),
+        V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v), (dkp, dvp)), BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=dot_precision(q.dtype),
         TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
         EVEN=t % ps == 0 and ps % pt.block_m == 0,
         num_warps=pt.num_warps, num_stages=pt.num_stages,
@@ -549,7 +572,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             dq.stride(0), dq.stride(1), dq.stride(2),
             t, start, sel.shape[-1], qk_scale, scale,
             H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv_width,
-            V_PAD=padded_head_dim(dv_width), BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
+            V_PAD=padded_head_dim(dv_width), V_SAME=same_layout((store.k, store.v)), BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
             PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), PAGED_TMA=descs is not None, num_warps=qt.num_warps,
             num_stages=qt.num_stages,
         )
