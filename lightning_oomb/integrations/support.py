@@ -28,6 +28,12 @@ HEAD_CHANGES = {
     "logits_scaling": (1.0, "the division of the logits by logits_scaling"),
     "logit_scale": (1.0, "the scaling of the logits by logit_scale"),
 }
+# Families whose attention layers call attention more than once a forward, with the same keys and other values,
+# by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
+# attend to the last call's values of the past.
+REPEATED_ATTENTION = {
+    "diffllama": "each half of its values (differential attention: the two outputs then mixed with lambda)",
+}
 PROBE_TOKENS = 8
 _loss_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose loss was probed
 
@@ -50,6 +56,13 @@ def check_supported(model: nn.Module) -> None:
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
+        )
+    repeated = REPEATED_ATTENTION.get(cfg.model_type)
+    if repeated is not None:
+        raise NotImplementedError(
+            f"{name} calls attention twice per layer, with the same keys and {repeated}; lightning_oomb's K/V pages "
+            "hold one set of values per layer and token, so its chunks would attend to the second call's values in "
+            "both: not supported"
         )
     other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS))
     convs = [n for n, m in lm.get_decoder().named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
