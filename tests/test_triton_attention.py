@@ -246,7 +246,8 @@ def test_values_of_another_width_match_reference(case, dtype):
 def test_values_of_another_width_on_other_tiles_strided(chunk_split):
     """(B, T, H, D)-strided inputs, unequal tiles and the chunk's dK/dV split over query heads (float32 partial
     sums of both widths), values wider than keys; the output laid out like q, as transformers reads it."""
-    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16), chunk_split=chunk_split)
+    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16),
+                            chunk_split=chunk_split)
 
     def forward(q, k, v, store, start, scale):
         out, lse = tri._forward(q, k, v, store, start, scale, tiles.fwd)
@@ -531,6 +532,49 @@ def test_16_bit_gpu_against_fp32_reference(case, dtype):
     ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward, doc_start)
     names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
     for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
+        err = rel_err(a, want)
+        floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
+        print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
+        assert torch.isfinite(a).all(), name
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs 16-bit floor {floor:.2e}"
+
+
+# batch, n_kv, group, head_dim, T, start, page_size, v_dim: DeepSeek's widths (keys 192, padded to 256; values 128),
+# values wider than keys, both at 256; the Gluon kernels take none of them (one width of 64 or 128 only)
+GPU_VALUE_WIDTH_CASES = {
+    "mla-192-128": (1, 8, 1, 192, 512, 1000, 128, 128),
+    "mla-192-128-batch-2-pages-of-64": (2, 4, 1, 192, 300, 2048, 64, 128),
+    "keys-64-values-128-gqa-4": (1, 2, 4, 64, 256, 777, 128, 128),
+    "keys-256-values-256": (1, 2, 2, 256, 256, 640, 128, 256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_VALUE_WIDTH_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_gpu_values_of_another_width_against_fp32_reference(case, dtype):
+    """As test_16_bit_gpu_against_fp32_reference, values of their own width: the kernel's error within twice the
+    16-bit floor plus 1e-3, against the fp32 reference on the same 16-bit values."""
+    *shape, v_dim = GPU_VALUE_WIDTH_CASES[case]
+    p = make_problem(*shape, dtype, device="cuda", v_dim=v_dim)
+    assert tri._warp_specialized_past(p.q, p.store, p.start, None) == (0, 0) or v_dim == shape[3]
+    t = p.q.shape[2]
+    p32 = _fp32_copy(p)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+
+    def run(prob: Problem, fwd, bwd):
+        prob.pool.dk.copy_(saved[0])
+        prob.pool.dv.copy_(saved[1])
+        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale)
+        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale)
+        return [x.float() for x in (out, lse, dq, dk, dv, *prob.store.read(0, prob.start + t, grads=True))]
+
+    kernel = run(p, tri.attention_forward, tri.attention_backward)
+    ref_16 = run(p, ref.attention_forward, ref.attention_backward)
+    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward)
+    names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
+    for name, a, b, want in zip(names, kernel, ref_16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
         print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
