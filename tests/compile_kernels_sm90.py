@@ -2,7 +2,8 @@
 ptxas, each attention kernel once with bulk copies through tensor descriptors and once with pointer loads (the
 page dK/dV kernel writing a staging area in the first build, the gradient pages in the second), and the
 warp-specialised Gluon kernels once for a dense past and once for selected pages (dK/dV also into a staging
-area).
+area); then the Triton attention kernels with soft-capped scores and the cross-entropy kernel through a model's
+logit scale and soft cap.
 
 Catches what the interpreter cannot: it runs kernels as Python, so type rules of the compiler (say, 32-bit
 descriptor offsets) only show on a real build. Run by tests/test_kernels_compile.py in a process without
@@ -38,6 +39,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
 from lightning_oomb.kernels import chunk_attention as tri  # noqa: E402
+from lightning_oomb.kernels import cross_entropy  # noqa: E402
 from lightning_oomb.kernels import host_pages  # noqa: E402
 from lightning_oomb.kernels import past_attention_sm90 as warp_specialized  # noqa: E402
 from lightning_oomb.kernels import sparse_attention as sparse  # noqa: E402
@@ -48,6 +50,9 @@ SHAPE = dict(HEAD_DIM=D, D_PAD=D, V_DIM=D, V_PAD=D, V_SAME=True, PRECISION="tf32
 # Strides that are 1 in a step's launches (contiguous page table, selections, page and tile lists): Triton's
 # JIT makes an integer argument equal to 1 a constant.
 UNIT_STRIDES = ("ss_p", "ssel_k", "spg_i", "st_j")
+# Arguments that a step passes as None unless the model asks for them (soft caps, a logit scale): None unless a
+# build names their type.
+NONE_UNLESS_TYPED = ("softcap", "multiplier")
 LOOPS = "--loops" in sys.argv[1:]
 SHARED_MEMORY = 232448  # bytes of shared memory a block may take on sm_90 (H100, H200)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -81,7 +86,8 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
     (spills) as cuobjdump reads them from the cubin, where Triton ships cuobjdump, and its shared memory;
     ``check_shared``: refuse a build that needs more shared memory than a block may take (a launch would fail)."""
     sig, attrs = {}, {}
-    constexprs = {**{n: 1 for n in UNIT_STRIDES if n in fn.arg_names}, **constexprs}
+    constexprs = {**{n: 1 for n in UNIT_STRIDES if n in fn.arg_names},
+                  **{n: None for n in NONE_UNLESS_TYPED if n in fn.arg_names and n not in types}, **constexprs}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -219,6 +225,28 @@ def main() -> None:
     build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},
           dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, D_PAD=D, V_DIM=D, V_PAD=D, V_SAME=True, BLOCK_R=32), num_warps=4)
     print("compiled for sm_90 (host pages)", flush=True)
+
+    # Soft-capped scores (a float32 cap, tanh in every score step), pointer loads; the loss kernel with and without
+    # the model's logit scale and cap.
+    capped = {**i32, **scalars, "softcap": "fp32"}
+    build(tri._fwd_kernel, {"LSE": "*fp32", **capped},
+          dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, CARRY=False, PAGED_TMA=False, DOC=None))
+    build(tri._dq_kernel, {**f32, **capped},
+          dict(SHAPE, **HEADS, BLOCK_M=128, BLOCK_N=128, CHUNK=True, ACCUMULATE=False, PAGED_TMA=False, DOC=None),
+          num_stages=2)
+    build(tri._dkdv_kernel, {**f32, **capped}, dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, CHUNK_SPLIT=1,
+                                                    ROWS_TMA=False, EVEN=False, DOC=None, Q_SEEN=None))
+    build(sparse._sparse_fwd_kernel, {"LSE": "*fp32", **capped},
+          dict(SHAPE, **HEADS, SUB=2, BLOCK_M=64, BLOCK_N=64, PAGE_BLOCKS=2, PAGED_TMA=False, DOC=None), num_warps=4)
+    build(sparse._sparse_dq_kernel, {**f32, **capped},
+          dict(SHAPE, **HEADS, SUB=1, BLOCK_M=128, BLOCK_N=128, PAGE_BLOCKS=1, PAGED_TMA=False, DOC=None))
+    build(sparse._page_dkdv_kernel, {**f32, **capped}, dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128,
+                                                            TILE_BLOCKS=2, ROWS_TMA=False, STAGED=False, EVEN=False,
+                                                            DOC=None))
+    loss = {"LOGITS": "*bf16", "TARGETS": "*i64", "LOSS": "*fp32", "normalizer": "fp32"}
+    for head in ({}, {"multiplier": "fp32", "softcap": "fp32"}):
+        build(cross_entropy._cross_entropy_kernel, {**loss, **head}, dict(WITH_GRAD=True, BLOCK=8192))
+    print("compiled for sm_90 (soft caps)", flush=True)
 
 
 if __name__ == "__main__":

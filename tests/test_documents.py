@@ -228,9 +228,9 @@ def test_dense_chunks_attend_from_their_first_keys_page(monkeypatch):
     calls = []
     forward = reference_attention.attention_forward
 
-    def recorded(q, k, v, store, start, scale, doc_start=None, one_document=None):
+    def recorded(q, k, v, store, start, scale, doc_start=None, one_document=None, softcap=None):
         calls.append((start, store.table.seq_len, int(doc_start.min()), one_document))
-        return forward(q, k, v, store, start, scale, doc_start, one_document)
+        return forward(q, k, v, store, start, scale, doc_start, one_document, softcap)
 
     model = probed(tiny_model("qwen2"))  # the probe's chunks, none of a document, before the recording
     monkeypatch.setattr(reference_attention, "attention_forward", recorded)

@@ -367,6 +367,65 @@ def test_fused_linear_cross_entropy_matches_the_unfused_one():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("multiplier, softcap", [(0.25, None), (None, 3.0), (2.0, 3.0)])
+def test_cross_entropy_rows_through_the_models_head(multiplier, softcap, dtype):
+    """The logits as a family's head makes them (times a scale, then soft-capped) and the gradient back through
+    both: against autograd of the same float32 formula. The padding of the masked last block stays out of it."""
+    from lightning_oomb.kernels.cross_entropy import cross_entropy_rows
+
+    torch.manual_seed(0)
+    rows, vocab = 5, 8192 + 700
+    logits = (torch.randn(rows, vocab, device=DEVICE) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device=DEVICE)
+    targets[0] = vocab - 1
+    x = logits.float().requires_grad_()
+    z = x * multiplier if multiplier is not None else x
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    want_loss = F.cross_entropy(z, targets, reduction="none")
+    (want_loss.sum() / 7.0).backward()
+    got = logits.clone()
+    loss = cross_entropy_rows(got, targets, 7.0, grad=True, multiplier=multiplier, softcap=softcap)
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-7)
+    else:  # one rounding of a float32 gradient that agrees to about 1e-6 of itself (below 2^-14: fp16's subnormals)
+        err = (got.float() - x.grad).abs()
+        assert (err <= 2 * torch.finfo(dtype).eps * x.grad.abs() + 2.0**-24).all()
+
+
+def test_fused_linear_cross_entropy_through_the_models_head_matches_the_unfused_one():
+    """core.loss with a LogitHead (a divisor and a soft cap), kernel and torch: the same loss and gradients, and
+    torch's as autograd of the model's own formula."""
+    from torch import nn
+
+    from lightning_oomb.core.loss import HeadGradients, linear_cross_entropy
+    from lightning_oomb.integrations.transformers import LogitHead
+
+    torch.manual_seed(0)
+    head = nn.Linear(16, 300, bias=True, device=DEVICE)
+    with torch.no_grad():
+        head.weight.mul_(8)
+    hidden, targets = torch.randn(37, 16, device=DEVICE), torch.randint(0, 300, (37,), device=DEVICE)
+    logit_head = LogitHead(divisor=0.5, softcap=2.0)
+    results = []
+    for fused in (False, True):
+        grads = HeadGradients(head)
+        loss, grad_h = linear_cross_entropy(hidden, head.weight, head.bias, targets, 40.0, grads, True, fused=fused,
+                                            head=logit_head)
+        results.append((loss, grad_h, grads.weight, grads.bias))
+    h = hidden.clone().requires_grad_()
+    want = F.cross_entropy(logit_head.apply(head(h)), targets, reduction="sum") / 40.0
+    want.backward()
+    autograd = (want.detach(), h.grad, head.weight.grad, head.bias.grad)
+    for got, torch_ops, exact, name in zip(results[1], results[0], autograd, ["loss", "dh", "dweight", "dbias"],
+                                           strict=True):
+        torch.testing.assert_close(torch_ops, exact, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}, torch: {m}")
+        torch.testing.assert_close(got, torch_ops, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}, kernel: {m}")
+    assert not torch.allclose(want, F.cross_entropy(head(hidden), targets, reduction="sum") / 40.0, rtol=1e-2)
+
+
 def test_cross_entropy_rows_refuses_other_layouts():
     from lightning_oomb.kernels.cross_entropy import cross_entropy_rows
 

@@ -5,6 +5,11 @@ learns like a 32-true run (the learning-quality benchmark, CPU)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,14 +98,14 @@ def test_kahan_steps_track_float32_on_the_gpu():
     assert weight_change_error("adamw8bit-kahan", device="cuda") < 0.05
 
 
-@pytest.mark.skipif(torch.cuda.is_available() is False and __import__("os").environ.get("ATEN_CPU_CAPABILITY") == "avx2",
-                    reason="Inductor's CPU code under ATEN_CPU_CAPABILITY=avx2 computes this step wrongly; the CPU "
-                           "runs it eagerly (core/kahan.py), CUDA compiled")
 def test_compiled_kahan_step_keeps_the_compensation():
     """The fused (torch.compile) step computes what the eager one does: Inductor must not fold the
-    float32 -> bf16 -> float32 round trip that defines the compensation."""
+    float32 -> bf16 -> float32 round trip that defines the compensation. Compiled here on the CPU, so with the
+    compile caches keyed by CPU vector ISA as the optimizers key them (core/optimizers.py)."""
     from lightning_oomb.core import kahan
+    from lightning_oomb.core.optimizers import key_compile_caches_by_cpu_isa
 
+    key_compile_caches_by_cpu_isa()
     torch.manual_seed(0)
     p = (torch.randn(64, 64) * 0.02).bfloat16()
     args = dict(step=torch.tensor(1.0), lr=torch.tensor(1e-5), beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
@@ -114,6 +119,50 @@ def test_compiled_kahan_step_keeps_the_compensation():
         results.append(weight.float() + compensation.float())
         assert compensation.abs().max() > 0
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-9)
+
+
+# One adamw8bit step over CPU tensors built as a run builds it, compared bit for bit with torchao's step run eagerly
+# from the same state; prints the values that differ.
+COMPILED_STEP = """
+import torch
+from torchao.optim.adam import single_param_adam
+from torchao.optim.subclass_8bit import OptimState8bit
+from lightning_oomb.core.optimizers import OptimizerSpec
+
+torch.manual_seed(0)
+p = torch.nn.Parameter((torch.randn(64, 64) * 0.02).bfloat16())
+p.grad = torch.randn(64, 64).bfloat16()
+optimizer = OptimizerSpec.parse("adamw8bit").build([p], lr=1e-3, weight_decay=0.01)
+group, weight = optimizer.param_groups[0], p.detach().clone()
+moments = [OptimState8bit.zeros(p.shape, signed, 256, dtype=p.dtype) for signed in (True, False)]
+single_param_adam(weight, p.grad, torch.tensor(1.0), *moments, None, group["lr"], *group["betas"],
+                  group["weight_decay"], group["eps"], True, False)
+optimizer.step()
+state = optimizer.state[p]
+differ = int((weight != p.detach()).sum())
+for m, key in zip(moments, ("exp_avg", "exp_avg_sq")):
+    differ += int((m.codes != state[key].codes).sum()) + int((m.scale != state[key].scale).sum())
+print(differ)
+"""
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
+                    reason="needs a CPU with AVX-512, a vector ISA wider than ATEN_CPU_CAPABILITY=avx2's")
+@pytest.mark.parametrize("first", ["default", "avx2"])
+def test_compiled_cpu_step_is_right_after_another_isa_filled_the_compile_cache(first):
+    """torchao compiles its step with Inductor on the CPU too, and Inductor's on-disk caches leave out the vector
+    ISA its C++ was written for: two processes sharing one cache, under the default capability and under
+    ATEN_CPU_CAPABILITY=avx2 (in either order), each step as eager torchao does, bit for bit. A cache key tag of
+    this test's own leaves no earlier entry for these graphs, while Inductor's checks of the compiler stay cached."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env.update(TORCH_COMPILE_CACHE_KEY_TAG=f"test-{uuid.uuid4().hex}", PYTHONPATH=str(root))
+    for capability in (first, "avx2" if first == "default" else "default"):
+        child = {**env, "ATEN_CPU_CAPABILITY": capability} if capability == "avx2" else env
+        done = subprocess.run([sys.executable, "-c", COMPILED_STEP], cwd=root, env=child, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, f"{capability}: {done.stderr[-3000:]}"
+        assert done.stdout.split()[-1] == "0", f"{capability}: values that differ from eager torchao: {done.stdout}"
 
 
 def test_bad_choices_are_refused_in_one_line(monkeypatch):

@@ -35,12 +35,6 @@ def test_unsupported_architecture():
             NotImplementedError)
 
 
-def test_softcapping_refused():
-    model = tiny_model("llama")
-    model.config.attn_logit_softcapping = 50.0
-    refuses(model, torch.randint(0, VOCAB, (1, 20)), "attn_logit_softcapping", NotImplementedError)
-
-
 def test_length_dependent_rope():
     model = tiny_model("llama")
     model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}

@@ -34,9 +34,10 @@ def random_selection(batch, h_sel, t, start, page_size, budget, seed=0):
     return sel.view(batch, h_sel, n_tiles, k).sort(-1).values.int().to(DEVICE)
 
 
-def oracle(p, selection, doc_start=None):
+def oracle(p, selection, doc_start=None, softcap=None):
     """Dense float64 attention with the selection's block mask (entries of -1: no page) and, with doc_start
-    (B, T), each query's document mask: out, dq, dk, dv, and dK, dV of the past."""
+    (B, T), each query's document mask: out, dq, dk, dv, and dK, dV of the past. softcap: scores capped as
+    transformers' eager attention caps them, before the mask."""
     b, hq, t, d = p.q.shape
     h = p.k.shape[1]
     g = hq // h
@@ -57,17 +58,19 @@ def oracle(p, selection, doc_start=None):
     if doc_start is not None:
         allowed &= (torch.arange(p.start + t) >= doc_start.cpu()[:, None, :, None].long())
     s = torch.einsum("bhgtd,bhnd->bhgtn", q.view(b, h, g, t, d), keys) * p.scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allowed[:, :, None].to(s.device), float("-inf"))
     out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, -1)
     out.backward(p.dout.double())
     return out.detach(), *(x.grad for x in leaves)
 
 
-def run_op(p, selection, forward, backward, doc_start=None):
+def run_op(p, selection, forward, backward, doc_start=None, **options):
     saved = p.pool.dk.clone(), p.pool.dv.clone()
     before = p.store.read(0, p.start + p.q.shape[2], grads=True)
-    out, lse = forward(p.q, p.k, p.v, p.store, p.start, p.scale, selection, doc_start)
-    dq, dk, dv = backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, selection, doc_start)
+    out, lse = forward(p.q, p.k, p.v, p.store, p.start, p.scale, selection, doc_start, **options)
+    dq, dk, dv = backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, selection, doc_start, **options)
     after = p.store.read(0, p.start, grads=True)
     p.pool.dk.copy_(saved[0])
     p.pool.dv.copy_(saved[1])
@@ -288,13 +291,13 @@ def test_sparse_changes_the_model_and_selection_is_reused(monkeypatch):
         made[(start, store.layer)] = selection = select(q, store, summaries, config, start, doc_start)
         return selection
 
-    def record_fwd(q, k, v, store, start, scale, selection, doc_start):
+    def record_fwd(q, k, v, store, start, scale, selection, doc_start, softcap=None):
         calls.append(("fwd", start, store.layer, selection))
-        return fwd(q, k, v, store, start, scale, selection, doc_start)
+        return fwd(q, k, v, store, start, scale, selection, doc_start, softcap)
 
-    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start):
+    def record_bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start, softcap=None):
         calls.append(("bwd", start, store.layer, selection))
-        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start)
+        return bwd(dout, q, k, v, out, lse, store, start, scale, selection, doc_start, softcap)
 
     monkeypatch.setattr(schedule, "select_pages", record_select)
     monkeypatch.setattr(sparse, "attention_forward", record_fwd)
@@ -444,6 +447,31 @@ def test_kernels_match_reference_with_documents(case, v_dim):
     got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)
     want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)
     assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ["gqa2-pages-of-5", "page-larger-than-block", "whole-query-tiles"])
+def test_soft_capped_scores(case, dtype):
+    """Soft-capped scores (softcap * tanh(q.k * scale / softcap)): the reference against the masked dense
+    oracle of transformers' formula (float32), the kernels against the reference; packed documents once."""
+    b, h, g, d, t, start, ps, budget, per_head = KERNEL_CASES[case]
+    p = dataclasses.replace(make_problem(b, h, g, d, t, start, ps, dtype), scale=0.5)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, softcap=2.0)
+    if dtype == torch.float32:
+        assert_matches([want[0], *want[2:]], oracle(p, sel, softcap=2.0), 1e-5)
+        assert rel_err(want[0], oracle(p, sel)[0].to(want[0].dtype)) > 0.1  # the cap bends these scores
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward, softcap=2.0)
+    assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
+    if case == "gqa2-pages-of-5" and dtype == torch.float32:
+        b, h, g, d, t, start, ps, budget, per_head, lengths = DOC_CASES[list(DOC_CASES)[0]]
+        config = SparseConfig(budget_pages=budget, sink_pages=1, local_pages=1, per_kv_head=per_head)
+        p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config)
+        p = dataclasses.replace(p, scale=0.5)
+        want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc, softcap=2.0)
+        assert_matches([want[0], *want[2:]], oracle(p, sel, doc, softcap=2.0), 1e-5)
+        got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc, softcap=2.0)
+        assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
 
 
 def test_page_gradient_programs_start_with_the_most_chosen_pages():

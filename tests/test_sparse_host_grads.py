@@ -384,7 +384,8 @@ def test_gpu_sparse_step_with_host_gradient_pages_equals_gpu_pages():
     """bf16, GQA, pages of 16: the same kernels on host-mapped gradient pages give bitwise the same result."""
     model = tiny_model("qwen2", dtype=torch.bfloat16, head_dim=16, hidden_size=64).cuda()
     ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
-    config = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1)
+    # Per-tile selection on both: with host pages the default would select once per chunk, another result.
+    config = SparseConfig(budget_pages=4, sink_pages=1, local_pages=1, per_query_tile=True)
     results = {}
     for offload in ("gpu", "host"):
         model.zero_grad(set_to_none=True)

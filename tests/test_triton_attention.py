@@ -87,16 +87,17 @@ def make_problem(
     return Problem(pool, store, q, k, v, rand(batch, n_kv * group, t, v_dim), start, head_dim**-0.5)
 
 
-def run_both(p: Problem, forward=tri.attention_forward, backward=tri.attention_backward):
-    """(kernel results, reference results): out, lse, dq, dk, dv, and the store's dK, dV of [0, start + T)."""
+def run_both(p: Problem, forward=tri.attention_forward, backward=tri.attention_backward, **options):
+    """(kernel results, reference results): out, lse, dq, dk, dv, and the store's dK, dV of [0, start + T).
+    options: keyword arguments of both (softcap)."""
     t = p.q.shape[2]
     saved = p.pool.dk.clone(), p.pool.dv.clone()
     results = []
     for fwd, bwd in ((forward, backward), (ref.attention_forward, ref.attention_backward)):
         p.pool.dk.copy_(saved[0])
         p.pool.dv.copy_(saved[1])
-        out, lse = fwd(p.q, p.k, p.v, p.store, p.start, p.scale)
-        dq, dk, dv = bwd(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale)
+        out, lse = fwd(p.q, p.k, p.v, p.store, p.start, p.scale, **options)
+        dq, dk, dv = bwd(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, **options)
         results.append((out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)))
     return results
 
@@ -464,6 +465,112 @@ def test_hopper_split_of_a_chunk_in_one_document(case, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------
+# Soft-capped scores (Gemma 2's attn_logit_softcapping): softcap * tanh(q.k * scale / softcap)
+# --------------------------------------------------------------------------------------------------------
+
+# With scale 0.5 the scores of these random problems spread over about +-2 standard deviations of 2: a cap of 2
+# bends most of them (the outputs move by 25-80% against uncapped ones).
+SOFTCAP, SOFTCAP_SCALE = 2.0, 0.5
+
+
+def dense_soft_capped(p: Problem, softcap: float) -> tuple[torch.Tensor, ...]:
+    """transformers' eager formula in float64 autograd over the stored past plus the chunk, causal: out, lse,
+    dq, the chunk's dk, dv, and the past's dK, dV."""
+    b, hq, t, d = p.q.shape
+    h = p.k.shape[1]
+    kp, vp = p.store.read(0, p.start)
+    q, k, v, kp, vp = (x.detach().double().requires_grad_() for x in (p.q, p.k, p.v, kp, vp))
+    keys, values = torch.cat([kp, k], 2), torch.cat([vp, v], 2)
+    s = torch.einsum("bhgtd,bhnd->bhgtn", q.view(b, h, hq // h, t, d), keys) * p.scale
+    s = torch.tanh(s / softcap) * softcap
+    seen = torch.arange(p.start + t)[None, :] <= p.start + torch.arange(t)[:, None]
+    s = s.masked_fill(~seen.to(s.device), float("-inf"))
+    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), values).reshape(b, hq, t, d)
+    out.backward(p.dout.double())
+    return out.detach(), s.logsumexp(-1).reshape(b, hq, t).detach(), q.grad, k.grad, v.grad, kp.grad, vp.grad
+
+
+def test_reference_soft_cap_is_transformers_formula():
+    """The reference's soft-capped attention and its gradients (tanh's derivative included) against autograd of
+    transformers' eager formula, past and chunk, in float64; the cap changes the result."""
+    import dataclasses
+
+    p = dataclasses.replace(make_problem(2, 2, 2, 16, 13, 21, 5, torch.float32, device="cpu"), scale=SOFTCAP_SCALE)
+    t = p.q.shape[2]
+    before = p.store.read(0, p.start + t, grads=True)
+    out, lse = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, softcap=SOFTCAP)
+    dq, dk, dv = ref.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, softcap=SOFTCAP)
+    after = p.store.read(0, p.start, grads=True)
+    got = (out, lse, dq, dk - before[0][:, :, p.start:], dv - before[1][:, :, p.start:],
+           after[0] - before[0][:, :, : p.start], after[1] - before[1][:, :, : p.start])
+    want = dense_soft_capped(p, SOFTCAP)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "store dk", "store dv"], got, want):
+        assert rel_err(a, b) <= 1e-5, name
+    assert rel_err(want[0], dense_soft_capped(p, 1e9)[0]) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ["pages-of-5-cross-tiles", "empty-past-gqa7", "page-size-1", "whole-query-tiles"])
+def test_soft_capped_scores_match_reference(case, dtype):
+    """The Triton forward, dQ and dK/dV (chunk and past tiles, masked and whole) against the reference."""
+    import dataclasses
+
+    p = dataclasses.replace(make_problem(*CASES[case], dtype=dtype), scale=SOFTCAP_SCALE)
+    got, want = run_both(p, softcap=SOFTCAP)
+    assert_close(got, want, TOL[dtype])
+
+
+def test_soft_capped_scores_with_documents_in_key_ranges():
+    """Packed documents and the key ranges of streamed host pages (forward_state, backward_part), soft-capped:
+    the kernels as the reference, and the ranges as one call over the whole past."""
+    import dataclasses
+
+    *shape, starts = DOC_CASES["borders-mid-page-and-tile"]
+    p = dataclasses.replace(make_problem(*shape, dtype=torch.float32), scale=SOFTCAP_SCALE)
+    t = p.q.shape[2]
+    doc_start = chunk_doc_start(starts, p.start, t)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    whole, ranges = [], []
+    for backend in (tri, ref):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        out, lse = backend.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start, softcap=SOFTCAP)
+        dq, dk, dv = backend.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start,
+                                                softcap=SOFTCAP)
+        whole.append((out, lse, dq, dk, dv, *p.store.read(0, p.start + t, grads=True)))
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        state = backend.forward_state(p.q, p.k, p.v, p.store, 0, 0, p.scale, True, doc_start=doc_start,
+                                      chunk_start=p.start, softcap=SOFTCAP)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.forward_state(p.q, p.k, p.v, p.store, lo, hi, p.scale, False, state, doc_start=doc_start,
+                                  softcap=SOFTCAP)
+        out, lse = state
+        dq = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
+        delta = backend.backward_delta(out, p.dout)
+        dk, dv = backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, 0, 0, p.start, p.scale, True, dq,
+                                       doc_start, softcap=SOFTCAP)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, lo, hi, p.start, p.scale, False, dq,
+                                  doc_start, softcap=SOFTCAP)
+        ranges.append((out.to(p.q.dtype), lse, dq.to(p.q.dtype), dk, dv, *p.store.read(0, p.start + t, grads=True)))
+    assert_close(*whole, TOL[torch.float32])
+    assert_close(ranges[0], whole[1], TOL[torch.float32])
+    assert_close(ranges[1], whole[1], TOL[torch.float32])
+
+
+def test_soft_capped_scores_skip_the_hopper_kernels(monkeypatch):
+    """The warp-specialised Gluon kernels compute plain scores: a soft-capped chunk runs wholly in Triton."""
+    p = make_problem(*ONE_DOCUMENT_CASES["no-documents"][:7], dtype=torch.float16, device="cpu")
+    monkeypatch.setattr(tri, "is_sm90", lambda q: True)
+    monkeypatch.setattr(sparse_tri, "is_sm90", lambda q: True)
+    assert tri._warp_specialized_past(p.q, p.store, p.start, None) == (0, 640)
+    assert tri._warp_specialized_past(p.q, p.store, p.start, None, softcap=SOFTCAP) == (0, 0)
+    selection = torch.zeros(1, 2, 1, 1, dtype=torch.int32)
+    assert not sparse_tri._warp_specialized_pages(p.q, p.store, p.start, selection, None, softcap=SOFTCAP)
+
+
+# --------------------------------------------------------------------------------------------------------
 # GPU: bf16 at a real head size (the interpreter's bf16 tl.dot is wrong, so bf16 is only tested here)
 # --------------------------------------------------------------------------------------------------------
 
@@ -577,6 +684,44 @@ def test_16_bit_gpu_values_of_another_width_against_fp32_reference(case, dtype):
     for name, a, b, want in zip(names, kernel, ref_16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
+        print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
+        assert torch.isfinite(a).all(), name
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs 16-bit floor {floor:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["d128-partial-past-tile", "d128-one-document-mid-page", "d128-short-past"])
+def test_16_bit_gpu_soft_capped_against_fp32_reference(case):
+    """bf16 soft-capped scores (Gemma 2's cap of 50, at a scale that makes it bend): the Triton kernels (the
+    Gluon ones take no cap) within twice the 16-bit floor of the fp32 reference, as above."""
+    import dataclasses
+
+    *shape, one_document = GPU_CASES[case]
+    p = dataclasses.replace(make_problem(*shape, torch.bfloat16, device="cuda"), scale=4.0)
+    t = p.q.shape[2]
+    doc_start = None if one_document is None else torch.full((p.q.shape[0], t), one_document, dtype=torch.int32,
+                                                             device="cuda")
+    p32 = _fp32_copy(p)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+
+    def run(prob: Problem, fwd, bwd, *documents, softcap=50.0):
+        prob.pool.dk.copy_(saved[0])
+        prob.pool.dv.copy_(saved[1])
+        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale, *documents, softcap=softcap)
+        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale, *documents,
+                         softcap=softcap)
+        return [x.float() for x in (out, lse, dq, dk, dv, *prob.store.read(0, prob.start + t, grads=True))]
+
+    kernel = run(p, tri.attention_forward, tri.attention_backward, doc_start, one_document)
+    ref_bf16 = run(p, ref.attention_forward, ref.attention_backward, doc_start)
+    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward, doc_start)
+    uncapped = run(p32, ref.attention_forward, ref.attention_backward, doc_start, softcap=None)
+    assert rel_err(ref_fp32[0], uncapped[0]) > 0.05
+    names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
+    for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
+        err = rel_err(a, want)
+        floor = max(rel_err(b, want), rel_err(want.to(torch.bfloat16), want))
         print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
         assert torch.isfinite(a).all(), name
         assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs 16-bit floor {floor:.2e}"

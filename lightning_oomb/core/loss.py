@@ -3,16 +3,23 @@
 transformers computes ``cross_entropy(lm_head(h).float(), labels, reduction="sum") / n_valid``: the
 logits in the model (or autocast) dtype, the softmax in float32. We do the same per piece of rows and,
 when training, compute the gradients with respect to h and the output layer in the same pass (as
-Liger-Kernel's fused linear cross-entropy does). The schedule keeps dL/dh of a chunk until its decoder is
+Liger-Kernel's fused linear cross-entropy does). A family's change of the logits before its loss (``LogitHead``:
+a scale, a soft cap) is applied to each piece in float32, as the softmax is, and its derivative to the
+gradient. The schedule keeps dL/dh of a chunk until its decoder is
 backpropagated and sums the output layer's gradient over all chunks in float32 (``HeadGradients``), so
 the incoming gradient scale is applied once, at the end, and the layer's weight gradient is rounded once.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:  # not at run time: the planner imports this module without transformers
+    from ..integrations.transformers import LogitHead
 
 LOGITS_BUDGET_BYTES = 1 << 29  # float32 logits of one piece: 512 MiB
 
@@ -68,6 +75,17 @@ class HeadGradients:
             torch.autograd.backward(params, grads)
 
 
+def _head_backward(g: torch.Tensor, z: torch.Tensor, head: LogitHead) -> None:
+    """g (n, V) float32, dLoss/d(the model's logits z), becomes dLoss/d(lm_head's logits), in place; z is
+    consumed. d(cap tanh(x / cap))/dx = 1 - tanh^2 = 1 - (z / cap)^2."""
+    if head.softcap is not None:
+        g.mul_(z.div_(head.softcap).square_().neg_().add_(1.0))
+    if head.scale != 1.0:
+        g.mul_(head.scale)
+    if head.divisor != 1.0:
+        g.div_(head.divisor)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -77,16 +95,20 @@ def linear_cross_entropy(
     head_grads: HeadGradients | None = None,
     with_grad_hidden: bool = False,
     fused: bool = False,
+    head: LogitHead | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(sum_i CE(hidden[i] @ weight.T + bias, targets[i]) / normalizer, dLoss/dhidden or None).
+    """(sum_i CE(head(hidden[i] @ weight.T + bias), targets[i]) / normalizer, dLoss/dhidden or None).
 
     hidden (N, d), weight (V, d), targets (N,) int64 with no ignored entries. The loss is a float32 scalar;
     no autograd graph is recorded. With ``head_grads`` the output layer's gradients are added into its
     float32 sums; with ``with_grad_hidden`` dLoss/dhidden (N, d) in hidden's dtype is returned. Peak extra
     memory: one piece of logits (``piece_rows`` rows), its float32 log-probabilities and gradient; with
     ``fused`` (the Triton kernel of ``kernels.cross_entropy``, same float32 arithmetic) only the logits,
-    which the kernel overwrites with their gradient.
+    which the kernel overwrites with their gradient. head: what the model does to the logits before its loss
+    (None: nothing), applied in float32.
     """
+    if head is not None and head.identity:
+        head = None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_w = head_grads.weight if head_grads is not None else None
     grad_b = head_grads.bias if head_grads is not None else None
@@ -100,14 +122,20 @@ def linear_cross_entropy(
             if fused:
                 from ..kernels.cross_entropy import cross_entropy_rows
 
-                total += cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad).sum()
+                multiplier = None if head is None or head.multiplier == 1.0 else head.multiplier
+                softcap = None if head is None else head.softcap
+                total += cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad, multiplier=multiplier,
+                                            softcap=softcap).sum()
                 g = logits  # overwritten with dLoss/dlogits
             else:
-                logp = torch.log_softmax(logits.float(), dim=-1)
+                z = logits.float() if head is None else head.apply(logits.float(), inplace=True)  # logits unused after
+                logp = torch.log_softmax(z, dim=-1)
                 total -= logp.gather(1, tgt[:, None]).sum()
                 if wants_grad:
                     g = logp.exp_()
                     g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
+                    if head is not None:
+                        _head_backward(g, z, head)
                     g = (g / normalizer).to(logits.dtype)
             if grad_h is not None:
                 grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)

@@ -117,8 +117,8 @@ def _shared_width(config: Any, width: int) -> int:
 
 
 # Fields that name the MLP's width in families without intermediate_size: GPT-2 and GPT-BigCode (StarCoder 1,
-# SantaCoder; None: 4 x hidden), OPT and Moshi, CTRL.
-MLP_WIDTH_FIELDS = ("n_inner", "ffn_dim", "dff")
+# SantaCoder; None: 4 x hidden), OPT and Moshi, CTRL, Falcon.
+MLP_WIDTH_FIELDS = ("n_inner", "ffn_dim", "dff", "ffn_hidden_size")
 
 
 def mlp_width(config: Any) -> int:

@@ -385,16 +385,18 @@ class Streamer:
         self._step["ahead"] = (direction, nxt, start, turn)
 
     # -- streamed attention (called by lightning_oomb.core.attention for host stores) ---------------------
-    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None):
+    def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None, softcap=None):
         """``backend.attention_forward`` over a host-resident past: (out like q, lse (B, H_q, T) fp32)."""
         segments = self._segments(start, store.layer)
         view = self._step["seg_view"]
         self._first_loads("forward", store.layer, start, q.shape[2])
-        state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True, doc_start=doc_start, chunk_start=start)
+        state = backend.forward_state(q, k, v, view, 0, 0, scale, chunk=True, doc_start=doc_start, chunk_start=start,
+                                      softcap=softcap)
         for i, (index, lo, hi) in enumerate(segments):
             half = index % 2
             self.streams.compute_waits(self._loaded[half])
-            backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state, doc_start=doc_start)
+            backend.forward_state(q, k, v, view, lo, hi, scale, chunk=False, state=state, doc_start=doc_start,
+                                  softcap=softcap)
             self.streams.record(self._consumed[half])
             if i + 2 < len(segments):
                 self._load(store.layer, *segments[i + 2], grads=False)
@@ -403,7 +405,7 @@ class Streamer:
         return out.to(q.dtype), lse
 
     def backward(self, backend, dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float,
-                 doc_start=None):
+                 doc_start=None, softcap=None):
         """``backend.attention_backward`` over a host-resident past: (dq, dk, dv) of the chunk; the past's
         dK, dV are added into the host gradient pages."""
         segments = self._segments(start, store.layer)
@@ -414,12 +416,14 @@ class Streamer:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         self.streams.compute_waits(self._in_loaded[turn])
         chunk_view = self._chunk_view(start, t, turn)
-        dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq, doc_start)
+        dk, dv = backend.backward_part(dout, q, k, v, lse, delta, chunk_view, 0, 0, start, scale, True, dq, doc_start,
+                                       softcap=softcap)
         self.streams.record(self._in_consumed[turn])
         for i, (index, lo, hi) in enumerate(segments):
             half = index % 2
             self.streams.compute_waits(self._loaded[half])
-            backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq, doc_start)
+            backend.backward_part(dout, q, k, v, lse, delta, view, lo, hi, start, scale, False, dq, doc_start,
+                                  softcap=softcap)
             self.streams.record(self._consumed[half])
             self._write_back(store, index, lo, hi)
             if i + 2 < len(segments):

@@ -156,7 +156,30 @@ class OptimizerSpec:
             raise SetupError(f"model.weight_decay: {self.class_path} takes no weight_decay; set it to 0")
         if takes_decay:
             kwargs["weight_decay"] = weight_decay
+        # torchao's own step is compiled on every device; the Kahan step only on CUDA (core/kahan.py).
+        if choice is not None and choice.package == "torchao" and not choice.kahan and any(
+                p.device.type == "cpu" for p in params):
+            key_compile_caches_by_cpu_isa()
         return cls(params, lr=lr, **kwargs)
+
+
+CPU_ISA_TAG = "inductor-cpu-isa="
+
+
+def key_compile_caches_by_cpu_isa() -> None:
+    """Add the vector ISA that Inductor writes CPU code for to torch.compile's cache key tag
+    (``torch.compiler.config.cache_key_tag``), for the rest of the process.
+
+    The on-disk caches (FX graph, AOTAutograd) leave that ISA out of their key: a graph whose C++ was written for
+    AVX-512 (16 floats a vector) is then served to a process whose Inductor picked AVX2 (ATEN_CPU_CAPABILITY=avx2,
+    or another machine sharing TORCHINDUCTOR_CACHE_DIR), which builds that source with AVX2's flags: its loops
+    advance by AVX-512's width and compute AVX2's, half of it, leaving the rest of each output unwritten; the
+    other way round they write past their buffers. A tag the user set is kept."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    tags = torch.compiler.config.cache_key_tag.split(";")
+    kept = [tag for tag in tags if tag and not tag.startswith(CPU_ISA_TAG)]
+    torch.compiler.config.cache_key_tag = ";".join([*kept, f"{CPU_ISA_TAG}{pick_vec_isa()}"])
 
 
 def _named_class(choice: OptimizerChoice) -> type:

@@ -5,7 +5,8 @@ causally to the chunk's own keys k (B, H_kv, T, D) and values v (B, H_kv, T, D_v
 an online softmax in float32 (the output is D_v wide, like the values): memory O(T x tile), never O(T x L).
 The query heads are viewed as (H_kv, g) against each KV head; K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
 doc_start[:, i] on, whole tiles before the earliest start skipped; ``one_document``: an unpacked chunk over
-the keys from that start.
+the keys from that start. ``softcap``: scores soft-capped as transformers' eager attention caps them,
+softcap * tanh(q.k * scale / softcap), before the mask.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def _hidden_keys(t: int, lo: int, hi: int, is_past: bool, chunk_start: int, doc_
     return before[:, None, None]
 
 
+def _scores(qg: torch.Tensor, kt: torch.Tensor, scale: float,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores of one key tile, tanh of the capped scores or None): q.k * scale, soft-capped where asked."""
+    s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def forward_state(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,6 +70,7 @@ def forward_state(
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
     doc_start: torch.Tensor | None = None,
     chunk_start: int = 0,
+    softcap: float | None = None,
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend q (B, H_q, T, D) to the stored tokens [past_lo, past_hi) and, with ``chunk``, causally to the
@@ -82,7 +94,7 @@ def forward_state(
         denom = torch.ones_like(m)
     for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt.float()) * scale
+        s, _ = _scores(qg, kt.float(), scale, softcap)
         hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
         if hidden is not None:
             s = s.masked_fill(hidden, float("-inf"))
@@ -125,6 +137,7 @@ def backward_part(
     chunk: bool,
     dq: torch.Tensor,
     doc_start: torch.Tensor | None = None,
+    softcap: float | None = None,
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Gradients through the keys [past_lo, past_hi) of the store and, with ``chunk``, the chunk's own.
@@ -146,13 +159,15 @@ def backward_part(
     for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
         kt, vt = kt.float(), vt.float()
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
+        s, capped = _scores(qg, kt, scale, softcap)
         hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
         if hidden is not None:
             s = s.masked_fill(hidden, float("-inf"))
         p = torch.exp(s - lse_g[..., None])
         dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, dog)
         ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", dog, vt) - delta_g[..., None])
+        if capped is not None:  # d(softcap * tanh(x / softcap))/dx
+            ds = ds * (1.0 - capped * capped)
         dq_g += torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
         dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg) * scale
         if is_past:
@@ -178,11 +193,12 @@ def attention_forward(
     scale: float,
     doc_start: torch.Tensor | None = None,
     one_document: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (B, H_q, T, D_v) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
     past_lo, doc_start = _documents(doc_start, one_document)
     out, lse = forward_state(q, k, v, store, past_lo, start, scale, chunk=True, doc_start=doc_start,
-                             chunk_start=start)
+                             chunk_start=start, softcap=softcap)
     return out.to(q.dtype), lse
 
 
@@ -198,6 +214,7 @@ def attention_backward(
     scale: float,
     doc_start: torch.Tensor | None = None,
     one_document: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the chunk attention.
 
@@ -208,5 +225,5 @@ def attention_backward(
     past_lo, doc_start = _documents(doc_start, one_document)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = backward_part(dout, q, k, v, lse, backward_delta(out, dout), store, past_lo, start, start, scale, True,
-                           dq, doc_start)
+                           dq, doc_start, softcap=softcap)
     return dq.to(q.dtype), dk, dv

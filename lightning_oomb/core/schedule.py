@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..integrations.decoder import decoder_of
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows
+from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
@@ -255,8 +256,9 @@ class ChunkedSequence:
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
         )
-        self.decoder = self.lm.get_decoder()
+        self.decoder = decoder_of(self.lm)
         self.head = self.lm.get_output_embeddings()
+        self.logit_head = logit_head(self.lm)  # what the model does to the output layer's logits
         reusable = getattr(self.pools, "held_bytes", lambda: (0, 0))()
         held_layers = getattr(self.pools, "host_grad_layers", lambda: None)()
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
@@ -307,13 +309,17 @@ class ChunkedSequence:
         self._start = 0
         self._with_grads = True
         self._window_cache: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)
+        self._stored = 0  # extend(): the tokens whose K/V are in the pages
+        self._bound = False  # inside bound()
 
     # -- called by every attention layer through the transformers integration -------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """The layer's attention for the current chunk; ``window``: a sliding window of that many tokens (each query
         sees itself and the window - 1 keys before it), None for full causal attention; ``sinks``: (H_q,)
-        attention-sink logits (core/attention.py), or None."""
+        attention-sink logits (core/attention.py), or None; ``softcap``: scores soft-capped to
+        softcap * tanh(score / softcap), or None."""
         if self.pool is None:
             self._take_pages(k.dtype)
         store = self.pool.layer(layer_idx, self.table)
@@ -347,11 +353,11 @@ class ChunkedSequence:
         store, start, doc_start, one_document = self._past(store, selection is None, *bounds)
         if fill and self._with_grads and self._keeps_attention(self._chunk):
             self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                      doc_start, one_document, sinks)
+                                                      doc_start, one_document, sinks, softcap)
             return self.kept[key][0]
         if fill and self._with_grads and self._chunk < self.placement.host_kept_chunks:
             out, lse = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection, doc_start,
-                                                one_document, sinks)
+                                                one_document, sinks, softcap)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
             self.host_kept.save(self._chunk, layer_idx, out, lse)
@@ -364,9 +370,9 @@ class ChunkedSequence:
             # autograd: the checkpoint counts the tensors its forward saves.
             with torch.no_grad():
                 self.kept[key] = chunk_attention_with_lse(q, k, v, store, start, scale, self.backend, selection,
-                                                          doc_start, one_document, sinks)
+                                                          doc_start, one_document, sinks, softcap)
         return chunk_attention(q, k, v, store, start, scale, self.backend, selection, self.kept.get(key), doc_start,
-                               one_document, sinks)
+                               one_document, sinks, softcap)
 
     def _chunk_bounds(self, window: int | None, queries: int) -> tuple[torch.Tensor | None, int | None, int]:
         """The current chunk's (doc_start, one_document, page) for a layer with a sliding ``window`` (None: full
@@ -455,7 +461,7 @@ class ChunkedSequence:
         loss, grad_rows = linear_cross_entropy(
             rows, self.head.weight, self.head.bias, targets, self.n_valid,
             self.head_grads if with_grads else None, with_grad_hidden=with_grads and self._decoder_trains,
-            fused=self.fused_ops,
+            fused=self.fused_ops, head=self.logit_head,
         )
         if grad_rows is None:
             return loss, None
@@ -507,12 +513,54 @@ class ChunkedSequence:
                     if self.stage_1_loss:
                         total += loss
                 if keep_last and end > first_kept:
-                    kept.append(self.head(hidden[:, max(0, first_kept - start) :]))
+                    logits = self.head(hidden[:, max(0, first_kept - start) :])
+                    kept.append(self.logit_head.apply(logits, inplace=True))
                 if self.observer is not None:
                     self.observer(1, index, start, end)
         if self.stage_1_loss and self.balance is not None:
             total += self.balance.loss()
         return total, (torch.cat(kept, dim=1) if kept else None)
+
+    def extend(self, end: int, keep_last: int = 0) -> torch.Tensor | None:
+        """Stage 1 without gradients over input_ids' tokens [stored, end), after the ``stored`` tokens that
+        earlier calls wrote into the pages (none at first), in chunks of ``chunk_size``; returns the logits
+        (B, keep_last, V) of the span's last ``keep_last`` positions, else None. ``fill`` runs every chunk at
+        once; decoding needs the tokens one at a time, each chosen from the logits before it, so a caller may
+        write input_ids[:, stored:end] between calls (lightning_oomb.evaluation). No loss, no load-balancing
+        loss."""
+        stored = self._stored
+        if self._stage not in ("new", "fill") or (self._stage == "fill" and (self._with_grads or not stored)):
+            raise RuntimeError("extend() continues its own stage 1 only: not after fill() or backward()")
+        if not stored < end <= self.input_ids.shape[1] or not 0 <= keep_last <= end - stored:
+            raise ValueError(f"extend({end}, keep_last={keep_last}) after {stored} stored tokens of "
+                             f"{self.input_ids.shape[1]}: needs {stored} < end <= {self.input_ids.shape[1]} and "
+                             f"keep_last <= {end - stored}")
+        self._stage, self._with_grads, self._decoder_trains = "fill", False, False
+        first_kept = end - keep_last
+        kept = []
+        binding = contextlib.nullcontext() if self._bound else self.bound()
+        with torch.no_grad(), binding:
+            for start in range(stored, end, self.config.chunk_size):
+                stop = min(start + self.config.chunk_size, end)
+                self._set_chunk(self._chunk + 1 if stored else 0)  # a new key for the chunk's selections
+                self._hidden_needed = stop > first_kept
+                hidden = self._chunk_hidden(start, stop)
+                if stop > first_kept:
+                    logits = self.head(hidden[:, max(0, first_kept - start):])
+                    kept.append(self.logit_head.apply(logits, inplace=True))
+                self._stored = stored = stop
+        return torch.cat(kept, dim=1) if kept else None
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[None]:
+        """The model's attention routed to this sequence for every ``extend`` inside. Each ``bind`` walks every
+        module of the model: once per decoded token, that is a quarter of a tiny model's decoding time on a CPU."""
+        with bind(self.model, self, fused_ops=self.fused_ops):
+            self._bound = True
+            try:
+                yield
+            finally:
+                self._bound = False
 
     def backward(self, grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
         """Stage 2: adds d(grad_scale * loss)/d(param) to every param.grad; returns the loss (detached)."""

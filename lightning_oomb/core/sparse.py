@@ -244,13 +244,24 @@ def _tile_keys(q, k, v, store, start, selection, i, doc_start):
     return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, grad_rows, valid
 
 
+def _scores(qg: torch.Tensor, kt: torch.Tensor, scale: float,
+            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores of a tile's queries qg against keys kt, tanh of the capped scores or None)."""
+    s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    selection: torch.Tensor, doc_start: torch.Tensor | None = None,
+    selection: torch.Tensor, doc_start: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse chunk attention of q (B, H_q, T, D), k (B, H_kv, T, D), v (B, H_kv, T, D_v): out (B, H_q, T, D_v)
     in q's dtype and lse (B, H_q, T) float32 (natural log). doc_start: None, or (B, T) int32 each query's
-    document start (packed documents)."""
+    document start (packed documents); softcap: None, or the scores' soft cap, softcap * tanh(q.k * scale /
+    softcap)."""
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -259,7 +270,7 @@ def attention_forward(
     lse = torch.empty(b, h, g, t, device=q.device)
     for i in range(-(-t // store.page_size)):
         lo, hi, kt, vt, mask, _, _ = _tile_keys(q, k, v, store, start, selection, i, doc_start)
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
+        s, _ = _scores(qg[:, :, :, lo:hi], kt, scale, softcap)
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
@@ -272,6 +283,7 @@ def attention_forward(
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     store: LayerStore, start: int, scale: float, selection: torch.Tensor, doc_start: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the sparse chunk attention.
 
@@ -293,11 +305,13 @@ def attention_backward(
     heads = torch.arange(h, device=q.device)[None, :, None]
     for i in range(-(-t // store.page_size)):
         lo, hi, kt, vt, mask, rows, valid = _tile_keys(q, k, v, store, start, selection, i, doc_start)
-        s = torch.einsum("bhgtd,bhnd->bhgtn", qg[:, :, :, lo:hi], kt) * scale
+        s, capped = _scores(qg[:, :, :, lo:hi], kt, scale, softcap)
         p = torch.exp(s - lse_g[:, :, :, lo:hi, None]).masked_fill(~mask, 0.0)
         do = dog[:, :, :, lo:hi]
         dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, do)
         ds = p * (torch.einsum("bhgtd,bhnd->bhgtn", do, vt) - delta[:, :, :, lo:hi, None])
+        if capped is not None:  # d(softcap * tanh(x / softcap))/dx
+            ds = ds * (1.0 - capped * capped)
         dq[:, :, :, lo:hi] = torch.einsum("bhgtn,bhnd->bhgtd", ds, kt) * scale
         dk_t = torch.einsum("bhgtn,bhgtd->bhnd", ds, qg[:, :, :, lo:hi]) * scale
         n_past = kt.shape[2] - hi

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from .decoder import decoder_of
+
 # Agreement asked of a fused op on the probe, in float32: the ops round once where the model's code rounds
 # at every operation (~1e-7 apart); a different function is off by O(1).
 PROBE_TOLERANCE = 1e-4
@@ -210,6 +212,6 @@ def fused_ops(lm: PreTrainedModel) -> Iterator[None]:
 def accumulating_linears(lm: PreTrainedModel) -> Iterator[None]:
     """The decoder's nn.Linear layers (not subclasses such as quantized or LoRA layers, nor layers with
     someone else's instance forward) add their weight gradients into ``.grad`` in place for the block."""
-    linears = [m for m in lm.get_decoder().modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+    linears = [m for m in decoder_of(lm).modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
     with instance_forwards([(m, partial(_accumulating_forward, m)) for m in linears]):
         yield

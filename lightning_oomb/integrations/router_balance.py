@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .decoder import decoder_of
+
 
 def router_class(lm: nn.Module) -> type | str | None:
     """The router module class (or class-name suffix) whose output ``router_logits`` records, None if none."""
-    recorders = getattr(lm, "_can_record_outputs", None) or getattr(lm.get_decoder(), "_can_record_outputs", None)
+    recorders = getattr(lm, "_can_record_outputs", None) or getattr(decoder_of(lm), "_can_record_outputs", None)
     recorder = (recorders or {}).get("router_logits")
     if recorder is None:
         return None

@@ -1,11 +1,13 @@
 """Which transformers causal LMs the engine trains exactly: any whose layers mix tokens only in attention called
 through transformers' AttentionInterface (causal, a RoPE or position embedding that does not depend on the
-sequence length) and whose loss is the cross-entropy of ``lm_head(h)``. ``check_supported`` refuses every
-other model before any compute, in one line naming what stands in the way and what to set.
+sequence length) and whose loss is the cross-entropy of ``lm_head(h)`` as the model's head changes it
+(``LogitHead``: a scale, a soft cap). ``check_supported`` refuses every other model before any compute, in one
+line naming what stands in the way and what to set.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -13,21 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .decoder import decoder_of
 from .router_balance import router_class
-from .transformers import causal_lm
+from .transformers import causal_lm, logit_head
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Layer kinds that mix tokens only through attention; any other (conv, linear attention, mamba) would need its
 # own state carried across chunk borders.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
-# Config fields that make the logits or the loss other than cross-entropy of lm_head(h): (value that changes
-# nothing, what the engine would leave out).
-HEAD_CHANGES = {
-    "final_logit_softcapping": (None, "the soft-capping of the logits"),
-    "logits_scaling": (1.0, "the division of the logits by logits_scaling"),
-    "logit_scale": (1.0, "the scaling of the logits by logit_scale"),
-}
+# Layer kinds some hybrids' layer_types also name that mix no tokens (their own MLP or experts' layer).
+TOKENWISE_LAYERS = ("mlp", "moe")
+# Model types whose attention layers call transformers' AttentionInterface though their class does not declare
+# ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
+INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon")
 # Families whose attention layers call attention more than once a forward, with the same keys and other values,
 # by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
 # attend to the last call's values of the past.
@@ -46,13 +47,33 @@ def _rope_type(config) -> str:
     return "default"
 
 
+def _alibi(cfg) -> bool:
+    """Whether the model biases its attention scores by ALiBi: BLOOM always, MPT and Falcon where their config
+    says so (``attn_config.alibi``, ``alibi``)."""
+    attention = getattr(cfg, "attn_config", None)
+    return (cfg.model_type == "bloom" or getattr(cfg, "alibi", False) is True
+            or getattr(attention, "alibi", False) is True)
+
+
 def check_supported(model: nn.Module) -> None:
     """Refuse, before any compute, what this engine would not compute exactly, whatever the sequence length.
     Sliding windows are computed (each layer's own, the keys before it masked and their pages skipped)."""
     lm = causal_lm(model)
     cfg = lm.config
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
-    if not getattr(lm, "_supports_attention_backend", False):
+    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS))
+    convs = [n for n, m in decoder_of(lm).named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
+    if other_layers or convs:
+        what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
+        raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
+                                  "not supported")
+    if _alibi(cfg):
+        raise NotImplementedError(
+            f"{name} adds ALiBi position biases (a slope per head times the key's distance) to its attention "
+            "scores, which lightning_oomb's attention does not compute: not supported"
+        )
+    # After the layer kinds and ALiBi: what stands in the way is named before the own-code attention it comes with.
+    if not _calls_attention_interface(lm):
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
@@ -64,23 +85,10 @@ def check_supported(model: nn.Module) -> None:
             "hold one set of values per layer and token, so its chunks would attend to the second call's values in "
             "both: not supported"
         )
-    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS))
-    convs = [n for n, m in lm.get_decoder().named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
-    if other_layers or convs:
-        what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
-        raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
-                                  "not supported")
     attention = [m for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
     if any(m.is_causal is False for m in attention):
         raise NotImplementedError(f"{name} has bidirectional attention layers: lightning_oomb attention is causal "
                                   "only")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise NotImplementedError("attn_logit_softcapping is not implemented by lightning_oomb attention")
-    for field, (neutral, what) in HEAD_CHANGES.items():
-        value = getattr(cfg, field, neutral)
-        if value is not None and value != neutral:
-            raise NotImplementedError(f"{name} has {field}={value}: {what} is not implemented by lightning_oomb's "
-                                      "chunked loss")
     if getattr(cfg, "output_router_logits", False) and router_class(lm) is None:
         raise NotImplementedError(
             f"{name} has output_router_logits=True, which adds the experts' load-balancing loss, and records no "
@@ -95,6 +103,16 @@ def check_supported(model: nn.Module) -> None:
     if lm.training:
         _check_deterministic_training(lm, name)
     _check_loss_is_cross_entropy(lm, name)
+
+
+def _calls_attention_interface(lm: nn.Module) -> bool:
+    """Whether ``lm``'s attention goes through transformers' AttentionInterface: its class says so, or it is one
+    of INTERFACE_WITHOUT_FLAG and its modeling module, in the installed transformers, looks the function up there
+    (older releases of those families computed attention in their own code)."""
+    if getattr(lm, "_supports_attention_backend", False):
+        return True
+    modeling = sys.modules.get(type(lm).__module__)
+    return lm.config.model_type in INTERFACE_WITHOUT_FLAG and "ALL_ATTENTION_FUNCTIONS" in vars(modeling or object)
 
 
 def _check_deterministic_training(lm: nn.Module, name: str) -> None:
@@ -119,9 +137,10 @@ def _check_deterministic_training(lm: nn.Module, name: str) -> None:
 
 
 def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
-    """The model's own loss and logits on a few tokens against cross-entropy of lm_head(decoder(ids)), what the
-    engine computes: whatever else a model adds (a scale, an auxiliary loss) shows here. Once per model; skipped
-    for weights not yet made (meta) or sharded (DTensor), whose families the checks above already cover."""
+    """The model's own loss and logits on a few tokens against cross-entropy of head(lm_head(decoder(ids))), what
+    the engine computes (``head``: its ``LogitHead``, from the config): whatever else a model adds (a scale no
+    config field names, an auxiliary loss) shows here. Once per model; skipped for weights not yet made (meta) or
+    sharded (DTensor), whose families the checks above already cover."""
     if lm in _loss_checked:
         return
     params = list(lm.parameters())
@@ -132,20 +151,21 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     # The classes' own forwards: a served model's instance forward is the engine, which comes back here. A
     # mask of ones spares transformers its search for packed documents in the position ids.
     mask = torch.ones_like(ids)
-    decoder = lm.get_decoder()
+    decoder = decoder_of(lm)
     # The experts' load-balancing loss, which the engine adds itself (integrations/router_balance.py), left out.
     extra = {"output_router_logits": False} if hasattr(lm.config, "output_router_logits") else {}
     with torch.no_grad():
         out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, **extra)
         hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = lm.get_output_embeddings()(hidden)
+        logits = logit_head(lm).apply(lm.get_output_embeddings()(hidden))
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     same_logits = out.logits.shape == logits.shape and torch.allclose(out.logits.float(), logits.float(),
                                                                       rtol=1e-3, atol=1e-3)
     if not same_logits or not torch.allclose(out.loss.float(), loss, rtol=1e-3, atol=1e-4):
         what = "logits" if not same_logits else f"loss ({out.loss.item():.6g} against {loss.item():.6g})"
         raise NotImplementedError(
-            f"{name}'s {what} differ from the cross-entropy of lm_head(hidden states) on {PROBE_TOKENS} tokens: "
+            f"{name}'s {what} differ from the cross-entropy of lm_head(hidden states) on {PROBE_TOKENS} tokens "
+            "(with the logit scale and soft cap its config names): "
             "the model adds something (a scale, a cap, an auxiliary loss) that lightning_oomb's chunked loss "
             "does not compute; not supported"
         )

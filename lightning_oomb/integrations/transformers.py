@@ -7,6 +7,7 @@ restored after it. What the engine refuses: integrations.support.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Protocol
 
@@ -24,7 +25,8 @@ ATTN_NAME = "lightning_oomb"
 
 class ChunkAttender(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # noqa: E704
-               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
+               window: int | None = None, sinks: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor: ...
 
 
 _active: ChunkAttender | None = None
@@ -43,8 +45,6 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         raise ValueError(
             f"attention dropout {dropout} would give stage 1 and stage 2 different K/V; set attention_dropout=0"
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("lightning_oomb attention does not implement `softcap`")
     if not getattr(module, "is_causal", True):
         raise ValueError("lightning_oomb attention is causal only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -55,7 +55,10 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # GPT-OSS: a learned logit per head in each softmax
-    out = _active.attend(module.layer_idx, query, key, value, scale, window=sliding_window(module), sinks=sinks)
+    # Gemma 2's attn_logit_softcapping: scores softcap * tanh(q.k * scale / softcap)
+    softcap = kwargs.get("softcap")
+    out = _active.attend(module.layer_idx, query, key, value, scale, window=sliding_window(module), sinks=sinks,
+                         softcap=None if softcap is None else float(softcap))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -82,6 +85,67 @@ def sliding_window(attention: nn.Module) -> int | None:
     if config is None or getattr(config, "use_sliding_window", True) is False:
         return None
     return getattr(config, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class LogitHead:
+    """What a causal LM does to ``lm_head(h)`` before its loss, in transformers' order: ``logits * scale``
+    (Cohere's ``logit_scale``), ``logits / divisor`` (Granite's ``logits_scaling``), then
+    ``softcap * tanh(logits / softcap)`` (``final_logit_softcapping``: Gemma 2, NanoChat). The identity is
+    LogitHead()."""
+
+    scale: float = 1.0
+    divisor: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.divisor == 1.0 and self.softcap is None
+
+    @property
+    def multiplier(self) -> float:
+        """scale / divisor: the one factor a fused kernel applies (exactly the two steps where either is a power
+        of two, as every released checkpoint's is; else within a unit in the last place)."""
+        return self.scale / self.divisor
+
+    def apply(self, logits: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """The model's logits from ``lm_head(h)``: the operations of its forward, in ``logits``' dtype (with
+        ``inplace``, over ``logits``, no autograd)."""
+        if inplace:
+            if self.scale != 1.0:
+                logits.mul_(self.scale)
+            if self.divisor != 1.0:
+                logits.div_(self.divisor)
+            if self.softcap is not None:
+                logits.div_(self.softcap).tanh_().mul_(self.softcap)
+            return logits
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+# Model types whose logits_scaling multiplies the logits (muP), where Granite's divides them.
+MULTIPLYING_LOGITS_SCALING = ("hyperclovax",)
+
+
+def logit_head(model: nn.Module) -> LogitHead:
+    """The ``LogitHead`` of the causal LM in ``model``, from its config. Fields that are absent, None or not a
+    number change nothing here; a model whose forward does otherwise than its fields say is found by
+    integrations.support's probe of its logits, and refused."""
+    cfg = causal_lm(model).config
+
+    def number(field: str) -> float | None:
+        value = getattr(cfg, field, None)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    scale, divisor, softcap = number("logit_scale"), number("logits_scaling"), number("final_logit_softcapping")
+    if divisor is not None and cfg.model_type in MULTIPLYING_LOGITS_SCALING:
+        scale, divisor = divisor, None
+    return LogitHead(1.0 if scale is None else scale, 1.0 if divisor is None else divisor, softcap)
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:

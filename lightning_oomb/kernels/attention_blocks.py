@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .page_table import LayerStore
+from .tanh import tanh
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -74,10 +75,14 @@ def past_tile(desc, pool, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE: tl.c
 
 
 @triton.jit
-def fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
+def fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr, softcap):
     """One key tile of the online softmax in the log2 domain: m_i is the running max of s * qk_scale
-    (qk_scale = scale * log2 e > 0), so each probability costs one FMA and one exp2."""
+    (qk_scale = scale * log2 e > 0), so each probability costs one FMA and one exp2. Soft-capped scores
+    (softcap not None; ``score_terms``): s = softcap * tanh(q.k * qk_scale), already in log2 units."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if softcap is not None:
+        s = softcap * tanh(s * qk_scale)
+        qk_scale = 1.0
     if mask is not None:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -94,14 +99,20 @@ def fwd_step(acc, m_i, l_i, q, k, v, qk_scale, mask, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexpr):
-    """dQ += dS K for one key tile, with P = exp(S - lse) and dS = P * (dO V^T - delta)."""
+def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, mask, PRECISION: tl.constexpr, softcap):
+    """dQ += dS K for one key tile, with P = exp(S - lse) and dS = P * (dO V^T - delta); soft-capped scores
+    (as ``fwd_step``) times their derivative 1 - tanh^2."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if softcap is not None:
+        t = tanh(s)
+        s = softcap * t
     p = tl.math.exp2(s - lse2[:, None])
     if mask is not None:
         p = tl.where(mask, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
+    if softcap is not None:
+        ds = ds * (1.0 - t * t)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
@@ -146,14 +157,14 @@ def dkdv_step(
     dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_ptr, key_tok, b, h, t0, m0, offs_n, T, sq_t, sdo_t,
     qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, softcap,
 ):
     """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of query head
     h; q_src, do_src as in ``query_rows`` (q's rows HEAD_DIM wide, dO's V_DIM); lse2_ptr, delta_ptr point at row t0
     of head h of the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that
     no step rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or the
     document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,) before a row's
-    start get no weight from it (packed documents)."""
+    start get no weight from it (packed documents). softcap: as ``fwd_step``'s."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
     do = query_rows(do_src, b, h, t0, m0, sdo_t, T, V_DIM, V_PAD, BLOCK_M, ROWS_TMA)
@@ -165,7 +176,12 @@ def dkdv_step(
         m_valid = offs_m < T
         lse2 = tl.load(lse2_ptr + offs_m, mask=m_valid, other=float("inf"))
         delta = tl.load(delta_ptr + offs_m, mask=m_valid, other=0.0)
-    p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+    if softcap is not None:
+        t_t = tanh(s_t * qk_scale)
+        p_t = tl.math.exp2(softcap * t_t - lse2[None, :])
+    else:
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     if doc_ptr is not None:
@@ -174,6 +190,8 @@ def dkdv_step(
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t * scale - delta[None, :])
+    if softcap is not None:
+        ds_t = ds_t * (1.0 - t_t * t_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
@@ -201,7 +219,7 @@ def doc_tiles(lo, key_first, key_last, bound, BLOCK_N: tl.constexpr):
 @triton.jit
 def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
                key_lo, key_first, key_last, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
-               V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+               V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
     """The online softmax over the chunk's own keys for queries [m0, m_end) (keys HEAD_DIM wide, values V_DIM): key
     tiles wholly at or before every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query,
     so no row is ever fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from
@@ -216,13 +234,14 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
             n = lo + offs_n
             k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
             v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
-            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] >= key_lo[:, None], PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] >= key_lo[:, None], PRECISION,
+                                     softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION, softcap)
     for lo in range(diag_lo, m_end, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
@@ -230,14 +249,14 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
         seen = n[None, :] <= offs_m[:, None]
         if key_lo is not None:
             seen = seen & (n[None, :] >= key_lo[:, None])
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION, softcap)
     return acc, m_i, l_i
 
 
 @triton.jit
 def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
               key_lo, key_first, key_last, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
-              V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+              V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
     """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``fwd_chunk``."""
     # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
     diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
@@ -248,13 +267,14 @@ def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, o
             n = lo + offs_n
             k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
             v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] >= key_lo[:, None], PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] >= key_lo[:, None], PRECISION,
+                         softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
         v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION, softcap)
     for lo in range(diag_lo, m_end, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
@@ -262,7 +282,7 @@ def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, o
         seen = n[None, :] <= offs_m[:, None]
         if key_lo is not None:
             seen = seen & (n[None, :] >= key_lo[:, None])
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION, softcap)
     return dq
 
 
@@ -395,6 +415,15 @@ def padded_head_dim(d: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: exact fp32 products (no TF32), so fp32 tests compare at ~1e-6.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def score_terms(scale: float, softcap: float | None) -> tuple[float, float | None]:
+    """(qk_scale, softcap) as the building blocks take them, for scores q.k * scale, or soft-capped ones
+    cap * tanh(q.k * scale / cap) (softcap = cap): (scale * log2 e, None), or (scale / cap, cap * log2 e), so
+    that the blocks' scores are in log2 units either way (None compiles the cap out)."""
+    if softcap is None:
+        return scale * 1.4426950408889634, None
+    return scale / softcap, softcap * 1.4426950408889634
 
 
 def softmax_row_terms(lse: torch.Tensor, delta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ reads KV head h // (H_q // H_kv), K/V are never repeated; the output is D_v wide
 V_SAME, the kernels address them with the keys' offsets and compile as for one width). Forward query-stationary;
 backward in three launches (delta, key-stationary dK/dV, query-stationary dQ), so that every gradient row has one
 writer: no atomics, deterministic. On sm_90 the whole past tiles run in :mod:`.past_attention_sm90`, and these
-kernels cover the chunk's own keys and the past's last partial tile. docs/architecture.md, "The attention kernels",
-says how.
+kernels cover the chunk's own keys and the past's last partial tile. Soft-capped scores (``softcap``) run in these
+kernels only (the Gluon ones take none). docs/architecture.md, "The attention kernels", says how.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, doc_tiles, dot_precision, dq_chunk,
     dq_step, fwd_chunk, fwd_step, interpreting, is_sm90, kernel_width, last_dim_contiguous, load_tile, output_like,
     padded_head_dim, past_tile, pool_descriptors, pool_rows, query_descriptors, query_program, same_layout,
-    softmax_row_terms, store_tile,
+    score_terms, softmax_row_terms, store_tile,
 )
 from .launch import on_device_of
 from .page_table import LayerStore
@@ -41,7 +41,7 @@ def _fwd_kernel(
     svp_page, svp_off, svp_h,
     ss_b, ss_p,
     so_b, so_h, so_t,
-    T, past_lo, past_hi, chunk_start, qk_scale,
+    T, past_lo, past_hi, chunk_start, qk_scale, softcap,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, CARRY: tl.constexpr,
@@ -92,14 +92,14 @@ def _fwd_kernel(
             v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_dv, hk, PAGE_SIZE, svp_page, svp_off, V_DIM,
                            V_PAD, BLOCK_N, PAGED_TMA)
             acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, lo + offs_n[None, :] >= key_lo[:, None],
-                                     PRECISION)
+                                     PRECISION, softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, past_whole, BLOCK_N):
         k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
         v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_dv, hk, PAGE_SIZE, svp_page, svp_off, V_DIM, V_PAD,
                        BLOCK_N, PAGED_TMA)
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION, softcap)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
@@ -112,14 +112,15 @@ def _fwd_kernel(
         seen = valid[None, :]
         if DOC is not None:
             seen = seen & (lo + offs_n[None, :] >= key_lo[:, None])
-        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
+        acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION, softcap)
 
     if CHUNK:
         if DOC is not None:  # the chunk's keys count from its start
             key_lo, doc_first, doc_last = key_lo - chunk_start, doc_first - chunk_start, doc_last - chunk_start
         acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                                    m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
-                                   key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION)
+                                   key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION,
+                                   softcap)
 
     out = acc / l_i[:, None]
     store_tile(out_ptrs, out.to(OUT.dtype.element_ty), m_valid, offs_dv, V_DIM, V_PAD)
@@ -164,7 +165,7 @@ def _dkdv_kernel(
     ss_b, ss_p,
     sdk_s, sdk_b, sdk_h, sdk_t,
     sdv_s, sdv_b, sdv_h, sdv_t,
-    T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale,
+    T, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale, softcap,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
@@ -263,16 +264,16 @@ def _dkdv_kernel(
         for m0 in range(m_begin, m_diag_end, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_rows, tok, b, h, 0, m0, offs_n,
                                 T, sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_M, True,
-                                PRECISION, ROWS_TMA, EVEN)
+                                PRECISION, ROWS_TMA, EVEN, softcap)
         for m0 in range(m_free, m_doc, BLOCK_M):
             dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, None, None, b, h, 0, m0, offs_n, T,
                                 sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_M, False, PRECISION,
-                                ROWS_TMA, EVEN)
+                                ROWS_TMA, EVEN, softcap)
         if DOC is not None:
             for m0 in range(m_doc, q_end, BLOCK_M):
                 dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_rows, tok, b, h, 0, m0,
                                     offs_n, T, sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_M,
-                                    False, PRECISION, ROWS_TMA, EVEN)
+                                    False, PRECISION, ROWS_TMA, EVEN, softcap)
 
     g_ptrs = grad_rows[:, None] + offs_d[None, :]
     out_off = split * sdk_s + b * sdk_b + hk * sdk_h + offs_n[:, None] * sdk_t + offs_d[None, :]
@@ -299,7 +300,7 @@ def _dq_kernel(
     svp_page, svp_off, svp_h,
     ss_b, ss_p,
     sdq_b, sdq_h, sdq_t,
-    T, past_lo, past_hi, chunk_start, qk_scale, scale,
+    T, past_lo, past_hi, chunk_start, qk_scale, scale, softcap,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -338,14 +339,15 @@ def _dq_kernel(
                            D_PAD, BLOCK_N, PAGED_TMA)
             v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_dv, hk, PAGE_SIZE, svp_page, svp_off, V_DIM,
                            V_PAD, BLOCK_N, PAGED_TMA)
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, lo + offs_n[None, :] >= key_lo[:, None], PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, lo + offs_n[None, :] >= key_lo[:, None], PRECISION,
+                         softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, past_whole, BLOCK_N):
         k = past_tile(KD, kp, slots_b, ss_p, lo, offs_n, offs_d, hk, PAGE_SIZE, sp_page, sp_off, HEAD_DIM, D_PAD,
                        BLOCK_N, PAGED_TMA)
         v = past_tile(VD, vp, slots_b, ss_p, lo, offs_n, offs_dv, hk, PAGE_SIZE, svp_page, svp_off, V_DIM, V_PAD,
                        BLOCK_N, PAGED_TMA)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION, softcap)
     for lo in range(past_whole, past_hi, BLOCK_N):
         valid = lo + offs_n < past_hi
         rows = pool_rows(slots_b, ss_p, lo + offs_n, valid, PAGE_SIZE, sp_page, sp_off)
@@ -358,14 +360,15 @@ def _dq_kernel(
         seen = valid[None, :]
         if DOC is not None:
             seen = seen & (lo + offs_n[None, :] >= key_lo[:, None])
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, seen, PRECISION, softcap)
 
     if CHUNK:
         if DOC is not None:  # the chunk's keys count from its start
             key_lo, doc_first, doc_last = key_lo - chunk_start, doc_first - chunk_start, doc_last - chunk_start
         dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                        m0, tl.minimum(m0 + BLOCK_M, T), T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
-                       key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION)
+                       key_lo, doc_first, doc_last, HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION,
+                       softcap)
 
     dq_ptrs = DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :]
     dq = dq * scale
@@ -413,7 +416,7 @@ def _chunk_split(tiles: KernelTiles, past_programs: int, group: int, device: tor
 def launch_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
     scale: float, tiles: Tiles, chunk: bool, out: torch.Tensor, lse: torch.Tensor, carry: bool,
-    doc_start: torch.Tensor | None = None, chunk_start: int = 0,
+    doc_start: torch.Tensor | None = None, chunk_start: int = 0, softcap: float | None = None,
 ) -> None:
     """The forward over the stored keys [past_lo, past_hi) and, with ``chunk``, the chunk's own, into out
     (B, H_q, T, D_v) and lse (B, H_q, T) float32; with ``carry`` continuing the state they hold."""
@@ -432,7 +435,7 @@ def launch_forward(
             store.v.stride(0), store.v.stride(1), store.v.stride(2),
             slots.stride(0), slots.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634,
+            t, past_lo, past_hi, chunk_start, *score_terms(scale, softcap),
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             V_DIM=dv, V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk, CARRY=carry,
@@ -479,11 +482,12 @@ def launch_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def launch_dkdv(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse2: torch.Tensor,
     sdelta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    tiles: KernelTiles, chunk: bool, doc_start: torch.Tensor | None = None,
+    tiles: KernelTiles, chunk: bool, doc_start: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Key-stationary dK/dV: adds the stored keys [past_lo, past_hi)'s share into store.dk/dv; with
     ``chunk`` also returns the chunk's dk, dv (its share plus the store's rows [chunk_start, chunk_start + T)).
-    lse2, sdelta: the chunk's row terms (``softmax_row_terms``); doc_start: the queries' document starts."""
+    lse2, sdelta: the chunk's row terms (``softmax_row_terms``); doc_start: the queries' document starts;
+    softcap: the scores' soft cap, or None."""
     b, hq, t, d = q.shape
     d_v = v.shape[-1]
     hkv = k.shape[1]
@@ -512,6 +516,7 @@ def launch_dkdv(
         last = torch.where(tile < n_past_tiles, (first + kt.block_n).clamp(max=past_hi),
                            (first + kt.block_n).clamp(max=chunk_start + t)) - 1
         q_seen = _queries_seeing(doc_start, first, last)
+    qk_scale, cap = score_terms(scale, softcap)
     with on_device_of(q):
         _dkdv_kernel[(n_past_tiles + n_chunk_tiles, b * hkv)](
             *((q, k, v, dout) if rows is None else (rows[0], k, v, rows[1])),
@@ -528,7 +533,7 @@ def launch_dkdv(
             slots.stride(0), slots.stride(1),
             s_strides[0], dk_out.stride(-4), dk_out.stride(-3), dk_out.stride(-2),
             s_strides[1], dv_out.stride(-4), dv_out.stride(-3), dv_out.stride(-2),
-            t, past_lo, past_hi, chunk_start, n_past_tiles, scale * 1.4426950408889634, scale,
+            t, past_lo, past_hi, chunk_start, n_past_tiles, qk_scale, scale, cap,
             H_Q=hq, H_KV=hkv, GROUP=group, PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             V_DIM=d_v, V_PAD=padded_head_dim(d_v),
             V_SAME=same_layout((store.k, store.v), (store.dk, store.dv), (dk_out, dv_out)), BLOCK_M=kt.block_m,
@@ -548,11 +553,13 @@ def launch_dq(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, scale: float, tiles: Tiles,
     chunk: bool, dq: torch.Tensor, accumulate: bool, doc_start: torch.Tensor | None = None, chunk_start: int = 0,
+    softcap: float | None = None,
 ) -> None:
     b, hq, t, d = q.shape
     dv = v.shape[-1]
     slots = store.table.slots.to(torch.int32)
     descs = pool_descriptors(store, past_lo, tiles.block_n)
+    qk_scale, cap = score_terms(scale, softcap)
     with on_device_of(q):
         _dq_kernel[(triton.cdiv(t, tiles.block_m), b * hq)](
             q, k, v, dout, lse, delta, store.k, store.v, *(descs or (store.k, store.v)), slots, dq, _rows(doc_start),
@@ -564,7 +571,7 @@ def launch_dq(
             store.v.stride(0), store.v.stride(1), store.v.stride(2),
             slots.stride(0), slots.stride(1),
             dq.stride(0), dq.stride(1), dq.stride(2),
-            t, past_lo, past_hi, chunk_start, scale * 1.4426950408889634, scale,
+            t, past_lo, past_hi, chunk_start, qk_scale, scale, cap,
             H_Q=hq, GROUP=hq // k.shape[1], PAGE_SIZE=store.page_size, HEAD_DIM=d, D_PAD=padded_head_dim(d),
             V_DIM=dv, V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype), CHUNK=chunk,
@@ -581,13 +588,14 @@ def launch_dq(
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
     tiles: Tiles, doc_start: torch.Tensor | None = None, one_document: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     # Laid out like q (output_like), as dq, dk, dv are in backward: transformers' views of them copy nothing.
     out = output_like(q, v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
+    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document, softcap)
     if hi:
         # The document's keys before its first whole page, the chunk's own keys and the past's last partial
         # tile first, then the whole past tiles in the warp-specialised kernel, which carries that state on
@@ -605,16 +613,17 @@ def _forward(
                                          past_end=hi - lo)
         return out, lse
     launch_forward(q, k, v, store, 0, start, scale, tiles, True, out, lse, carry=False, doc_start=doc_start,
-                   chunk_start=start)
+                   chunk_start=start, softcap=softcap)
     return out, lse
 
 
 def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_start: torch.Tensor | None,
-                           one_document: int | None = None) -> tuple[int, int]:
+                           one_document: int | None = None, softcap: float | None = None) -> tuple[int, int]:
     """The stored keys [lo, hi) that the warp-specialised kernels run, from a page start to a tile end;
     (0, 0) when they run none. They know no documents: with ``doc_start`` they run only a chunk whose queries
-    all belong to one document (``one_document``, its start), from the document's first whole page on."""
-    if not is_sm90(q) or (doc_start is not None and one_document is None):
+    all belong to one document (``one_document``, its start), from the document's first whole page on. Nor
+    soft-capped scores: the Triton kernels here run those whole, the same function."""
+    if not is_sm90(q) or (doc_start is not None and one_document is None) or softcap is not None:
         return 0, 0
     from . import past_attention_sm90
 
@@ -631,7 +640,7 @@ def _head(lo: int, doc_start: torch.Tensor | None, one_document: int | None) -> 
 def _backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, tiles: KernelTiles,
-    doc_start: torch.Tensor | None = None, one_document: int | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_chunk_inputs(q, k, v, store, start)
     _check_grads(store)
@@ -640,12 +649,12 @@ def _backward(
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty_like(q)  # laid out like q, as out in _forward
-    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document)
+    lo, hi = _warp_specialized_past(q, store, start, doc_start, one_document, softcap)
     if not hi:
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, start, start, scale, tiles, chunk=True,
-                             doc_start=doc_start)
+                             doc_start=doc_start, softcap=softcap)
         launch_dq(dout, q, k, v, lse, delta, store, 0, start, scale, tiles.dq, True, dq, accumulate=False,
-                  doc_start=doc_start, chunk_start=start)
+                  doc_start=doc_start, chunk_start=start, softcap=softcap)
         return dq, dk, dv
     # As in _forward: the whole past tiles in the warp-specialised kernels, the document's keys before them,
     # the chunk and the past's partial tile here (dK/dV: disjoint rows; dQ: a partial sum that the Gluon
@@ -674,42 +683,43 @@ def _backward(
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
-    doc_start: torch.Tensor | None = None, one_document: int | None = None,
+    doc_start: torch.Tensor | None = None, one_document: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H_q, T, D), k (B, H_kv, T, D), v (B, H_kv, T, D_v) at tokens [start, start + T) over the stored past
     [0, start);
     doc_start: None, or (B, T) int32 each query's document start (earlier keys unseen); one_document: None,
-    or the host int doc_start holds everywhere (then the Hopper kernels can take the document's past).
+    or the host int doc_start holds everywhere (then the Hopper kernels can take the document's past);
+    softcap: None, or the scores' soft cap, softcap * tanh(q.k * scale / softcap).
 
     Returns out (B, H_q, T, D_v) in q's dtype and lse (B, H_q, T) float32 (natural log).
     """
     return _forward(q, k, v, store, start, scale, default_tiles(kernel_width(q, v), q.dtype).fwd, doc_start,
-                    one_document)
+                    one_document, softcap)
 
 
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, store: LayerStore, start: int, scale: float, doc_start: torch.Tensor | None = None,
-    one_document: int | None = None,
+    one_document: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns dq (like q) and the chunk's dk, dv (like k, v): its own share plus what later chunks stored.
 
     Adds the past's dK, dV (tokens [0, start)) into ``store.dk``/``store.dv`` in place. doc_start,
-    one_document: as in ``attention_forward``.
+    one_document, softcap: as in ``attention_forward``.
     """
     return _backward(dout, q, k, v, out, lse, store, start, scale, default_tiles(kernel_width(q, v), q.dtype),
-                     doc_start, one_document)
+                     doc_start, one_document, softcap)
 
 
 def forward_state(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
     scale: float, chunk: bool, state: tuple[torch.Tensor, torch.Tensor] | None = None,
-    doc_start: torch.Tensor | None = None, chunk_start: int = 0,
+    doc_start: torch.Tensor | None = None, chunk_start: int = 0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend q to the stored keys [past_lo, past_hi) and, with ``chunk``, causally to k, v, continuing the
     online softmax ``state`` = (out (B, H_q, T, D_v) float32, lse (B, H_q, T) float32), updated in place;
     None starts a new one; doc_start: None, or (B, T) int32 each query's document start, the chunk being at
-    tokens [chunk_start, chunk_start + T). Returns the state."""
+    tokens [chunk_start, chunk_start + T); softcap: as in ``attention_forward``. Returns the state."""
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     carry = state is not None
     if not carry:
@@ -717,7 +727,7 @@ def forward_state(
                  torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
     tiles = default_tiles(kernel_width(q, v), q.dtype).fwd
     launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry, doc_start=doc_start,
-                   chunk_start=chunk_start)
+                   chunk_start=chunk_start, softcap=softcap)
     return state
 
 
@@ -729,16 +739,16 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def backward_part(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int, chunk_start: int, scale: float,
-    chunk: bool, dq: torch.Tensor, doc_start: torch.Tensor | None = None,
+    chunk: bool, dq: torch.Tensor, doc_start: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Gradients through the stored keys [past_lo, past_hi) (added into store.dk/dv) and, with ``chunk``,
     the chunk's own (returned, plus the store's rows [chunk_start, chunk_start + T)); dQ of those keys is
-    added into dq (B, H_q, T, D) float32. doc_start: as in ``forward_state``."""
+    added into dq (B, H_q, T, D) float32. doc_start, softcap: as in ``forward_state``."""
     _check_grads(store)
     q, k, v, dout = (last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(kernel_width(q, v), q.dtype)
     grads = launch_dkdv(dout, q, k, v, *softmax_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
-                        tiles, chunk, doc_start)
+                        tiles, chunk, doc_start, softcap)
     launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True,
-              doc_start=doc_start, chunk_start=chunk_start)
+              doc_start=doc_start, chunk_start=chunk_start, softcap=softcap)
     return grads

@@ -6,6 +6,10 @@ in float32 as the unfused ``core.loss`` path (about seven passes over a float32 
     lse   = max + log(sum_j exp(x_j - max))        (online over blocks of the row)
     loss  = lse - x[target]
     grad  = (exp(x - lse) - onehot(target)) / normalizer,   rounded once to the logits' dtype
+
+where x is the row's logits as the model's head makes them from lm_head's (integrations.transformers.LogitHead):
+times ``multiplier``, then ``softcap * tanh(x / softcap)``, and the gradient is taken back through both. None for
+either compiles it out.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import on_device_of
+from .tanh import tanh
 
 # Columns per step of a row: 16 KB of bf16 logits over 8 warps.
 _BLOCK = 8192
@@ -22,31 +27,57 @@ _NUM_WARPS = 8
 
 
 @triton.jit
-def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, n_cols, stride_row, normalizer,
+def _head(x, multiplier, softcap):
+    """The model's logits from lm_head's x (float32): times multiplier, then soft-capped."""
+    if multiplier is not None:
+        x = x * multiplier
+    if softcap is not None:
+        x = softcap * tanh(x / softcap)
+    return x
+
+
+@triton.jit
+def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, n_cols, stride_row, normalizer, multiplier, softcap,
                           WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = LOGITS + tl.program_id(0).to(tl.int64) * stride_row
     cols = tl.arange(0, BLOCK)
     running_max = float("-inf")
     sum_exp = 0.0
     for start in range(0, n_cols, BLOCK):
-        x = tl.load(row + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        if multiplier is None and softcap is None:
+            x = tl.load(row + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        else:  # the padding columns stay -inf: a capped -inf would be -softcap
+            mask = start + cols < n_cols
+            x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.where(mask, _head(x, multiplier, softcap), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
         running_max = new_max
     lse = running_max + tl.log(sum_exp)
     target = tl.load(TARGETS + tl.program_id(0)).to(tl.int32)
-    tl.store(LOSS + tl.program_id(0), lse - tl.load(row + target).to(tl.float32))
+    tl.store(LOSS + tl.program_id(0), lse - _head(tl.load(row + target).to(tl.float32), multiplier, softcap))
     if WITH_GRAD:
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if multiplier is not None:
+                x = x * multiplier
+            if softcap is not None:
+                t = tanh(x / softcap)
+                x = softcap * t
             grad = tl.exp(x - lse) - tl.where(start + cols == target, 1.0, 0.0)
+            if softcap is not None:  # d(cap tanh(x / cap))/dx
+                grad = grad * (1.0 - t * t)
+            if multiplier is not None:
+                grad = grad * multiplier
             tl.store(row + start + cols, (grad / normalizer).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: float, grad: bool) -> torch.Tensor:
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: float, grad: bool,
+                       multiplier: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Per-row cross-entropy (N,) float32 of logits (N, V) (unit column stride) against targets (N,) int64
-    in [0, V). With ``grad``, the logits are overwritten with dSum(loss)/normalizer / dlogits."""
+    in [0, V). With ``grad``, the logits are overwritten with dSum(loss)/normalizer / dlogits. multiplier,
+    softcap: the model's head on the logits (module docstring), None for none."""
     n, vocab = logits.shape
     if logits.stride(1) != 1 or targets.shape != (n,):
         raise ValueError(f"logits must be (N, V) with unit column stride and targets (N,), got "
@@ -56,6 +87,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: 
         with on_device_of(logits):
             _cross_entropy_kernel[(n,)](
                 logits, targets, loss, vocab, logits.stride(0), float(normalizer),
+                None if multiplier is None else float(multiplier), None if softcap is None else float(softcap),
                 WITH_GRAD=grad, BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS,
             )
     return loss

@@ -6,6 +6,7 @@ causally to the whole chunk; with packed documents (``doc_start``, None compiles
 keys from its document's start. Forward and dQ are query-stationary over blocks of one tile, the chunk's own
 dK/dV is the dense key-stationary kernel, and the selected pages' dK/dV is page-stationary: one program per
 (selected page, KV head) sums every tile that chose it, so no atomics and bit-reproducible gradients.
+Soft-capped scores (``softcap``) run in these kernels only (the Gluon ones take none).
 docs/architecture.md, "Page-level sparse attention" and "The attention kernels", says how and why.
 """
 
@@ -18,7 +19,8 @@ import triton.language as tl
 from .attention_blocks import (
     LN2, LOG2E, KernelTiles, Tiles, check_chunk_inputs, dkdv_step, doc_rows, dot_precision, dq_chunk, dq_step,
     fwd_chunk, fwd_step, interpreting, is_sm90, kernel_width, last_dim_contiguous, load_tile, output_like,
-    padded_head_dim, pool_descriptors, query_descriptors, query_program, same_layout, softmax_row_terms, store_tile,
+    padded_head_dim, pool_descriptors, query_descriptors, query_program, same_layout, score_terms,
+    softmax_row_terms, store_tile,
 )
 from .chunk_attention import default_tiles as dense_tiles
 from .chunk_attention import launch_delta, launch_dkdv, launch_dq, launch_forward
@@ -102,7 +104,7 @@ def _sparse_fwd_kernel(
     ss_b, ss_p,
     ssel_b, ssel_h, ssel_i, ssel_k,
     so_b, so_h, so_t,
-    T, start, n_sel, qk_scale,
+    T, start, n_sel, qk_scale, softcap,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
@@ -140,18 +142,18 @@ def _sparse_fwd_kernel(
                                        PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, V_SAME, PAGED_TMA)
         if DOC is not None:
             seen = valid[None, :] & (tok[None, :] >= key_lo[:, None])
-            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, seen, PRECISION, softcap)
         elif PAGED_TMA:
-            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION, softcap)
         else:
-            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION)
+            acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, valid[None, :], PRECISION, softcap)
 
     # The chunk, causally, as the dense kernel (document starts counted from the chunk start).
     if DOC is not None:
         key_lo, doc_first, doc_last = key_lo - start, doc_first - start, doc_last - start
     acc, m_i, l_i = fwd_chunk(acc, m_i, l_i, q, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                                m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale, key_lo, doc_first, doc_last,
-                               HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION)
+                               HEAD_DIM, D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION, softcap)
 
     out = acc / l_i[:, None]
     store_tile(OUT + b * so_b + h * so_h + offs_m[:, None] * so_t + offs_dv[None, :],
@@ -171,7 +173,7 @@ def _sparse_dq_kernel(
     ss_b, ss_p,
     ssel_b, ssel_h, ssel_i, ssel_k,
     sdq_b, sdq_h, sdq_t,
-    T, start, n_sel, qk_scale, scale,
+    T, start, n_sel, qk_scale, scale, softcap,
     H_Q: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PAGE_BLOCKS: tl.constexpr, PAGED_TMA: tl.constexpr,
@@ -209,17 +211,17 @@ def _sparse_dq_kernel(
                                        PAGE_BLOCKS, BLOCK_N, HEAD_DIM, D_PAD, V_DIM, V_PAD, V_SAME, PAGED_TMA)
         if DOC is not None:
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :] & (tok[None, :] >= key_lo[:, None]),
-                         PRECISION)
+                         PRECISION, softcap)
         elif PAGED_TMA:
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION, softcap)
         else:
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, valid[None, :], PRECISION, softcap)
 
     if DOC is not None:  # as in the forward
         key_lo, doc_first, doc_last = key_lo - start, doc_first - start, doc_last - start
     dq = dq_chunk(dq, q, do, lse2, delta, K + b * sk_b + hk * sk_h, V + b * sv_b + hk * sv_h, sk_t, sv_t,
                    m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale, key_lo, doc_first, doc_last, HEAD_DIM,
-                   D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION)
+                   D_PAD, V_DIM, V_PAD, BLOCK_N, PRECISION, softcap)
 
     store_tile(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_t + offs_d[None, :],
                 (dq * scale).to(DQ.dtype.element_ty), m_valid, offs_d, HEAD_DIM, D_PAD)
@@ -243,7 +245,7 @@ def _page_dkdv_kernel(
     ss_b, ss_p,
     spg_b, spg_h, spg_i,
     st_b, st_h, st_i, st_j,
-    T, start, qk_scale, scale,
+    T, start, qk_scale, scale, softcap,
     H_Q: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr, V_SAME: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TILE_BLOCKS: tl.constexpr,
@@ -311,7 +313,7 @@ def _page_dkdv_kernel(
             m0 = (it % TILE_BLOCKS) * BLOCK_M
             dk, dv = dkdv_step(dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_ptr, key_tok, b, h, t0, m0,
                                 offs_n, tl.minimum(PAGE_SIZE, T - t0), sq_t, sdo_t, qk_scale, scale, HEAD_DIM, D_PAD,
-                                V_DIM, V_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN)
+                                V_DIM, V_PAD, BLOCK_M, False, PRECISION, ROWS_TMA, EVEN, softcap)
         g_ptrs = (g_slot * sg_page + (n0 + offs_n) * sg_off + hk * sg_h)[:, None] + offs_d[None, :]
         if V_SAME:
             gv_ptrs = g_ptrs
@@ -397,10 +399,10 @@ def _whole_page_descriptors(store: LayerStore, start: int, block_n: int) -> tupl
 
 
 def _warp_specialized_pages(q: torch.Tensor, store: LayerStore, start: int, selection: torch.Tensor,
-                            doc_start: torch.Tensor | None) -> bool:
+                            doc_start: torch.Tensor | None, softcap: float | None = None) -> bool:
     """Whether the warp-specialised kernels run the selected pages (forward and dQ)."""
-    if not is_sm90(q) or doc_start is not None:
-        # The Gluon kernels know no documents (nor -1 entries): packed documents run the kernels here.
+    if not is_sm90(q) or doc_start is not None or softcap is not None:
+        # The Gluon kernels know no documents (nor -1 entries) and no soft cap: those run the kernels here.
         return False
     from . import past_attention_sm90
 
@@ -417,7 +419,7 @@ def _doc_rows(doc_start: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor, tiles: Tiles,
-             doc_start: torch.Tensor | None):
+             doc_start: torch.Tensor | None, softcap: float | None = None):
     check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
@@ -429,7 +431,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
     out = output_like(q, dv)  # laid out like q: see chunk_attention._forward
     lse = torch.empty((b, hq, t), dtype=torch.float32, device=q.device)
     ps = store.page_size
-    if _warp_specialized_pages(q, store, start, sel, doc_start):
+    if _warp_specialized_pages(q, store, start, sel, doc_start, softcap):
         # The chunk's own keys in the dense kernel, then the selected pages in the warp-specialised one,
         # which carries that state on and writes the output.
         from . import past_attention_sm90
@@ -453,7 +455,7 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
             slots.stride(0), slots.stride(1),
             *ssel,
             out.stride(0), out.stride(1), out.stride(2),
-            t, start, sel.shape[-1], scale * 1.4426950408889634,
+            t, start, sel.shape[-1], *score_terms(scale, softcap),
             H_Q=hq, GROUP=hq // hkv, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv,
             V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v)), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype),
             PAGE_BLOCKS=triton.cdiv(ps, tiles.block_n), PAGED_TMA=descs is not None, num_warps=tiles.num_warps,
@@ -463,10 +465,11 @@ def _forward(q, k, v, store: LayerStore, start: int, scale: float, selection: to
 
 
 def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, staging, start: int, scale: float,
-                      pt: Tiles, doc_rows: torch.Tensor | None):
+                      pt: Tiles, doc_rows: torch.Tensor | None, softcap: float | None = None):
     """The Triton page dK/dV kernel over ``inverted`` = invert_selection(...): into the gradient pages (at
     ``store.grad_slots``), or with ``staging`` = (dk, dv) float32 (B, H_kv, entries, PAGE_SIZE, D) into that
-    area alone (dV's D_v wide). doc_rows: None, or the queries' document starts (B, T) int32 contiguous."""
+    area alone (dV's D_v wide). doc_rows: None, or the queries' document starts (B, T) int32 contiguous;
+    softcap: the scores' soft cap, or None."""
     pages, tile_lists, counts = inverted
     b, hq, t, d = q.shape
     dv = dout.shape[-1]
@@ -480,6 +483,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
     else:
         (dkp, dvp), staged_pages = staging, staging[0].shape[2]
         g_strides = tuple(x for g in (dkp, dvp) for x in (g.stride(3) * ps, g.stride(3), 0))
+    qk_scale, cap = score_terms(scale, softcap)
     _page_dkdv_kernel[(pages.shape[-1] * b * hkv,)](
         *((q, dout) if rows is None else rows),
         *row_terms, store.k, store.v, dkp, dvp, slots, grad_slots, pages, tile_lists, counts, doc_rows,
@@ -492,7 +496,7 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
         slots.stride(0), slots.stride(1),
         pages.stride(0), pages.stride(1), pages.stride(2),
         *tile_lists.stride(),
-        t, start, scale * 1.4426950408889634, scale,
+        t, start, qk_scale, scale, cap,
         H_Q=hq, H_KV=hkv, GROUP=hq // hkv, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv,
         V_PAD=padded_head_dim(dv), V_SAME=same_layout((store.k, store.v), (dkp, dvp)), BLOCK_M=pt.block_m, BLOCK_N=pt.block_n, PRECISION=dot_precision(q.dtype),
         TILE_BLOCKS=triton.cdiv(ps, pt.block_m), ROWS_TMA=rows is not None, STAGED=staging is not None,
@@ -502,7 +506,8 @@ def _launch_page_dkdv(dout, q, row_terms, store: LayerStore, slots, inverted, st
 
 
 def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
-              tiles: KernelTiles, chunk_tiles: KernelTiles, doc_start: torch.Tensor | None):
+              tiles: KernelTiles, chunk_tiles: KernelTiles, doc_start: torch.Tensor | None,
+              softcap: float | None = None):
     check_chunk_inputs(q, k, v, store, start)
     _check_selection(selection, q, k, store, start)
     if store.dk is None or store.dv is None:
@@ -519,7 +524,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
     slots = store.table.slots.to(torch.int32)
     sel, ssel = _selection_args(selection, hkv)
     precision = dot_precision(q.dtype)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale, cap = score_terms(scale, softcap)
     delta = launch_delta(out, dout)
     row_terms = softmax_row_terms(lse, delta, scale)
     dq = torch.empty_like(q)
@@ -532,10 +537,10 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
         # The chunk's own keys: the dense key-stationary kernel with no past tiles (it starts from the
         # gradient later chunks stored for these tokens).
         dk, dv = launch_dkdv(dout, q, k, v, *row_terms, store, 0, 0, start, scale, chunk_tiles, chunk=True,
-                             doc_start=doc_start)
+                             doc_start=doc_start, softcap=softcap)
 
         # The selected past pages, page-stationary: each (page, KV head) written by one program.
-        warp_specialized = _warp_specialized_pages(q, store, start, sel, doc_start)
+        warp_specialized = _warp_specialized_pages(q, store, start, sel, doc_start, softcap)
         if warp_specialized:
             from . import past_attention_sm90
         if n_past > 0 and sel.shape[-1] > 0:
@@ -546,7 +551,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
                                               staging=grads)
             else:
                 _launch_page_dkdv(dout, q, row_terms, store, slots, (pages, tile_lists, counts), grads, start,
-                                  scale, tiles.dkdv, doc_rows)
+                                  scale, tiles.dkdv, doc_rows, softcap)
             if staging is not None:
                 staging.add_into(store, pages, counts, start)
 
@@ -570,7 +575,7 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
             slots.stride(0), slots.stride(1),
             *ssel,
             dq.stride(0), dq.stride(1), dq.stride(2),
-            t, start, sel.shape[-1], qk_scale, scale,
+            t, start, sel.shape[-1], qk_scale, scale, cap,
             H_Q=hq, GROUP=group, PAGE_SIZE=ps, SUB=sub, HEAD_DIM=d, D_PAD=padded_head_dim(d), V_DIM=dv_width,
             V_PAD=padded_head_dim(dv_width), V_SAME=same_layout((store.k, store.v)), BLOCK_M=qt.block_m, BLOCK_N=qt.block_n, PRECISION=precision,
             PAGE_BLOCKS=triton.cdiv(ps, qt.block_n), PAGED_TMA=descs is not None, num_warps=qt.num_warps,
@@ -585,19 +590,20 @@ def _backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: flo
 
 
 def attention_forward(q, k, v, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
-                      doc_start: torch.Tensor | None = None):
+                      doc_start: torch.Tensor | None = None, softcap: float | None = None):
     """Sparse chunk attention of q (B, H_q, T, D), k (B, H_kv, T, D), v (B, H_kv, T, D_v): out (B, H_q, T, D_v) in
     q's dtype and lse (B, H_q, T) float32 (natural log). doc_start: None, or (B, T) int32 each query's document
-    start (packed documents; earlier keys unseen)."""
+    start (packed documents; earlier keys unseen); softcap: None, or the scores' soft cap, softcap * tanh(q.k *
+    scale / softcap)."""
     return _forward(q, k, v, store, start, scale, selection, default_tiles(kernel_width(q, v), q.dtype).fwd,
-                    doc_start)
+                    doc_start, softcap)
 
 
 def attention_backward(dout, q, k, v, out, lse, store: LayerStore, start: int, scale: float, selection: torch.Tensor,
-                       doc_start: torch.Tensor | None = None):
+                       doc_start: torch.Tensor | None = None, softcap: float | None = None):
     """dq, and the chunk's dk, dv (its share plus what later chunks stored); adds the selected pages'
-    dK, dV into ``store.dk``/``store.dv`` (one program per page and KV head: deterministic). doc_start: as
-    in ``attention_forward``."""
+    dK, dV into ``store.dk``/``store.dv`` (one program per page and KV head: deterministic). doc_start,
+    softcap: as in ``attention_forward``."""
     d = kernel_width(q, v)
     return _backward(dout, q, k, v, out, lse, store, start, scale, selection,
-                     default_tiles(d, q.dtype), dense_tiles(d, q.dtype), doc_start)
+                     default_tiles(d, q.dtype), dense_tiles(d, q.dtype), doc_start, softcap)

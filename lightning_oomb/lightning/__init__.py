@@ -4,6 +4,7 @@ registers the strategy names "oomb_ddp", "oomb_ddp_spawn" and "oomb_model_parall
 
 from ..core.errors import SetupError
 from .callback import PagedKVCallback
+from .chat import ChatDataModule
 from .checkpoint import AtomicCheckpointIO
 from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
@@ -19,6 +20,7 @@ from .threads import TorchThreads
 __all__ = [
     "AtomicCheckpointIO",
     "CausalLMModule",
+    "ChatDataModule",
     "CorpusError",
     "NonFiniteError",
     "NonFiniteGuard",

@@ -488,14 +488,14 @@ class TextCorpusDataModule(LightningDataModule):
                 f"divides {self.seq_len})"
             )
 
-    @staticmethod
-    def _check_sampler(trainer) -> None:
+    @classmethod
+    def _check_sampler(cls, trainer) -> None:
         # Lightning would put its DistributedSampler under the rank-aware batch sampler, and fail in a way that
         # does not say which option to change.
         connector = getattr(trainer, "_accelerator_connector", None)
         if getattr(trainer, "world_size", 1) > 1 and getattr(connector, "use_distributed_sampler", False):
             raise CorpusError(
-                f"TextCorpusDataModule gives each of the {trainer.world_size} ranks its own sequences itself (and "
+                f"{cls.__name__} gives each of the {trainer.world_size} ranks its own sequences itself (and "
                 "resumes their position): set trainer.use_distributed_sampler false (Trainer(use_distributed_sampler"
                 "=False), or `use_distributed_sampler: false` under `trainer:` in the YAML)"
             )

@@ -30,6 +30,7 @@ from ..core.model_shape import ModelShape
 from ..core.ranks import DataParallelRanks
 from ..core.schedule import ChunkHook
 from ..core.sparse import SparseConfig
+from ..integrations.decoder import decoder_of
 from ..integrations.transformers import find_causal_lm
 from .checkpoint import partial_path, replace_folder
 from .ddp import AveragedAfterBackward
@@ -43,7 +44,7 @@ def shard_decoder_layers(lm: nn.Module, mesh: DeviceMesh, reshard_after_forward:
     with its own weights (embeddings, final norm) left whole; the output layer is outside the decoder.
 
     Gradients are reduced in float32 whatever the weights' dtype, as oomb_ddp's buckets are."""
-    decoder = lm.get_decoder()
+    decoder = decoder_of(lm)
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -85,7 +86,7 @@ def parallelize_decoder_layers(lm: nn.Module, mesh: DeviceMesh) -> None:
     """Split each decoder layer of the causal LM ``lm`` over the tensor-parallel ``mesh`` (TENSOR_PARALLEL_PLAN):
     each rank computes attention for its H_q/T query and H_kv/T KV heads, (B, H/T, t, D), and 1/T of the MLP's
     hidden units; the embeddings, norms and output layer stay whole on every rank."""
-    for layer in lm.get_decoder().layers:
+    for layer in decoder_of(lm).layers:
         parallelize_module(layer, mesh, TENSOR_PARALLEL_PLAN)
 
 
@@ -278,7 +279,7 @@ class OOMBModelParallelStrategy(AveragedAfterBackward, OOMBStrategyMixin, ModelP
 
     @staticmethod
     def _check_root_unsharded(lm: nn.Module) -> None:
-        in_layers = {id(p) for layer in lm.get_decoder().layers for p in layer.parameters()}
+        in_layers = {id(p) for layer in decoder_of(lm).layers for p in layer.parameters()}
         outside = [n for n, p in lm.named_parameters() if isinstance(p, DTensor) and id(p) not in in_layers]
         if outside:
             raise SetupError(f"{outside[0]} is sharded, but the embeddings, final norm and output layer must stay "
