@@ -474,6 +474,20 @@ def test_soft_capped_scores(case, dtype):
         assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
 
 
+def test_soft_capped_scores_with_values_of_another_width():
+    """Soft-capped scores over values of another width than the keys: the reference against the masked dense oracle
+    of transformers' formula, the kernels (selected pages, chunk, page dK/dV) against the reference, fp32."""
+    b, h, g, d, t, start, ps, budget, per_head, v_dim = VALUE_WIDTH_CASES["values-twice-as-wide-pages-of-5"]
+    p = dataclasses.replace(make_problem(b, h, g, d, t, start, ps, torch.float32, v_dim=v_dim), scale=0.5)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, softcap=2.0)
+    assert want[0].shape[-1] == v_dim
+    assert_matches([want[0], *want[2:]], oracle(p, sel, softcap=2.0), 1e-5)
+    assert rel_err(want[0], oracle(p, sel)[0].to(want[0].dtype)) > 0.1  # the cap bends these scores
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward, softcap=2.0)
+    assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
+
+
 def test_page_gradient_programs_start_with_the_most_chosen_pages():
     """invert_selection lists each head's distinct pages by how many query tiles chose them (ties by page
     number): the page dK/dV kernel launches them in that order, so the pages every tile attends (sink and

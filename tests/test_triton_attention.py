@@ -520,6 +520,21 @@ def test_soft_capped_scores_match_reference(case, dtype):
     assert_close(got, want, TOL[dtype])
 
 
+@pytest.mark.parametrize("case", ["values-twice-as-wide", "mla-keys-24-values-16"])
+def test_soft_capped_scores_with_values_of_another_width_match_reference(case):
+    """Soft-capped scores over values of another width than the keys (the tanh terms and the V_DIM loads in one
+    kernel, V_SAME off): the Triton forward, dQ and dK/dV against the reference, fp32; the cap bends the output."""
+    import dataclasses
+
+    *shape, v_dim = VALUE_WIDTH_CASES[case]
+    p = dataclasses.replace(make_problem(*shape, dtype=torch.float32, v_dim=v_dim), scale=SOFTCAP_SCALE)
+    got, want = run_both(p, softcap=SOFTCAP)
+    assert got[0].shape[-1] == got[4].shape[-1] == got[6].shape[-1] == v_dim
+    assert_close(got, want, TOL[torch.float32])
+    uncapped, _ = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale)
+    assert rel_err(want[0], uncapped) > 0.1
+
+
 def test_soft_capped_scores_with_documents_in_key_ranges():
     """Packed documents and the key ranges of streamed host pages (forward_state, backward_part), soft-capped:
     the kernels as the reference, and the ranges as one call over the whole past."""
