@@ -46,7 +46,7 @@ from lightning_oomb.kernels import sparse_attention as sparse  # noqa: E402
 
 D = 128
 HEADS = dict(H_Q=28, GROUP=7)
-SHAPE = dict(HEAD_DIM=D, D_PAD=D, PRECISION="tf32", PAGE_SIZE=128)
+SHAPE = dict(HEAD_DIM=D, D_PAD=D, V_DIM=D, V_PAD=D, V_SAME=True, PRECISION="tf32", PAGE_SIZE=128)
 # Strides that are 1 in a step's launches (contiguous page table, selections, page and tile lists): Triton's
 # JIT makes an integer argument equal to 1 a constant.
 UNIT_STRIDES = ("ss_p", "ssel_k", "spg_i", "st_j")
@@ -54,6 +54,7 @@ UNIT_STRIDES = ("ss_p", "ssel_k", "spg_i", "st_j")
 # build names their type.
 NONE_UNLESS_TYPED = ("softcap", "multiplier")
 LOOPS = "--loops" in sys.argv[1:]
+SHARED_MEMORY = 232448  # bytes of shared memory a block may take on sm_90 (H100, H200)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -79,10 +80,11 @@ def tensor_core_loops(sass: str) -> list[Counter]:
 
 
 def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_stages: int = 3,
-          maxnreg: int | None = None) -> None:
+          maxnreg: int | None = None, check_shared: bool = False) -> None:
     """Compile fn (Triton or Gluon) for sm_90: arguments named in ``types`` get that type, constexprs their
     value, other pointers (other upper-case names) bf16 and scalars i32. Prints its registers and stack
-    (spills) as cuobjdump reads them from the cubin, where Triton ships cuobjdump."""
+    (spills) as cuobjdump reads them from the cubin, where Triton ships cuobjdump, and its shared memory;
+    ``check_shared``: refuse a build that needs more shared memory than a block may take (a launch would fail)."""
     sig, attrs = {}, {}
     constexprs = {**{n: 1 for n in UNIT_STRIDES if n in fn.arg_names},
                   **{n: None for n in NONE_UNLESS_TYPED if n in fn.arg_names and n not in types}, **constexprs}
@@ -103,16 +105,74 @@ def build(fn, types: dict[str, str], constexprs: dict, num_warps: int = 8, num_s
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    shared = kernel.metadata.shared
+    if check_shared and shared > SHARED_MEMORY:
+        raise RuntimeError(f"{fn.__name__} ({num_warps} warps, {num_stages} stages) needs {shared} bytes of shared "
+                           f"memory, more than sm_90's {SHARED_MEMORY}")
     if CUOBJDUMP.exists():
         usage = _cuobjdump(kernel.asm["cubin"], "-res-usage")
         regs = " ".join(w for w in usage.split() if w.startswith(("REG:", "STACK:")))
-        print(f"  {fn.__name__} ({num_warps} warps, {num_stages} stages): {regs}", flush=True)
+        print(f"  {fn.__name__} ({num_warps} warps, {num_stages} stages): {regs} SHARED:{shared}", flush=True)
         if LOOPS:
             for ops in tensor_core_loops(_cuobjdump(kernel.asm["cubin"], "-sass")):
                 hgmma, mufu, ldl, stl = (sum(n for op, n in ops.items() if op.startswith(prefix))
                                          for prefix in ("HGMMA", "MUFU", "LDL", "STL"))
                 print(f"    loop: {sum(ops.values())} instructions, HGMMA {hgmma}, MUFU {mufu}, "
                       f"local loads {ldl}, local stores {stl}", flush=True)
+
+
+def build_value_width(f32: dict, i32: dict, scalars: dict, key_dim: int = 192, v_dim: int = 128) -> None:
+    """The Triton kernels at DeepSeek's widths (keys 192, padded to 256; values 128) with the tiles, warps and
+    stages ``default_tiles`` gives them, pointer loads and descriptors, each within sm_90's shared memory."""
+    import torch
+
+    k_pad, v_pad = (tri.padded_head_dim(d) for d in (key_dim, v_dim))
+    shape = dict(HEAD_DIM=key_dim, D_PAD=k_pad, V_DIM=v_dim, V_PAD=v_pad, V_SAME=False, PRECISION="tf32",
+                 PAGE_SIZE=128)
+    dense, pages = tri.default_tiles(key_dim, torch.bfloat16), sparse.default_tiles(key_dim, torch.bfloat16)
+    for tma in (True, False):
+        def pool(n: int, width: int) -> str:
+            return f"tensordesc<bf16[{n},1,{width}]>" if tma else "*bf16"
+
+        def rows(m: int) -> dict[str, str]:
+            return {"Q": f"tensordesc<bf16[1,1,{m},{k_pad}]>", "DO": f"tensordesc<bf16[1,1,{m},{v_pad}]>"} if tma \
+                else {}
+
+        def launch(t) -> dict:
+            return dict(num_warps=t.num_warps, num_stages=t.num_stages, check_shared=True)
+
+        t = dense.fwd
+        build(tri._fwd_kernel, {"KD": pool(t.block_n, k_pad), "VD": pool(t.block_n, v_pad), "LSE": "*fp32", **i32,
+                                **scalars},
+              dict(shape, **HEADS, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK=True, CARRY=False, PAGED_TMA=tma,
+                   DOC=None), **launch(t))
+        t = dense.dq
+        build(tri._dq_kernel, {"KD": pool(t.block_n, k_pad), "VD": pool(t.block_n, v_pad), **f32, **i32, **scalars},
+              dict(shape, **HEADS, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK=True, ACCUMULATE=False,
+                   PAGED_TMA=tma, DOC=None), **launch(t))
+        t = dense.dkdv
+        build(tri._dkdv_kernel, {**rows(t.block_m), **f32, **i32, **scalars},
+              dict(shape, **HEADS, H_KV=4, BLOCK_M=t.block_m, BLOCK_N=t.block_n, CHUNK_SPLIT=1, ROWS_TMA=tma,
+                   EVEN=tma, DOC=None, Q_SEEN=None), **launch(t))
+        t = pages.fwd
+        build(sparse._sparse_fwd_kernel, {"KD": pool(t.block_n, k_pad), "VD": pool(t.block_n, v_pad), "LSE": "*fp32",
+                                          **i32, **scalars},
+              dict(shape, **HEADS, SUB=128 // t.block_m, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                   PAGE_BLOCKS=128 // t.block_n, PAGED_TMA=tma, DOC=None), **launch(t))
+        t = pages.dq
+        build(sparse._sparse_dq_kernel, {"KD": pool(t.block_n, k_pad), "VD": pool(t.block_n, v_pad), **f32, **i32,
+                                         **scalars},
+              dict(shape, **HEADS, SUB=128 // t.block_m, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                   PAGE_BLOCKS=128 // t.block_n, PAGED_TMA=tma, DOC=None), **launch(t))
+        t = pages.dkdv
+        build(sparse._page_dkdv_kernel, {**rows(t.block_m), **f32, **i32, **scalars},
+              dict(shape, **HEADS, H_KV=4, BLOCK_M=t.block_m, BLOCK_N=t.block_n, TILE_BLOCKS=128 // t.block_m,
+                   ROWS_TMA=tma, STAGED=tma, EVEN=tma, DOC=None), **launch(t))
+    build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},
+          dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=key_dim, D_PAD=k_pad, V_DIM=v_dim, V_PAD=v_pad, V_SAME=False,
+               BLOCK_R=32),
+          num_warps=4)
+    print("compiled for sm_90 (values of another width)", flush=True)
 
 
 def main() -> None:
@@ -144,7 +204,7 @@ def main() -> None:
                   dict(SHAPE, **HEADS, H_KV=4, BLOCK_M=64, BLOCK_N=128, TILE_BLOCKS=2, ROWS_TMA=tma, STAGED=tma,
                        EVEN=tma, **doc))
         print(f"compiled for sm_90 ({'descriptors' if tma else 'pointers'})", flush=True)
-
+    build_value_width(f32, i32, scalars)
 
     layout = gl.NVMMASharedLayout.get_default_for([warp_specialized.BLOCK_N, D], gl.bfloat16)
     pool = f"tensordesc<bf16[{warp_specialized.BLOCK_N}, {D}],{layout!r}>"
@@ -163,7 +223,7 @@ def main() -> None:
     print("compiled for sm_90 (warp-specialised)", flush=True)
 
     build(host_pages._add_staged_kernel, {"SRC_K": "*fp32", "SRC_V": "*fp32", **i32},
-          dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, D_PAD=D, BLOCK_R=32), num_warps=4)
+          dict(H_KV=4, PAGE_SIZE=128, HEAD_DIM=D, D_PAD=D, V_DIM=D, V_PAD=D, V_SAME=True, BLOCK_R=32), num_warps=4)
     print("compiled for sm_90 (host pages)", flush=True)
 
     # Soft-capped scores (a float32 cap, tanh in every score step), pointer loads; the loss kernel with and without

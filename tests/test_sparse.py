@@ -61,7 +61,7 @@ def oracle(p, selection, doc_start=None, softcap=None):
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allowed[:, :, None].to(s.device), float("-inf"))
-    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, d)
+    out = torch.einsum("bhgtn,bhnd->bhgtd", s.softmax(-1), vals).reshape(b, hq, t, -1)
     out.backward(p.dout.double())
     return out.detach(), *(x.grad for x in leaves)
 
@@ -122,10 +122,11 @@ REF_CASES = {
 }
 
 
+@pytest.mark.parametrize("v_dim", [None, 12], ids=["values-as-keys", "values-12-keys-8"])
 @pytest.mark.parametrize("case", list(REF_CASES), ids=list(REF_CASES))
-def test_reference_matches_masked_dense(case):
+def test_reference_matches_masked_dense(case, v_dim):
     b, h, g, d, t, start, ps, budget, per_head = REF_CASES[case]
-    p = make_problem(b, h, g, d, t, start, ps, torch.float32, device="cpu")
+    p = make_problem(b, h, g, d, t, start, ps, torch.float32, device="cpu", v_dim=v_dim)
     sel = random_selection(b, h if per_head else 1, t, start, ps, budget).cpu()
     got = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
     want = oracle(p, sel)
@@ -181,9 +182,9 @@ def doc_starts(lengths, start, t):
     return torch.stack(rows)[:, start:start + t].int()
 
 
-def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE):
+def documents_problem(b, h, g, d, t, start, ps, dtype, lengths, config, device=DEVICE, v_dim=None):
     """A random problem, its chunk's document starts and the selection select_pages makes with them."""
-    p = make_problem(b, h, g, d, t, start, ps, dtype, device=device)
+    p = make_problem(b, h, g, d, t, start, ps, dtype, device=device, v_dim=v_dim)
     summaries = p.pool.summaries(config.score, 1)
     update_summaries(p.store, summaries, config.score, 0, start)
     doc = doc_starts(lengths, start, t).to(p.q.device)
@@ -414,12 +415,35 @@ def test_kernels_match_reference(case, dtype):
     assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
 
 
+# Values of another width than the keys (DeepSeek's MLA): batch, n_kv, group, head_dim, T, start, page_size, budget,
+# per_kv_head, v_dim
+VALUE_WIDTH_CASES = {
+    "values-twice-as-wide-pages-of-5": (2, 2, 2, 16, 23, 41, 5, 3, True, 32),
+    "mla-keys-24-values-16-shared": (1, 2, 3, 24, 37, 50, 16, 2, False, 16),
+    "whole-pages-values-narrower": (1, 2, 2, 16, 64, 96, 32, 2, True, 8),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(VALUE_WIDTH_CASES), ids=list(VALUE_WIDTH_CASES))
+def test_kernels_with_values_of_another_width_match_reference(case, dtype):
+    """Forward, dQ, the chunk's dK/dV and the selected pages' dK/dV with V, dV, out and dO D_v wide."""
+    b, h, g, d, t, start, ps, budget, per_head, v_dim = VALUE_WIDTH_CASES[case]
+    p = make_problem(b, h, g, d, t, start, ps, dtype, v_dim=v_dim)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward)
+    assert got[0].shape[-1] == v_dim
+    assert_matches(got, want, TOL[dtype], ["out", "lse", *NAMES[1:]])
+
+
+@pytest.mark.parametrize("v_dim", [None, 24], ids=["values-as-keys", "values-24-keys-16"])
 @pytest.mark.parametrize("case", list(DOC_CASES), ids=list(DOC_CASES))
-def test_kernels_match_reference_with_documents(case):
+def test_kernels_match_reference_with_documents(case, v_dim):
     """Packed documents: -1 entries skipped, document masks in the page loops, the chunk and the page dK/dV."""
     b, h, g, d, t, start, ps, budget, per_head, lengths = DOC_CASES[case]
     config = SparseConfig(budget_pages=budget, sink_pages=1, local_pages=1, per_kv_head=per_head)
-    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config)
+    p, doc, sel = documents_problem(b, h, g, d, t, start, ps, torch.float32, lengths, config, v_dim=v_dim)
     got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)
     want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)
     assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
@@ -448,6 +472,20 @@ def test_soft_capped_scores(case, dtype):
         assert_matches([want[0], *want[2:]], oracle(p, sel, doc, softcap=2.0), 1e-5)
         got = run_op(p, sel, tri.attention_forward, tri.attention_backward, doc, softcap=2.0)
         assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
+
+
+def test_soft_capped_scores_with_values_of_another_width():
+    """Soft-capped scores over values of another width than the keys: the reference against the masked dense oracle
+    of transformers' formula, the kernels (selected pages, chunk, page dK/dV) against the reference, fp32."""
+    b, h, g, d, t, start, ps, budget, per_head, v_dim = VALUE_WIDTH_CASES["values-twice-as-wide-pages-of-5"]
+    p = dataclasses.replace(make_problem(b, h, g, d, t, start, ps, torch.float32, v_dim=v_dim), scale=0.5)
+    sel = random_selection(b, h if per_head else 1, t, start, ps, budget, seed=1)
+    want = run_op(p, sel, sparse.attention_forward, sparse.attention_backward, softcap=2.0)
+    assert want[0].shape[-1] == v_dim
+    assert_matches([want[0], *want[2:]], oracle(p, sel, softcap=2.0), 1e-5)
+    assert rel_err(want[0], oracle(p, sel)[0].to(want[0].dtype)) > 0.1  # the cap bends these scores
+    got = run_op(p, sel, tri.attention_forward, tri.attention_backward, softcap=2.0)
+    assert_matches(got, want, TOL[torch.float32], ["out", "lse", *NAMES[1:]])
 
 
 def test_page_gradient_programs_start_with_the_most_chosen_pages():
@@ -616,6 +654,32 @@ def test_bf16_gpu_against_fp32_reference(per_kv_head, start, documents):
     kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward, doc)]
     ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward, doc)]
     ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward, doc)
+    for name, a, b, want in zip(["out", "lse", *NAMES[1:]], kernel, ref_bf16, ref_fp32):
+        err = rel_err(a, want)
+        floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))
+        print(f"{name}: kernel {err:.2e}, bf16 floor {floor:.2e}")
+        assert torch.isfinite(a).all(), name
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs bf16 floor {floor:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("start", [3000, 3072], ids=["partial-page", "whole-pages"])
+@pytest.mark.parametrize("widths", [(192, 128), (64, 128)], ids=["mla-192-128", "keys-64-values-128"])
+def test_bf16_gpu_values_of_another_width_against_fp32_reference(widths, start):
+    """As test_bf16_gpu_against_fp32_reference without documents, values of their own width (DeepSeek's keys of
+    192 on tiles padded to 256, values 128; values wider than keys): the Triton kernels (the Gluon ones take one
+    width only), within twice the bf16 floor plus 1e-3."""
+    from test_triton_attention import _fp32_copy
+
+    key_dim, v_dim = widths
+    p = make_problem(1, 4, 2, key_dim, 512, start, 128, torch.bfloat16, device="cuda", v_dim=v_dim)
+    p32 = _fp32_copy(p)
+    sel = random_selection(1, 4, 512, start, 128, 6, seed=3).cuda()
+    assert not tri._warp_specialized_pages(p.q, p.store, start, sel, None)
+    kernel = [x.float() for x in run_op(p, sel, tri.attention_forward, tri.attention_backward)]
+    ref_bf16 = [x.float() for x in run_op(p, sel, sparse.attention_forward, sparse.attention_backward)]
+    ref_fp32 = run_op(p32, sel, sparse.attention_forward, sparse.attention_backward)
     for name, a, b, want in zip(["out", "lse", *NAMES[1:]], kernel, ref_bf16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.bfloat16(), want))

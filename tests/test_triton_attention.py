@@ -58,11 +58,13 @@ class Problem:
 
 def make_problem(
     batch: int, n_kv: int, group: int, head_dim: int, t: int, start: int, page_size: int, dtype: torch.dtype,
-    device: str = DEVICE, seed: int = 0, transposed: bool = False,
+    device: str = DEVICE, seed: int = 0, transposed: bool = False, v_dim: int | None = None,
 ) -> Problem:
-    """A random chunk at [start, start + t) over a random past, pages in random pool slots (layer 1 of 2)."""
+    """A random chunk at [start, start + t) over a random past, pages in random pool slots (layer 1 of 2); values
+    ``v_dim`` wide (None: ``head_dim``)."""
     torch.manual_seed(seed)
-    spec = StoreSpec(n_layers=2, n_kv_heads=n_kv, head_dim=head_dim, dtype=dtype)
+    spec = StoreSpec(n_layers=2, n_kv_heads=n_kv, head_dim=head_dim, dtype=dtype, v_head_dim=v_dim)
+    v_dim = spec.v_dim
     n_pages = -(-(start + t) // page_size)
     pool = PagePool(spec, num_pages=batch * n_pages + 3, page_size=page_size, device=device)
     table = pool.allocate(batch, start + t)
@@ -71,17 +73,18 @@ def make_problem(
     for x in (pool.k, pool.v, pool.dk, pool.dv):
         x.fill_(float("nan"))
     rand = lambda *shape: torch.randn(*shape, device=device).to(dtype)  # noqa: E731
-    store.write(rand(batch, n_kv, start, head_dim), rand(batch, n_kv, start, head_dim), 0)
+    store.write(rand(batch, n_kv, start, head_dim), rand(batch, n_kv, start, v_dim), 0)
     # Gradients already stored for the past and for the chunk's own tokens (as later chunks leave them).
     store.dk.view(-1, n_kv, head_dim)[table.rows(0, start + t)] = torch.randn(batch, start + t, n_kv, head_dim, device=device)
-    store.dv.view(-1, n_kv, head_dim)[table.rows(0, start + t)] = torch.randn(batch, start + t, n_kv, head_dim, device=device)
+    store.dv.view(-1, n_kv, v_dim)[table.rows(0, start + t)] = torch.randn(batch, start + t, n_kv, v_dim, device=device)
     if transposed:  # what a model hands over: (B, T, H, D) viewed as (B, H, T, D)
         q = rand(batch, t, n_kv * group, head_dim).transpose(1, 2)
-        k, v = (rand(batch, t, n_kv, head_dim).transpose(1, 2) for _ in range(2))
+        k = rand(batch, t, n_kv, head_dim).transpose(1, 2)
+        v = rand(batch, t, n_kv, v_dim).transpose(1, 2)
     else:
         q = rand(batch, n_kv * group, t, head_dim)
-        k, v = rand(batch, n_kv, t, head_dim), rand(batch, n_kv, t, head_dim)
-    return Problem(pool, store, q, k, v, rand(batch, n_kv * group, t, head_dim), start, head_dim**-0.5)
+        k, v = rand(batch, n_kv, t, head_dim), rand(batch, n_kv, t, v_dim)
+    return Problem(pool, store, q, k, v, rand(batch, n_kv * group, t, v_dim), start, head_dim**-0.5)
 
 
 def run_both(p: Problem, forward=tri.attention_forward, backward=tri.attention_backward, **options):
@@ -184,6 +187,8 @@ def test_warp_specialized_kernels_take_only_what_they_support():
     assert not ws.supported(small_pages.q, small_pages.store, 1024)  # a page smaller than a key tile
     d96 = make_problem(1, 1, 2, 96, 64, 256, 128, torch.bfloat16, device="cpu")
     assert not ws.supported(d96.q, d96.store, 256)  # head dims 64 and 128 only
+    v64 = make_problem(1, 2, 7, 128, 256, 1024, 128, torch.bfloat16, device="cpu", v_dim=64)
+    assert not ws.supported(v64.q, v64.store, 1024)  # values of another width than the keys
     selection = torch.arange(8, dtype=torch.int32).view(1, 1, 1, 8).expand(1, 2, 2, 8)
     assert ws.supported_pages(p.q, p.store, 1024, selection)
     assert not ws.supported_pages(p.q, p.store, 1000, selection)  # the chunk must start on a page
@@ -211,6 +216,85 @@ def test_autograd_wiring():
         grads.append((out.detach(), q.grad, k.grad, v.grad))
     for a, b in zip(*grads):
         assert rel_err(a, b) <= 1e-5
+
+
+# --------------------------------------------------------------------------------------------------------
+# Values of another width than the keys (DeepSeek's MLA; DiffLlama's values of both halves side by side)
+# --------------------------------------------------------------------------------------------------------
+
+
+VALUE_WIDTH_CASES = {
+    # batch, n_kv, group, head_dim, T, start, page_size, v_dim
+    "values-twice-as-wide": (2, 2, 2, 16, 33, 21, 5, 32),
+    "mla-keys-24-values-16": (1, 2, 3, 24, 29, 40, 8, 16),  # keys on padded tiles of 32, values not
+    "values-narrower-empty-past": (2, 1, 4, 16, 11, 0, 4, 8),
+    "values-12-keys-8-pages-of-1": (1, 2, 2, 8, 9, 14, 1, 12),  # both padded, to 16
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(VALUE_WIDTH_CASES), ids=list(VALUE_WIDTH_CASES))
+def test_values_of_another_width_match_reference(case, dtype):
+    """Out and dO, V and dV D_v wide, q, K and dK D wide: forward and backward, the store's pages of both."""
+    *shape, v_dim = VALUE_WIDTH_CASES[case]
+    p = make_problem(*shape, dtype=dtype, v_dim=v_dim)
+    got, want = run_both(p)
+    assert got[0].shape[-1] == got[4].shape[-1] == got[6].shape[-1] == v_dim
+    assert_close(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("chunk_split", [1, 2])
+def test_values_of_another_width_on_other_tiles_strided(chunk_split):
+    """(B, T, H, D)-strided inputs, unequal tiles and the chunk's dK/dV split over query heads (float32 partial
+    sums of both widths), values wider than keys; the output laid out like q, as transformers reads it."""
+    tiles = tri.KernelTiles(fwd=tri.Tiles(32, 16), dkdv=tri.Tiles(16, 32), dq=tri.Tiles(32, 16),
+                            chunk_split=chunk_split)
+
+    def forward(q, k, v, store, start, scale):
+        out, lse = tri._forward(q, k, v, store, start, scale, tiles.fwd)
+        assert out.stride(1) < out.stride(2)  # (B, T, H_q, D_v) rows
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, store, start, scale):
+        return tri._backward(dout, q, k, v, out, lse, store, start, scale, tiles)
+
+    p = make_problem(2, 2, 4, 16, 45, 29, 7, torch.float32, transposed=True, v_dim=24)
+    p.dout = p.dout.transpose(1, 2).contiguous().transpose(1, 2)
+    got, want = run_both(p, forward, backward)
+    assert_close(got, want, TOL[torch.float32])
+
+
+def test_values_of_another_width_with_documents_in_key_ranges():
+    """Packed documents, and forward_state / backward_part over key ranges (what host pages stream), with values
+    of another width: the kernels as the reference."""
+    p = make_problem(2, 2, 2, 16, 45, 37, 5, torch.float32, v_dim=8)
+    doc_start = chunk_doc_start(([0, 9, 40, 41, 43, 70], [0, 50, 51, 60]), p.start, p.q.shape[2])
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+    results = []
+    for backend in (tri, ref):
+        p.pool.dk.copy_(saved[0])
+        p.pool.dv.copy_(saved[1])
+        state = backend.forward_state(p.q, p.k, p.v, p.store, 0, 0, p.scale, True, doc_start=doc_start,
+                                      chunk_start=p.start)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.forward_state(p.q, p.k, p.v, p.store, lo, hi, p.scale, False, state, doc_start=doc_start)
+        out, lse = state
+        dq = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)
+        delta = backend.backward_delta(out, p.dout)
+        dk, dv = backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, 0, 0, p.start, p.scale, True, dq,
+                                       doc_start)
+        for lo, hi in ((0, 16), (16, 30), (30, p.start)):
+            backend.backward_part(p.dout, p.q, p.k, p.v, lse, delta, p.store, lo, hi, p.start, p.scale, False, dq,
+                                  doc_start)
+        results.append((out, lse, dq, dk, dv, *p.store.read(0, p.start + p.q.shape[2], grads=True)))
+    assert_close(*results, TOL[torch.float32])
+    p.pool.dk.copy_(saved[0])
+    p.pool.dv.copy_(saved[1])
+    want, skipped = reference_then_unread(p, doc_start)
+    out, lse = tri.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale, doc_start)
+    dq, dk, dv = tri.attention_backward(p.dout, p.q, p.k, p.v, out, lse, p.store, p.start, p.scale, doc_start)
+    got = [out, lse, dq, dk, dv, *p.store.read(0, p.start + p.q.shape[2], grads=True)]
+    assert_unread_then_close(got, want, skipped, TOL[torch.float32])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -436,6 +520,21 @@ def test_soft_capped_scores_match_reference(case, dtype):
     assert_close(got, want, TOL[dtype])
 
 
+@pytest.mark.parametrize("case", ["values-twice-as-wide", "mla-keys-24-values-16"])
+def test_soft_capped_scores_with_values_of_another_width_match_reference(case):
+    """Soft-capped scores over values of another width than the keys (the tanh terms and the V_DIM loads in one
+    kernel, V_SAME off): the Triton forward, dQ and dK/dV against the reference, fp32; the cap bends the output."""
+    import dataclasses
+
+    *shape, v_dim = VALUE_WIDTH_CASES[case]
+    p = dataclasses.replace(make_problem(*shape, dtype=torch.float32, v_dim=v_dim), scale=SOFTCAP_SCALE)
+    got, want = run_both(p, softcap=SOFTCAP)
+    assert got[0].shape[-1] == got[4].shape[-1] == got[6].shape[-1] == v_dim
+    assert_close(got, want, TOL[torch.float32])
+    uncapped, _ = ref.attention_forward(p.q, p.k, p.v, p.store, p.start, p.scale)
+    assert rel_err(want[0], uncapped) > 0.1
+
+
 def test_soft_capped_scores_with_documents_in_key_ranges():
     """Packed documents and the key ranges of streamed host pages (forward_state, backward_part), soft-capped:
     the kernels as the reference, and the ranges as one call over the whole past."""
@@ -493,7 +592,8 @@ def test_soft_capped_scores_skip_the_hopper_kernels(monkeypatch):
 
 def _fp32_copy(p: Problem) -> Problem:
     """The same problem (same bf16 values, same slots) with fp32 inputs and store."""
-    spec = StoreSpec(n_layers=2, n_kv_heads=p.k.shape[1], head_dim=p.q.shape[-1], dtype=torch.float32)
+    spec = StoreSpec(n_layers=2, n_kv_heads=p.k.shape[1], head_dim=p.q.shape[-1], dtype=torch.float32,
+                     v_head_dim=p.v.shape[-1])
     pool = PagePool(spec, num_pages=p.pool.num_pages, page_size=p.pool.page_size, device=p.q.device)
     for dst, src in ((pool.k, p.pool.k), (pool.v, p.pool.v), (pool.dk, p.pool.dk), (pool.dv, p.pool.dv)):
         dst.copy_(src)
@@ -554,6 +654,49 @@ def test_16_bit_gpu_against_fp32_reference(case, dtype):
     ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward, doc_start)
     names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
     for name, a, b, want in zip(names, kernel, ref_bf16, ref_fp32):
+        err = rel_err(a, want)
+        floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
+        print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")
+        assert torch.isfinite(a).all(), name
+        assert err <= 2 * floor + 1e-3, f"{name}: kernel error {err:.2e} vs 16-bit floor {floor:.2e}"
+
+
+# batch, n_kv, group, head_dim, T, start, page_size, v_dim: DeepSeek's widths (keys 192, padded to 256; values 128),
+# values wider than keys, both at 256; the Gluon kernels take none of them (one width of 64 or 128 only)
+GPU_VALUE_WIDTH_CASES = {
+    "mla-192-128": (1, 8, 1, 192, 512, 1000, 128, 128),
+    "mla-192-128-batch-2-pages-of-64": (2, 4, 1, 192, 300, 2048, 64, 128),
+    "keys-64-values-128-gqa-4": (1, 2, 4, 64, 256, 777, 128, 128),
+    "keys-256-values-256": (1, 2, 2, 256, 256, 640, 128, 256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_VALUE_WIDTH_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_gpu_values_of_another_width_against_fp32_reference(case, dtype):
+    """As test_16_bit_gpu_against_fp32_reference, values of their own width: the kernel's error within twice the
+    16-bit floor plus 1e-3, against the fp32 reference on the same 16-bit values."""
+    *shape, v_dim = GPU_VALUE_WIDTH_CASES[case]
+    p = make_problem(*shape, dtype, device="cuda", v_dim=v_dim)
+    assert tri._warp_specialized_past(p.q, p.store, p.start, None) == (0, 0) or v_dim == shape[3]
+    t = p.q.shape[2]
+    p32 = _fp32_copy(p)
+    saved = p.pool.dk.clone(), p.pool.dv.clone()
+
+    def run(prob: Problem, fwd, bwd):
+        prob.pool.dk.copy_(saved[0])
+        prob.pool.dv.copy_(saved[1])
+        out, lse = fwd(prob.q, prob.k, prob.v, prob.store, prob.start, prob.scale)
+        dq, dk, dv = bwd(prob.dout, prob.q, prob.k, prob.v, out, lse, prob.store, prob.start, prob.scale)
+        return [x.float() for x in (out, lse, dq, dk, dv, *prob.store.read(0, prob.start + t, grads=True))]
+
+    kernel = run(p, tri.attention_forward, tri.attention_backward)
+    ref_16 = run(p, ref.attention_forward, ref.attention_backward)
+    ref_fp32 = run(p32, ref.attention_forward, ref.attention_backward)
+    names = ["out", "lse", "dq", "dk", "dv", "store dk", "store dv"]
+    for name, a, b, want in zip(names, kernel, ref_16, ref_fp32):
         err = rel_err(a, want)
         floor = max(rel_err(b, want), rel_err(want.to(dtype), want))
         print(f"{name}: kernel {err:.2e}, 16-bit floor {floor:.2e}")

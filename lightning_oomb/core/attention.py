@@ -31,13 +31,13 @@ from . import reference_attention
 class AttentionBackend(Protocol):
     """What the engine calls for dense chunk attention: ``reference_attention`` (plain PyTorch, the oracle)
     and ``kernels.chunk_attention`` (Triton) are modules of these functions (``tests/test_triton_attention.py``
-    checks both against it). Shapes: q (B, H_q, T, D), k and v (B, H_kv, T, D) of the chunk at tokens
-    [start, start + T); out like q; lse (B, H_q, T) float32, natural log; the past is the store's tokens
-    [0, start). ``forward_state``, ``backward_delta`` and ``backward_part`` take one key range of the past
-    at a time, for pages streamed from the host (``core.offload``). doc_start: None, or (B, T) int32, the
-    token position of each query's document start: keys before it are not attended (packed documents).
-    one_document: None, or the host int that doc_start holds everywhere (all queries in one document).
-    softcap: None, or the soft cap of the scores: softcap * tanh(q.k * scale / softcap)."""
+    checks both against it). Shapes: q (B, H_q, T, D), k (B, H_kv, T, D) and v (B, H_kv, T, D_v) of the chunk
+    at tokens [start, start + T); out (B, H_q, T, D_v) in q's dtype; lse (B, H_q, T) float32, natural log; the
+    past is the store's tokens [0, start). ``forward_state``, ``backward_delta`` and ``backward_part`` take one
+    key range of the past at a time, for pages streamed from the host (``core.offload``). doc_start: None, or
+    (B, T) int32, the token position of each query's document start: keys before it are not attended (packed
+    documents). one_document: None, or the host int that doc_start holds everywhere (all queries in one
+    document). softcap: None, or the soft cap of the scores: softcap * tanh(q.k * scale / softcap)."""
 
     def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore,
                           start: int, scale: float, doc_start: torch.Tensor | None = None,
@@ -185,7 +185,8 @@ def chunk_attention(
     doc_start: torch.Tensor | None = None, one_document: int | None = None, sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q (B, H_q, T, D), k/v (B, H_kv, T, D) of the chunk at tokens [start, start + T) -> out like q.
+    """q (B, H_q, T, D), k (B, H_kv, T, D), v (B, H_kv, T, D_v) of the chunk at tokens [start, start + T) -> out
+    (B, H_q, T, D_v) in q's dtype.
 
     selection: None (dense: every past token) or the chunk's page selection (B, H_sel, n_tiles, K) int32 for a
     sparse ``backend``. kept: (out, lse) of this same attention from ``chunk_attention_with_lse`` (stage 1),
@@ -209,6 +210,6 @@ def chunk_attention_with_lse(
     selection: torch.Tensor | None = None, doc_start: torch.Tensor | None = None, one_document: int | None = None,
     sinks: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk_attention`` without autograd, returning (out like q, lse (B, H_q, T) float32, natural log; with
+    """``chunk_attention`` without autograd, returning (out (B, H_q, T, D_v), lse (B, H_q, T) float32, natural log; with
     ``sinks``, the sink's term included)."""
     return _forward(q, k, v, store, start, scale, backend, selection, doc_start, one_document, sinks, softcap)

@@ -137,20 +137,38 @@ def mlp_width(config: Any) -> int:
                      "cannot size this model")
 
 
+def latent_attention(config: Any) -> bool:
+    """Whether ``config`` is of multi-head latent attention (DeepSeek V2/V3's MLA): K and V expanded for every
+    query head from a shared latent, keys of a part without RoPE (``qk_nope_head_dim``) and one with it
+    (``qk_rope_head_dim``), values ``v_head_dim`` wide."""
+    return (getattr(config, "qk_nope_head_dim", None) is not None
+            and getattr(config, "qk_rope_head_dim", None) is not None)
+
+
 def kv_heads(config: Any) -> int:
     """The K/V heads each attention layer hands to attention, which the K/V pages store:
     ``num_key_value_heads``, or one per query head where the config names none. JetMoE repeats its K/V heads
     for each of the num_experts_per_tok attention experts of a token (as many as its query heads), tiled
     rather than grouped: its pages hold them repeated, which is what its queries attend to (the planner then
-    counts its K/V projections that many times too, a small overestimate of its weights)."""
-    if getattr(config, "model_type", "") == "jetmoe":
+    counts its K/V projections that many times too, a small overestimate of its weights). Latent attention
+    expands its keys and values for every query head, whatever ``num_key_value_heads`` says."""
+    if getattr(config, "model_type", "") == "jetmoe" or latent_attention(config):
         return config.num_attention_heads
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def head_dim(config: Any) -> int:
-    """Channels of one attention head: ``head_dim``, or hidden_size / num_attention_heads."""
+    """Channels of one query and key head: ``head_dim``, or hidden_size / num_attention_heads; of latent
+    attention, qk_nope_head_dim + qk_rope_head_dim (its configs' ``head_dim`` is the RoPE part)."""
+    if latent_attention(config):
+        return config.qk_nope_head_dim + config.qk_rope_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def value_dim(config: Any) -> int:
+    """Channels of one value head (and of the attention output's): ``v_head_dim`` where the config names one
+    (DeepSeek's MLA, MiMo-V2-Flash), else ``head_dim``."""
+    return getattr(config, "v_head_dim", None) or head_dim(config)
 
 
 def _mlp_fields(config: Any) -> dict[str, Any]:
@@ -206,7 +224,7 @@ class ModelShape:
     intermediate: int
     n_heads: int
     n_kv_heads: int
-    head_dim: int
+    head_dim: int  # of queries and keys
     vocab: int
     tied_embeddings: bool
     name: str = "custom"
@@ -233,6 +251,7 @@ class ModelShape:
     dense_intermediate: int = 0
     window: int = 0  # tokens of the sliding window of window_layers of the layers (0: none)
     window_layers: int = 0
+    v_head_dim: int = 0  # of values and the attention output, where not head_dim (0: head_dim)
 
     # -- constructors -----------------------------------------------------------------------------------
     @classmethod
@@ -251,6 +270,7 @@ class ModelShape:
             n_heads=n_heads,
             n_kv_heads=kv_heads(config),
             head_dim=head_dim(config),
+            v_head_dim=value_dim(config) if value_dim(config) != head_dim(config) else 0,
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             name=name or getattr(config, "name_or_path", "") or model_type or "custom",
@@ -334,13 +354,30 @@ class ModelShape:
 
     @property
     def kv_width(self) -> int:
+        """Channels of a token's keys: n_kv_heads * head_dim."""
         return self.n_kv_heads * self.head_dim
 
     @property
+    def value_dim(self) -> int:
+        """Channels of one value head."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        """Channels of a token's values: n_kv_heads * value_dim."""
+        return self.n_kv_heads * self.value_dim
+
+    @property
+    def out_width(self) -> int:
+        """Channels of a token's attention output (o's input): n_heads * value_dim."""
+        return self.n_heads * self.value_dim
+
+    @property
     def attention_matrices(self) -> tuple[int, int, int, int]:
-        """Elements of q, k, v and o of one decoder layer."""
-        return (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.kv_width,
-                self.q_width * self.hidden)
+        """Elements of q, k, v and o of one decoder layer (latent attention's low-rank projections are counted as
+        these full ones)."""
+        return (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.v_width,
+                self.out_width * self.hidden)
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:
@@ -393,7 +430,7 @@ class ModelShape:
     def layer_bias_params(self) -> int:
         """Vector parameters of one decoder layer besides its norms: biases (of q, k, v, o, a dense MLP, GPT-OSS's
         experts and router) and GPT-OSS's attention sinks."""
-        n = (self.q_width + 2 * self.kv_width) if self.qkv_bias else 0
+        n = (self.q_width + self.kv_width + self.v_width) if self.qkv_bias else 0
         n += self.hidden if self.o_bias else 0
         n += (2 * self.intermediate + self.hidden) if self.mlp_bias and not self.n_experts else 0
         if self.expert_biases:
@@ -449,9 +486,9 @@ class ModelShape:
         for Phi-3's fused qkv_proj).
         ``experts``: also on the stacked expert weights (peft's target_parameters): r x (in + out) per expert
         for gate/up (hidden -> 2 x width) and for down (width -> hidden)."""
-        qkv = (self.hidden + self.q_width + 2 * self.kv_width if self.fused_projections
-               else 3 * self.hidden + self.q_width + 2 * self.kv_width)
-        attention = self.n_layers * (qkv + self.q_width + self.hidden)
+        qkv = (self.hidden + self.q_width + self.kv_width + self.v_width if self.fused_projections
+               else 3 * self.hidden + self.q_width + self.kv_width + self.v_width)
+        attention = self.n_layers * (qkv + self.out_width + self.hidden)
         adapted_experts = 0
         if experts and self.n_experts:  # only the layers that hold experts
             per_layer = self.n_experts * (3 * self.expert_intermediate + 2 * self.hidden)
@@ -459,8 +496,9 @@ class ModelShape:
         return rank * (attention + adapted_experts)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``."""
-        return 2 * self.n_layers * self.kv_width * _itemsize(dtype)
+        """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``: keys kv_width wide, values
+        v_width."""
+        return self.n_layers * (self.kv_width + self.v_width) * _itemsize(dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

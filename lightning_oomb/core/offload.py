@@ -122,7 +122,7 @@ class Streamer:
     def __init__(self, spec: StoreSpec, page_size: int, host: dict[str, torch.Tensor | None], device: torch.device,
                  segment_tokens: int):
         """host: the pool's pages, "k", "v", "dk", "dv" -> (n_layers, num_pages, page_size, n_kv_heads,
-        head_dim) host tensors (dk, dv None without gradient pages); device: the GPU they stream through.
+        head_dim or v_dim) host tensors (dk, dv None without gradient pages); device: the GPU they stream through.
         The pages, not the pool: a reference back would make a cycle that keeps the staging buffers (and
         the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs."""
         if segment_tokens < 1:
@@ -133,13 +133,14 @@ class Streamer:
         ps = page_size
         self.half_pages = -(-segment_tokens // ps)
         self._page = (ps, spec.n_kv_heads, spec.head_dim)
+        self._v_page = (ps, spec.n_kv_heads, spec.v_dim)
         two = 2 * self.half_pages
         self.k = torch.empty((two, *self._page), dtype=spec.dtype, device=self.device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty((two, *self._v_page), dtype=spec.dtype, device=self.device)
         self.dk = self.dv = None
         if self.with_grads:
             self.dk = torch.empty((two, *self._page), dtype=spec.grad_dtype, device=self.device)
-            self.dv = torch.empty_like(self.dk)
+            self.dv = torch.empty((two, *self._v_page), dtype=spec.grad_dtype, device=self.device)
         # One chunk's K, V going out (two, alternating) and stored dK, dV coming in: sized at first use.
         self._out_k = self._out_v = self._in_dk = self._in_dv = None
         self.streams = _Streams(self.device)
@@ -258,18 +259,17 @@ class Streamer:
         rows = batch * self._chunk_rows(t)
         if self._out_k is None or self._out_k.shape[1] < rows:
             spec = self.spec
-            shape = (2, rows, spec.n_kv_heads, spec.head_dim)
-            self._out_k = torch.empty(shape, dtype=spec.dtype, device=self.device)
-            self._out_v = torch.empty_like(self._out_k)
+            self._out_k = torch.empty((2, rows, *self._page[1:]), dtype=spec.dtype, device=self.device)
+            self._out_v = torch.empty((2, rows, *self._v_page[1:]), dtype=spec.dtype, device=self.device)
             if self.with_grads:
-                pages = (2, rows // self.page_size, *self._page)  # two: one layer's in use, the next one's coming
-                self._in_dk = torch.empty(pages, dtype=spec.grad_dtype, device=self.device)
-                self._in_dv = torch.empty_like(self._in_dk)
+                pages = (2, rows // self.page_size)  # two: one layer's in use, the next one's coming
+                self._in_dk = torch.empty((*pages, *self._page), dtype=spec.grad_dtype, device=self.device)
+                self._in_dv = torch.empty((*pages, *self._v_page), dtype=spec.grad_dtype, device=self.device)
             self._step["chunk_views"].clear()
 
     # -- copies -------------------------------------------------------------------------------------------
     def write(self, store: LayerStore, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Send a chunk's K, V (B, H_kv, T, D) to the host pages of tokens [start, start + T)."""
+        """Send a chunk's K (B, H_kv, T, D), V (B, H_kv, T, D_v) to the host pages of tokens [start, start + T)."""
         batch, _, t, _ = k.shape
         self._ensure_chunk_buffers(batch, t)
         turn = self._out_turn
@@ -277,7 +277,7 @@ class Streamer:
         rows = self._chunk_rows(t)
         self.streams.compute_waits(self._out_done[turn])  # this buffer's previous copy has left
         out_k = self._out_k[turn, : batch * rows].view(batch, rows, *self._page[1:])
-        out_v = self._out_v[turn, : batch * rows].view(batch, rows, *self._page[1:])
+        out_v = self._out_v[turn, : batch * rows].view(batch, rows, *self._v_page[1:])
         out_k[:, :t].copy_(k.transpose(1, 2))
         out_v[:, :t].copy_(v.transpose(1, 2))
         self.streams.record(self._out_ready[turn])
@@ -287,7 +287,7 @@ class Streamer:
                 for row, n, off in self._runs(b, start, start + t):
                     host_k[row : row + n].copy_(out_k[b, off : off + n], non_blocking=True)
                     host_v[row : row + n].copy_(out_v[b, off : off + n], non_blocking=True)
-        self.stats.d2h_bytes += 2 * out_k[:, :t].numel() * out_k.element_size()
+        self.stats.d2h_bytes += (out_k[:, :t].numel() + out_v[:, :t].numel()) * out_k.element_size()
         self.streams.record(self._out_done[turn], "d2h")
         self._last_d2h = self._out_done[turn]
 

@@ -77,27 +77,30 @@ class HostGradStaging:
         self.busy = BusyTime()  # the side stream's additions (not the zeroing)
 
     @staticmethod
-    def nbytes_for(batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int) -> int:
-        """GPU bytes of the buffers for up to ``n_pages`` distinct selected pages per (sequence, KV head)."""
-        return HostGradStaging.N_BUFFERS * 2 * batch * n_kv_heads * n_pages * page_size * head_dim * 4
+    def nbytes_for(batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int,
+                   v_dim: int | None = None) -> int:
+        """GPU bytes of the buffers for up to ``n_pages`` distinct selected pages per (sequence, KV head), dK
+        ``head_dim`` and dV ``v_dim`` (None: ``head_dim``) wide."""
+        width = head_dim + (head_dim if v_dim is None else v_dim)
+        return HostGradStaging.N_BUFFERS * batch * n_kv_heads * n_pages * page_size * width * 4
 
     @property
     def nbytes(self) -> int:
-        return sum(2 * b[0].numel() * 4 for b in self._buffers if b is not None)
+        return sum((b[0].numel() + b[1].numel()) * 4 for b in self._buffers if b is not None)
 
-    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int):
-        """The next (dk, dv) buffers, each (batch, n_kv_heads, >= n_pages, page_size, head_dim) float32, once
+    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int, v_dim: int):
+        """The next (dk, dv) buffers, (batch, n_kv_heads, >= n_pages, page_size, head_dim or v_dim) float32, once
         the side stream has finished reading them."""
         i = self._next
         held = self._buffers[i]
         if self._read[i] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._read[i])
-        if held is None or held[0].shape[2] < n_pages or held[0].shape[:2] + held[0].shape[3:] != (
-            batch, n_kv_heads, page_size, head_dim
-        ):
+        fits = held is not None and held[0].shape[2] >= n_pages and all(
+            x.shape[:2] + x.shape[3:] == (batch, n_kv_heads, page_size, d) for x, d in zip(held, (head_dim, v_dim)))
+        if not fits:
             # Sized by the first request: stage 2 starts at the last chunk, whose past is the longest.
-            shape = (batch, n_kv_heads, n_pages, page_size, head_dim)
-            held = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
+            held = tuple(torch.empty((batch, n_kv_heads, n_pages, page_size, d), dtype=torch.float32,
+                                     device=self.device) for d in (head_dim, v_dim))
             self._buffers[i] = held
         return held
 
@@ -142,8 +145,8 @@ class HostGradStaging:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the last step's reads of these pages
         with torch.cuda.stream(self.stream):
-            zeros = torch.zeros((self.ZERO_PAGES, *host[0].shape[2:]), dtype=host[0].dtype, device=self.device)
             for pages in host:
+                zeros = torch.zeros((self.ZERO_PAGES, *pages.shape[2:]), dtype=pages.dtype, device=self.device)
                 for layer_pages in pages:
                     for a, b in runs:
                         for lo in range(a, b, self.ZERO_PAGES):
@@ -236,7 +239,7 @@ class HostKVStaging:
         return gather is not None and gather[0] == layer and gather[1] == start and gather[2] is selection
 
     def stage(self, store: LayerStore, selection: torch.Tensor, start: int) -> LayerStore:
-        """``store`` (a host K/V layer) with k, v (B * cap, page_size, H_kv, D) on the GPU holding the pages
+        """``store`` (a host K/V layer) with k, v (B * cap, page_size, H_kv, D or D_v) on the GPU holding the pages
         ``selection`` (B, H_sel, n_tiles, K) names (-1: none), under a remapped page table; its gradient pages
         stay ``store``'s, under their own table."""
         if not self._serves(self._last, store.layer, start, selection):
@@ -272,7 +275,7 @@ class HostKVStaging:
         remapped = torch.zeros_like(slots)
         remapped[:, :n_past] = torch.where(hit, staged, 0).to(slots.dtype)
         k = torch.empty((batch * cap, *store.k.shape[1:]), dtype=store.k.dtype, device=slots.device)
-        v = torch.empty_like(k)
+        v = torch.empty((batch * cap, *store.v.shape[1:]), dtype=store.v.dtype, device=slots.device)
         self._staged += hit.sum()
         self.calls += 1
         table = PageTable(remapped, store.table.seq_len, store.page_size)
@@ -358,6 +361,7 @@ class PagePool:
         self.host_k = self.host_v = None
         self.kv_staging = None
         shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
+        v_shape = (*shape[:-1], spec.v_dim)
         # Sliding-window layers keep their gradient pages in a ring (``gradient_ring_pages``), made by
         # ``allocate`` for its batch, when every page of the step is on the GPU.
         ring = with_grads and placement == "gpu" and not (host_grad_layers or host_kv_layers) and spec.grad_ring_pages
@@ -371,39 +375,40 @@ class PagePool:
                 # The GPU layers' dK, dV pages follow every layer's K, V pages in one tensor each, so that
                 # stage 2 can move host gradient layers into the dead pages of both (move_host_grads_to_gpu).
                 self._k_pages, self._v_pages = (
-                    torch.empty((n + on_gpu, *shape[1:]), dtype=spec.dtype, device=self.device) for _ in range(2)
+                    torch.empty((n + on_gpu, *pages[1:]), dtype=spec.dtype, device=self.device)
+                    for pages in (shape, v_shape)
                 )
                 self.k, self.dk = self._k_pages[:n], self._k_pages[n:].zero_()
                 self.v, self.dv = self._v_pages[:n], self._v_pages[n:].zero_()
             else:
                 self.k = self._k_pages = torch.empty((n, *shape[1:]), dtype=spec.dtype, device=self.device)
-                self.v = self._v_pages = torch.empty((n, *shape[1:]), dtype=spec.dtype, device=self.device)
-                grads = (on_gpu, *shape[1:])
-                self.dk = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
-                self.dv = torch.zeros(grads, dtype=spec.grad_dtype, device=self.device) if with_grads else None
+                self.v = self._v_pages = torch.empty((n, *v_shape[1:]), dtype=spec.dtype, device=self.device)
+                grads = (on_gpu, *shape[1:]), (on_gpu, *v_shape[1:])
+                self.dk = torch.zeros(grads[0], dtype=spec.grad_dtype, device=self.device) if with_grads else None
+                self.dv = torch.zeros(grads[1], dtype=spec.grad_dtype, device=self.device) if with_grads else None
             pin = self.device.type == "cuda"
             if host_grad_layers:
                 # Zeroed page by page as batches take them (allocate), not here.
-                grads = ((host_grad_layers, *shape[1:]), spec.grad_dtype, pin, self.host, "KV-gradient pages")
-                self.host_dk = pinned_empty(*grads)
-                self.host_dv = pinned_empty(*grads)
+                grads = (spec.grad_dtype, pin, self.host, "KV-gradient pages")
+                self.host_dk = pinned_empty((host_grad_layers, *shape[1:]), *grads)
+                self.host_dv = pinned_empty((host_grad_layers, *v_shape[1:]), *grads)
                 self.grad_staging = HostGradStaging(self.device)
             if host_kv_layers:
-                kv = ((host_kv_layers, *shape[1:]), spec.dtype, pin, self.host, "K/V pages")
-                self.host_k = pinned_empty(*kv)
-                self.host_v = pinned_empty(*kv)
+                kv = (spec.dtype, pin, self.host, "K/V pages")
+                self.host_k = pinned_empty((host_kv_layers, *shape[1:]), *kv)
+                self.host_v = pinned_empty((host_kv_layers, *v_shape[1:]), *kv)
                 self.kv_staging = HostKVStaging(self.device)
             self.streamer = None
         else:
             pin = self.device.type == "cuda"
             self.k = pinned_empty(shape, spec.dtype, pin, self.host, "K/V pages")
-            self.v = pinned_empty(shape, spec.dtype, pin, self.host, "K/V pages")
+            self.v = pinned_empty(v_shape, spec.dtype, pin, self.host, "K/V pages")
             self._k_pages = self._v_pages = None  # nothing moves: every page is on the host
             # Gradient pages are never zeroed on the host: a step's first backward pass over a layer
             # starts its staged gradients from zero instead (offload.Streamer).
-            grads = (shape, spec.grad_dtype, pin, self.host, "KV-gradient pages")
-            self.dk = pinned_empty(*grads) if with_grads else None
-            self.dv = pinned_empty(*grads) if with_grads else None
+            grads = (spec.grad_dtype, pin, self.host, "KV-gradient pages")
+            self.dk = pinned_empty(shape, *grads) if with_grads else None
+            self.dv = pinned_empty(v_shape, *grads) if with_grads else None
             if segment_tokens is None:
                 raise ValueError("a host-placed pool needs segment_tokens (tokens per staged segment, all sequences)")
             host = {"k": self.k, "v": self.v, "dk": self.dk, "dv": self.dv}
@@ -549,9 +554,9 @@ class PagePool:
         ring = min(self.spec.grad_ring_pages, n_pages)
         if self.ring_dk is None or self.ring_dk.shape[1] < batch * ring:
             self.ring_dk = self.ring_dv = None  # give the old ring back before making a bigger one
-            shape = (len(self.ring_layers), batch * ring, self.page_size, self.spec.n_kv_heads, self.spec.head_dim)
-            self.ring_dk = torch.zeros(shape, dtype=self.spec.grad_dtype, device=self.device)
-            self.ring_dv = torch.zeros(shape, dtype=self.spec.grad_dtype, device=self.device)
+            shape = (len(self.ring_layers), batch * ring, self.page_size, self.spec.n_kv_heads)
+            self.ring_dk = torch.zeros((*shape, self.spec.head_dim), dtype=self.spec.grad_dtype, device=self.device)
+            self.ring_dv = torch.zeros((*shape, self.spec.v_dim), dtype=self.spec.grad_dtype, device=self.device)
         else:
             self.ring_dk[:, : batch * ring] = 0
             self.ring_dv[:, : batch * ring] = 0

@@ -1,9 +1,9 @@
 """Plain-PyTorch chunk attention over the paged store: the oracle every kernel is tested against.
 
 Queries of one chunk, q (B, H_q, T, D), attend to the stored past (tokens [0, start) of the store) and
-causally to the chunk's own keys k, v (B, H_kv, T, D), key tile by key tile with an online softmax in
-float32: memory O(T x tile), never O(T x L). The query heads are viewed as (H_kv, g) against each KV head;
-K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
+causally to the chunk's own keys k (B, H_kv, T, D) and values v (B, H_kv, T, D_v), key tile by key tile with
+an online softmax in float32 (the output is D_v wide, like the values): memory O(T x tile), never O(T x L).
+The query heads are viewed as (H_kv, g) against each KV head; K/V are never repeated. Packed documents (``doc_start`` (B, T) int32): query i sees only keys from
 doc_start[:, i] on, whole tiles before the earliest start skipped; ``one_document``: an unpacked chunk over
 the keys from that start. ``softcap``: scores soft-capped as transformers' eager attention caps them,
 softcap * tanh(q.k * scale / softcap), before the mask.
@@ -74,10 +74,10 @@ def forward_state(
     tile: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attend q (B, H_q, T, D) to the stored tokens [past_lo, past_hi) and, with ``chunk``, causally to the
-    chunk's own k, v (B, H_kv, T, D) at tokens [chunk_start, chunk_start + T), continuing the online softmax
-    of ``state``; with doc_start (B, T) int32, only to keys at or after each query's document start.
+    chunk's own k (B, H_kv, T, D), v (B, H_kv, T, D_v) at tokens [chunk_start, chunk_start + T), continuing the
+    online softmax of ``state``; with doc_start (B, T) int32, only to keys at or after each query's document start.
 
-    state: (out, lse) of the keys attended so far, out (B, H_q, T, D) float32 normalised, lse (B, H_q, T)
+    state: (out, lse) of the keys attended so far, out (B, H_q, T, D_v) float32 normalised, lse (B, H_q, T)
     float32 natural log; updated in place. None starts from no keys. Returns (out, lse).
     """
     b, hq, t, d = q.shape
@@ -117,7 +117,8 @@ def forward_state(
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """rowsum(dO * O): (B, H_q, T) float32, the softmax-backward term shared by every key range."""
+    """rowsum(dO * O) of out, dout (B, H_q, T, D_v): (B, H_q, T) float32, the softmax-backward term shared by
+    every key range."""
     return (dout.float() * out.float()).sum(-1)
 
 
@@ -194,7 +195,7 @@ def attention_forward(
     one_document: int | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
+    """Returns out (B, H_q, T, D_v) in q's dtype and lse (B, H_q, T) in float32 (natural log)."""
     past_lo, doc_start = _documents(doc_start, one_document)
     out, lse = forward_state(q, k, v, store, past_lo, start, scale, chunk=True, doc_start=doc_start,
                              chunk_start=start, softcap=softcap)

@@ -35,7 +35,7 @@ from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_ac
 from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .model_shape import head_dim, kv_heads
+from .model_shape import head_dim, kv_heads, value_dim
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
@@ -251,6 +251,7 @@ class ChunkedSequence:
             # this rank's share of the heads (tensor parallel)
             n_kv_heads=kv_heads(cfg) // ranks.kv_head_split,
             head_dim=head_dim(cfg),
+            v_head_dim=value_dim(cfg),
             window_layers=tuple(sorted(windows)),
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
@@ -329,8 +330,14 @@ class ChunkedSequence:
         bounds = self._chunk_bounds(window, q.shape[2])
         with torch.no_grad():  # a chunk whose graph stage 1 keeps runs with autograd: the store is no part of it
             if fill:
-                if k.dtype != self.pool.spec.dtype:
-                    raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {self.pool.spec.dtype}")
+                spec = self.pool.spec
+                if k.dtype != spec.dtype:
+                    raise RuntimeError(f"layer {layer_idx} produced K in {k.dtype}, the store holds {spec.dtype}")
+                if (k.shape[1], k.shape[-1], v.shape[-1]) != (spec.n_kv_heads, spec.head_dim, spec.v_dim):
+                    raise RuntimeError(
+                        f"layer {layer_idx} hands attention {k.shape[1]} K/V heads, keys {k.shape[-1]} and values "
+                        f"{v.shape[-1]} wide; its config says {spec.n_kv_heads} heads, {spec.head_dim} and "
+                        f"{spec.v_dim}, which the pages hold")
                 store.write(k, v, self._start)
             if sparse is not None and fill:
                 summaries = self.pool.summaries(sparse.score, layer_idx)

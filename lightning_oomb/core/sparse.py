@@ -203,7 +203,7 @@ def _page_rows(slots: torch.Tensor, pages: torch.Tensor, start: int, ps: int):
 
 
 def _gather_pages(store: LayerStore, pages: torch.Tensor, start: int):
-    """K, V of the selected pages: pages (B, H_kv, K) logical pages -> (k, v) (B, H_kv, K*ps, D) in float32
+    """K, V of the selected pages: pages (B, H_kv, K) logical pages -> k (B, H_kv, K*ps, D), v (..., D_v) in float32
     (zero where not valid), valid and the tokens (B, H_kv, K*ps)."""
     rows, valid, tok = _page_rows(store.table.slots, pages, start, store.page_size)
     heads = torch.arange(pages.shape[1], device=pages.device)[None, :, None]
@@ -227,7 +227,8 @@ def _tile_keys(q, k, v, store, start, selection, i, doc_start):
         kp, vp, valid, tok = _gather_pages(store, pages, start)
         grad_rows, _, _ = _page_rows(store.grad_slots, pages, start, ps)
     else:
-        kp = vp = k.new_zeros(q.shape[0], h, 0, k.shape[-1], dtype=torch.float32)
+        kp = k.new_zeros(q.shape[0], h, 0, k.shape[-1], dtype=torch.float32)
+        vp = v.new_zeros(q.shape[0], h, 0, v.shape[-1], dtype=torch.float32)
         grad_rows = valid = None
         tok = torch.zeros(q.shape[0], h, 0, dtype=torch.long, device=q.device)
     kc, vc = k[:, :, :hi].float(), v[:, :, :hi].float()
@@ -257,9 +258,10 @@ def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
     selection: torch.Tensor, doc_start: torch.Tensor | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse chunk attention: out (B, H_q, T, D) in q's dtype and lse (B, H_q, T) float32 (natural log).
-    doc_start: None, or (B, T) int32 each query's document start (packed documents); softcap: None, or the
-    scores' soft cap, softcap * tanh(q.k * scale / softcap)."""
+    """Sparse chunk attention of q (B, H_q, T, D), k (B, H_kv, T, D), v (B, H_kv, T, D_v): out (B, H_q, T, D_v)
+    in q's dtype and lse (B, H_q, T) float32 (natural log). doc_start: None, or (B, T) int32 each query's
+    document start (packed documents); softcap: None, or the scores' soft cap, softcap * tanh(q.k * scale /
+    softcap)."""
     b, hq, t, d = q.shape
     h = k.shape[1]
     g = hq // h
@@ -293,9 +295,9 @@ def attention_backward(
     h = k.shape[1]
     g = hq // h
     qg = q.float().view(b, h, g, t, d)
-    dog = dout.float().view(b, h, g, t, d)
+    dog = dout.float().view(b, h, g, t, -1)
     lse_g = lse.view(b, h, g, t)
-    delta = (dog * out.float().view(b, h, g, t, d)).sum(-1)
+    delta = (dog * out.float().view(b, h, g, t, -1)).sum(-1)
     dq = torch.zeros_like(qg)
     dk_cur, dv_cur = store.read(start, start + t, grads=True)
     dk_cur, dv_cur = dk_cur.float().clone(), dv_cur.float().clone()

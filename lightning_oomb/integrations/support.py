@@ -29,6 +29,12 @@ TOKENWISE_LAYERS = ("mlp", "moe")
 # Model types whose attention layers call transformers' AttentionInterface though their class does not declare
 # ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
 INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon")
+# Families whose attention layers call attention more than once a forward, with the same keys and other values,
+# by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
+# attend to the last call's values of the past.
+REPEATED_ATTENTION = {
+    "diffllama": "each half of its values (differential attention: the two outputs then mixed with lambda)",
+}
 PROBE_TOKENS = 8
 _loss_checked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models whose loss was probed
 
@@ -71,6 +77,13 @@ def check_supported(model: nn.Module) -> None:
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
+        )
+    repeated = REPEATED_ATTENTION.get(cfg.model_type)
+    if repeated is not None:
+        raise NotImplementedError(
+            f"{name} calls attention twice per layer, with the same keys and {repeated}; lightning_oomb's K/V pages "
+            "hold one set of values per layer and token, so its chunks would attend to the second call's values in "
+            "both: not supported"
         )
     attention = [m for m in lm.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
     if any(m.is_causal is False for m in attention):

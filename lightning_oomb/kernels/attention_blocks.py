@@ -155,18 +155,19 @@ def query_rows(src, b, h, t0, m0, s_t, T, HEAD_DIM: tl.constexpr, D_PAD: tl.cons
 @triton.jit
 def dkdv_step(
     dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, doc_ptr, key_tok, b, h, t0, m0, offs_n, T, sq_t, sdo_t,
-    qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr, EVEN: tl.constexpr, softcap,
+    qk_scale, scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr, V_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, ROWS_TMA: tl.constexpr,
+    EVEN: tl.constexpr, softcap,
 ):
-    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of
-    query head h; q_src, do_src as in ``query_rows``; lse2_ptr, delta_ptr point at row t0 of head h of
-    the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that no step
-    rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or
-    the document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,)
-    before a row's start get no weight from it (packed documents). softcap: as ``fwd_step``'s."""
+    """dV += P^T dO and dK += dS^T Q for the query rows [m0, m0 + BLOCK_M) (counted from t0, bound T) of query head
+    h; q_src, do_src as in ``query_rows`` (q's rows HEAD_DIM wide, dO's V_DIM); lse2_ptr, delta_ptr point at row t0
+    of head h of the row terms of ``softmax_row_terms`` (lse in log2 units, delta times the softmax scale), so that
+    no step rescales them. EVEN: every row of every step is below its bound (no masked loads). doc_ptr: None, or the
+    document starts (token positions) of the rows from t0: keys at token positions key_tok (BLOCK_N,) before a row's
+    start get no weight from it (packed documents). softcap: as ``fwd_step``'s."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = query_rows(q_src, b, h, t0, m0, sq_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
-    do = query_rows(do_src, b, h, t0, m0, sdo_t, T, HEAD_DIM, D_PAD, BLOCK_M, ROWS_TMA)
+    do = query_rows(do_src, b, h, t0, m0, sdo_t, T, V_DIM, V_PAD, BLOCK_M, ROWS_TMA)
     if EVEN:
         lse2 = tl.load(lse2_ptr + offs_m)
         delta = tl.load(delta_ptr + offs_m)
@@ -216,13 +217,13 @@ def doc_tiles(lo, key_first, key_last, bound, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
-               key_lo, key_first, key_last,
-               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
-    """The online softmax over the chunk's own keys for queries [m0, m_end): key tiles wholly at or before
-    every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query, so no row is ever
-    fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from the chunk
-    start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
+def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
+               key_lo, key_first, key_last, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
+               V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
+    """The online softmax over the chunk's own keys for queries [m0, m_end) (keys HEAD_DIM wide, values V_DIM): key
+    tiles wholly at or before every query unmasked, then the diagonal ones. Chunk key 0 is visible to every query,
+    so no row is ever fully masked at the end. key_lo: None, or (BLOCK_M,) each query's document start counted from
+    the chunk start (key_first, key_last: its least and greatest): tiles before key_first are skipped, those that
     straddle a start masked."""
     # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
     diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
@@ -232,19 +233,19 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
         for lo in range(whole_lo, masked_end, BLOCK_N):
             n = lo + offs_n
             k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
             acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, n[None, :] >= key_lo[:, None], PRECISION,
                                      softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
         acc, m_i, l_i = fwd_step(acc, m_i, l_i, q, k, v, qk_scale, None, PRECISION, softcap)
     for lo in range(diag_lo, m_end, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], n < T, offs_dv, V_DIM, V_PAD)
         seen = n[None, :] <= offs_m[:, None]
         if key_lo is not None:
             seen = seen & (n[None, :] >= key_lo[:, None])
@@ -253,9 +254,9 @@ def fwd_chunk(acc, m_i, l_i, q, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n
 
 
 @triton.jit
-def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, qk_scale,
-              key_lo, key_first, key_last,
-              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
+def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, offs_n, offs_d, offs_dv, qk_scale,
+              key_lo, key_first, key_last, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
+              V_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, softcap):
     """dQ over the chunk's own keys for queries [m0, m_end), with the loops of ``fwd_chunk``."""
     # A block of a short last tile can start past T (m_end < m0): its loops then stay below T.
     diag_lo = tl.minimum((m0 + 1) // BLOCK_N, m_end // BLOCK_N) * BLOCK_N
@@ -265,19 +266,19 @@ def dq_chunk(dq, q, do, lse2, delta, kc, vc, sk_t, sv_t, m0, m_end, T, offs_m, o
         for lo in range(whole_lo, masked_end, BLOCK_N):
             n = lo + offs_n
             k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-            v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+            v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
             dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, n[None, :] >= key_lo[:, None], PRECISION,
                          softcap)
         whole_lo = masked_end
     for lo in range(whole_lo, diag_lo, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
-        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], None, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], None, offs_dv, V_DIM, V_PAD)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, None, PRECISION, softcap)
     for lo in range(diag_lo, m_end, BLOCK_N):
         n = lo + offs_n
         k = load_tile(kc + n[:, None] * sk_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
-        v = load_tile(vc + n[:, None] * sv_t + offs_d[None, :], n < T, offs_d, HEAD_DIM, D_PAD)
+        v = load_tile(vc + n[:, None] * sv_t + offs_dv[None, :], n < T, offs_dv, V_DIM, V_PAD)
         seen = n[None, :] <= offs_m[:, None]
         if key_lo is not None:
             seen = seen & (n[None, :] >= key_lo[:, None])
@@ -327,8 +328,8 @@ def copy_engine(t: torch.Tensor) -> bool:
 
 
 def pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | None:
-    """Descriptors of the K and V pools as (num_pages * page_size, H_kv, D) rows with (block_n, 1, D_pad)
-    boxes, when whole key tiles of the past never cross a page; None otherwise (gathered loads)."""
+    """Descriptors of the K and V pools as (num_pages * page_size, H_kv, D or D_v) rows with (block_n, 1, padded
+    width) boxes, when whole key tiles of the past never cross a page; None otherwise (gathered loads)."""
     pools = (store.k, store.v)
     if store.page_size % block_n or past_lo % block_n or not all(copy_engine(x) for x in pools):
         return None
@@ -336,13 +337,12 @@ def pool_descriptors(store: LayerStore, past_lo: int, block_n: int) -> tuple | N
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    n, ps, h, d = store.k.shape
-    return tuple(TensorDescriptor(x, [n * ps, h, d], [x.stride(1), x.stride(2), 1], [block_n, 1, padded_head_dim(d)])
-                 for x in pools)
+    return tuple(TensorDescriptor(x, [x.shape[0] * x.shape[1], x.shape[2], x.shape[3]], [x.stride(1), x.stride(2), 1],
+                                  [block_n, 1, padded_head_dim(x.shape[3])]) for x in pools)
 
 
 def query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
-    """Descriptors of (B, H_q, T, D) tensors with (1, 1, block_m, D_pad) boxes (bulk copies of query
+    """Descriptors of (B, H_q, T, width) tensors with (1, 1, block_m, padded width) boxes (bulk copies of query
     tiles); None unless every one of them can take one."""
     if not all(copy_engine(x) for x in xs):
         return None
@@ -352,18 +352,43 @@ def query_descriptors(block_m: int, *xs: torch.Tensor) -> tuple | None:
                  for x in xs)
 
 
+def output_like(q: torch.Tensor, width: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty (B, H_q, T, width) tensor laid out like q (B, H_q, T, D): where q is the model's (B, T, H_q, D) rows
+    seen as (B, H_q, T, D), so is it, and transformers' transpose back to (B, T, H_q, width) copies nothing."""
+    dtype = q.dtype if dtype is None else dtype
+    if width == q.shape[-1]:
+        return torch.empty_like(q, dtype=dtype)
+    b, h, t, _ = q.shape
+    if q.stride(1) < q.stride(2):
+        return torch.empty((b, t, h, width), dtype=dtype, device=q.device).transpose(1, 2)
+    return torch.empty((b, h, t, width), dtype=dtype, device=q.device)
+
+
+def same_layout(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether each (K-side, V-side) pair of tensors has one width and one layout: the kernels then address the
+    values with the keys' offsets (their V_SAME), compiling as they did before values had a width of their own."""
+    return all(a.shape[-1] == b.shape[-1] and a.stride() == b.stride() for a, b in pairs)
+
+
+def kernel_width(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The head dim that chooses the tiles: the wider of the keys' (q's) and the values'."""
+    return max(q.shape[-1], v.shape[-1])
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int) -> None:
     b, hq, t, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
-        raise ValueError(f"k, v must be (B, H_kv, T, D) matching q {tuple(q.shape)}; got {tuple(k.shape)}, {tuple(v.shape)}")
+    dv = v.shape[-1]
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[2] != t or k.shape[3] != d or v.dim() != 4:
+        raise ValueError(f"k, v must be (B, H_kv, T, D), (B, H_kv, T, D_v) matching q {tuple(q.shape)}; got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if hq % k.shape[1]:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({k.shape[1]})")
-    if not 1 <= d <= 256:
-        raise ValueError(f"head_dim must be in [1, 256], got {d}")
+    if not (1 <= d <= 256 and 1 <= dv <= 256):
+        raise ValueError(f"head dims must be in [1, 256], got {d} (keys) and {dv} (values)")
     if t < 1 or start < 0:
         raise ValueError(f"need T >= 1 and start >= 0, got T={t}, start={start}")
     if not (q.dtype == k.dtype == v.dtype == store.k.dtype == store.v.dtype):
@@ -376,8 +401,10 @@ def check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store:
             f"the page table ({tuple(slots.shape)} pages of {store.page_size}) does not cover "
             f"batch {b} x tokens [0, {start + t})"
         )
-    if store.k.shape[-2:] != (k.shape[1], d) or store.k.stride(-1) != 1:
-        raise ValueError(f"store pages {tuple(store.k.shape)} do not hold {k.shape[1]} heads of dim {d} contiguously")
+    for pages, width in ((store.k, d), (store.v, dv)):
+        if pages.shape[-2:] != (k.shape[1], width) or pages.stride(-1) != 1:
+            raise ValueError(f"store pages {tuple(pages.shape)} do not hold {k.shape[1]} heads of dim {width} "
+                             "contiguously")
 
 
 def padded_head_dim(d: int) -> int:

@@ -22,29 +22,46 @@ from .launch import on_device_of
 
 
 @triton.jit
-def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page, sd_off, sd_h, ss_b, ss_p,
-                       n_items, n_pages, staged_pages, start, H_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Persistent: item i = (sequence, KV head, i-th distinct page) of the chunk's selection.
+def _staged_rows(src_page, slot, hk, r0, rows, offs_r, sd_page, sd_off, sd_h, PAGE_SIZE: tl.constexpr,
+                 WIDTH: tl.constexpr, W_PAD: tl.constexpr):
+    """(mask, staging offsets, page offsets) of rows [r0, r0 + BLOCK_R) of a (PAGE_SIZE, WIDTH) staged page."""
+    offs_d = tl.arange(0, W_PAD)
+    mask = ((r0 + offs_r) < rows)[:, None] & (offs_d < WIDTH)[None, :]
+    s_ptrs = src_page * PAGE_SIZE * WIDTH + (r0 + offs_r)[:, None] * WIDTH + offs_d[None, :]
+    d_ptrs = slot * sd_page + (r0 + offs_r)[:, None] * sd_off + hk * sd_h + offs_d[None, :]
+    return mask, s_ptrs, d_ptrs
+
+
+@triton.jit
+def _add_staged_kernel(DST_K, DST_V, SRC_K, SRC_V, SLOTS, PAGES, COUNTS, sd_page, sd_off, sd_h, sdv_page, sdv_off,
+                       sdv_h, ss_b, ss_p, n_items, n_pages, staged_pages, start, H_KV: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, V_DIM: tl.constexpr,
+                       V_PAD: tl.constexpr, V_SAME: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Persistent: item i = (sequence, KV head, i-th distinct page) of the chunk's selection. dK rows are HEAD_DIM
+    # wide, dV rows V_DIM (V_SAME: dV's pages have dK's width and strides, and take its offsets).
     offs_r = tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, D_PAD)
     for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         bh = item // n_pages
         idx = item % n_pages
+        hk = bh % H_KV
         count = tl.load(COUNTS + item)
         page = tl.load(PAGES + item)
         slot = tl.load(SLOTS + (bh // H_KV).to(tl.int64) * ss_b + page * ss_p).to(tl.int64)
         rows = tl.where(count > 0, tl.minimum(PAGE_SIZE, start - page * PAGE_SIZE), 0)
-        src = (bh.to(tl.int64) * staged_pages + idx) * PAGE_SIZE * HEAD_DIM
+        src_page = bh.to(tl.int64) * staged_pages + idx
         for r0 in range(0, rows, BLOCK_R):
-            mask = ((r0 + offs_r) < rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            s_ptrs = src + (r0 + offs_r)[:, None] * HEAD_DIM + offs_d[None, :]
-            d_ptrs = slot * sd_page + (r0 + offs_r)[:, None] * sd_off + (bh % H_KV) * sd_h + offs_d[None, :]
+            mask, s_ptrs, d_ptrs = _staged_rows(src_page, slot, hk, r0, rows, offs_r, sd_page, sd_off, sd_h,
+                                                PAGE_SIZE, HEAD_DIM, D_PAD)
+            if V_SAME:
+                mask_v, s_ptrs_v, d_ptrs_v = mask, s_ptrs, d_ptrs
+            else:
+                mask_v, s_ptrs_v, d_ptrs_v = _staged_rows(src_page, slot, hk, r0, rows, offs_r, sdv_page, sdv_off,
+                                                          sdv_h, PAGE_SIZE, V_DIM, V_PAD)
             # stored + share in float32, rounded once: the page kernel's sum for GPU-resident pages.
             dk = tl.load(DST_K + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_K + s_ptrs, mask=mask)
-            dv = tl.load(DST_V + d_ptrs, mask=mask).to(tl.float32) + tl.load(SRC_V + s_ptrs, mask=mask)
+            dv = tl.load(DST_V + d_ptrs_v, mask=mask_v).to(tl.float32) + tl.load(SRC_V + s_ptrs_v, mask=mask_v)
             tl.store(DST_K + d_ptrs, dk.to(DST_K.dtype.element_ty), mask=mask)
-            tl.store(DST_V + d_ptrs, dv.to(DST_V.dtype.element_ty), mask=mask)
+            tl.store(DST_V + d_ptrs_v, dv.to(DST_V.dtype.element_ty), mask=mask_v)
 
 
 @triton.jit
@@ -181,24 +198,28 @@ def add_staged_pages(
 ) -> None:
     """dst[slot of page, :rows, h] += src[b, h, i, :rows] for each distinct selected page i of (sequence b, KV head h).
 
-    dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D), pinned host memory mapped for
-    the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size,
-    D) float32 staging; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with NP <= NP'
-    (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the chunk
-    (rows of a past page end there); launch: None for ``ADD_LAUNCH``.
+    dst_k, dst_v: one layer's gradient pages (num_pages, page_size, H_kv, D or D_v), pinned host memory mapped for
+    the CUDA device the rest is on (in Triton's interpreter, CPU tensors); src_k, src_v: (B, H_kv, NP', page_size, D
+    or D_v) float32 staging, contiguous; slots (B, n_pages) int32 page table; pages, counts (B, H_kv, NP) int32 with
+    NP <= NP' (``sparse_attention.invert_selection``: pages with count 0 are skipped); start: first token of the
+    chunk (rows of a past page end there); launch: None for ``ADD_LAUNCH``.
     """
     launch = launch or ADD_LAUNCH
     b, h, n_pages = pages.shape
-    d = dst_k.shape[-1]
-    if dst_k.stride() != dst_v.stride() or dst_k.stride(-1) != 1 or src_k.shape[-1] != d:
-        raise ValueError("add_staged_pages needs dst_k and dst_v in one layout with contiguous rows of D")
+    d, dv = dst_k.shape[-1], dst_v.shape[-1]
+    if (dst_k.stride(-1) != 1 or dst_v.stride(-1) != 1 or src_k.shape[-1] != d or src_v.shape[-1] != dv
+            or src_k.shape[2] != src_v.shape[2] or not (src_k.is_contiguous() and src_v.is_contiguous())):
+        raise ValueError("add_staged_pages needs contiguous rows of D (D_v) in dst_k and src_k (dst_v and src_v), "
+                         "contiguous staging of one page count")
     if b * h * n_pages == 0:
         return
     pages, counts = pages.contiguous(), counts.contiguous()
     with on_device_of(pages):
         _add_staged_kernel[(min(launch.programs, b * h * n_pages),)](
             dst_k, dst_v, src_k, src_v, slots, pages, counts, dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+            dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
             slots.stride(0), slots.stride(1), b * h * n_pages, n_pages, src_k.shape[2], start,
-            H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+            H_KV=h, PAGE_SIZE=dst_k.shape[1], HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), V_DIM=dv,
+            V_PAD=triton.next_power_of_2(dv), V_SAME=dv == d and dst_v.stride() == dst_k.stride(),
             BLOCK_R=min(launch.block_rows, triton.next_power_of_2(dst_k.shape[1])), num_warps=launch.num_warps,
         )

@@ -1,9 +1,10 @@
 """The paged layout of the KV store, as attention reads it.
 
-Layout of one pool tensor: (n_layers, num_pages, page_size, n_kv_heads, head_dim). A sequence's logical
-page p lives in physical slot ``page_table[b, p]``; token t of sequence b is row
+Layout of one pool tensor: (n_layers, num_pages, page_size, n_kv_heads, width), the width ``head_dim`` for K
+and dK and ``v_dim`` for V and dV (the two differ in some models: DeepSeek's MLA). A sequence's logical page p
+lives in physical slot ``page_table[b, p]``; token t of sequence b is row
 ``page_table[b, t // page_size] * page_size + t % page_size`` of a layer's pool viewed as
-(num_pages * page_size, n_kv_heads, head_dim). ``PageTable`` holds the slots of a batch, ``LayerStore`` is
+(num_pages * page_size, n_kv_heads, width). ``PageTable`` holds the slots of a batch, ``LayerStore`` is
 one layer's view of a pool (what the attention op reads and adds into), ``StoreSpec`` what a token costs.
 The pool that owns the tensors and decides where they live is ``core.pages.PagePool``.
 """
@@ -38,7 +39,8 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) ->
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``.
+    """What one token costs in the store, per layer: K and V in ``dtype``, dK and dV in ``grad_dtype``; K and dK
+    ``head_dim`` wide per KV head, V and dV ``v_head_dim`` wide (None: ``head_dim``).
 
     window_layers: the layers with a sliding window of at most ``window`` tokens, whose gradient pages a pool
     may keep in a ring of ``grad_ring_pages`` pages per sequence (``core.pages.gradient_ring_pages``: a page's
@@ -53,10 +55,16 @@ class StoreSpec:
     window_layers: tuple[int, ...] = ()
     window: int = 0
     grad_ring_pages: int = 0
+    v_head_dim: int | None = None
+
+    @property
+    def v_dim(self) -> int:
+        """Channels of one value head (and of its gradient)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def bytes_per_token(self, with_grads: bool = True) -> int:
         """Bytes of K+V (and dK+dV when ``with_grads``) for one token over all layers."""
-        elems = 2 * self.n_layers * self.n_kv_heads * self.head_dim
+        elems = self.n_layers * self.n_kv_heads * (self.head_dim + self.v_dim)
         kv = elems * _itemsize(self.dtype)
         return kv + (elems * _itemsize(self.grad_dtype) if with_grads else 0)
 
@@ -83,7 +91,8 @@ class PageTable:
 class LayerStore:
     """One layer's view of a pool: what the attention op reads and accumulates into.
 
-    k, v, dk, dv: (num_pages, page_size, n_kv_heads, head_dim) tensors (dk, dv None without gradient pages).
+    k, dk: (num_pages, page_size, n_kv_heads, D) tensors, v, dv (num_pages, page_size, n_kv_heads, D_v) (dk, dv
+    None without gradient pages).
     streamer: set when they live in host memory (streamed through the GPU by core.offload; ``layer`` names this
     layer there). grad_staging: where a host gradient layer's share goes (core.pages.HostGradStaging).
     grad_table: the gradient pages' own slots (a host gradient layer moved into dead K/V pages); dk, dv are then
@@ -128,7 +137,7 @@ class LayerStore:
         return t.view(-1, *t.shape[2:])
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
+        """Store a chunk's K (batch, n_kv_heads, T, D), V (batch, n_kv_heads, T, D_v) at tokens [start, start + T)."""
         if self.streamer is not None:
             self.streamer.write(self, k, v, start)
             return
@@ -138,14 +147,15 @@ class LayerStore:
         scatter_rows(self._flat(self.v), rows, v)
 
     def read(self, start: int, end: int, grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V (or dK, dV) of tokens [start, end): two (batch, n_kv_heads, end - start, head_dim) tensors."""
+        """K, V (or dK, dV) of tokens [start, end): (batch, n_kv_heads, end - start, D), and D_v for V (dV)."""
         rows = (self.grad_table or self.table).rows(start, end) if grads else self.table.rows(start, end)
         a, b = (self.dk, self.dv) if grads else (self.k, self.v)
         # Host pages too (PagePool(host_grad_layers=/host_kv_layers=)).
         return gather_rows(self._flat(a), rows).transpose(1, 2), gather_rows(self._flat(b), rows).transpose(1, 2)
 
     def accumulate_grads(self, dk: torch.Tensor, dv: torch.Tensor, start: int) -> None:
-        """Add dK, dV (batch, n_kv_heads, n, head_dim) of tokens [start, start + n) into the gradient pages."""
+        """Add dK (batch, n_kv_heads, n, D), dV (batch, n_kv_heads, n, D_v) of tokens [start, start + n) into the
+        gradient pages."""
         rows = (self.grad_table or self.table).rows(start, start + dk.shape[2]).reshape(-1)
         fdk, fdv = self._flat(self.dk), self._flat(self.dv)
         fdk.index_add_(0, rows, dk.transpose(1, 2).reshape(-1, *fdk.shape[1:]).to(fdk.dtype))
@@ -156,7 +166,7 @@ class HostPageStreamer(Protocol):
     """Streams the pages of a host-placed pool through the GPU (``core.offload.Streamer``)."""
 
     def write(self, store: LayerStore, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Store a chunk's K, V (batch, n_kv_heads, T, head_dim) at tokens [start, start + T)."""
+        """Store a chunk's K (batch, n_kv_heads, T, D), V (..., D_v) at tokens [start, start + T)."""
 
     def forward(self, backend, q, k, v, store: LayerStore, start: int, scale: float, doc_start=None):
         """The attention backend's forward over ``store``'s pages, streamed segment by segment (doc_start:
@@ -174,8 +184,8 @@ class HostGradAdder(Protocol):
     def wait_for_layer(self, layer: int) -> None:
         """Make the compute stream wait for the additions into ``layer``'s host pages issued so far."""
 
-    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int):
-        """The next (dk, dv) float32 GPU buffers, each (batch, n_kv_heads, >= n_pages, page_size, head_dim)."""
+    def buffers(self, batch: int, n_kv_heads: int, n_pages: int, page_size: int, head_dim: int, v_dim: int):
+        """The next (dk, dv) float32 GPU buffers, (batch, n_kv_heads, >= n_pages, page_size, head_dim or v_dim)."""
 
     def add_into(self, store: LayerStore, pages: torch.Tensor, counts: torch.Tensor, start: int) -> None:
         """Add the buffers last handed out into ``store``'s gradient pages in host memory."""

@@ -4,7 +4,8 @@ Each program splits into a load warp, which copies tiles into a ring of shared-m
 groups of 64 rows on the tensor cores, meeting only at mbarriers: one group's exponentials run while the
 other's matmuls do. Forward and dQ continue what :mod:`.chunk_attention` computed over the chunk's own keys;
 dK/dV is key-stationary, without atomics. :func:`supported` says when a launch qualifies (whole tiles that
-never cross a page, head dim 64 or 128, bf16 or fp16, sm_90); docs/architecture.md, "The attention kernels".
+never cross a page, one head dim of 64 or 128 for keys and values, bf16 or fp16, sm_90); docs/architecture.md,
+"The attention kernels".
 """
 
 from __future__ import annotations
@@ -477,15 +478,16 @@ def _past_dkdv_kernel(
 
 
 def _pool_ok(q: torch.Tensor, store: LayerStore) -> bool:
+    # One head dim for keys and values: values of another width run in the Triton kernels.
     return (q.dtype in (torch.bfloat16, torch.float16) and store.k.shape[-1] in (64, 128)
-            and store.page_size % BLOCK_N == 0 and all(x.is_contiguous() for x in (store.k, store.v))
-            and store.table.slots.stride(1) == 1)
+            and store.v.shape[-1] == store.k.shape[-1] and store.page_size % BLOCK_N == 0
+            and all(x.is_contiguous() for x in (store.k, store.v)) and store.table.slots.stride(1) == 1)
 
 
 def supported(q: torch.Tensor, store: LayerStore, past_end: int) -> bool:
     """Whether the kernels here can run the stored keys [0, past_end) on an sm_90 GPU (the caller checks
-    the device): bf16 or fp16, head dim 64 or 128, pages of whole key tiles in a pool whose (page, offset)
-    rows are contiguous, and at least one whole past tile."""
+    the device): bf16 or fp16, head dim 64 or 128 for keys and values alike, pages of whole key tiles in a pool
+    whose (page, offset) rows are contiguous, and at least one whole past tile."""
     return _pool_ok(q, store) and past_end >= BLOCK_N and past_end % BLOCK_N == 0
 
 

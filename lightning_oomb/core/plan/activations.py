@@ -91,7 +91,7 @@ def layer_activation_bytes(
         return (layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, expert_layer=True)
                 + expert_adapter_bytes(shape, tokens, precision))
     p = PROFILES[precision]
-    h, dq, dkv = shape.hidden, shape.q_width, shape.kv_width
+    h, dq, dkv, dv, do = shape.hidden, shape.q_width, shape.kv_width, shape.v_width, shape.out_width
     lora = lora_rank > 0
     gemma = shape.norm_style == "gemma"
     fused_ops = fused_ops and not gemma  # x (1 + w) norms and a GELU MLP: the model's own ops run
@@ -100,11 +100,12 @@ def layer_activation_bytes(
     width = (shape.shared_intermediate if expert_layer else shape.dense_intermediate) if shape.n_experts \
         else shape.intermediate
     routed = routed_expert_bytes(shape, precision, lora_rank) if expert_layer else 0
-    attention = p.qk * (dq + dkv) + p.v * dkv + p.qk * dq + 4 * shape.n_heads + p.linear * dq
+    # q and k, v, the output (in q's dtype) and its lse, o's input
+    attention = p.qk * (dq + dkv) + p.v * dv + p.qk * do + 4 * shape.n_heads + p.linear * do
     if shape.attention_sinks:  # the output rescaled by the sink's share: its float32 copy and the factor
-        attention += (4 * dq if p.qk != 4 else 0) + 4 * shape.n_heads
+        attention += (4 * do if p.qk != 4 else 0) + 4 * shape.n_heads
     if shape.fused_projections:  # v, a view of qkv_proj's output, keeps all of it
-        attention += p.linear * (dq + dkv)
+        attention += p.linear * (dq + dkv + dv)
     if fused_ops:
         # down_proj's input is saved, not recomputed, under autocast and on tensor-parallel ranks (a DTensor
         # shard, which kernels.linear.swiglu_linear does not take)
@@ -179,7 +180,7 @@ def activation_bytes(
     """
     if checkpoint_layers:
         p = PROFILES[precision]
-        per_layer = shape.hidden * p.residual + shape.q_width * p.qk + 4 * shape.n_heads
+        per_layer = shape.hidden * p.residual + shape.out_width * p.qk + 4 * shape.n_heads
         one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
         layers = shape.n_layers * tokens * per_layer + one_layer
     else:

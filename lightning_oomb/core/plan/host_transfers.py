@@ -36,11 +36,11 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
         return 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
-    page_bytes = c.page_size * shape.head_dim * _itemsize(c.grad_dtype)
+    page_bytes = c.page_size * (shape.head_dim + shape.value_dim) * _itemsize(c.grad_dtype)  # dK and dV
     seconds = 0.0
     for start, layers in zip(range(0, c.context, c.chunk_size), host_layers_left(shape, c)):
         pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch
-        bus_bytes = pairs * page_bytes * 2 * 2  # dK and dV, read and written
+        bus_bytes = pairs * page_bytes * 2  # read and written
         seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
     return seconds
 

@@ -124,7 +124,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         chunk_rows = c.batch * (math.ceil(min(c.chunk_size, c.context) / c.page_size) + 1) * c.page_size
         gpu["offload staging: a chunk's K, V out (x2) and dK, dV in"] = chunk_rows * (2 * kv_layer + grad_layer)
         # The streamed forward carries its output in fp32, the streamed backward its dQ: one layer each.
-        gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = c.chunk_tokens * shape.q_width * 4
+        gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = (
+            c.chunk_tokens * max(shape.out_width, shape.q_width) * 4)
         host[f"pinned {kv_name}"] = kv_bytes
         host[f"pinned {grad_name}"] = grad_bytes
     else:
@@ -168,7 +169,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 staged = min(past_pages, n_tiles * c.sparse.budget_pages)
             buffers = HostGradStaging.N_BUFFERS
             gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
-                HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim)
+                HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim,
+                                           shape.value_dim)
             )
         elif shape.window_layers and not n_kv_host:
             # The sliding-window layers' gradient pages: a ring of the pages their window reaches
@@ -309,7 +311,7 @@ def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
-    return shape.n_layers * chunk_tokens * (shape.q_width * _itemsize(dtype) + 4 * shape.n_heads)
+    return shape.n_layers * chunk_tokens * (shape.out_width * _itemsize(dtype) + 4 * shape.n_heads)
 
 
 def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:

@@ -107,7 +107,7 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         linear = 6.0 * shape.active_matmul_params * tokens + 8.0 * shape.lora_params(c.lora_rank) * tokens
     else:
         linear = 8.0 * shape.active_matmul_params * tokens
-    # Forward attention FLOPs of one layer and one sequence: 4 * d_q per (query, key) pair.
+    # Forward attention FLOPs of one layer and one sequence: 2 * (d_q + d_out) per (query, key) pair (QK^T, PV).
     attended = context if sparse is None else sparse.attended_past_tokens(page_size)
     full_layers = shape.n_layers - shape.window_layers
     chunk_pairs = []  # over the layers: full ones, then sliding-window ones
@@ -115,7 +115,7 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         pairs = _chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
         windowed = min(pairs, _window_pairs(s, min(chunk_size, context - s), shape.window)) if shape.window else 0
         chunk_pairs.append(full_layers * pairs + shape.window_layers * windowed)
-    per_pair = 4.0 * shape.q_width * batch  # forward attention FLOPs of one (query, key) pair of one layer
+    per_pair = 2.0 * (shape.q_width + shape.out_width) * batch  # forward FLOPs of one (query, key) pair, one layer
     forward_attention = per_pair * sum(chunk_pairs)
     recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
