@@ -142,7 +142,7 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str 
     from transformers import AutoConfig, AutoTokenizer
 
     from .core.errors import SetupError
-    from .lightning.module import check_pretrained_dir
+    from .core.pretrained import check_pretrained_dir
 
     try:
         where = check_pretrained_dir(path, gguf_file)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{_size(fixed)}; " + ", ".join(f"{human_tokens(p.tokens)}: {_size(p.pages)} of pages on {p.where}"
                                             for p in plans))
 
-    from .lightning.module import load_pretrained
+    from .core.pretrained import load_pretrained
 
     model = load_pretrained(str(where), dtype, device, args.gguf_file).eval()
     options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
