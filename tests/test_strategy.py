@@ -229,10 +229,14 @@ def test_unservable_training_step(module_cls, match):
     (lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model("diffllama", **COMMON)).train(),
      "DiffLlamaForCausalLM .* its forward in chunks of 6 tokens over lightning_oomb's K/V pages differs"),
 ])
-def test_unsupported_model_is_refused_at_fit_start(model, match):
+def test_unsupported_model_is_refused_at_fit_start(model, match, monkeypatch):
     """Before any step, with the weights made: what check_supported refuses by name, and what the probe of the
-    chunked forward finds (core.schedule.check_chunked_forward), in one line."""
+    chunked forward finds (core.schedule.check_chunked_forward), in one line. DiffLlama's refusal by name is
+    taken away so that the probe is what refuses it."""
     from lightning_oomb.core.errors import SetupError
+    from lightning_oomb.integrations import support
+
+    monkeypatch.setattr(support, "REPEATED_ATTENTION", {})
 
     with pytest.raises(SetupError, match=f"this model cannot be trained by lightning_oomb: .*{match}") as refused:
         fit(UserModule(model()), OOMBStrategy(chunk_size=8), max_steps=1)
