@@ -48,9 +48,10 @@ def _hidden_keys(t: int, lo: int, hi: int, is_past: bool, chunk_start: int, doc_
     return before[:, None, None]
 
 
-def _scores(qg: torch.Tensor, kt: torch.Tensor, scale: float,
-            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(scores of one key tile, tanh of the capped scores or None): q.k * scale, soft-capped where asked."""
+def capped_scores(qg: torch.Tensor, kt: torch.Tensor, scale: float,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores of queries qg (B, H_kv, G, T, D) against keys kt (B, H_kv, n, D), tanh of the capped scores or
+    None): q.k * scale, soft-capped where asked; the dense and the sparse reference both score with it."""
     s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
     if softcap is None:
         return s, None
@@ -94,7 +95,7 @@ def forward_state(
         denom = torch.ones_like(m)
     for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
-        s, _ = _scores(qg, kt.float(), scale, softcap)
+        s, _ = capped_scores(qg, kt.float(), scale, softcap)
         hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
         if hidden is not None:
             s = s.masked_fill(hidden, float("-inf"))
@@ -159,7 +160,7 @@ def backward_part(
     for is_past, lo, hi in _key_tiles(past_lo, past_hi, t if chunk else 0, tile, chunk_start, doc_start):
         kt, vt = store.read(lo, hi) if is_past else (k[:, :, lo:hi], v[:, :, lo:hi])
         kt, vt = kt.float(), vt.float()
-        s, capped = _scores(qg, kt, scale, softcap)
+        s, capped = capped_scores(qg, kt, scale, softcap)
         hidden = _hidden_keys(t, lo, hi, is_past, chunk_start, doc_start, q.device)
         if hidden is not None:
             s = s.masked_fill(hidden, float("-inf"))

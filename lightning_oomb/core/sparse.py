@@ -17,6 +17,7 @@ import torch
 
 from ..kernels.page_table import LayerStore, gather_rows, scatter_rows
 from .config import SparseConfig
+from .reference_attention import capped_scores
 
 
 # == page summaries ==========================================================================================
@@ -244,16 +245,6 @@ def _tile_keys(q, k, v, store, start, selection, i, doc_start):
     return lo, hi, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), mask, grad_rows, valid
 
 
-def _scores(qg: torch.Tensor, kt: torch.Tensor, scale: float,
-            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(scores of a tile's queries qg against keys kt, tanh of the capped scores or None)."""
-    s = torch.einsum("bhgtd,bhnd->bhgtn", qg, kt) * scale
-    if softcap is None:
-        return s, None
-    t = torch.tanh(s / softcap)
-    return t * softcap, t
-
-
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, start: int, scale: float,
     selection: torch.Tensor, doc_start: torch.Tensor | None = None, softcap: float | None = None,
@@ -270,7 +261,7 @@ def attention_forward(
     lse = torch.empty(b, h, g, t, device=q.device)
     for i in range(-(-t // store.page_size)):
         lo, hi, kt, vt, mask, _, _ = _tile_keys(q, k, v, store, start, selection, i, doc_start)
-        s, _ = _scores(qg[:, :, :, lo:hi], kt, scale, softcap)
+        s, _ = capped_scores(qg[:, :, :, lo:hi], kt, scale, softcap)
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
@@ -305,7 +296,7 @@ def attention_backward(
     heads = torch.arange(h, device=q.device)[None, :, None]
     for i in range(-(-t // store.page_size)):
         lo, hi, kt, vt, mask, rows, valid = _tile_keys(q, k, v, store, start, selection, i, doc_start)
-        s, capped = _scores(qg[:, :, :, lo:hi], kt, scale, softcap)
+        s, capped = capped_scores(qg[:, :, :, lo:hi], kt, scale, softcap)
         p = torch.exp(s - lse_g[:, :, :, lo:hi, None]).masked_fill(~mask, 0.0)
         do = dog[:, :, :, lo:hi]
         dv_t = torch.einsum("bhgtn,bhgtd->bhnd", p, do)
