@@ -548,7 +548,7 @@ def test_bf16_values_of_another_width_within_full_sequence_bf16_error(family, sp
     sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=8192, **SPECIAL)
     mla = dict(VALUE_WIDTH_FAMILIES[family], kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
-               v_head_dim=128, n_routed_experts=8, moe_intermediate_size=256)
+               v_head_dim=128, n_routed_experts=8, moe_intermediate_size=256, num_key_value_heads=8)
     if mla["q_lora_rank"] is not None:
         mla["q_lora_rank"] = 384
     config = AutoConfig.for_model(family, **{**sizes, **mla})
