@@ -293,6 +293,21 @@ def test_cli_route_corpus_of_documents_restarts_positions_per_document(tmp_path)
     assert torch.equal(data.train_set[0]["position_ids"], torch.arange(256) % 64)
 
 
+def test_cli_route_model_directory_gets_a_tokenizer_as_long_as_its_embeddings(tmp_path):
+    """bench.cli_route writes the byte tokenizer into a random model's directory padded to the model's vocabulary,
+    so that fit takes the model directory's own tokenizer (its length check passes) and tokenizes bytes as
+    examples/byte_tokenizer does."""
+    from lightning_oomb.bench.cli_route import BYTE_TOKENIZER, write_byte_tokenizer
+    from lightning_oomb.lightning.corpus import check_tokenizer_matches, load_tokenizer
+
+    write_byte_tokenizer(tmp_path, 1000)
+    padded, byte = load_tokenizer(str(tmp_path)), load_tokenizer(str(BYTE_TOKENIZER))
+    assert len(padded) == 1000 and padded.eos_token_id == byte.eos_token_id == 256
+    text = "the long context, é and 日本.\n"
+    assert padded(text)["input_ids"] == byte(text)["input_ids"]
+    check_tokenizer_matches(padded, 1000, str(tmp_path))
+
+
 def test_cli_route_seq_len_sets_the_sequence_and_the_pool(tmp_path):
     """bench.cli_route --seq-len N [--lora-rank R]: the derived YAML trains N-token sequences (LoRA adapters of
     rank R) and sizes the page pool for N, so that the longest context the planner names runs through the

@@ -49,6 +49,20 @@ def make_model(shape: str, target: Path) -> float:
     return time.perf_counter() - started
 
 
+def write_byte_tokenizer(target: Path, vocab_size: int) -> None:
+    """The byte tokenizer (examples/byte_tokenizer: one token a byte, EOS at id 256) written to ``target`` with
+    unused placeholder entries up to ``vocab_size`` tokens, so that it is as long as the random model's embeddings
+    and ``fit`` takes it from ``model.pretrained`` as a user's model directory gives it. With no merges, no text
+    ever tokenizes to a placeholder."""
+    spec = json.loads((BYTE_TOKENIZER / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    taken = len(vocab) + sum(t["id"] >= len(vocab) for t in spec["added_tokens"])
+    vocab.update({f"<|unused_{i}|>": i for i in range(taken, vocab_size)})
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "tokenizer.json").write_text(json.dumps(spec))
+    (target / "tokenizer_config.json").write_text((BYTE_TOKENIZER / "tokenizer_config.json").read_text())
+
+
 def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, seed: int = 0) -> Path:
     """Generated English-like text of at least ``tokens`` bytes (the byte tokenizer: one token a byte): one
     text file, one document; or with ``document_tokens``, ``path`` with suffix .jsonl holding documents of
@@ -217,7 +231,7 @@ def run_fit(args, config: Path, corpus: Path, out: Path, steps: int, name: str, 
     """One ``lightning-oomb fit`` child process, sampled; its summary."""
     command = [sys.executable, "-m", "lightning_oomb.cli", "fit", "--config", str(config),
                "--model.pretrained", str(args.model_dir), "--data.init_args.paths", f"[{corpus}]",
-               "--data.init_args.tokenizer", str(BYTE_TOKENIZER), "--trainer.max_steps", str(steps),
+               "--trainer.max_steps", str(steps),
                "--trainer.limit_val_batches", "0", "--export", "false", *extra]
     if args.document_length:
         command += ["--data.init_args.document_masking", "true"]
@@ -342,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_model and not (args.model_dir / "config.json").exists():
         results["make_model_s"] = round(make_model(args.make_model, args.model_dir), 1)
         print(f"random {args.make_model} weights written to {args.model_dir} in {results['make_model_s']} s", flush=True)
+    if not (args.model_dir / "tokenizer.json").exists():
+        config = json.loads((args.model_dir / "config.json").read_text())
+        write_byte_tokenizer(args.model_dir, config.get("text_config", config)["vocab_size"])
     data = yaml.safe_load(args.config.read_text())
     seq_len = args.seq_len or data["data"]["init_args"]["seq_len"]
     # two sequences: one to train on, one held out
