@@ -324,3 +324,23 @@ def test_cli_route_seq_len_sets_the_sequence_and_the_pool(tmp_path):
              if cb["class_path"].endswith("PagedKVCallback")]
     assert pools == [1_617_920]
     assert data["trainer"]["enable_checkpointing"] is False
+
+
+def test_generate_check_passes_on_a_saved_model_and_writes_its_results(tmp_path):
+    """bench.generate_check on a tiny random model saved with a padded byte tokenizer: the engine's greedy tokens
+    equal transformers' for every option set, within the bound, and the JSON says so."""
+    import json
+
+    from lightning_oomb.bench.cli_route import write_byte_tokenizer
+    from lightning_oomb.bench.generate_check import OPTION_SETS, main
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", vocab_size=300, eos_token_id=256, pad_token_id=256, bos_token_id=256)
+    model.save_pretrained(tmp_path)
+    write_byte_tokenizer(tmp_path, 300)
+    out = tmp_path / "check.json"
+    assert main(["--model", str(tmp_path), "--prompt-tokens", "40", "--new-tokens", "5", "--chunk-size", "16",
+                 "--page-size", "4", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["sets"]) == set(OPTION_SETS) and results["new_tokens"] == 5
+    assert all(s["tokens_equal"] and s["max_logprob_diff"] <= results["bound"] for s in results["sets"].values())
