@@ -25,6 +25,16 @@ TOKENIZER = str(ROOT / "examples" / "byte_tokenizer")  # one token per byte
 GRID = dict(tasks="vt,fwe", lengths=[640, 768], samples=1)  # the shortest lengths these tasks' prompts fit
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # A model this small gains nothing from more threads, and its token-by-token decoding slows many times over
+    # when they wait on each other on a CPU that other work shares.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     where = tmp_path_factory.mktemp("evalcb") / "model"
