@@ -67,13 +67,14 @@ class Probe(Callback):
         self.seen.append((trainer.global_step, modes == {True}, torch.is_grad_enabled()))
 
 
-def _fit(module, callbacks, tmp_path=None, max_steps=4, data=None):
+def _fit(module, callbacks, tmp_path=None, max_steps=4, val=False, **trainer_kwargs):
     logger = TensorBoardLogger(tmp_path, name="run") if tmp_path is not None else False
-    trainer = Trainer(max_steps=max_steps, accelerator="cpu", logger=logger, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, log_every_n_steps=1, callbacks=callbacks,
-                      strategy=OOMBStrategy(chunk_size=256, page_size=64))
-    trainer.fit(module, DataLoader(data or batches(), batch_size=None))
+    kwargs = dict(max_steps=max_steps, accelerator="cpu", logger=logger, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  limit_val_batches=1 if val else 0, log_every_n_steps=1, callbacks=callbacks,
+                  strategy=OOMBStrategy(chunk_size=256, page_size=64))
+    trainer = Trainer(**{**kwargs, **trainer_kwargs})
+    trainer.fit(module, DataLoader(batches(), batch_size=None), DataLoader(batches(1), batch_size=None) if val else None)
     return trainer, logger
 
 
@@ -128,6 +129,18 @@ def test_grid_logged_at_its_steps_as_evaluate_scores_it(model_dir, tmp_path, mon
             assert ours["samples"] == cli["details"][task][str(n)]
     # training moved the weights, and the grid followed them: some answer changed by step 2
     assert callback.results[2] != callback.results[0]
+
+
+@pytest.mark.parametrize("schedule,trainer_kwargs,steps", [
+    # after optimizer steps only: not after the first micro-batch, at global step 0
+    (dict(every_n_steps=1), dict(accumulate_grad_batches=2, max_steps=2), [1, 2]),
+    # at the validation of step 2, not at the sanity check before training
+    (dict(at_validation=True), dict(val=True, num_sanity_val_steps=1, val_check_interval=2, max_steps=3), [2]),
+])
+def test_when_it_runs(model_dir, schedule, trainer_kwargs, steps):
+    callback = LongContextEvalCallback(tasks="vt", lengths=[640], samples=1, **schedule)
+    _fit(CausalLMModule(pretrained=str(model_dir)), [callback], **trainer_kwargs)
+    assert sorted(callback.results) == steps
 
 
 @pytest.mark.parametrize("kwargs,match", [

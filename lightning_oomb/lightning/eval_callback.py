@@ -104,6 +104,7 @@ class LongContextEvalCallback(Callback):
         # by length, of every evaluation of this run
         self.results: dict[int, dict] = {}
         self._last_step: int | None = None
+        self._step_before = -1
         self._image = True
 
     # -- set-up: every refusal before the weights load -------------------------------------------------------
@@ -160,10 +161,15 @@ class LongContextEvalCallback(Callback):
             self._evaluate(trainer, pl_module)
 
     @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._step_before = trainer.global_step
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        # global_step counts optimizer steps; under gradient accumulation this hook also follows the micro-batches
-        # between them, which _evaluate's guard of the step skips.
-        if self.every_n_steps is not None and trainer.global_step % self.every_n_steps == 0:
+        # Only after a batch that ended with an optimizer step: under gradient accumulation the micro-batches before
+        # it leave global_step (which counts optimizer steps) as it was, at 0 on the first ones, or at a resumed step.
+        step = trainer.global_step
+        if self.every_n_steps is not None and step != self._step_before and step % self.every_n_steps == 0:
             self._evaluate(trainer, pl_module)
 
     @override
