@@ -173,3 +173,19 @@ def test_set_up_refusals_come_before_any_step(model_dir, model, kwargs, match):
         _fit(module, [LongContextEvalCallback(**{**dict(tasks="vt", lengths="1K", every_n_steps=1), **kwargs}), probe])
     assert match in str(refused.value) and "\n" not in str(refused.value)
     assert probe.seen == [] and not module.is_materialized  # before the weights were made
+
+
+def test_without_matplotlib_the_scalars_alone(model_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    callback = LongContextEvalCallback(tasks="vt", lengths=[640], samples=1, every_n_steps=1)
+    with pytest.warns(UserWarning, match="matplotlib is not installed, so the grid is logged as scalars only") as said:
+        _, logger = _fit(CausalLMModule(pretrained=str(model_dir)), [callback], tmp_path, max_steps=2)
+    assert sum("matplotlib" in str(w.message) for w in said) == 1  # once, at set-up, not at every evaluation
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/vt/640")] == [1, 2] and events.Tags()["images"] == []
