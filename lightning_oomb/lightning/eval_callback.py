@@ -19,6 +19,7 @@ from ..evaluation.grid import format_table, grid_figure, run_grid
 from ..evaluation.ruler import TASKS, make_sample
 from ..integrations.transformers import find_causal_lm
 from .corpus import CorpusError, check_tokenizer_matches, load_tokenizer
+from .model_parallel import OOMBModelParallelStrategy
 
 NAME = "LongContextEvalCallback"
 
@@ -110,8 +111,6 @@ class LongContextEvalCallback(Callback):
     # -- set-up: every refusal before the weights load -------------------------------------------------------
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        from .model_parallel import OOMBModelParallelStrategy
-
         if getattr(trainer.strategy, "chunk_config", None) is None:
             raise SetupError(f"{NAME} evaluates through OOMBStrategy's chunked forward: use it with OOMBStrategy "
                              "or oomb_ddp")
