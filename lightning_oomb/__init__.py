@@ -2,7 +2,8 @@
 
 The core (``train_step``, ``eval_loss``, ``serve``) and the evaluation (``generate``; lightning_oomb.evaluation)
 import no Lightning; the Lightning layer
-(``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``NonFiniteGuard``,
+(``OOMBStrategy``, ``OOMBDDPStrategy``, ``OOMBModelParallelStrategy``, ``PagedKVCallback``, ``LongContextEvalCallback``,
+``NonFiniteGuard``,
 ``CausalLMModule``, ``PasskeyDataModule``, ``PasskeyTextDataModule``, ``TextCorpusDataModule``, ``ChatDataModule``, ``TorchThreads``)
 loads on first use. So does the engine (it imports transformers): `lightning-oomb plan`
 needs neither.
@@ -15,7 +16,8 @@ quiet_imports()  # torchao's notices when transformers imports it (_noise.py)
 
 _CORE = ("eval_loss", "train_step")  # lightning_oomb.core's own lazy names
 _LIGHTNING = (
-    "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "NonFiniteGuard",
+    "OOMBStrategy", "OOMBDDPStrategy", "OOMBModelParallelStrategy", "PagedKVCallback", "LongContextEvalCallback",
+    "NonFiniteGuard",
     "CausalLMModule", "PasskeyDataModule", "PasskeyTextDataModule", "TextCorpusDataModule", "ChatDataModule", "SparseAttentionMixin", "SparseCausalLMModule",
     "TorchThreads",
 )

@@ -14,7 +14,6 @@ import difflib
 import importlib.util
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar
@@ -224,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                             for p in plans))
 
     from .core.pretrained import load_pretrained
+    from .evaluation.grid import format_table, heatmap, run_grid
 
     model = load_pretrained(str(where), dtype, device, args.gguf_file).eval()
     options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         from .core.config import SparseConfig
 
         options["sparse"] = SparseConfig(budget_pages=args.budget_pages)
-    results = run(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device)
+    results = run_grid(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scores = {t: {human_tokens(n): results[t][n]["score"] for n in lengths} for t in tasks}
@@ -247,68 +247,3 @@ def main(argv: list[str] | None = None) -> int:
     heatmap(scores, tasks, [human_tokens(n) for n in lengths], out / "heatmap.png", title=Path(args.model).name)
     print(f"wrote {out / 'results.json'} and {out / 'heatmap.png'}")
     return 0
-
-
-def run(model: Any, tokenizer: Any, tasks: list[str], lengths: list[int], samples: int, seed: int, options: dict,
-        device: str) -> dict:
-    """Every task at every length: ``samples`` prompts each, decoded greedily (the task's max_new_tokens, EOS
-    of the tokenizer's or the model's), scored as RULER does. One progress line per task and length on stderr.
-    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references, prediction}, ...]}}}."""
-    import torch
-
-    from .evaluation import generate
-    from .evaluation.ruler import make_sample, score
-
-    eos = tokenizer.eos_token_id
-    results: dict = {t: {} for t in tasks}
-    total, done = len(tasks) * len(lengths), 0
-    for n in lengths:
-        for t in tasks:
-            start = time.perf_counter()
-            rows = []
-            for i in range(samples):
-                sample = make_sample(t, n, tokenizer, i, seed)
-                ids = torch.tensor([tokenizer.encode(sample.prompt, add_special_tokens=True)], device=device)
-                with torch.no_grad():
-                    out = generate(model, ids, sample.max_new_tokens, eos_token_id=eos, **options)
-                prediction = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-                rows.append(dict(tokens=ids.shape[1], references=sample.references, prediction=prediction))
-            value = score(t, [r["prediction"] for r in rows], [r["references"] for r in rows])
-            results[t][n] = dict(score=value, samples=rows)
-            done += 1
-            print(f"[{done}/{total}] {t} at {human_tokens(n)}: {value:.1f} ({samples} samples, "
-                  f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-    return results
-
-
-def format_table(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str]) -> str:
-    """The scores (0-100) as a text table: a row per task, a column per length, and the tasks' mean."""
-    head = ["task", *lengths]
-    rows = [[t, *(f"{scores[t][n]:.1f}" for n in lengths)] for t in tasks]
-    rows.append(["mean", *(f"{sum(scores[t][n] for t in tasks) / len(tasks):.1f}" for n in lengths)])
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(head), *(line(r) for r in rows)])
-
-
-def heatmap(scores: dict[str, dict[str, float]], tasks: list[str], lengths: list[str], path: Path, title: str = "") -> None:
-    """The scores as a task x length heatmap PNG (0 red, 100 green), each cell labelled."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = [[scores[t][n] for n in lengths] for t in tasks]
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 3, 0.45 * len(tasks) + 1.5))
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
-    ax.set_xticks(range(len(lengths)), lengths)
-    ax.set_yticks(range(len(tasks)), tasks)
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_title(f"RULER (no downloaded data){': ' + title if title else ''}")
-    fig.colorbar(image, ax=ax, label="score")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

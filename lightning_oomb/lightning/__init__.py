@@ -10,6 +10,7 @@ from .corpus import CorpusError, TextCorpusDataModule
 from .data import PasskeyDataModule
 from .guard import NonFiniteError, NonFiniteGuard
 from .ddp import OOMBDDPStrategy
+from .eval_callback import LongContextEvalCallback
 from .model_parallel import OOMBModelParallelStrategy
 from .module import CausalLMModule
 from .passkey_text import PasskeyTextDataModule
@@ -22,6 +23,7 @@ __all__ = [
     "CausalLMModule",
     "ChatDataModule",
     "CorpusError",
+    "LongContextEvalCallback",
     "NonFiniteError",
     "NonFiniteGuard",
     "OOMBDDPStrategy",

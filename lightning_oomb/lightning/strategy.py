@@ -7,6 +7,7 @@ The body is ``OOMBStrategyMixin``, which the single-device ``OOMBStrategy``, the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import textwrap
 from typing import Any
 
@@ -242,9 +243,20 @@ class OOMBStrategyMixin:
                 callback.release_pool()
         for optimizer in self.optimizers:
             optimizer.state.clear()
-        if self.lightning_module is not None:
-            self.lightning_module.zero_grad(set_to_none=True)
-        super().teardown()
+        module = self.lightning_module
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+        # A set-up hook that refused the run did so before configure_model made the weights: the structure is on
+        # the meta device, which Lightning's move to the CPU cannot copy, and its error would hide the refusal.
+        # There is nothing to move, so the move is skipped for this call alone.
+        skeleton = module is not None and any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+        if skeleton:
+            module.cpu = lambda: module
+        try:
+            super().teardown()
+        finally:
+            if skeleton:
+                del module.cpu
 
 
 # The Lightning CLI's help (`fit --help`) reads each argument's text from the class docstring: ChunkConfig's own.
