@@ -6,6 +6,13 @@ import sys
 import pytest
 import torch
 
+# The data modules' token cache goes to a folder of this test session, not the user's ~/.cache (the CLI runs the
+# tests start as subprocesses inherit it).
+if not os.environ.get("LIGHTNING_OOMB_CACHE"):
+    import tempfile
+
+    os.environ["LIGHTNING_OOMB_CACHE"] = tempfile.mkdtemp(prefix="lightning-oomb-token-cache-")
+
 # Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
