@@ -32,8 +32,10 @@ SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Large plain-text files are tokenized in pieces of about this many characters, cut after a newline.
 TEXT_PIECE_CHARS = 1 << 20
-# Documents per call of the tokenizer.
+# Documents per call of the tokenizer, and characters at most (beyond the first document): a call holds
+# every token's offsets and ids in Python objects, tens of bytes each.
 TOKENIZE_BATCH = 256
+TOKENIZE_CHARS = 1 << 22
 # A corpus smaller than this is tokenized in the process itself: starting workers would take longer.
 PARALLEL_MIN_BYTES = 32 << 20
 # Tokens per block when the cached stream is scanned (for EOS): bounds the memory of the scan.
@@ -272,26 +274,39 @@ def _check_bos(tokenizer, add_bos: bool) -> None:
 def _encode_pieces(pieces: list[tuple[str, bool, bool]], tokenizer, add_bos: bool) -> np.ndarray:
     """(text, starts a document, ends a document) pieces as one int32 stream: BOS before a document's first
     piece (with ``add_bos``), EOS after its last."""
-    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
-    ids = tokenizer([text for text, _, _ in pieces], add_special_tokens=False, verbose=False)["input_ids"]
-    stream: list[int] = []
+    eos, bos = np.array([tokenizer.eos_token_id], np.int32), np.array([tokenizer.bos_token_id or 0], np.int32)
+    texts = [text for text, _, _ in pieces]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # The Rust tokenizer a fast tokenizer calls, without the Python lists of masks and offsets that the
+        # call through transformers builds (3-4 times the time): the same ids.
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    stream: list[np.ndarray] = []
     for (_, starts, ends), piece in zip(pieces, ids):
         if starts and add_bos:
             stream.append(bos)
-        stream += piece
+        stream.append(np.asarray(piece, dtype=np.int32))
         if ends:
             stream.append(eos)
-    return np.asarray(stream, dtype=np.int32)
+    return np.concatenate(stream) if stream else np.zeros(0, np.int32)
 
 
 def _batches(files: list[Path], text_field: str) -> Iterator[list[tuple[str, bool, bool]]]:
     pending: list[tuple[str, bool, bool]] = []
+    chars = 0
     for file in files:
         for piece in read_documents(file, text_field):
+            if pending and chars + len(piece[0]) > TOKENIZE_CHARS:
+                yield pending
+                pending, chars = [], 0
             pending.append(piece)
+            chars += len(piece[0])
             if len(pending) >= TOKENIZE_BATCH:
                 yield pending
-                pending = []
+                pending, chars = [], 0
     if pending:
         yield pending
 
