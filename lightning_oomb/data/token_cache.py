@@ -209,7 +209,7 @@ def _build(root: Path, key: str, files: list[Path], encode: Encoder, workers: in
             _encode_files, batched=True, batch_size=1, num_proc=workers if workers > 1 else None,
             fn_kwargs={"encode": encode}, remove_columns=["file"], cache_file_name=str(tmp / "tokens.arrow"),
             writer_batch_size=WRITER_ROWS, load_from_cache_file=False, new_fingerprint=key,
-            desc=f"tokenizing {len(files)} files into the token cache ({workers} process{'es' * (workers > 1)})",
+            desc=f"tokenizing {len(files)} files into the token cache",  # datasets adds the processes
         )
         shards = [Path(c["filename"]).name for c in done.cache_files]
         table = done.data.table
