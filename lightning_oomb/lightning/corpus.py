@@ -524,6 +524,7 @@ class TextCorpusDataModule(LightningDataModule):
             raise CorpusError(f"data.init_args.tokenize_workers must be an integer >= 1 or null, got {tokenize_workers!r}")
         self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
         self.cache_folder: Path | None = None  # the token cache read by setup
+        self._cache = None  # the token cache prepare_data opened, for setup
         # A tokenizer given here is loaded now, so that a directory without one fails before any model loads.
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.train_set: PackedSequences | None = None
@@ -578,14 +579,9 @@ class TextCorpusDataModule(LightningDataModule):
             vocab = getattr(config, "vocab_size", None)
         return pretrained, vocab
 
-    @override
-    def setup(self, stage: str | None = None) -> None:
-        trainer = self._trainer_or_none()
-        if trainer is not None:
-            self._check_chunking(trainer)
-            self._check_sampler(trainer)
-        if self.train_set is not None:
-            return
+    def _resolve_tokenizer(self, trainer) -> tuple[str | None, int | None]:
+        """Load the tokenizer (the model's where none is named) and check it against the model's vocabulary:
+        (where it came from, the model's vocabulary size or None)."""
         pretrained, vocab_size = self._model_pretrained(trainer)
         source = self.tokenizer_path or pretrained
         if self.tokenizer is None:
@@ -602,9 +598,29 @@ class TextCorpusDataModule(LightningDataModule):
         self._other_tokenizer = self.tokenizer_path if (
             self.tokenizer_path is not None and pretrained is not None
             and Path(self.tokenizer_path).expanduser().resolve() != Path(pretrained).expanduser().resolve()) else None
+        return source, vocab_size
+
+    @override
+    def prepare_data(self) -> None:
+        """Tokenize into the token cache where no start has: Lightning calls this on one process of each
+        machine (local rank 0) before every rank's ``setup``, which then reads the cache, so that the ranks of
+        a machine do not each tokenize the corpus."""
+        if self.token_cache and self.train_set is None and self._cache is None:
+            self._resolve_tokenizer(self._trainer_or_none())
+            self._cache = self._open_cache()
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_chunking(trainer)
+            self._check_sampler(trainer)
+        if self.train_set is not None:
+            return
+        source, vocab_size = self._resolve_tokenizer(trainer)
         cache = None
         if self.token_cache:
-            cache = self._open_cache()
+            cache, self._cache = self._cache or self._open_cache(), None
             tokens, self.num_documents, max_id = cache.stream, cache.documents, cache.max_id
             self.cache_folder = cache.folder
         else:
