@@ -203,3 +203,13 @@ def test_token_stream_reads_across_rows_and_pickles(tmp_path, tokenizer_dir, mon
     import pickle
 
     assert torch.equal(pickle.loads(pickle.dumps(stream))[2:30], in_memory[2:30])
+
+
+def test_without_datasets_the_default_tokenizes_in_memory(tmp_path, tokenizer_dir, monkeypatch, caplog):
+    monkeypatch.setattr(corpus, "token_cache_available", lambda: False)
+    with caplog.at_level(logging.INFO):
+        dm = module([write_corpus(tmp_path / "corpus", docs=30)], tokenizer_dir, cache_dir=str(tmp_path / "cache"))
+    assert "pip install 'lightning_oomb[data]'" in caplog.text
+    dm.setup("fit")
+    assert isinstance(dm.train_set.tokens, torch.Tensor) and dm.cache_folder is None
+    assert not (tmp_path / "cache").exists()

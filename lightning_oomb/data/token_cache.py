@@ -57,6 +57,13 @@ def _datasets():
     return datasets
 
 
+def token_cache_available() -> bool:
+    """Whether the libraries the token cache needs (datasets, pyarrow) are installed."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("datasets", "pyarrow"))
+
+
 def default_cache_dir() -> Path:
     """``$LIGHTNING_OOMB_CACHE`` if set, else ``$XDG_CACHE_HOME/lightning_oomb/tokens`` (``~/.cache/...``)."""
     if os.environ.get(ENV_CACHE):

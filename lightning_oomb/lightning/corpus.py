@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from ..core.errors import SetupError
-from ..data.token_cache import TokenCacheError, TokenStream, open_token_cache
+from ..data.token_cache import TokenCacheError, TokenStream, open_token_cache, token_cache_available
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -480,7 +480,8 @@ class TextCorpusDataModule(LightningDataModule):
             each document attends only within itself and is not predicted from the one before (the
             convention of transformers' DataCollatorWithFlattening; docs/architecture.md, "Packed documents").
             False: attention crosses document borders inside a sequence.
-        token_cache: keep the tokens in a token cache on disk (``lightning_oomb.data.token_cache``): the first
+        token_cache: keep the tokens in a token cache on disk (``lightning_oomb.data.token_cache``; needs
+            ``pip install 'lightning_oomb[data]'``; None, the default: when that is installed): the first
             start tokenizes the files in worker processes into memory-mapped Arrow files, later starts with the
             same files (paths, sizes, modification times), tokenizer, ``text_field`` and ``add_bos`` read them
             without tokenizing, and sequences are read from the mapped files one at a time (the resident host
@@ -503,7 +504,7 @@ class TextCorpusDataModule(LightningDataModule):
         seed: int = 0,
         add_bos: bool = False,
         document_masking: bool = False,
-        token_cache: bool = True,
+        token_cache: bool | None = None,
         cache_dir: str | None = None,
         tokenize_workers: int | None = None,
     ):
@@ -522,6 +523,11 @@ class TextCorpusDataModule(LightningDataModule):
         self.document_masking = document_masking
         if tokenize_workers is not None and (isinstance(tokenize_workers, bool) or tokenize_workers < 1):
             raise CorpusError(f"data.init_args.tokenize_workers must be an integer >= 1 or null, got {tokenize_workers!r}")
+        if token_cache is None:
+            token_cache = token_cache_available()
+            if not token_cache:
+                rank_zero_info("corpus: tokenized in memory at every start; pip install 'lightning_oomb[data]' "
+                               "(Hugging Face datasets) keeps the tokens in a token cache on disk")
         self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
         self.cache_folder: Path | None = None  # the token cache read by setup
         self._cache = None  # the token cache prepare_data opened, for setup
