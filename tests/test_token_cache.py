@@ -213,3 +213,11 @@ def test_without_datasets_the_default_tokenizes_in_memory(tmp_path, tokenizer_di
     dm.setup("fit")
     assert isinstance(dm.train_set.tokens, torch.Tensor) and dm.cache_folder is None
     assert not (tmp_path / "cache").exists()
+
+
+def test_truncation_saved_in_a_tokenizer_does_not_cut_documents(tokenizer_dir):
+    tok = corpus.load_tokenizer(str(tokenizer_dir))
+    tok.backend_tokenizer.enable_truncation(3)  # as a tokenizer.json may carry it; transformers' call turns it off
+    text = "the cat sat on the mat"
+    got = corpus._encode_pieces([(text, True, True)], tok, add_bos=False)
+    assert got.tolist() == tok([text], add_special_tokens=False)["input_ids"][0] + [tok.eos_token_id]

@@ -1,9 +1,9 @@
 """TextCorpusDataModule: local text, JSONL and Parquet files, tokenized, joined with EOS and packed.
 
 Every problem with the input is reported before the first training step, as a ``CorpusError`` that names
-the file (with line number or byte offset) or the option to change. The tokens are kept in a token cache on
-disk (``lightning_oomb.data.token_cache``), tokenized by worker processes once and read memory-mapped at
-every later start.
+the file (with line number or byte offset) or the option to change. Where Hugging Face datasets is installed
+the tokens are kept in a token cache on disk (``lightning_oomb.data.token_cache``), tokenized by worker
+processes once and read memory-mapped at every later start.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # Large plain-text files are tokenized in pieces of about this many characters, cut after a newline.
 TEXT_PIECE_CHARS = 1 << 20
 # Documents per call of the tokenizer, and characters at most (beyond the first document): a call holds
-# every token's offsets and ids in Python objects, tens of bytes each.
+# every token's id and offsets, tens of bytes each, until it returns.
 TOKENIZE_BATCH = 256
 TOKENIZE_CHARS = 1 << 22
 # A corpus smaller than this is tokenized in the process itself: starting workers would take longer.
@@ -279,7 +279,11 @@ def _encode_pieces(pieces: list[tuple[str, bool, bool]], tokenizer, add_bos: boo
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         # The Rust tokenizer a fast tokenizer calls, without the Python lists of masks and offsets that the
-        # call through transformers builds (3-4 times the time): the same ids.
+        # call through transformers builds (3-4 times the time): the same ids. Truncation or padding saved in
+        # a tokenizer.json is off, as that call (truncation=False) turns it off.
+        if backend.truncation is not None or backend.padding is not None:
+            backend.no_truncation()
+            backend.no_padding()
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
         ids = [e.ids for e in encode(texts, add_special_tokens=False)]
     else:
@@ -336,9 +340,10 @@ def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_
 
 class PackedSequences(Dataset):
     """Sequences ``rows`` of ``seq_len`` tokens cut from one token stream (an int32 tensor, or the memory-mapped
-    ``TokenStream`` of the token cache, read per sequence); labels are the inputs (the model shifts them). With ``eos`` (document masking), also ``position_ids`` that restart at 0 after every EOS
-    token (and at the sequence start): each document then attends only within itself (docs/architecture.md,
-    "Packed documents")."""
+    ``TokenStream`` of the token cache, read per sequence); labels are the inputs (the model shifts them).
+    With ``eos`` (document masking), also ``position_ids`` that restart at 0 after every EOS token (and at
+    the sequence start): each document then attends only within itself (docs/architecture.md, "Packed
+    documents")."""
 
     def __init__(self, tokens: torch.Tensor | TokenStream, seq_len: int, rows: torch.Tensor, eos: int | None = None):
         self.tokens, self.seq_len, self.rows, self.eos = tokens, seq_len, rows, eos
