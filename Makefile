@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed
-	@echo "== installing the test extras: pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval"
+	@echo "== installing the test extras: pytest, peft, torchao, bitsandbytes, gguf, pyarrow, datasets, matplotlib, lm_eval"
 	$(PIP) -e ".[dev]"
 	touch $@
 

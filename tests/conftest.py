@@ -6,6 +6,16 @@ import sys
 import pytest
 import torch
 
+# The data modules' token cache goes to a folder of this test session, not the user's ~/.cache (the CLI runs the
+# tests start as subprocesses inherit it).
+if not os.environ.get("LIGHTNING_OOMB_CACHE"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["LIGHTNING_OOMB_CACHE"] = tempfile.mkdtemp(prefix="lightning-oomb-token-cache-")
+    atexit.register(shutil.rmtree, os.environ["LIGHTNING_OOMB_CACHE"], ignore_errors=True)
+
 # Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -82,6 +82,10 @@ class ChatDataModule(TextCorpusDataModule):
         self._sampler = None
 
     @override
+    def prepare_data(self) -> None:
+        """Nothing: conversations are rendered and tokenized in memory by ``setup`` (no token cache)."""
+
+    @override
     def setup(self, stage: str | None = None) -> None:
         trainer = self._trainer_or_none()
         if trainer is not None:

@@ -1,17 +1,21 @@
 """TextCorpusDataModule: local text, JSONL and Parquet files, tokenized, joined with EOS and packed.
 
 Every problem with the input is reported before the first training step, as a ``CorpusError`` that names
-the file (with line number or byte offset) or the option to change.
+the file (with line number or byte offset) or the option to change. Where Hugging Face datasets is installed
+the tokens are kept in a token cache on disk (``lightning_oomb.data.token_cache``), tokenized by worker
+processes once and read memory-mapped at every later start.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
@@ -19,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from ..core.errors import SetupError
+from ..data.token_cache import TokenCacheError, TokenStream, open_token_cache, token_cache_available
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -27,8 +32,14 @@ SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Large plain-text files are tokenized in pieces of about this many characters, cut after a newline.
 TEXT_PIECE_CHARS = 1 << 20
-# Documents per call of the tokenizer.
+# Documents per call of the tokenizer, and characters at most (beyond the first document): a call holds
+# every token's id and offsets, tens of bytes each, until it returns.
 TOKENIZE_BATCH = 256
+TOKENIZE_CHARS = 1 << 22
+# A corpus smaller than this is tokenized in the process itself: starting workers would take longer.
+PARALLEL_MIN_BYTES = 32 << 20
+# Tokens per block when the cached stream is scanned (for EOS): bounds the memory of the scan.
+SCAN_TOKENS = 1 << 24
 
 
 class CorpusError(SetupError):
@@ -255,46 +266,86 @@ def _generic_fast_tokenizer(folder: Path) -> bool:
     return generic and (folder / "tokenizer.json").is_file()
 
 
-def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_bos: bool = False) -> tuple[torch.Tensor, int]:
-    """All documents as one int32 token stream, each document followed by EOS; and the document count."""
-    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
-    if add_bos and bos is None:
+def _check_bos(tokenizer, add_bos: bool) -> None:
+    if add_bos and tokenizer.bos_token_id is None:
         raise CorpusError("data.init_args.add_bos is true but the tokenizer has no BOS token; set add_bos: false")
-    parts: list[torch.Tensor] = []
-    documents = 0
+
+
+def _encode_pieces(pieces: list[tuple[str, bool, bool]], tokenizer, add_bos: bool) -> np.ndarray:
+    """(text, starts a document, ends a document) pieces as one int32 stream: BOS before a document's first
+    piece (with ``add_bos``), EOS after its last."""
+    eos, bos = np.array([tokenizer.eos_token_id], np.int32), np.array([tokenizer.bos_token_id or 0], np.int32)
+    texts = [text for text, _, _ in pieces]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        # The Rust tokenizer a fast tokenizer calls, without the Python lists of masks and offsets that the
+        # call through transformers builds (3-4 times the time): the same ids. Truncation or padding saved in
+        # a tokenizer.json is off, as that call (truncation=False) turns it off.
+        if backend.truncation is not None or backend.padding is not None:
+            backend.no_truncation()
+            backend.no_padding()
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    else:
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    stream: list[np.ndarray] = []
+    for (_, starts, ends), piece in zip(pieces, ids):
+        if starts and add_bos:
+            stream.append(bos)
+        stream.append(np.asarray(piece, dtype=np.int32))
+        if ends:
+            stream.append(eos)
+    return np.concatenate(stream) if stream else np.zeros(0, np.int32)
+
+
+def _batches(files: list[Path], text_field: str) -> Iterator[list[tuple[str, bool, bool]]]:
     pending: list[tuple[str, bool, bool]] = []
-
-    def flush():
-        ids = tokenizer([text for text, _, _ in pending], add_special_tokens=False, verbose=False)["input_ids"]
-        stream: list[int] = []
-        for (_, starts, ends), piece in zip(pending, ids):
-            if starts and add_bos:
-                stream.append(bos)
-            stream += piece
-            if ends:
-                stream.append(eos)
-        parts.append(torch.tensor(stream, dtype=torch.int32))
-        pending.clear()
-
+    chars = 0
     for file in files:
         for piece in read_documents(file, text_field):
+            if pending and chars + len(piece[0]) > TOKENIZE_CHARS:
+                yield pending
+                pending, chars = [], 0
             pending.append(piece)
-            documents += piece[2]
+            chars += len(piece[0])
             if len(pending) >= TOKENIZE_BATCH:
-                flush()
+                yield pending
+                pending, chars = [], 0
     if pending:
-        flush()
+        yield pending
+
+
+def encode_file(path: str, tokenizer, text_field: str = "text", add_bos: bool = False) -> tuple[list[np.ndarray], int]:
+    """One file's token stream (int32 arrays, in order; each document followed by EOS) and its document count:
+    what a worker of the token cache runs, the same tokens ``tokenize_corpus`` gives that file."""
+    parts, documents = [], 0
+    for pieces in _batches([Path(path)], text_field):
+        parts.append(_encode_pieces(pieces, tokenizer, add_bos))
+        documents += sum(ends for _, _, ends in pieces)
+    return parts, documents
+
+
+def tokenize_corpus(files: list[Path], tokenizer, text_field: str = "text", add_bos: bool = False) -> tuple[torch.Tensor, int]:
+    """All documents as one int32 token stream, each document followed by EOS; and the document count (in this
+    process, held in memory: the data module's ``token_cache: false``)."""
+    _check_bos(tokenizer, add_bos)
+    parts: list[torch.Tensor] = []
+    documents = 0
+    for pieces in _batches(files, text_field):
+        parts.append(torch.from_numpy(_encode_pieces(pieces, tokenizer, add_bos)))
+        documents += sum(ends for _, _, ends in pieces)
     stream = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
     return stream, documents
 
 
 class PackedSequences(Dataset):
-    """Sequences ``rows`` of ``seq_len`` tokens cut from one token stream; labels are the inputs (the model
-    shifts them). With ``eos`` (document masking), also ``position_ids`` that restart at 0 after every EOS
-    token (and at the sequence start): each document then attends only within itself (docs/architecture.md,
-    "Packed documents")."""
+    """Sequences ``rows`` of ``seq_len`` tokens cut from one token stream (an int32 tensor, or the memory-mapped
+    ``TokenStream`` of the token cache, read per sequence); labels are the inputs (the model shifts them).
+    With ``eos`` (document masking), also ``position_ids`` that restart at 0 after every EOS token (and at
+    the sequence start): each document then attends only within itself (docs/architecture.md, "Packed
+    documents")."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, rows: torch.Tensor, eos: int | None = None):
+    def __init__(self, tokens: torch.Tensor | TokenStream, seq_len: int, rows: torch.Tensor, eos: int | None = None):
         self.tokens, self.seq_len, self.rows, self.eos = tokens, seq_len, rows, eos
 
     def __len__(self) -> int:
@@ -313,15 +364,18 @@ class PackedSequences(Dataset):
         return item
 
 
-def planning_document_length(tokens: torch.Tensor, seq_len: int, eos: int) -> int:
-    """The document length whose uniform packing costs the attention of ``tokens`` (a stream cut into
-    sequences of ``seq_len``, documents ending in ``eos``): a piece of L tokens (a document, or its part in
-    one sequence) has about L^2 / 2 query-key pairs, so the length-weighted mean sum(L^2) / sum(L)."""
+def planning_document_length(tokens: torch.Tensor | TokenStream, seq_len: int, eos: int, length: int | None = None) -> int:
+    """The document length whose uniform packing costs the attention of ``tokens`` (its first ``length``
+    tokens, default all: a stream cut into sequences of ``seq_len``, documents ending in ``eos``): a piece of
+    L tokens (a document, or its part in one sequence) has about L^2 / 2 query-key pairs, so the
+    length-weighted mean sum(L^2) / sum(L)."""
+    n = len(tokens) if length is None else length
     # Piece starts: each sequence's first token and each token after an EOS (memory of the documents' count,
-    # not of the stream's length).
-    after_eos = (tokens[:-1] == eos).nonzero().flatten() + 1
-    starts = torch.unique(torch.cat([torch.arange(0, len(tokens), seq_len), after_eos]))
-    lengths = torch.diff(starts, append=torch.tensor([len(tokens)])).double()
+    # not of the stream's length: the stream is read in blocks).
+    after_eos = [(tokens[a : min(a + SCAN_TOKENS, n - 1)] == eos).nonzero().flatten() + a + 1
+                 for a in range(0, max(n - 1, 0), SCAN_TOKENS)]
+    starts = torch.unique(torch.cat([torch.arange(0, n, seq_len), *after_eos]))
+    lengths = torch.diff(starts, append=torch.tensor([n])).double()
     return max(1, round(float((lengths * lengths).sum() / lengths.sum())))
 
 
@@ -431,6 +485,17 @@ class TextCorpusDataModule(LightningDataModule):
             each document attends only within itself and is not predicted from the one before (the
             convention of transformers' DataCollatorWithFlattening; docs/architecture.md, "Packed documents").
             False: attention crosses document borders inside a sequence.
+        token_cache: keep the tokens in a token cache on disk (``lightning_oomb.data.token_cache``; needs
+            ``pip install 'lightning_oomb[data]'``; None, the default: when that is installed): the first
+            start tokenizes the files in worker processes into memory-mapped Arrow files, later starts with the
+            same files (paths, sizes, modification times), tokenizer, ``text_field`` and ``add_bos`` read them
+            without tokenizing, and sequences are read from the mapped files one at a time (the resident host
+            memory does not grow with the corpus). False: tokenize in this process at every start and hold the
+            stream in memory (4 bytes a token).
+        cache_dir: the token cache's folder; None: ``$LIGHTNING_OOMB_CACHE``, else
+            ``~/.cache/lightning_oomb/tokens`` (``$XDG_CACHE_HOME`` if set).
+        tokenize_workers: processes that tokenize (each takes whole files); None: one per CPU core, no more
+            than the files, and none beside this process for a corpus under 32 MiB.
     """
 
     def __init__(
@@ -444,6 +509,9 @@ class TextCorpusDataModule(LightningDataModule):
         seed: int = 0,
         add_bos: bool = False,
         document_masking: bool = False,
+        token_cache: bool | None = None,
+        cache_dir: str | None = None,
+        tokenize_workers: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -458,6 +526,16 @@ class TextCorpusDataModule(LightningDataModule):
         self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
         self.val_fraction, self.seed, self.add_bos = val_fraction, seed, add_bos
         self.document_masking = document_masking
+        if tokenize_workers is not None and (isinstance(tokenize_workers, bool) or tokenize_workers < 1):
+            raise CorpusError(f"data.init_args.tokenize_workers must be an integer >= 1 or null, got {tokenize_workers!r}")
+        if token_cache is None:
+            token_cache = token_cache_available()
+            if not token_cache:
+                rank_zero_info("corpus: tokenized in memory at every start; pip install 'lightning_oomb[data]' "
+                               "(Hugging Face datasets) keeps the tokens in a token cache on disk")
+        self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
+        self.cache_folder: Path | None = None  # the token cache read by setup
+        self._cache = None  # the token cache prepare_data opened, for setup
         # A tokenizer given here is loaded now, so that a directory without one fails before any model loads.
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.train_set: PackedSequences | None = None
@@ -512,14 +590,9 @@ class TextCorpusDataModule(LightningDataModule):
             vocab = getattr(config, "vocab_size", None)
         return pretrained, vocab
 
-    @override
-    def setup(self, stage: str | None = None) -> None:
-        trainer = self._trainer_or_none()
-        if trainer is not None:
-            self._check_chunking(trainer)
-            self._check_sampler(trainer)
-        if self.train_set is not None:
-            return
+    def _resolve_tokenizer(self, trainer) -> tuple[str | None, int | None]:
+        """Load the tokenizer (the model's where none is named) and check it against the model's vocabulary:
+        (where it came from, the model's vocabulary size or None)."""
         pretrained, vocab_size = self._model_pretrained(trainer)
         source = self.tokenizer_path or pretrained
         if self.tokenizer is None:
@@ -536,14 +609,41 @@ class TextCorpusDataModule(LightningDataModule):
         self._other_tokenizer = self.tokenizer_path if (
             self.tokenizer_path is not None and pretrained is not None
             and Path(self.tokenizer_path).expanduser().resolve() != Path(pretrained).expanduser().resolve()) else None
-        tokens, self.num_documents = tokenize_corpus(self.files, self.tokenizer, self.text_field, self.add_bos)
+        return source, vocab_size
+
+    @override
+    def prepare_data(self) -> None:
+        """Tokenize into the token cache where no start has: Lightning calls this on one process of each
+        machine (local rank 0) before every rank's ``setup``, which then reads the cache, so that the ranks of
+        a machine do not each tokenize the corpus."""
+        if self.token_cache and self.train_set is None and self._cache is None:
+            self._resolve_tokenizer(self._trainer_or_none())
+            self._cache = self._open_cache()
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_chunking(trainer)
+            self._check_sampler(trainer)
+        if self.train_set is not None:
+            return
+        source, vocab_size = self._resolve_tokenizer(trainer)
+        cache = None
+        if self.token_cache:
+            cache, self._cache = self._cache or self._open_cache(), None
+            tokens, self.num_documents, max_id = cache.stream, cache.documents, cache.max_id
+            self.cache_folder = cache.folder
+        else:
+            tokens, self.num_documents = tokenize_corpus(self.files, self.tokenizer, self.text_field, self.add_bos)
+            max_id = int(tokens.max()) if len(tokens) else -1
         self.num_tokens = len(tokens)
         listing = ", ".join(map(str, self.paths))
         if self.num_documents == 0:
             raise CorpusError(f"the corpus ({listing}) holds no text; check data.init_args.paths and text_field")
-        if vocab_size is not None and int(tokens.max()) >= vocab_size:
+        if vocab_size is not None and max_id >= vocab_size:
             raise CorpusError(
-                f"the tokenizer ({source}) produces token id {int(tokens.max())} but the model's vocabulary has "
+                f"the tokenizer ({source}) produces token id {max_id} but the model's vocabulary has "
                 f"{vocab_size} entries; use the model's own tokenizer (data.init_args.tokenizer) or a model with "
                 "a larger vocab_size"
             )
@@ -558,15 +658,36 @@ class TextCorpusDataModule(LightningDataModule):
                 "add text, lower data.init_args.seq_len"
                 + (" or data.init_args.val_fraction" if n_val else "")
             )
-        tokens = tokens[: sequences * self.seq_len]
+        if cache is None:
+            tokens = tokens[: sequences * self.seq_len]  # the cached stream stays as it is: the rows bound it
         order = torch.randperm(sequences, generator=epoch_generator(self.seed, -1))
         val_rows, train_rows = order[:n_val].sort().values, order[n_val:].sort().values
         eos = self.tokenizer.eos_token_id if self.document_masking else None
         if eos is not None:
-            self.document_length = planning_document_length(tokens, self.seq_len, eos)
+            length = sequences * self.seq_len
+            compute = lambda: planning_document_length(tokens, self.seq_len, eos, length)  # noqa: E731
+            # A scan of the whole stream: the cache keeps its result for this seq_len.
+            self.document_length = cache.memo(f"document-length-{self.seq_len}", compute) if cache else compute()
         self.train_set = PackedSequences(tokens, self.seq_len, train_rows, eos)
         self.val_set = PackedSequences(tokens, self.seq_len, val_rows, eos) if n_val else None
         rank_zero_info(self.describe())
+
+    def _open_cache(self):
+        """The token cache of this corpus (tokenizing it first where no start has)."""
+        _check_bos(self.tokenizer, self.add_bos)
+        # What changes the tokens (document_masking does not: it reads the same stream).
+        options = {"text_field": self.text_field, "add_bos": self.add_bos, "piece_chars": TEXT_PIECE_CHARS}
+        workers = self.tokenize_workers
+        if workers is None:
+            small = sum(f.stat().st_size for f in self.files) < PARALLEL_MIN_BYTES
+            workers = 1 if small else max(1, min(os.cpu_count() or 1, len(self.files)))
+        encode = functools.partial(encode_file, tokenizer=self.tokenizer, text_field=self.text_field,
+                                   add_bos=self.add_bos)
+        try:
+            return open_token_cache(self.files, self.tokenizer, options, encode, self.cache_dir, workers,
+                                    log=rank_zero_info)
+        except TokenCacheError as e:  # the data module's errors are CorpusErrors, whichever room found them
+            raise CorpusError(str(e)) from None
 
     def describe(self) -> str:
         if self.train_set is None:
