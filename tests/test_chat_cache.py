@@ -113,7 +113,8 @@ def test_key_follows_train_on_template_and_files(tmp_path, tok_dir):
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_bad_rows_are_one_line_and_leave_no_cache(tmp_path, tok_dir, workers):
-    long = {"messages": [{"role": "user", "content": "Tell a long story."}, {"role": "assistant", "content": "Once " * 30}]}
+    long = {"messages": [{"role": "user", "content": "Tell a long story."},
+                         {"role": "assistant", "content": "Once " * 30}]}
     f = write_jsonl(tmp_path / "chats" / "a.jsonl", conversations(4) + [long])
     g = write_jsonl(tmp_path / "chats" / "b.jsonl", conversations(3))
     with g.open("a") as out:

@@ -286,7 +286,8 @@ class ChatRenderer:
         return ids, spans
 
 
-def encode_conversations(path: str, renderer: ChatRenderer) -> tuple[list[np.ndarray], int, list[np.ndarray], np.ndarray]:
+def encode_conversations(path: str, renderer: ChatRenderer
+                         ) -> tuple[list[np.ndarray], int, list[np.ndarray], np.ndarray]:
     """One file's conversations rendered: their token ids (int32 arrays, in order), their count, which tokens
     are labels (uint8 arrays aligned with the ids) and their lengths (int64): what a worker of the token cache
     runs, and what the data module renders in memory without one."""

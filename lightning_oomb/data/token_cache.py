@@ -9,8 +9,9 @@ One cache is a folder ``<cache_dir>/<key>/``: ``meta.json`` and the Arrow shards
 column ``ids`` (large_list<int32>) holds the token stream in order, a file's stream cut into rows of at most
 ``ROW_TOKENS`` tokens. An encoder that also gives a per-token mask and its documents' lengths (conversations:
 which tokens are labels, where each conversation ends) adds the columns ``mask`` (large_list<uint8>, cut as
-``ids``) and ``lengths`` (large_list<int64>, a file's on its first row). The key is a SHA-256 of everything that changes the tokens: each file's path, size and
-modification time, the tokenizer's content, and the reading options. A cache is written in a temporary folder
+``ids``) and ``lengths`` (large_list<int64>, a file's on its first row). The key is a SHA-256 of everything
+that changes the tokens: each file's path, size and modification time, the tokenizer's content, and the
+reading options. A cache is written in a temporary folder
 beside it and renamed to its key only when whole, so a folder named by a key is always complete and what a
 killed tokenization left (``.tmp-*``) is never read.
 """

@@ -72,11 +72,7 @@ class ChatDataModule(TextCorpusDataModule):
         LightningDataModule.__init__(self)
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ChatDataError(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ChatDataError(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+        self._check_sizes(seq_len, batch_size, val_fraction)
         self.files = find_chat_files(self.paths)
         self.tokenizer_path = tokenizer
         self.seq_len, self.batch_size, self.train_on = seq_len, batch_size, train_on

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from ..core.errors import SetupError
-from ..data.token_cache import Encoder, TokenCache, TokenCacheError, TokenStream, files_bytes, open_token_cache, token_cache_available
+from ..data.token_cache import (Encoder, TokenCache, TokenCacheError, TokenStream, files_bytes, open_token_cache,
+                                token_cache_available)
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -516,11 +517,7 @@ class TextCorpusDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CorpusError(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise CorpusError(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+        self._check_sizes(seq_len, batch_size, val_fraction)
         self.files = find_files(self.paths)  # missing paths fail here, before the model trains
         self.tokenizer_path = tokenizer
         self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
@@ -537,18 +534,28 @@ class TextCorpusDataModule(LightningDataModule):
         self._resume_from: dict[str, Any] | None = None
         self._sampler: ResumableBatchSampler | None = None
 
-    # -- the token cache (shared with ChatDataModule) -----------------------------------------------------
-    error = CorpusError  # what the token cache's errors are raised as: this data module's own error type
+    # -- options and the token cache (shared with ChatDataModule) --------------------------------------
+    error = CorpusError  # what the shared checks and the token cache raise: this data module's own error type
 
-    def _token_cache_options(self, token_cache: bool | None, cache_dir: str | None, tokenize_workers: int | None) -> None:
+    def _check_sizes(self, seq_len: int, batch_size: int, val_fraction: float) -> None:
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise self.error(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise self.error(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+
+    def _token_cache_options(self, token_cache: bool | None, cache_dir: str | None,
+                             tokenize_workers: int | None) -> None:
         """Check and keep the options ``token_cache``, ``cache_dir`` and ``tokenize_workers``."""
         if tokenize_workers is not None and (isinstance(tokenize_workers, bool) or tokenize_workers < 1):
-            raise self.error(f"data.init_args.tokenize_workers must be an integer >= 1 or null, got {tokenize_workers!r}")
+            raise self.error("data.init_args.tokenize_workers must be an integer >= 1 or null, got "
+                             f"{tokenize_workers!r}")
         if token_cache is None:
             token_cache = token_cache_available()
             if not token_cache:
                 rank_zero_info(f"{type(self).__name__}: tokenized in memory at every start; pip install "
-                               "'lightning_oomb[data]' (Hugging Face datasets) keeps the tokens in a token cache on disk")
+                               "'lightning_oomb[data]' (Hugging Face datasets) keeps the tokens in a token cache "
+                               "on disk")
         self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
         self.cache_folder: Path | None = None  # the token cache read by setup
         self._cache: TokenCache | None = None  # the token cache prepare_data opened, for setup
