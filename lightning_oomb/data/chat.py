@@ -9,13 +9,15 @@ find each assistant turn exactly is refused (``ChatDataError``, one line).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -284,6 +286,27 @@ class ChatRenderer:
         return ids, spans
 
 
+def encode_conversations(path: str, renderer: ChatRenderer
+                         ) -> tuple[list[np.ndarray], int, list[np.ndarray], np.ndarray]:
+    """One file's conversations rendered: their token ids (int32 arrays, in order), their count, which tokens
+    are labels (uint8 arrays aligned with the ids) and their lengths (int64): what a worker of the token cache
+    runs, and what the data module renders in memory without one."""
+    ids, trained, lengths = [], [], []
+    for where, messages in read_conversations(Path(path)):
+        conv = renderer.render(messages, where)
+        ids.append(np.asarray(conv.ids, np.int32))
+        trained.append(np.asarray(conv.trained, np.uint8))
+        lengths.append(len(conv.ids))
+    return ids, len(lengths), trained, np.asarray(lengths, np.int64)
+
+
+def cache_options(renderer: ChatRenderer) -> dict[str, Any]:
+    """What changes the rendered tokens and labels beyond the files and the tokenizer: the token cache's key
+    options. ``seq_len`` and ``truncate`` do not: the cache holds whole conversations, cut on reading."""
+    return {"chat": 1, "train_on": renderer.train_on, "markers": renderer.markers,
+            "template": hashlib.sha256(renderer.template.encode()).hexdigest()}
+
+
 # == packing ===============================================================================================
 
 
@@ -308,30 +331,50 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-class PackedConversations(Dataset):
-    """Rows of ``seq_len`` tokens, each holding whole conversations (``bins``), padded with ``pad`` at the end.
-    An item is ``input_ids``, ``labels`` (-100 where not trained; the model shifts them) and ``position_ids``
-    (seq_len,) int64, the positions restarting at 0 at every conversation and at the padding, so that each
-    conversation attends only within itself (docs/architecture.md, "Packed documents")."""
+class Conversations(Sequence):
+    """Conversations read out of a token stream and its mask (in-memory tensors, or the token cache's
+    memory-mapped streams; sliced ``[a:b]``): conversation ``k`` is the ``lengths[k]`` tokens from
+    ``starts[k]``, as a ``Conversation``."""
 
-    def __init__(self, conversations: list[Conversation], bins: list[list[int]], seq_len: int, pad: int):
+    def __init__(self, tokens, mask, starts: np.ndarray, lengths: np.ndarray):
+        self.tokens, self.mask, self.starts, self.lengths = tokens, mask, starts, lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tensors(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = int(self.starts[k])
+        b = a + int(self.lengths[k])
+        return self.tokens[a:b], self.mask[a:b]
+
+    def __getitem__(self, k: int) -> Conversation:
+        ids, mask = self.tensors(k)
+        return Conversation(ids.tolist(), mask.bool().tolist())
+
+
+class PackedConversations(Dataset):
+    """Rows of ``seq_len`` tokens, each holding whole conversations (``bins`` of indices into
+    ``conversations``), padded with ``pad`` at the end. An item is ``input_ids``, ``labels`` (-100 where not
+    trained; the model shifts them) and ``position_ids`` (seq_len,) int64, the positions restarting at 0 at
+    every conversation and at the padding, so that each conversation attends only within itself
+    (docs/architecture.md, "Packed documents")."""
+
+    def __init__(self, conversations: Conversations, bins: list[list[int]], seq_len: int, pad: int):
         self.conversations, self.bins, self.seq_len, self.pad = conversations, bins, seq_len, pad
 
     def __len__(self) -> int:
         return len(self.bins)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids: list[int] = []
-        labels: list[int] = []
-        positions: list[int] = []
+        ids, labels, positions = [], [], []
         for c in self.bins[i]:
-            conv = self.conversations[c]
-            ids += conv.ids
-            labels += [t if keep else IGNORE_INDEX for t, keep in zip(conv.ids, conv.trained)]
-            positions += range(len(conv.ids))
-        fill = self.seq_len - len(ids)
-        ids += [self.pad] * fill
-        labels += [IGNORE_INDEX] * fill
-        positions += range(fill)
-        return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                "position_ids": torch.tensor(positions)}
+            tokens, mask = self.conversations.tensors(c)
+            tokens = tokens.long()
+            ids.append(tokens)
+            labels.append(torch.where(mask.bool(), tokens, IGNORE_INDEX))
+            positions.append(torch.arange(len(tokens)))
+        fill = self.seq_len - sum(len(t) for t in ids)
+        ids.append(torch.full((fill,), self.pad, dtype=torch.long))
+        labels.append(torch.full((fill,), IGNORE_INDEX, dtype=torch.long))
+        positions.append(torch.arange(fill))
+        return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions)}

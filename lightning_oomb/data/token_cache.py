@@ -7,8 +7,11 @@ dependency for streaming from object stores, which a local random-access reader 
 
 One cache is a folder ``<cache_dir>/<key>/``: ``meta.json`` and the Arrow shards the workers wrote, whose
 column ``ids`` (large_list<int32>) holds the token stream in order, a file's stream cut into rows of at most
-``ROW_TOKENS`` tokens. The key is a SHA-256 of everything that changes the tokens: each file's path, size and
-modification time, the tokenizer's content, and the reading options. A cache is written in a temporary folder
+``ROW_TOKENS`` tokens. An encoder that also gives a per-token mask and its documents' lengths (conversations:
+which tokens are labels, where each conversation ends) adds the columns ``mask`` (large_list<uint8>, cut as
+``ids``) and ``lengths`` (large_list<int64>, a file's on its first row). The key is a SHA-256 of everything
+that changes the tokens: each file's path, size and modification time, the tokenizer's content, and the
+reading options. A cache is written in a temporary folder
 beside it and renamed to its key only when whole, so a folder named by a key is always complete and what a
 killed tokenization left (``.tmp-*``) is never read.
 """
@@ -37,8 +40,9 @@ META = "meta.json"
 TMP_PREFIX = ".tmp-"
 ENV_CACHE = "LIGHTNING_OOMB_CACHE"
 
-# One file's token stream: int32 arrays in order, and the documents it ended.
-Encoder = Callable[[str], tuple[list[np.ndarray], int]]
+# One file's token stream: int32 arrays in order, and the documents it ended; optionally also uint8 arrays of a
+# per-token mask aligned with them, and the documents' lengths in tokens (int64, summing to the stream's).
+Encoder = Callable[[str], "tuple[list[np.ndarray], int] | tuple[list[np.ndarray], int, list[np.ndarray], np.ndarray]"]
 
 
 class TokenCacheError(SetupError):
@@ -88,12 +92,19 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def file_identity(files: Iterable[Path]) -> list[tuple[str, int, int]]:
-    """(absolute path, size in bytes, modification time in ns) of each file, in order."""
+    """(absolute path, size in bytes, modification time in ns) of each file, in order; a folder (a ``datasets``
+    ``save_to_disk`` folder read whole) by each file in it, sorted."""
     out = []
     for f in files:
-        stat = f.stat()
-        out.append((str(f.resolve()), stat.st_size, stat.st_mtime_ns))
+        for g in sorted(p for p in f.rglob("*") if p.is_file()) if f.is_dir() else [f]:
+            stat = g.stat()
+            out.append((str(g.resolve()), stat.st_size, stat.st_mtime_ns))
     return out
+
+
+def files_bytes(files: Iterable[Path]) -> int:
+    """The bytes of ``files`` (a folder's: of the files in it)."""
+    return sum(size for _, size, _ in file_identity(files))
 
 
 def cache_key(files: list[Path], tokenizer: Any, options: dict[str, Any]) -> str:
@@ -105,17 +116,18 @@ def cache_key(files: list[Path], tokenizer: Any, options: dict[str, Any]) -> str
 
 
 class TokenStream:
-    """The cached token stream, memory-mapped: ``len(stream)`` tokens; ``stream[a:b]`` is an int32 tensor of
-    shape (b - a,) copied out of the mapped pages, which stay page cache the kernel may reclaim (resident:
-    the index of the Arrow record batches, a few numbers each)."""
+    """The cached token stream (or its mask: ``column`` "mask", uint8), memory-mapped: ``len(stream)`` tokens;
+    ``stream[a:b]`` is an int32 (uint8) tensor of shape (b - a,) copied out of the mapped pages, which stay page
+    cache the kernel may reclaim (resident: the index of the Arrow record batches, a few numbers each)."""
 
-    def __init__(self, folder: Path, shards: list[str]):
+    def __init__(self, folder: Path, shards: list[str], column: str = "ids"):
         Dataset = _datasets().Dataset
-        self.folder, self.shards = folder, list(shards)
+        self.folder, self.shards, self.column = folder, list(shards), column
+        self.dtype = np.uint8 if column == "mask" else np.int32
         segments: list[np.ndarray] = []
         for name in self.shards:
             table = Dataset.from_file(str(folder / name), in_memory=False).data.table
-            for chunk in table.column("ids").chunks:
+            for chunk in table.column(column).chunks:
                 values = chunk.flatten().to_numpy(zero_copy_only=True)  # a view of the mapped file
                 if len(values):
                     segments.append(values)
@@ -131,7 +143,7 @@ class TokenStream:
         start, stop, step = key.indices(len(self))
         if step != 1:
             raise ValueError("a TokenStream is read in contiguous slices")
-        out = np.empty(max(0, stop - start), dtype=np.int32)
+        out = np.empty(max(0, stop - start), dtype=self.dtype)
         i, at = int(np.searchsorted(self._starts, start, side="right")) - 1, start
         while at < stop:
             seg, first = self._segments[i], int(self._starts[i])
@@ -141,10 +153,10 @@ class TokenStream:
         return torch.from_numpy(out)
 
     def __getstate__(self) -> dict[str, Any]:  # a loader worker maps the files itself
-        return {"folder": self.folder, "shards": self.shards}
+        return {"folder": self.folder, "shards": self.shards, "column": self.column}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["folder"], state["shards"])
+        self.__init__(state["folder"], state["shards"], state.get("column", "ids"))
 
 
 @dataclass
@@ -156,6 +168,8 @@ class TokenCache:
     documents: int
     max_id: int  # the largest token id in the stream (-1 when empty)
     built: bool  # this process tokenized it (False: read from an earlier start)
+    mask: TokenStream | None = None  # the per-token mask, where the encoder gave one
+    lengths: np.ndarray | None = None  # (documents,) int64 lengths in tokens, where the encoder gave them
 
     def memo(self, name: str, compute: Callable[[], Any]) -> Any:
         """A small value derived from the stream, kept beside it in ``name``.json (written atomically)."""
@@ -178,10 +192,14 @@ def _encode_files(batch: Any, encode: Encoder) -> Any:
     """Datasets' map function (Arrow in, Arrow out): the files of ``batch`` as rows of their token streams."""
     import pyarrow as pa
 
-    values, offsets, documents, max_ids = [], [0], [], []
+    def joined(arrays: list[np.ndarray], dtype) -> np.ndarray:
+        return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+    values, masks, offsets, documents, max_ids, lengths = [], [], [0], [], [], []
     for path in batch.column("file").to_pylist():
-        pieces, docs = encode(path)
-        tokens = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, np.int32)
+        pieces, docs, *extra = encode(path)
+        tokens = joined(pieces, np.int32)
+        mask = joined(extra[0], np.uint8) if extra else None
         cuts = list(range(0, len(tokens), ROW_TOKENS)) or [0]
         for i, cut in enumerate(cuts):
             row = tokens[cut : cut + ROW_TOKENS]
@@ -189,8 +207,18 @@ def _encode_files(batch: Any, encode: Encoder) -> Any:
             offsets.append(offsets[-1] + len(row))
             documents.append(docs if i == 0 else 0)  # a file's documents are counted on its first row
             max_ids.append(int(row.max()) if len(row) else -1)
-    ids = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(np.concatenate(values), pa.int32()))
-    return pa.table({"ids": ids, "documents": pa.array(documents, pa.int64()), "max_id": pa.array(max_ids, pa.int64())})
+            if extra:
+                masks.append(mask[cut : cut + ROW_TOKENS])
+                lengths.append(np.asarray(extra[1], np.int64) if i == 0 else np.zeros(0, np.int64))
+    offsets = pa.array(offsets, pa.int64())
+    columns = {"ids": pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(values), pa.int32())),
+               "documents": pa.array(documents, pa.int64()), "max_id": pa.array(max_ids, pa.int64())}
+    if masks:
+        columns["mask"] = pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(masks), pa.uint8()))
+        length_offsets = np.cumsum([0] + [len(x) for x in lengths], dtype=np.int64)
+        columns["lengths"] = pa.LargeListArray.from_arrays(pa.array(length_offsets),
+                                                           pa.array(np.concatenate(lengths), pa.int64()))
+    return pa.table(columns)
 
 
 def _writable(root: Path, option: str) -> None:
@@ -227,6 +255,7 @@ def _build(root: Path, key: str, files: list[Path], encode: Encoder, workers: in
             "documents": int(pc.sum(table.column("documents")).as_py() or 0),
             "max_id": int(pc.max(table.column("max_id")).as_py() if len(table) else -1),
             "files": [name for name, _, _ in file_identity(files)],
+            "mask": "mask" in table.column_names,
         }
         del done, table, tasks
         (tmp / META).write_text(json.dumps(meta))
@@ -258,7 +287,26 @@ def _open(folder: Path, built: bool) -> TokenCache:
         raise TokenCacheError(broken.format(f"{type(e).__name__}: {e}")) from None
     if len(stream) != meta["tokens"]:
         raise TokenCacheError(broken.format(f"{len(stream):,} tokens where {meta['tokens']:,} were written"))
-    return TokenCache(folder, stream, int(meta["documents"]), int(meta["max_id"]), built)
+    mask = lengths = None
+    if meta.get("mask"):
+        try:
+            mask = TokenStream(folder, meta["shards"], "mask")
+            lengths = _lengths(folder, meta["shards"])
+        except Exception as e:
+            raise TokenCacheError(broken.format(f"{type(e).__name__}: {e}")) from None
+        if len(mask) != len(stream) or int(lengths.sum()) != len(stream) or len(lengths) != meta["documents"]:
+            raise TokenCacheError(broken.format("its mask or lengths do not match its tokens"))
+    return TokenCache(folder, stream, int(meta["documents"]), int(meta["max_id"]), built, mask, lengths)
+
+
+def _lengths(folder: Path, shards: list[str]) -> np.ndarray:
+    """The ``lengths`` column of a cache's shards, in order (8 bytes a document, in memory)."""
+    Dataset = _datasets().Dataset
+    parts = [np.zeros(0, np.int64)]
+    for name in shards:
+        column = Dataset.from_file(str(folder / name), in_memory=False).data.table.column("lengths")
+        parts += [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
+    return np.concatenate(parts).astype(np.int64, copy=False)
 
 
 def open_token_cache(
@@ -273,7 +321,8 @@ def open_token_cache(
 ) -> TokenCache:
     """The token stream of ``files``: read from ``cache_dir`` (default ``default_cache_dir()``) when a cache of
     the same key is there, else tokenized first by ``workers`` processes (each runs ``encode`` on whole files,
-    in order) and written there. ``log`` gets one line saying which."""
+    in order) and written there. ``log`` gets one line saying which. An error ``encode`` raises (a bad row)
+    stops the build, and nothing is written under the key."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     key = cache_key(files, tokenizer, options)
     folder = root / key
@@ -282,7 +331,7 @@ def open_token_cache(
         log(f"token cache: {len(cache.stream):,} tokens read from {folder} (memory-mapped; nothing tokenized)")
         return cache
     _writable(root, option)
-    size = sum(f.stat().st_size for f in files)
+    size = files_bytes(files)
     log(f"token cache: tokenizing {len(files)} files ({size / (1 << 20):,.1f} MiB) with {workers} "
         f"process{'es' * (workers > 1)} into {folder}")
     began = time.perf_counter()

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from typing_extensions import override
 
 from ..core.errors import SetupError
-from ..data.token_cache import TokenCacheError, TokenStream, open_token_cache, token_cache_available
+from ..data.token_cache import (Encoder, TokenCache, TokenCacheError, TokenStream, files_bytes, open_token_cache,
+                                token_cache_available)
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
@@ -516,26 +517,13 @@ class TextCorpusDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CorpusError(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise CorpusError(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+        self._check_sizes(seq_len, batch_size, val_fraction)
         self.files = find_files(self.paths)  # missing paths fail here, before the model trains
         self.tokenizer_path = tokenizer
         self.seq_len, self.batch_size, self.text_field = seq_len, batch_size, text_field
         self.val_fraction, self.seed, self.add_bos = val_fraction, seed, add_bos
         self.document_masking = document_masking
-        if tokenize_workers is not None and (isinstance(tokenize_workers, bool) or tokenize_workers < 1):
-            raise CorpusError(f"data.init_args.tokenize_workers must be an integer >= 1 or null, got {tokenize_workers!r}")
-        if token_cache is None:
-            token_cache = token_cache_available()
-            if not token_cache:
-                rank_zero_info("corpus: tokenized in memory at every start; pip install 'lightning_oomb[data]' "
-                               "(Hugging Face datasets) keeps the tokens in a token cache on disk")
-        self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
-        self.cache_folder: Path | None = None  # the token cache read by setup
-        self._cache = None  # the token cache prepare_data opened, for setup
+        self._token_cache_options(token_cache, cache_dir, tokenize_workers)
         # A tokenizer given here is loaded now, so that a directory without one fails before any model loads.
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         self.train_set: PackedSequences | None = None
@@ -545,6 +533,46 @@ class TextCorpusDataModule(LightningDataModule):
         self._epoch, self._consumed = 0, 0  # the data position: epoch and training batches taken from it
         self._resume_from: dict[str, Any] | None = None
         self._sampler: ResumableBatchSampler | None = None
+
+    # -- options and the token cache (shared with ChatDataModule) --------------------------------------
+    error = CorpusError  # what the shared checks and the token cache raise: this data module's own error type
+
+    def _check_sizes(self, seq_len: int, batch_size: int, val_fraction: float) -> None:
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise self.error(f"data.init_args.{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise self.error(f"data.init_args.val_fraction must be in [0, 1), got {val_fraction}")
+
+    def _token_cache_options(self, token_cache: bool | None, cache_dir: str | None,
+                             tokenize_workers: int | None) -> None:
+        """Check and keep the options ``token_cache``, ``cache_dir`` and ``tokenize_workers``."""
+        if tokenize_workers is not None and (isinstance(tokenize_workers, bool) or tokenize_workers < 1):
+            raise self.error("data.init_args.tokenize_workers must be an integer >= 1 or null, got "
+                             f"{tokenize_workers!r}")
+        if token_cache is None:
+            token_cache = token_cache_available()
+            if not token_cache:
+                rank_zero_info(f"{type(self).__name__}: tokenized in memory at every start; pip install "
+                               "'lightning_oomb[data]' (Hugging Face datasets) keeps the tokens in a token cache "
+                               "on disk")
+        self.token_cache, self.cache_dir, self.tokenize_workers = token_cache, cache_dir, tokenize_workers
+        self.cache_folder: Path | None = None  # the token cache read by setup
+        self._cache: TokenCache | None = None  # the token cache prepare_data opened, for setup
+
+    def _open_token_cache(self, options: dict[str, Any], encode: Encoder) -> TokenCache:
+        """The token cache of ``self.files`` keyed also by ``options``, tokenized first by ``encode`` in
+        ``tokenize_workers`` processes where no start has (None: one per CPU core, no more than the files, and
+        none beside this process under ``PARALLEL_MIN_BYTES``)."""
+        workers = self.tokenize_workers
+        if workers is None:
+            small = files_bytes(self.files) < PARALLEL_MIN_BYTES
+            workers = 1 if small else max(1, min(os.cpu_count() or 1, len(self.files)))
+        try:
+            return open_token_cache(self.files, self.tokenizer, options, encode, self.cache_dir, workers,
+                                    log=rank_zero_info)
+        except TokenCacheError as e:  # the data module's errors are its own type, whichever room found them
+            raise self.error(str(e)) from None
 
     # -- set-up ----------------------------------------------------------------------------------------
     def _trainer_or_none(self):
@@ -677,17 +705,9 @@ class TextCorpusDataModule(LightningDataModule):
         _check_bos(self.tokenizer, self.add_bos)
         # What changes the tokens (document_masking does not: it reads the same stream).
         options = {"text_field": self.text_field, "add_bos": self.add_bos, "piece_chars": TEXT_PIECE_CHARS}
-        workers = self.tokenize_workers
-        if workers is None:
-            small = sum(f.stat().st_size for f in self.files) < PARALLEL_MIN_BYTES
-            workers = 1 if small else max(1, min(os.cpu_count() or 1, len(self.files)))
         encode = functools.partial(encode_file, tokenizer=self.tokenizer, text_field=self.text_field,
                                    add_bos=self.add_bos)
-        try:
-            return open_token_cache(self.files, self.tokenizer, options, encode, self.cache_dir, workers,
-                                    log=rank_zero_info)
-        except TokenCacheError as e:  # the data module's errors are CorpusErrors, whichever room found them
-            raise CorpusError(str(e)) from None
+        return self._open_token_cache(options, encode)
 
     def describe(self) -> str:
         if self.train_set is None:
