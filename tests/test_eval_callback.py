@@ -13,12 +13,12 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_oomb import CausalLMModule, LongContextEvalCallback, OOMBStrategy
 from lightning_oomb.cli import main
 from lightning_oomb.core.errors import SetupError
 from lightning_oomb.lightning import eval_callback
+from tiny_models import save_byte_level_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "examples" / "byte_tokenizer")  # one token per byte
@@ -37,14 +37,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    where = tmp_path_factory.mktemp("evalcb") / "model"
-    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                  max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(where)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(where)
-    return where
+    return save_byte_level_llama(tmp_path_factory.mktemp("evalcb") / "model", TOKENIZER)
 
 
 def batches(n: int = 4, seq_len: int = 64) -> list[dict]:

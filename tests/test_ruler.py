@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from lightning_oomb.cli import main
 from lightning_oomb.evaluation.ruler import TASKS, make_sample, score, string_match_all, string_match_part
+from tiny_models import save_byte_level_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "examples" / "byte_tokenizer")  # one token per byte
@@ -69,14 +69,7 @@ def test_scoring_is_ruler_s():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    where = tmp_path_factory.mktemp("ruler") / "model"
-    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                  max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(where)
-    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(where)
-    return where
+    return save_byte_level_llama(tmp_path_factory.mktemp("ruler") / "model", TOKENIZER)
 
 
 def test_evaluate_end_to_end(model_dir, tmp_path, capsys):

@@ -165,3 +165,18 @@ def assert_adamw_updates_close(got: dict, want: dict, start: dict, tol: float = 
         err = rel_err(got[n] - start[n], want[n] - start[n])
         bound = 1e-3 if n.endswith("k_proj.bias") else tol
         assert err <= bound, f"update of {n} differs by {err:.2e} (tolerance {bound:.0e})"
+
+
+def save_byte_level_llama(where, tokenizer: str):
+    """A random 2-layer Llama of 300-token vocabulary (4096 positions) saved to ``where`` with the tokenizer
+    directory ``tokenizer`` beside it: a local model directory as ``lightning-oomb evaluate`` and the evaluation
+    callback read one. Returns ``where``."""
+    from transformers import AutoTokenizer
+
+    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(where)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(where)
+    return where

@@ -127,10 +127,7 @@ class ChatDataModule(TextCorpusDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        trainer = self._trainer_or_none()
-        if trainer is not None:
-            self._check_chunking(trainer)
-            self._check_sampler(trainer)
+        trainer = self._checked_trainer()
         if self.train_set is not None:
             return
         source, vocab_size = self._resolve_tokenizer(trainer)

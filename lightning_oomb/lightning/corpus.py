@@ -581,6 +581,15 @@ class TextCorpusDataModule(LightningDataModule):
         except RuntimeError:
             return None
 
+    def _checked_trainer(self):
+        """The attached Trainer (None outside one), its strategy's chunking and its sampler checked against this
+        module's sequences: what ``setup`` checks on every call, before the data is built or found built."""
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            self._check_chunking(trainer)
+            self._check_sampler(trainer)
+        return trainer
+
     def _check_chunking(self, trainer) -> None:
         config = getattr(getattr(trainer, "strategy", None), "chunk_config", None)
         if config is None:
@@ -650,10 +659,7 @@ class TextCorpusDataModule(LightningDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        trainer = self._trainer_or_none()
-        if trainer is not None:
-            self._check_chunking(trainer)
-            self._check_sampler(trainer)
+        trainer = self._checked_trainer()
         if self.train_set is not None:
             return
         source, vocab_size = self._resolve_tokenizer(trainer)
