@@ -500,22 +500,12 @@ def test_the_planner_counts_values_of_their_own_width():
     assert grads == sum(t.numel() * t.element_size() for t in (pool.dk, pool.dv))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_bf16_family_within_full_sequence_bf16_error(family):
-    """On the GPU, Triton kernels and the fused ops where they fit: each family's bf16 gradient within twice
-    the error of transformers' own bf16 full-sequence run against float32 (tests/test_gpu_end_to_end.py)."""
+def check_bf16_within_full_sequence_error(model32, family: str, **options) -> None:
+    """On the GPU: ``train_step`` of ``model32``'s bf16 copy on 2000 random tokens (chunks of 512, pages of 128,
+    the Triton kernels, ``options``): each gradient within twice the error of transformers' own bf16
+    full-sequence run against ``model32``'s float32 one, plus 2e-3."""
     import copy
 
-    torch.manual_seed(0)
-    sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, **SPECIAL)
-    extra = {**FAMILIES[family], **({"head_dim": 64} if "head_dim" in FAMILIES[family] else {}),
-             **({"query_pre_attn_scalar": 64} if family == "gemma3_text" else {})}
-    config = AutoConfig.for_model(family, **{**sizes, **extra})
-    attention = "eager" if family == "gpt_oss" else "sdpa"
-    model32 = AutoModelForCausalLM.from_config(config, attn_implementation=attention).cuda().float().train()
     ids = torch.randint(0, 4096, (1, 2000), device="cuda")
     model32(input_ids=ids, labels=ids).loss.backward()
     truth = {n: p.grad.float() for n, p in model32.named_parameters() if p.grad is not None}
@@ -524,11 +514,28 @@ def test_bf16_family_within_full_sequence_bf16_error(family):
     model16(input_ids=ids, labels=ids).loss.backward()
     plain = {n: p.grad.float() for n, p in model16.named_parameters() if p.grad is not None}
     model16.zero_grad(set_to_none=True)
-    lightning_oomb.train_step(model16, ids, chunk_size=512, page_size=128, attention="triton")
+    lightning_oomb.train_step(model16, ids, chunk_size=512, page_size=128, attention="triton", **options)
     for name, p in model16.named_parameters():
         if name in truth:
             plain_err, our_err = rel_err(plain[name], truth[name]), rel_err(p.grad.float(), truth[name])
             assert our_err <= 2 * plain_err + 2e-3, (family, name, our_err, plain_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_family_within_full_sequence_bf16_error(family):
+    """On the GPU, Triton kernels and the fused ops where they fit: each family's bf16 gradient within twice
+    the error of transformers' own bf16 full-sequence run against float32 (tests/test_gpu_end_to_end.py)."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, **SPECIAL)
+    extra = {**FAMILIES[family], **({"head_dim": 64} if "head_dim" in FAMILIES[family] else {}),
+             **({"query_pre_attn_scalar": 64} if family == "gemma3_text" else {})}
+    config = AutoConfig.for_model(family, **{**sizes, **extra})
+    attention = "eager" if family == "gpt_oss" else "sdpa"
+    model32 = AutoModelForCausalLM.from_config(config, attn_implementation=attention).cuda().float().train()
+    check_bf16_within_full_sequence_error(model32, family)
 
 
 @pytest.mark.gpu
@@ -542,8 +549,6 @@ def test_bf16_values_of_another_width_within_full_sequence_bf16_error(family, sp
     K/V and gradient pages there, gathered and added into from the GPU), sparse with every page: each bf16
     gradient within twice the error of transformers' own bf16 full-sequence run against float32, as
     test_bf16_family_within_full_sequence_bf16_error."""
-    import copy
-
     torch.manual_seed(0)
     sizes = dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=8192, **SPECIAL)
@@ -553,20 +558,7 @@ def test_bf16_values_of_another_width_within_full_sequence_bf16_error(family, sp
         mla["q_lora_rank"] = 384
     config = AutoConfig.for_model(family, **{**sizes, **mla})
     model32 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").cuda().float().train()
-    ids = torch.randint(0, 4096, (1, 2000), device="cuda")
-    model32(input_ids=ids, labels=ids).loss.backward()
-    truth = {n: p.grad.float() for n, p in model32.named_parameters() if p.grad is not None}
-    model16 = copy.deepcopy(model32).to(torch.bfloat16)
-    model16.zero_grad(set_to_none=True)
-    model16(input_ids=ids, labels=ids).loss.backward()
-    plain = {n: p.grad.float() for n, p in model16.named_parameters() if p.grad is not None}
-    model16.zero_grad(set_to_none=True)
-    lightning_oomb.train_step(model16, ids, chunk_size=512, page_size=128, attention="triton", sparse=sparse,
-                              offload=offload)
-    for name, p in model16.named_parameters():
-        if name in truth:
-            plain_err, our_err = rel_err(plain[name], truth[name]), rel_err(p.grad.float(), truth[name])
-            assert our_err <= 2 * plain_err + 2e-3, (family, name, our_err, plain_err)
+    check_bf16_within_full_sequence_error(model32, family, sparse=sparse, offload=offload)
 
 
 # The families of HEAD_FAMILIES and those that call the AttentionInterface unannounced, at the bf16 test's sizes with
@@ -600,23 +592,13 @@ def test_bf16_more_families_within_full_sequence_bf16_error(family):
     config = AutoConfig.for_model(family, **{**sizes, **GPU_MORE_FAMILIES[family]})
     attention = "eager" if family in ("gemma2", "vaultgemma") else "sdpa"  # SDPA takes no soft cap
     model32 = AutoModelForCausalLM.from_config(config, attn_implementation=attention).cuda().float().train()
-    ids = torch.randint(0, 4096, (1, 2000), device="cuda")
-    model32(input_ids=ids, labels=ids).loss.backward()
-    truth = {n: p.grad.float() for n, p in model32.named_parameters() if p.grad is not None}
-    model16 = copy.deepcopy(model32).to(torch.bfloat16)
-    model16.zero_grad(set_to_none=True)
-    model16(input_ids=ids, labels=ids).loss.backward()
-    plain = {n: p.grad.float() for n, p in model16.named_parameters() if p.grad is not None}
-    model16.zero_grad(set_to_none=True)
-    if not support._calls_attention_interface(model16):  # Falcon before transformers routed its attention
+    if not support._calls_attention_interface(model32):  # Falcon before transformers routed its attention
+        model16 = copy.deepcopy(model32).to(torch.bfloat16)
+        ids = torch.randint(0, 4096, (1, 2000), device="cuda")
         with pytest.raises(NotImplementedError, match="computes attention in its own code"):
             lightning_oomb.train_step(model16, ids, chunk_size=512, page_size=128, attention="triton")
         return
-    lightning_oomb.train_step(model16, ids, chunk_size=512, page_size=128, attention="triton")
-    for name, p in model16.named_parameters():
-        if name in truth:
-            plain_err, our_err = rel_err(plain[name], truth[name]), rel_err(p.grad.float(), truth[name])
-            assert our_err <= 2 * plain_err + 2e-3, (family, name, our_err, plain_err)
+    check_bf16_within_full_sequence_error(model32, family)
 
 
 # Windows that cut chunks and pages every way: 37 tokens in chunks of 8, pages of 3.
