@@ -309,20 +309,21 @@ def test_cli_route_model_directory_gets_a_tokenizer_as_long_as_its_embeddings(tm
 
 
 def test_cli_route_seq_len_sets_the_sequence_and_the_pool(tmp_path):
-    """bench.cli_route --seq-len N [--lora-rank R]: the derived YAML trains N-token sequences (LoRA adapters of
-    rank R) and sizes the page pool for N, so that the longest context the planner names runs through the
+    """bench.cli_route --seq-len N [--lora-rank R] [--trace-step S]: the derived YAML trains N-token sequences
+    (LoRA adapters of rank R; step S traced) and sizes the page pool for N, so that the longest context the planner names runs through the
     user's YAML unchanged otherwise."""
     import yaml
 
     from lightning_oomb.bench.cli_route import derived_config
 
     example = Path(__file__).resolve().parents[1] / "examples" / "qwen2.5-7b-1m-sparse.yaml"
-    data = yaml.safe_load(derived_config(example, tmp_path, None, seq_len=1_617_920, lora_rank=16).read_text())
+    data = yaml.safe_load(derived_config(example, tmp_path, None, seq_len=1_617_920, lora_rank=16,
+                                         trace_step=0).read_text())
     assert data["data"]["init_args"]["seq_len"] == 1_617_920
     assert data["model"]["init_args"]["lora_rank"] == 16
-    pools = [cb["init_args"]["max_seq_len"] for cb in data["trainer"]["callbacks"]
+    pools = [(cb["init_args"]["max_seq_len"], cb["init_args"]["trace_step"]) for cb in data["trainer"]["callbacks"]
              if cb["class_path"].endswith("PagedKVCallback")]
-    assert pools == [1_617_920]
+    assert pools == [(1_617_920, 0)]
     assert data["trainer"]["enable_checkpointing"] is False
 
 
@@ -344,3 +345,25 @@ def test_generate_check_passes_on_a_saved_model_and_writes_its_results(tmp_path)
     results = json.loads(out.read_text())
     assert set(results["sets"]) == set(OPTION_SETS) and results["new_tokens"] == 5
     assert all(s["tokens_equal"] and s["max_logprob_diff"] <= results["bound"] for s in results["sets"].values())
+
+
+def test_cli_route_trace_picture_and_csv_hold_gpu_and_host_memory(tmp_path):
+    """bench.cli_route's trace: the memory_trace/* scalars PagedKVCallback logs become a picture and a CSV with
+    the GPU and host memory after every chunk, stage by stage."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_oomb.bench.cli_route import plot_trace
+
+    logger = TensorBoardLogger(tmp_path, name="run")
+    for i, (stage, gpu, host) in enumerate([(1, 2.0, 5.0), (1, 2.5, 5.5), (2, 2.5, 6.0), (2, 2.0, 6.0)]):
+        logger.log_metrics({"memory_trace/allocated_gib": gpu, "memory_trace/host_gib": host,
+                            "memory_trace/stage": stage}, step=i)
+    logger.finalize("success")
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert plot_trace(events, "run", tmp_path / "fit-trace.png", since=0.0)
+    assert (tmp_path / "fit-trace.png").stat().st_size > 0
+    rows = (tmp_path / "fit-trace.csv").read_text().splitlines()
+    assert rows == ["position,stage,gpu_allocated_gib,host_gib", "0,1,2.000,5.000", "1,1,2.500,5.500",
+                    "2,2,2.500,6.000", "3,2,2.000,6.000"]

@@ -261,6 +261,8 @@ def test_memory_series_in_tensorboard(tmp_path):
     stages = [e.value for e in events.Scalars("memory_trace/stage")]
     assert stages == [1] * 4 + [2] * 4
     assert len(events.Scalars("memory_trace/allocated_gib")) == 8
+    host = [e.value for e in events.Scalars("memory_trace/host_gib")]
+    assert len(host) == 8 and all(h > 0 for h in host)
 
 
 def test_host_pages_same_weights_as_plain_training():

@@ -91,13 +91,14 @@ def make_corpus(path: Path, tokens: int, document_tokens: int | None = None, see
 
 
 def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_len: int | None = None,
-                   lora_rank: int | None = None, optimizer: str | None = None) -> Path:
+                   lora_rank: int | None = None, optimizer: str | None = None, trace_step: int | None = None) -> Path:
     """The example YAML with its checkpoint interval set (None: no ModelCheckpoint) and its logs under ``out``.
     Each checkpoint gets its own file and no last.ckpt is written at the end, so that a 46 GB checkpoint is
     written once and never next to the partial file of its replacement (the GPU machine's disk is 64 GiB).
     ``seq_len`` replaces the sequence length (tokens) and the PagedKVCallback's ``max_seq_len`` with it;
     ``lora_rank`` the model's ``lora_rank`` (its adapters on the module's default targets); ``optimizer`` the
-    model's ``optimizer`` (a name of ``core.optimizers.OPTIMIZERS``)."""
+    model's ``optimizer`` (a name of ``core.optimizers.OPTIMIZERS``); ``trace_step`` the PagedKVCallback's
+    ``trace_step`` (0: the first step, whose trace a run killed in its second step still logs)."""
     data = yaml.safe_load(config.read_text())
     if seq_len is not None:
         data["data"]["init_args"]["seq_len"] = seq_len
@@ -108,8 +109,11 @@ def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_le
     callbacks = data["trainer"].get("callbacks", [])
     kept = []
     for cb in callbacks:
-        if seq_len is not None and cb["class_path"].endswith("PagedKVCallback"):
-            cb["init_args"]["max_seq_len"] = seq_len
+        if cb["class_path"].endswith("PagedKVCallback"):
+            if seq_len is not None:
+                cb["init_args"]["max_seq_len"] = seq_len
+            if trace_step is not None:
+                cb["init_args"]["trace_step"] = trace_step
         if cb["class_path"].endswith("ModelCheckpoint"):
             if checkpoint_every is None:
                 continue
@@ -198,29 +202,40 @@ def step_series(events, tokens: int, since: float) -> dict[str, list[float]]:
 
 
 def plot_trace(events, title: str, path: Path, since: float) -> bool:
-    """The per-chunk memory trace PagedKVCallback(trace_step=N) logged (``memory_trace/*``) as a picture:
-    memory allocated after each chunk, stage 1's chunks then stage 2's. False when the run logged none."""
-    if "memory_trace/allocated_gib" not in events.Tags()["scalars"]:
+    """The per-chunk memory trace PagedKVCallback(trace_step=N) logged (``memory_trace/*``) as a picture (GPU
+    memory allocated and the process's host memory after each chunk, stage 1's chunks then stage 2's) and as a
+    CSV beside it. False when the run logged none."""
+    tags = events.Tags()["scalars"]
+    if "memory_trace/allocated_gib" not in tags:
         return False
-    gib = [e.value for e in events.Scalars("memory_trace/allocated_gib") if e.wall_time >= since]
-    stage = [e.value for e in events.Scalars("memory_trace/stage") if e.wall_time >= since]
+
+    def series(tag: str) -> list[float]:
+        return [e.value for e in events.Scalars(tag) if e.wall_time >= since] if tag in tags else []
+
+    gib, stage, host = series("memory_trace/allocated_gib"), series("memory_trace/stage"), series("memory_trace/host_gib")
     if not gib:
         return False
+    with open(path.with_suffix(".csv"), "w") as f:
+        f.write("position,stage,gpu_allocated_gib,host_gib\n")
+        for i, (g, st) in enumerate(zip(gib, stage)):
+            f.write(f"{i},{int(st)},{g:.3f},{host[i] if i < len(host) else float('nan'):.3f}\n")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for s, color in ((1, "tab:blue"), (2, "tab:orange")):
-        points = [(i, g) for i, (g, st) in enumerate(zip(gib, stage)) if st == s]
-        if points:
-            ax.plot(*zip(*points), ".-", color=color, markersize=3, label=f"stage {s}")
-    ax.set_xlabel("chunk (stage 1 first to last, then stage 2 last to first)")
-    ax.set_ylabel("allocated after the chunk (GiB)")
-    ax.set_title(f"{title}: memory after every chunk of one step")
-    ax.set_ylim(0, max(gib) * 1.1)
-    ax.legend()
+    panels = [(gib, "GPU allocated after the chunk (GiB)")] + ([(host, "host, process resident (GiB)")] if host else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.5 * len(panels)), sharex=True, squeeze=False)
+    for ax, (values, label) in zip(axes[:, 0], panels):
+        for s, color in ((1, "tab:blue"), (2, "tab:orange")):
+            points = [(i, g) for i, (g, st) in enumerate(zip(values, stage)) if st == s]
+            if points:
+                ax.plot(*zip(*points), ".-", color=color, markersize=3, label=f"stage {s}")
+        ax.set_ylabel(label)
+        ax.set_ylim(0, max(values) * 1.1)
+        ax.legend()
+    axes[-1, 0].set_xlabel("chunk (stage 1 first to last, then stage 2 last to first)")
+    axes[0, 0].set_title(f"{title}: memory after every chunk of one step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -350,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", default=None, help="the model's optimizer instead of the YAML's (a name)")
     parser.add_argument("--gpu-memory", default=None,
                         help="the strategy's GPU memory budget (e.g. 24GiB: a smaller card's memory on this GPU)")
+    parser.add_argument("--trace-step", type=int, default=None,
+                        help="the step whose GPU and host memory after every chunk is traced (default: the YAML's)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"config": str(args.config), "argv": sys.argv}
@@ -367,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if every is None:
         every = next((cb["init_args"]["every_n_train_steps"] for cb in data["trainer"]["callbacks"]
                       if cb["class_path"].endswith("ModelCheckpoint")), None)
-    config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank, args.optimizer)
+    config = derived_config(args.config, args.out, every or None, args.seq_len, args.lora_rank, args.optimizer,
+                            args.trace_step)
     budget = ["--trainer.strategy.init_args.gpu_memory", args.gpu_memory] if args.gpu_memory else []
     results["fit"] = run_fit(args, config, corpus, args.out, args.steps, "fit", budget)
     print(json.dumps(results["fit"]), flush=True)

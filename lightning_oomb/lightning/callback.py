@@ -57,7 +57,8 @@ class PagedKVCallback(Callback):
             pool is sized by the first batch, and a larger batch later is refused with a message. Where the
             pages live follows the strategy's ``offload``, decided once, for the largest batch.
         trace_step: a global step whose memory after every chunk of stage 1 and stage 2 is logged as
-            ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first) and
+            ``memory_trace/allocated_gib`` (x axis: position in the trace, stage 1's chunks first),
+            ``memory_trace/host_gib`` (the process's resident host memory, pinned pages included) and
             ``memory_trace/stage``: the flat profile the method promises, or where it is not flat.
         print_plan: print the plan of the step as placed at fit start (memory by line against the GPU and the
             host memory budget, predicted time) and how long pinning the host pages took.
@@ -75,7 +76,7 @@ class PagedKVCallback(Callback):
         self.trace_step = trace_step
         self.print_plan = print_plan
         self.placement: Placement | None = None
-        self._trace: list[tuple[int, float]] | None = None
+        self._trace: list[tuple[int, float, float]] | None = None
         self.pool: PagePool | None = None
         self._page_size = 1
         self._device = torch.device("cpu")
@@ -170,8 +171,9 @@ class PagedKVCallback(Callback):
     def observe(self, stage: int, index: int, start: int, end: int) -> None:
         """The engine's chunk observer: records memory after each chunk of a traced step."""
         if self._trace is not None:
-            used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else process_host_bytes()
-            self._trace.append((stage, used / GIB))
+            host = process_host_bytes()
+            used = torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else host
+            self._trace.append((stage, used / GIB, host / GIB))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
@@ -206,8 +208,9 @@ class PagedKVCallback(Callback):
             metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         if self._trace:
-            for i, (stage, gib) in enumerate(self._trace):
-                trainer.logger.log_metrics({"memory_trace/allocated_gib": gib, "memory_trace/stage": stage}, step=i)
+            for i, (stage, gib, host_gib) in enumerate(self._trace):
+                trainer.logger.log_metrics({"memory_trace/allocated_gib": gib, "memory_trace/host_gib": host_gib,
+                                            "memory_trace/stage": stage}, step=i)
             self._trace = None
 
     def release_pool(self) -> None:
