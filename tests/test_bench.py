@@ -367,3 +367,12 @@ def test_cli_route_trace_picture_and_csv_hold_gpu_and_host_memory(tmp_path):
     rows = (tmp_path / "fit-trace.csv").read_text().splitlines()
     assert rows == ["position,stage,gpu_allocated_gib,host_gib", "0,1,2.000,5.000", "1,1,2.500,5.500",
                     "2,2,2.500,6.000", "3,2,2.000,6.000"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_optimizer_host_memory_refuses_a_machine_without_cuda_in_one_line(capsys):
+    from lightning_oomb.bench.optimizer_host_memory import main
+
+    assert main(["--optimizer", "adamw8bit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "optimizer_host_memory: needs a CUDA device"

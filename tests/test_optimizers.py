@@ -98,6 +98,42 @@ def test_kahan_steps_track_float32_on_the_gpu():
     assert weight_change_error("adamw8bit-kahan", device="cuda") < 0.05
 
 
+def test_torchao_choices_step_under_one_kernel_configuration():
+    """Every torchao choice is built as a class whose CUDA steps run under one_config_inductor: Inductor's
+    deterministic mode and pointwise autotuning off while the step compiles, put back afterwards."""
+    import torch._inductor.config as inductor
+
+    from lightning_oomb.core.optimizers import choice_of
+    from lightning_oomb.core.torchao_optim import OneConfigStep, one_config_inductor
+
+    for name, choice in OPTIMIZERS.items():
+        optimizer = OptimizerSpec.parse(name).build([torch.nn.Parameter(torch.zeros(4))], lr=1e-3, weight_decay=0.0)
+        assert isinstance(optimizer, OneConfigStep) == (choice.package == "torchao"), name
+        assert choice_of(optimizer) is choice
+    before = (inductor.deterministic, inductor.triton.autotune_pointwise)
+    with one_config_inductor():
+        assert (inductor.deterministic, inductor.triton.autotune_pointwise) == (True, False)
+    assert (inductor.deterministic, inductor.triton.autotune_pointwise) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw8bit-kahan"])
+def test_first_compiled_step_on_a_full_gpu_pins_no_host_memory(name, tmp_path, monkeypatch):
+    """The first (compiling) step of an embedding-sized bf16 weight with the GPU full, as a long-context step
+    leaves it: torch's pinned allocator holds nothing afterwards (with Inductor trying each kernel's
+    configurations it held 8 and 13 GiB of copies of the weight and moments, for the life of the process)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no configuration chosen by an earlier run
+    p = torch.nn.Parameter(torch.randn(32768, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    p.grad = torch.randn_like(p) * 1e-3
+    optimizer = OptimizerSpec.parse(name).build([p], lr=1e-5, weight_decay=0.0)
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(max(0, free - (2 << 30)), dtype=torch.uint8, device="cuda")  # noqa: F841
+    optimizer.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) < (64 << 20)
+
+
 def test_compiled_kahan_step_keeps_the_compensation():
     """The fused (torch.compile) step computes what the eager one does: Inductor must not fold the
     float32 -> bf16 -> float32 round trip that defines the compensation. Compiled here on the CPU, so with the

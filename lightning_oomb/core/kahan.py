@@ -3,7 +3,8 @@
 Each bf16 weight ``p`` has a bf16 buffer ``c`` with what rounding the last update left out; a step runs
 torchao's ``single_param_adam`` on ``p + c`` in float32 and writes back ``p = bf16(hi)``, ``c = bf16(hi - p)``,
 so updates far below bf16's spacing accumulate (docs/optimizers.md). On CUDA the per-tensor step is one
-``torch.compile`` kernel that keeps that round trip (``emulate_precision_casts``); on the CPU it runs eagerly.
+``torch.compile`` kernel that keeps that round trip (``emulate_precision_casts``), built at one kernel
+configuration (core/torchao_optim.py says why); on the CPU it runs eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torchao.optim import AdamW8bit, _AdamW
 from torchao.optim.adam import single_param_adam
 
 from .errors import SetupError
+from .torchao_optim import OneConfigStep
 
 
 def compensated_adam_step(
@@ -84,7 +86,7 @@ class _Kahan:
         return loss
 
 
-class KahanAdamW(_Kahan, _AdamW):
+class KahanAdamW(OneConfigStep, _Kahan, _AdamW):
     """torchao's AdamW (moments in the weights' dtype) with compensated bf16 weights."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
@@ -92,7 +94,7 @@ class KahanAdamW(_Kahan, _AdamW):
         self._check_params()
 
 
-class KahanAdamW8bit(_Kahan, AdamW8bit):
+class KahanAdamW8bit(OneConfigStep, _Kahan, AdamW8bit):
     """torchao's AdamW8bit (8-bit moments) with compensated bf16 weights."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,

@@ -192,9 +192,9 @@ def _named_class(choice: OptimizerChoice) -> type:
         from . import kahan
 
         return kahan.KahanAdamW8bit if choice.eight_bit else kahan.KahanAdamW
-    import torchao.optim
+    from . import torchao_optim
 
-    return torchao.optim.AdamW8bit if choice.eight_bit else torchao.optim._AdamW
+    return torchao_optim.AdamW8bit if choice.eight_bit else torchao_optim.AdamW
 
 
 def _quiet_torchao_import() -> None:
@@ -225,10 +225,10 @@ def choice_of(optimizer: torch.optim.Optimizer) -> OptimizerChoice | None:
     module = cls.__module__
     if module.endswith("core.kahan"):
         return OPTIMIZERS["adamw8bit-kahan" if "8bit" in cls.__name__ else "adamw-kahan"]
-    if module.startswith("torchao.optim"):
+    if module.startswith("torchao.optim") or module.endswith("core.torchao_optim"):
         if cls.__name__ == "AdamW8bit":
             return OPTIMIZERS["adamw8bit"]
-        if cls.__name__ == "_AdamW":
+        if cls.__name__ in ("_AdamW", "AdamW"):
             return OPTIMIZERS["adamw-sr"]
     return None
 
