@@ -1,0 +1,99 @@
+"""Qwen3-Next's Gated DeltaNet layer run one chunk at a time, from the state the chunk before it left.
+
+transformers runs the layer over a whole sequence, or one token at a time from its cache; a chunk of several
+tokens that continues a sequence needs both at once: the short convolution's last ``kernel - 1`` inputs before
+the chunk, and the recurrent matrix of every value head. ``gated_delta_chunk`` takes them, runs the layer's own
+projections, convolution weights, gated norm and transformers' chunked gated delta rule (the kernel transformers
+itself calls: flash-linear-attention's where installed, its torch path otherwise) on the chunk, and returns the
+output with the state the next chunk starts from. Differentiable in the state: a chunk's backward hands the
+gradient of its initial state to the chunk before it. Chained over a sequence's chunks from ``initial_state``, it
+computes what the layer computes on the whole sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GatedDeltaState:
+    """What one Gated DeltaNet layer carries across a chunk border, for a batch of B sequences.
+
+    conv: (B, conv_dim, kernel - 1), the layer's dtype: the convolution's inputs (q, k, v projections) of the
+        last ``kernel - 1`` tokens before the border (zeros before the sequence's start).
+    recurrent: (B, num_v_heads, head_k_dim, head_v_dim) float32: the delta rule's state after the last token.
+    """
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def detach(self) -> GatedDeltaState:
+        return GatedDeltaState(self.conv.detach(), self.recurrent.detach())
+
+    def requires_grad_(self) -> GatedDeltaState:
+        self.conv.requires_grad_()
+        self.recurrent.requires_grad_()
+        return self
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.recurrent
+
+
+def initial_state(layer: nn.Module, batch: int) -> GatedDeltaState:
+    """The state before a sequence's first token: zeros (what the layer's own zero-padded convolution and its
+    delta rule without an initial state start from)."""
+    weight = layer.conv1d.weight
+    kernel = layer.conv1d.kernel_size[0]
+    return GatedDeltaState(
+        conv=torch.zeros(batch, layer.conv_dim, kernel - 1, dtype=weight.dtype, device=weight.device),
+        recurrent=torch.zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32,
+                              device=weight.device),
+    )
+
+
+def state_bytes(layer: nn.Module, batch: int) -> int:
+    """Bytes one border state of ``layer`` holds for ``batch`` sequences."""
+    return sum(t.numel() * t.element_size() for t in initial_state(layer, batch).tensors())
+
+
+def _delta_rule(layer: nn.Module):
+    """transformers' chunked gated delta rule as the layer's modeling module defines it."""
+    return sys.modules[type(layer).__module__].torch_chunk_gated_delta_rule
+
+
+def gated_delta_chunk(layer: nn.Module, hidden: torch.Tensor,
+                      state: GatedDeltaState) -> tuple[torch.Tensor, GatedDeltaState]:
+    """One chunk of a Qwen3-Next Gated DeltaNet ``layer`` (``Qwen3NextGatedDeltaNet``) from ``state``.
+
+    hidden: (B, T, hidden_size), the chunk's input to the layer. Returns the layer's output (B, T, hidden_size)
+    and the state after the chunk's last token."""
+    from transformers.activations import ACT2FN
+
+    batch, tokens, _ = hidden.shape
+    qkvz = layer.in_proj_qkvz(hidden)
+    ba = layer.in_proj_ba(hidden)
+    query, key, value, z, b, a = layer.fix_query_key_value_ordering(qkvz, ba)
+    mixed = torch.cat([x.reshape(batch, tokens, -1) for x in (query, key, value)], dim=-1).transpose(1, 2)
+    # The convolution over the chunk's inputs with the last kernel - 1 inputs before it in front: the
+    # whole-sequence layer's zero padding at the sequence's start, and its window across the border later.
+    padded = torch.cat([state.conv.to(mixed.dtype), mixed], dim=2)
+    kernel = layer.conv1d.kernel_size[0]
+    conv = F.conv1d(padded, layer.conv1d.weight, layer.conv1d.bias, groups=layer.conv_dim)
+    conv = ACT2FN[layer.activation](conv).transpose(1, 2)
+    query, key, value = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    query = query.reshape(batch, tokens, -1, layer.head_k_dim)
+    key = key.reshape(batch, tokens, -1, layer.head_k_dim)
+    value = value.reshape(batch, tokens, -1, layer.head_v_dim)
+    beta = b.sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+    out, recurrent = _delta_rule(layer)(query, key, value, g=g, beta=beta, initial_state=state.recurrent,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    z_shape = z.shape
+    out = layer.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z_shape)
+    out = layer.out_proj(out.reshape(batch, tokens, -1))
+    return out, GatedDeltaState(conv=padded[:, :, padded.shape[2] - (kernel - 1):], recurrent=recurrent)

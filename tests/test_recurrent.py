@@ -1,0 +1,95 @@
+"""State-carrying layers run chunk by chunk (lightning_oomb.recurrent) against transformers' own layer over the
+whole sequence, float32 on the CPU: the outputs, and every gradient when the chunks' backward runs in reverse
+from the border states stage 1 stored, each chunk handing its initial state's gradient to the chunk before it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+from lightning_oomb.recurrent.gated_delta import GatedDeltaState, gated_delta_chunk, initial_state, state_bytes  # noqa: E402
+
+TOL = 1e-5  # relative, float32
+
+
+def tiny_gated_delta(seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, vocab_size=101,
+        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1],
+    )
+    torch.manual_seed(seed)
+    layer = qwen3_next.Qwen3NextGatedDeltaNet(config, 0)
+    with torch.no_grad():  # weights of a trained model's scale, and gates that keep part of the state
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.A_log.uniform_(-2, 1)
+    return layer
+
+
+def chunks_of(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max()) <= TOL * max(float(want.abs().max()), 1e-30)
+
+
+@pytest.mark.parametrize("chunk", [8, 5, 2])
+def test_gated_delta_chunks_equal_the_whole_sequence_forward_and_every_gradient(chunk):
+    """Chunks of 8 (dividing 24 tokens), 5 and 2 (not dividing, 2 shorter than the convolution's window of 3
+    inputs before a token), batch of two: stage 1 runs the chunks forward without gradients and keeps the state
+    at each border; stage 2 runs them in reverse, each from its stored state, backpropagating the output's
+    gradient and the gradient of its final state that the next chunk handed back."""
+    layer = tiny_gated_delta()
+    torch.manual_seed(1)
+    x = torch.randn(2, 24, 32)
+    upstream = torch.randn(2, 24, 32)
+
+    whole_x = x.clone().requires_grad_()
+    whole = layer(whole_x)
+    torch.autograd.backward(whole, upstream)
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    want_x = whole_x.grad
+    layer.zero_grad()
+
+    borders = chunks_of(24, chunk)
+    stored: list[GatedDeltaState] = []
+    outputs = []
+    with torch.no_grad():  # stage 1
+        state = initial_state(layer, 2)
+        for start, end in borders:
+            stored.append(state)
+            out, state = gated_delta_chunk(layer, x[:, start:end], state)
+            outputs.append(out)
+    assert close(torch.cat(outputs, dim=1), whole)
+
+    got_x = torch.zeros_like(x)
+    handed_back: tuple[torch.Tensor, torch.Tensor] | None = None
+    for index in reversed(range(len(borders))):  # stage 2
+        start, end = borders[index]
+        piece = x[:, start:end].clone().requires_grad_()
+        begin = stored[index].detach().requires_grad_()
+        out, final = gated_delta_chunk(layer, piece, begin)
+        tensors, grads = [out], [upstream[:, start:end]]
+        if handed_back is not None:
+            tensors += final.tensors()
+            grads += handed_back
+        torch.autograd.backward(tensors, grads)
+        handed_back = (begin.conv.grad, begin.recurrent.grad)
+        got_x[:, start:end] = piece.grad
+    assert close(got_x, want_x)
+    for name, p in layer.named_parameters():
+        assert close(p.grad, want[name]), name
+
+
+def test_gated_delta_state_bytes_are_the_convolution_tail_and_the_float32_matrices():
+    layer = tiny_gated_delta()
+    # conv: 2 sequences x (2 * 2 * 8 + 4 * 8) channels x 3 inputs x 4 bytes; recurrent: 2 x 4 heads x 8 x 8 x 4
+    assert state_bytes(layer, 2) == 2 * 64 * 3 * 4 + 2 * 4 * 8 * 8 * 4
