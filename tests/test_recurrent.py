@@ -93,3 +93,72 @@ def test_gated_delta_state_bytes_are_the_convolution_tail_and_the_float32_matric
     layer = tiny_gated_delta()
     # conv: 2 sequences x (2 * 2 * 8 + 4 * 8) channels x 3 inputs x 4 bytes; recurrent: 2 x 4 heads x 8 x 8 x 4
     assert state_bytes(layer, 2) == 2 * 64 * 3 * 4 + 2 * 4 * 8 * 8 * 4
+
+
+def tiny_qwen3_next(seed: int = 0):
+    """A tiny Qwen3-Next: linear attention, full attention, linear, full (dense MLPs), float32."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, vocab_size=101, max_position_embeddings=256,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1, 2, 3], tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "A_log" in name:
+                p.uniform_(-2, 1)
+    return model
+
+
+def own_float32_spread(model, ids, labels, want: dict, monkeypatch) -> dict:
+    """Per parameter, how far transformers' own full-sequence gradient moves (norm-wise relative) when its
+    chunked gated delta rule runs at another of its internal chunk sizes (8, 16, 32 tokens for its 64): the
+    same arithmetic in another float32 order. The decay parameters (A_log, dt_bias) sum many terms that
+    cancel: for them this spread is above 1e-5."""
+    from tiny_models import full_sequence_grads, rel_err
+
+    rule = qwen3_next.torch_chunk_gated_delta_rule
+    spread = dict.fromkeys(want, 0.0)
+    for size in (8, 16, 32):
+        with monkeypatch.context() as patch:
+            patch.setattr(qwen3_next, "torch_chunk_gated_delta_rule",
+                          lambda *args, _size=size, **kwargs: rule(*args, chunk_size=_size, **kwargs))
+            _, grads = full_sequence_grads(model, ids, labels)
+        for name in want:
+            spread[name] = max(spread[name], rel_err(grads[name], want[name]))
+    return spread
+
+
+@pytest.mark.parametrize("chunk", [8, 5])
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_qwen3_next_train_step_equals_full_sequence_training(chunk, checkpoint_layers, monkeypatch):
+    """train_step on a tiny Qwen3-Next (its linear-attention layers' states carried across the chunk borders):
+    the loss and every gradient of transformers' own full-sequence training within 1e-5 (norm-wise relative),
+    or within twice what transformers' own gradient moves by at another internal chunk size of its delta rule
+    where that is larger (A_log and dt_bias, about 1.5e-5); chunks that divide the 40 tokens and chunks that do
+    not, with and without layer checkpointing, batch of two with masked labels."""
+    from tiny_models import full_sequence_grads, grads_of, rel_err
+
+    from lightning_oomb import ChunkConfig, train_step
+
+    model = tiny_qwen3_next()
+    torch.manual_seed(2)
+    ids = torch.randint(3, 101, (2, 40))
+    labels = ids.clone()
+    labels[0, :7] = -100
+    labels[1, 30:] = -100
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    spread = own_float32_spread(model, ids, labels, want, monkeypatch)
+    model.train()
+    loss = train_step(model, ids, labels, config=ChunkConfig(chunk_size=chunk, page_size=4,
+                                                             checkpoint_layers=checkpoint_layers))
+    assert rel_err(loss.detach(), want_loss) <= TOL
+    got = grads_of(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])

@@ -29,6 +29,8 @@ from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
+from ..recurrent import carried_layers
+from ..recurrent.states import ChunkStates
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
 from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_across_borders
@@ -216,6 +218,14 @@ class ChunkedSequence:
         if config.sparse is not None and not config.sparse.per_query_tile and self.doc_start is not None:
             raise ValueError(PER_CHUNK_OVER_DOCUMENTS)
         self.fused_ops = uses_triton(config.attention, self.device)
+        # The states of the state-carrying layers (linear attention) across chunk borders, if the model has any.
+        self.states = ChunkStates(input_ids.shape[0]) if carried_layers(self.lm) else None
+        if self.states is not None and self.doc_start is not None:
+            raise ValueError(
+                f"{type(self.lm).__name__} carries its linear-attention state from token to token, across the "
+                "starts of packed documents too: train packed documents without document masking (position_ids), "
+                "or one document per sequence"
+            )
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}
         # Attention (out, lse) from stage 1 of the placement.kept_chunks chunks before those whose graphs it
@@ -311,6 +321,12 @@ class ChunkedSequence:
         self._window_cache: tuple[tuple[int, int] | None, torch.Tensor | None] = (None, None)
         self._stored = 0  # extend(): the tokens whose K/V are in the pages
         self._bound = False  # inside bound()
+
+    # -- called by every state-carrying layer through the transformers integration --------------------
+    def carry(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The output (B, T, d) of a state-carrying layer on the current chunk (lightning_oomb.recurrent)."""
+        return self.states.run(layer, hidden, self._chunk, keep_borders=self._with_grads,
+                               recompute=self._stage == "recompute")
 
     # -- called by every attention layer through the transformers integration -------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -601,6 +617,8 @@ class ChunkedSequence:
                     for done in (self.selections, self.kept):  # this chunk's forward and backward are done
                         for key in [key for key in done if key[0] == index]:
                             del done[key]
+                    if self.states is not None:
+                        self.states.done(index)
                     self.pool.chunk_grads_read(self.table, start, end)
                     total += loss
                     if self.observer is not None:
@@ -642,6 +660,8 @@ class ChunkedSequence:
                 self.pool.kv_staging.forget()
         self.selections.clear()
         self.kept.clear()
+        if self.states is not None:
+            self.states.clear()
         self.graphs.clear()
         self.loss_grads.clear()
         self.head_grads = None

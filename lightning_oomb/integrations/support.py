@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..recurrent import carried_kind
 from .decoder import decoder_of
 from .router_balance import router_class
 from .transformers import causal_lm, logit_head
@@ -28,7 +29,7 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 TOKENWISE_LAYERS = ("mlp", "moe")
 # Model types whose attention layers call transformers' AttentionInterface though their class does not declare
 # ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
-INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon")
+INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon", "qwen3_next")
 # Families whose attention layers call attention more than once a forward, with the same keys and other values,
 # by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
 # attend to the last call's values of the past.
@@ -61,8 +62,15 @@ def check_supported(model: nn.Module) -> None:
     lm = causal_lm(model)
     cfg = lm.config
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
-    other_layers = sorted(set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS))
-    convs = [n for n, m in decoder_of(lm).named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d))]
+    decoder = decoder_of(lm)
+    # State-carrying layers that lightning_oomb.recurrent runs chunk by chunk, and what lies inside them.
+    carried = {n for n, m in decoder.named_modules() if carried_kind(m) is not None}
+    inside = {n for n, _ in decoder.named_modules() if any(n == c or n.startswith(c + ".") for c in carried)}
+    kinds = set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS)
+    if carried:
+        kinds.discard("linear_attention")
+    other_layers = sorted(kinds)
+    convs = [n for n, m in decoder.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d)) and n not in inside]
     if other_layers or convs:
         what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
         raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..recurrent import carried_layers
 from .fused_ops import accumulating_linears
 from .fused_ops import fused_ops as swapped_fused_ops
 
@@ -27,6 +28,8 @@ class ChunkAttender(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,  # noqa: E704
                window: int | None = None, sinks: torch.Tensor | None = None,
                softcap: float | None = None) -> torch.Tensor: ...
+
+    def carry(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor: ...  # noqa: E704
 
 
 _active: ChunkAttender | None = None
@@ -60,6 +63,14 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     out = _active.attend(module.layer_idx, query, key, value, scale, window=sliding_window(module), sinks=sinks,
                          softcap=None if softcap is None else float(softcap))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _carried_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs) -> torch.Tensor:
+    """The forward of a state-carrying layer (lightning_oomb.recurrent) during a step: the chunk from the state
+    the chunk before it left, through the step's ``carry``."""
+    if attention_mask is not None:
+        raise ValueError("lightning_oomb runs state-carrying layers without a padding mask; mask labels with -100")
+    return _active.carry(layer, hidden_states)
 
 
 # No mask function is registered for it, on purpose: for an implementation absent from transformers'
@@ -201,12 +212,17 @@ def bind(
         for m in layers:
             m.gradient_checkpointing = True
             m._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    carried = carried_layers(lm)
+    for m in carried:
+        m.forward = partial(_carried_forward, m)
     _active = attender
     try:
         with accumulating_linears(lm), swapped_fused_ops(lm) if fused_ops else contextlib.nullcontext():
             yield
     finally:
         _active = None
+        for m in carried:
+            m.__dict__.pop("forward", None)
         lm.set_attn_implementation(saved_impl)
         for m, flag, func in saved_ckpt:
             for name, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
