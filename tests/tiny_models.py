@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -180,3 +181,24 @@ def save_byte_level_llama(where, tokenizer: str):
     AutoModelForCausalLM.from_config(config).save_pretrained(where)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(where)
     return where
+
+
+def delta_rule_spread(model, input_ids, labels, want: dict) -> dict:
+    """Per parameter, how far transformers' own full-sequence gradient ``want`` moves (norm-wise relative) when
+    the model's chunked gated delta rule (linear attention: Qwen3-Next) runs at another of its internal chunk
+    sizes (8, 16, 32 tokens for its 64): the same arithmetic in another float32 order. The decay parameters
+    (A_log, dt_bias) sum many terms that cancel, so for them this is above 1e-5; a chunked run is held to
+    twice it there."""
+    modeling = sys.modules[type(model).__module__]
+    rule = modeling.torch_chunk_gated_delta_rule
+    spread = dict.fromkeys(want, 0.0)
+    try:
+        for size in (8, 16, 32):
+            modeling.torch_chunk_gated_delta_rule = lambda *args, _size=size, **kwargs: rule(*args, chunk_size=_size,
+                                                                                             **kwargs)
+            _, grads = full_sequence_grads(model, input_ids, labels)
+            for name in want:
+                spread[name] = max(spread[name], rel_err(grads[name], want[name]))
+    finally:
+        modeling.torch_chunk_gated_delta_rule = rule
+    return spread
