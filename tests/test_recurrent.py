@@ -143,3 +143,54 @@ def test_qwen3_next_train_step_equals_full_sequence_training(chunk, checkpoint_l
     assert got.keys() == want.keys()
     for name in want:
         assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])
+
+
+def test_qwen3_next_lora_on_linear_attention_and_attention_projections():
+    """LoRA adapters (peft) on the linear-attention layers' input and output projections and on the attention
+    projections: every adapter's gradient as in transformers' full-sequence training (same bound as above)."""
+    peft = pytest.importorskip("peft")
+    from tiny_models import delta_rule_spread, full_sequence_grads, grads_of, rel_err
+
+    from lightning_oomb import train_step
+
+    model = peft.get_peft_model(tiny_qwen3_next(), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False,
+        target_modules=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"]))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 101, (1, 33))
+    want_loss, want = full_sequence_grads(model, ids)
+    assert any("in_proj_qkvz.lora_A" in n for n in want)
+    spread = delta_rule_spread(model, ids, None, want)
+    model.train()
+    loss = train_step(model, ids, chunk_size=8, page_size=4)
+    assert rel_err(loss.detach(), want_loss) <= TOL
+    got = grads_of(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])
+
+
+def test_qwen3_next_generate_equals_transformers_greedy_search():
+    """lightning_oomb.generate over carried states (the prompt in chunks of 8, then one token at a time): the
+    tokens of transformers' own greedy search with its cache, batch of two."""
+    from lightning_oomb import generate
+
+    model = tiny_qwen3_next().eval()
+    torch.manual_seed(3)
+    ids = torch.randint(3, 101, (2, 37))
+    want = model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    got = generate(model, ids, max_new_tokens=12, eos_token_id=-1, chunk_size=8, page_size=4)
+    assert torch.equal(got, want)
+
+
+def test_qwen3_next_packed_documents_are_refused_in_one_line():
+    """Document masking restarts attention at each document; a linear-attention state would run on across the
+    start: refused before any compute, in one line."""
+    from lightning_oomb import train_step
+
+    model = tiny_qwen3_next().train()
+    ids = torch.randint(3, 101, (1, 24))
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    with pytest.raises(ValueError, match="across the starts of packed documents") as refused:
+        train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
+    assert "\n" not in str(refused.value)

@@ -189,7 +189,8 @@ def delta_rule_spread(model, input_ids, labels, want: dict) -> dict:
     sizes (8, 16, 32 tokens for its 64): the same arithmetic in another float32 order. The decay parameters
     (A_log, dt_bias) sum many terms that cancel, so for them this is above 1e-5; a chunked run is held to
     twice it there."""
-    modeling = sys.modules[type(model).__module__]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    modeling = sys.modules[type(base).__module__]
     rule = modeling.torch_chunk_gated_delta_rule
     spread = dict.fromkeys(want, 0.0)
     try:
