@@ -9,7 +9,8 @@ import torch
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
-from lightning_oomb.recurrent.gated_delta import GatedDeltaState, gated_delta_chunk, initial_state, state_bytes  # noqa: E402
+from lightning_oomb.recurrent import border_state_bytes  # noqa: E402
+from lightning_oomb.recurrent.gated_delta import GatedDeltaState, gated_delta_chunk, initial_state  # noqa: E402
 
 TOL = 1e-5  # relative, float32
 
@@ -89,23 +90,27 @@ def test_gated_delta_chunks_equal_the_whole_sequence_forward_and_every_gradient(
         assert close(p.grad, want[name]), name
 
 
-def test_gated_delta_state_bytes_are_the_convolution_tail_and_the_float32_matrices():
-    layer = tiny_gated_delta()
-    # conv: 2 sequences x (2 * 2 * 8 + 4 * 8) channels x 3 inputs x 4 bytes; recurrent: 2 x 4 heads x 8 x 8 x 4
-    assert state_bytes(layer, 2) == 2 * 64 * 3 * 4 + 2 * 4 * 8 * 8 * 4
+def test_border_states_bytes_are_the_convolution_tails_and_the_float32_matrices():
+    """A step's border states: per chunk and linear-attention layer, the convolution's last 3 inputs of its
+    2 * 2 * 8 + 4 * 8 channels (float32 here) and 4 heads' 8 x 8 float32 matrices, for each of 2 sequences."""
+    model = tiny_qwen3_next()
+    assert border_state_bytes(model, batch=2, chunks=5) == 5 * 2 * (2 * 64 * 3 * 4 + 2 * 4 * 8 * 8 * 4)
 
 
-def tiny_qwen3_next(seed: int = 0):
-    """A tiny Qwen3-Next: linear attention, full attention, linear, full (dense MLPs), float32."""
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+def tiny_qwen3_next(seed: int = 0, family: str = "qwen3_next"):
+    """A tiny Qwen3-Next (or Qwen3.5's text model, ``family="qwen3_5_text"``): linear attention, full attention,
+    linear, full (dense MLPs), float32."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
 
-    config = Qwen3NextConfig(
+    sizes = dict(
         hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_conv_kernel_dim=4, vocab_size=101, max_position_embeddings=256,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_only_layers=[0, 1, 2, 3], tie_word_embeddings=False,
+        tie_word_embeddings=False,
     )
+    config = (Qwen3NextConfig(**sizes, mlp_only_layers=[0, 1, 2, 3]) if family == "qwen3_next"
+              else Qwen3_5TextConfig(**sizes))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     with torch.no_grad():
@@ -117,9 +122,10 @@ def tiny_qwen3_next(seed: int = 0):
 
 @pytest.mark.parametrize("chunk", [8, 5])
 @pytest.mark.parametrize("checkpoint_layers", [False, True])
-def test_qwen3_next_train_step_equals_full_sequence_training(chunk, checkpoint_layers):
-    """train_step on a tiny Qwen3-Next (its linear-attention layers' states carried across the chunk borders):
-    the loss and every gradient of transformers' own full-sequence training within 1e-5 (norm-wise relative),
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_gated_delta_models_train_step_equals_full_sequence_training(family, chunk, checkpoint_layers):
+    """train_step on a tiny Qwen3-Next and Qwen3.5 (their linear-attention layers' states carried across the chunk
+    borders): the loss and every gradient of transformers' own full-sequence training within 1e-5 (norm-wise relative),
     or within twice what transformers' own gradient moves by at another internal chunk size of its delta rule
     where that is larger (A_log and dt_bias, about 1.5e-5); chunks that divide the 40 tokens and chunks that do
     not, with and without layer checkpointing, batch of two with masked labels."""
@@ -127,7 +133,7 @@ def test_qwen3_next_train_step_equals_full_sequence_training(chunk, checkpoint_l
 
     from lightning_oomb import ChunkConfig, train_step
 
-    model = tiny_qwen3_next()
+    model = tiny_qwen3_next(family=family)
     torch.manual_seed(2)
     ids = torch.randint(3, 101, (2, 40))
     labels = ids.clone()

@@ -29,7 +29,7 @@ from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
 from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
-from ..recurrent import carried_layers
+from ..recurrent import border_state_bytes, carried_layers
 from ..recurrent.states import ChunkStates
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
@@ -274,9 +274,12 @@ class ChunkedSequence:
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
         pool_placement = getattr(self.pools, "pool_placement", lambda: None)()
         optimizer, pending, pending_host = pending_state(optimizers)
+        # Stage 1 keeps the state-carrying layers' border states on the device until stage 2 has used them.
+        borders = border_state_bytes(self.lm, input_ids.shape[0], len(self.chunks)) if self.states is not None else 0
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer,
-                                    pending_gpu_bytes=pending + ranks.step_gpu_bytes, pending_host_bytes=pending_host,
+                                    pending_gpu_bytes=pending + ranks.step_gpu_bytes + borders,
+                                    pending_host_bytes=pending_host,
                                     host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers,
                                     kv_head_split=ranks.kv_head_split, reused=pool_placement)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is

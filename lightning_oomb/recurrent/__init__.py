@@ -22,7 +22,9 @@ class CarriedKind:
     start: Callable[[nn.Module, int], Any]
 
 
-CARRIED = {"Qwen3NextGatedDeltaNet": CarriedKind(gated_delta_chunk, initial_state)}
+_GATED_DELTA = CarriedKind(gated_delta_chunk, initial_state)
+CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
+           "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:
@@ -33,3 +35,11 @@ def carried_kind(module: nn.Module) -> CarriedKind | None:
 def carried_layers(model: nn.Module) -> list[nn.Module]:
     """The state-carrying layers in ``model`` that this room runs chunk by chunk, in module order."""
     return [m for m in model.modules() if carried_kind(m) is not None]
+
+
+def border_state_bytes(model: nn.Module, batch: int, chunks: int) -> int:
+    """Bytes the border states of a step of ``chunks`` chunks over ``batch`` sequences hold at most: stage 1 keeps
+    one state per chunk and state-carrying layer until stage 2 has run that chunk."""
+    per_chunk = sum(t.numel() * t.element_size() for m in carried_layers(model)
+                    for t in carried_kind(m).start(m, batch).tensors())
+    return chunks * per_chunk

@@ -1,4 +1,4 @@
-"""Qwen3-Next's Gated DeltaNet layer run one chunk at a time, from the state the chunk before it left.
+"""Gated DeltaNet layers (Qwen3-Next's, Qwen3.5's) run one chunk at a time, from the state the chunk before left.
 
 transformers runs the layer over a whole sequence, or one token at a time from its cache; a chunk of several
 tokens that continues a sequence needs both at once: the short convolution's last ``kernel - 1`` inputs before
@@ -56,29 +56,38 @@ def initial_state(layer: nn.Module, batch: int) -> GatedDeltaState:
     )
 
 
-def state_bytes(layer: nn.Module, batch: int) -> int:
-    """Bytes one border state of ``layer`` holds for ``batch`` sequences."""
-    return sum(t.numel() * t.element_size() for t in initial_state(layer, batch).tensors())
-
-
 def _delta_rule(layer: nn.Module):
     """transformers' chunked gated delta rule as the layer's modeling module defines it."""
     return sys.modules[type(layer).__module__].torch_chunk_gated_delta_rule
 
 
+def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(mixed (B, conv_dim, T): the convolution's q, k, v inputs; z (B, T, num_v_heads, head_v_dim): the output
+    gate; b, a (B, T, num_v_heads)) as the layer projects them: Qwen3-Next in two fused projections whose
+    outputs it reorders, Qwen3.5 in four."""
+    batch, tokens, _ = hidden.shape
+    if hasattr(layer, "in_proj_qkvz"):
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden),
+                                                                        layer.in_proj_ba(hidden))
+        mixed = torch.cat([x.reshape(batch, tokens, -1) for x in (query, key, value)], dim=-1)
+    else:
+        mixed = layer.in_proj_qkv(hidden)
+        z = layer.in_proj_z(hidden).reshape(batch, tokens, -1, layer.head_v_dim)
+        b, a = layer.in_proj_b(hidden), layer.in_proj_a(hidden)
+    return mixed.transpose(1, 2), z, b, a
+
+
 def gated_delta_chunk(layer: nn.Module, hidden: torch.Tensor,
                       state: GatedDeltaState) -> tuple[torch.Tensor, GatedDeltaState]:
-    """One chunk of a Qwen3-Next Gated DeltaNet ``layer`` (``Qwen3NextGatedDeltaNet``) from ``state``.
+    """One chunk of a Gated DeltaNet ``layer`` (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``) from
+    ``state``.
 
     hidden: (B, T, hidden_size), the chunk's input to the layer. Returns the layer's output (B, T, hidden_size)
     and the state after the chunk's last token."""
     from transformers.activations import ACT2FN
 
     batch, tokens, _ = hidden.shape
-    qkvz = layer.in_proj_qkvz(hidden)
-    ba = layer.in_proj_ba(hidden)
-    query, key, value, z, b, a = layer.fix_query_key_value_ordering(qkvz, ba)
-    mixed = torch.cat([x.reshape(batch, tokens, -1) for x in (query, key, value)], dim=-1).transpose(1, 2)
+    mixed, z, b, a = _projections(layer, hidden)
     # The convolution over the chunk's inputs with the last kernel - 1 inputs before it in front: the
     # whole-sequence layer's zero padding at the sequence's start, and its window across the border later.
     padded = torch.cat([state.conv.to(mixed.dtype), mixed], dim=2)
