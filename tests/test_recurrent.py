@@ -120,6 +120,25 @@ def tiny_qwen3_next(seed: int = 0, family: str = "qwen3_next"):
     return model
 
 
+def assert_trains_as_full_sequence(model, ids, labels, **options) -> None:
+    """train_step's loss and every gradient against transformers' full-sequence training of ``model``: within
+    TOL, or within twice what transformers' own gradient moves by at another internal chunk size of its delta
+    rule where that is larger (tiny_models.delta_rule_spread: A_log and dt_bias, about 1.5e-5)."""
+    from tiny_models import delta_rule_spread, full_sequence_grads, grads_of, rel_err
+
+    from lightning_oomb import train_step
+
+    want_loss, want = full_sequence_grads(model, ids, labels)
+    spread = delta_rule_spread(model, ids, labels, want)
+    model.train()
+    loss = train_step(model, ids, labels, **options)
+    assert rel_err(loss.detach(), want_loss) <= TOL
+    got = grads_of(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])
+
+
 @pytest.mark.parametrize("chunk", [8, 5])
 @pytest.mark.parametrize("checkpoint_layers", [False, True])
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
@@ -129,9 +148,7 @@ def test_gated_delta_models_train_step_equals_full_sequence_training(family, chu
     or within twice what transformers' own gradient moves by at another internal chunk size of its delta rule
     where that is larger (A_log and dt_bias, about 1.5e-5); chunks that divide the 40 tokens and chunks that do
     not, with and without layer checkpointing, batch of two with masked labels."""
-    from tiny_models import delta_rule_spread, full_sequence_grads, grads_of, rel_err
-
-    from lightning_oomb import ChunkConfig, train_step
+    from lightning_oomb import ChunkConfig
 
     model = tiny_qwen3_next(family=family)
     torch.manual_seed(2)
@@ -139,41 +156,21 @@ def test_gated_delta_models_train_step_equals_full_sequence_training(family, chu
     labels = ids.clone()
     labels[0, :7] = -100
     labels[1, 30:] = -100
-    want_loss, want = full_sequence_grads(model, ids, labels)
-    spread = delta_rule_spread(model, ids, labels, want)
-    model.train()
-    loss = train_step(model, ids, labels, config=ChunkConfig(chunk_size=chunk, page_size=4,
-                                                             checkpoint_layers=checkpoint_layers))
-    assert rel_err(loss.detach(), want_loss) <= TOL
-    got = grads_of(model)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])
+    assert_trains_as_full_sequence(model, ids, labels, config=ChunkConfig(chunk_size=chunk, page_size=4,
+                                                                          checkpoint_layers=checkpoint_layers))
 
 
 def test_qwen3_next_lora_on_linear_attention_and_attention_projections():
     """LoRA adapters (peft) on the linear-attention layers' input and output projections and on the attention
     projections: every adapter's gradient as in transformers' full-sequence training (same bound as above)."""
     peft = pytest.importorskip("peft")
-    from tiny_models import delta_rule_spread, full_sequence_grads, grads_of, rel_err
-
-    from lightning_oomb import train_step
-
     model = peft.get_peft_model(tiny_qwen3_next(), peft.LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False,
         target_modules=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj"]))
+    assert any("in_proj_qkvz.lora_A" in n for n, p in model.named_parameters() if p.requires_grad)
     torch.manual_seed(4)
     ids = torch.randint(3, 101, (1, 33))
-    want_loss, want = full_sequence_grads(model, ids)
-    assert any("in_proj_qkvz.lora_A" in n for n in want)
-    spread = delta_rule_spread(model, ids, None, want)
-    model.train()
-    loss = train_step(model, ids, chunk_size=8, page_size=4)
-    assert rel_err(loss.detach(), want_loss) <= TOL
-    got = grads_of(model)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert rel_err(got[name], want[name]) <= max(TOL, 2 * spread[name]), (name, spread[name])
+    assert_trains_as_full_sequence(model, ids, None, chunk_size=8, page_size=4)
 
 
 def test_qwen3_next_generate_equals_transformers_greedy_search():
