@@ -197,3 +197,14 @@ def test_qwen3_next_packed_documents_are_refused_in_one_line():
     with pytest.raises(ValueError, match="across the starts of packed documents") as refused:
         train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
     assert "\n" not in str(refused.value)
+
+
+def test_plan_of_a_hybrid_says_what_it_leaves_out(tmp_path, capsys):
+    """lightning-oomb plan on a Qwen3-Next directory: the plan says how many layers are linear attention, that it
+    plans them as attention layers, and that their border states are not in it."""
+    from lightning_oomb.cli import main
+
+    tiny_qwen3_next().config.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "79GiB"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "Note: 2 of 4 layers are linear attention (qwen3_next), planned here as attention layers" in out

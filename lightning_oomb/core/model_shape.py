@@ -243,6 +243,8 @@ class ModelShape:
     clamped_experts: bool = False  # GPT-OSS: gate and up clamped, glu = gate sigmoid(alpha gate), (up + 1) glu
     attention_sinks: bool = False  # GPT-OSS: a learned sink logit per query head and layer
     tensor_parallel: int = 1
+    # Layers of kind linear_attention (Qwen3-Next, Qwen3.5), planned as attention layers: see core.plan.search
+    linear_attention_layers: int = 0
     n_experts: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
@@ -288,6 +290,7 @@ class ModelShape:
             layer_norms=4 if model_type == "gemma3_text" else 2,
             norm_style="gemma" if model_type == "gemma3_text" else "llama",
             model_type=model_type,
+            linear_attention_layers=list(getattr(config, "layer_types", None) or []).count("linear_attention"),
         )
 
     @classmethod

@@ -111,6 +111,11 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
     result.checkpoint_auto = checkpoint_auto
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
     result.suggestions = suggestions_for(result, estimate, fewest_on_host)
+    if shape.linear_attention_layers:
+        result.notes.append(
+            f"{shape.linear_attention_layers} of {shape.n_layers} layers are linear attention ({shape.model_type}), "
+            "planned here as attention layers with K/V pages; their states at the chunk borders are not in this "
+            "plan (a training step counts them against its memory before it starts)")
     return result
 
 
