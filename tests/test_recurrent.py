@@ -208,3 +208,17 @@ def test_plan_of_a_hybrid_says_what_it_leaves_out(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "79GiB"]) in (0, None)
     out = capsys.readouterr().out
     assert "Note: 2 of 4 layers are linear attention (qwen3_next), planned here as attention layers" in out
+
+
+@pytest.mark.parametrize("pages", ["sparse, every page", "host"])
+def test_qwen3_next_composes_with_sparse_attention_and_host_pages(pages):
+    """The carried states beside the attention layers' options: sparse attention over a budget that holds every
+    page (then equal to dense), and K/V pages in host memory streamed through: the same bound as above."""
+    from lightning_oomb import ChunkConfig, SparseConfig
+
+    options = ({"sparse": SparseConfig(budget_pages=64, sink_pages=1, local_pages=1)} if pages != "host"
+               else {"offload": "host"})
+    torch.manual_seed(2)
+    ids = torch.randint(3, 101, (2, 40))
+    assert_trains_as_full_sequence(tiny_qwen3_next(), ids, None, config=ChunkConfig(chunk_size=8, page_size=4,
+                                                                                      **options))
