@@ -222,3 +222,11 @@ def test_qwen3_next_composes_with_sparse_attention_and_host_pages(pages):
     ids = torch.randint(3, 101, (2, 40))
     assert_trains_as_full_sequence(tiny_qwen3_next(), ids, None, config=ChunkConfig(chunk_size=8, page_size=4,
                                                                                       **options))
+
+
+def test_qwen3_next_through_a_lightning_trainer_moves_the_weights_as_plain_training():
+    """A real Trainer with OOMBStrategy around the user's own LightningModule, three SGD steps: every weight's
+    update as plain Lightning training's, within test_strategy's bound for three steps."""
+    from test_strategy import STEPS_TOL, UserModule, compare
+
+    compare(lambda: UserModule(tiny_qwen3_next()), STEPS_TOL)
