@@ -117,9 +117,7 @@ def classify(model_type: str) -> Outcome:
             want_loss, want = full_sequence_grads(model, ids)
             # Linear attention's decay parameters: within twice what transformers' own gradient moves by in
             # another float32 order of its delta rule (tiny_models.delta_rule_spread), where that exceeds TOL.
-            modeling = sys.modules[type(model).__module__]
-            spread = (delta_rule_spread(model, ids, None, want) if hasattr(modeling, "torch_chunk_gated_delta_rule")
-                      else {})
+            spread = delta_rule_spread(model, ids, None, want)
     except Exception as e:  # the family's own code on this config: no model to test
         return Outcome(model_type, "not built", f"{type(e).__name__}: {_first_line(e)}")
     try:

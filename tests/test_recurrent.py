@@ -10,7 +10,8 @@ import torch
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 from lightning_oomb.recurrent import border_state_bytes  # noqa: E402
-from lightning_oomb.recurrent.gated_delta import GatedDeltaState, gated_delta_chunk, initial_state  # noqa: E402
+from lightning_oomb.recurrent.carried_state import CarriedState  # noqa: E402
+from lightning_oomb.recurrent.gated_delta import gated_delta_chunk, initial_state  # noqa: E402
 
 TOL = 1e-5  # relative, float32
 
@@ -61,7 +62,7 @@ def test_gated_delta_chunks_equal_the_whole_sequence_forward_and_every_gradient(
     layer.zero_grad()
 
     borders = chunks_of(24, chunk)
-    stored: list[GatedDeltaState] = []
+    stored: list[CarriedState] = []
     outputs = []
     with torch.no_grad():  # stage 1
         state = initial_state(layer, 2)
@@ -230,3 +231,48 @@ def test_qwen3_next_through_a_lightning_trainer_moves_the_weights_as_plain_train
     from test_strategy import STEPS_TOL, UserModule, compare
 
     compare(lambda: UserModule(tiny_qwen3_next()), STEPS_TOL)
+
+
+def tiny_mamba2(family: str = "bamba", seed: int = 0):
+    """A tiny Bamba or Granite 4 hybrid (``granitemoehybrid``): a Mamba-2 mixer, then full attention (dense MLPs),
+    float32, scan chunks of 16 tokens."""
+    from transformers import AutoModelForCausalLM, BambaConfig, GraniteMoeHybridConfig
+
+    sizes = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=101, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=128,
+    )
+    config = (BambaConfig(**sizes, attn_layer_indices=[1]) if family == "bamba" else
+              GraniteMoeHybridConfig(**sizes, layer_types=["mamba", "attention"], num_local_experts=0,
+                                     shared_intermediate_size=48, position_embedding_type="rope"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("chunk", [8, 5])
+@pytest.mark.parametrize("family", ["bamba", "granitemoehybrid"])
+def test_mamba2_train_step_equals_full_sequence_training(family, chunk):
+    """The Mamba-2 state (the convolution's last inputs and the SSM state) of Bamba and Granite 4 carried across
+    chunks of 8 and 5 tokens (their scan's own chunks are 16), batch of two with masked labels: the loss and every
+    gradient of transformers' full-sequence training within 1e-5 (Nemotron-H: tests/test_every_family.py)."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, 101, (2, 40))
+    labels = ids.clone()
+    labels[1, :9] = -100
+    assert_trains_as_full_sequence(tiny_mamba2(family), ids, labels, chunk_size=chunk, page_size=4)
+
+
+def test_bamba_generate_equals_transformers_greedy_search():
+    from lightning_oomb import generate
+
+    model = tiny_mamba2().eval()
+    torch.manual_seed(3)
+    ids = torch.randint(3, 101, (2, 29))
+    want = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    assert torch.equal(generate(model, ids, max_new_tokens=10, eos_token_id=-1, chunk_size=8, page_size=4), want)
+

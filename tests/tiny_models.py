@@ -188,11 +188,13 @@ def delta_rule_spread(model, input_ids, labels, want: dict) -> dict:
     the model's chunked gated delta rule (linear attention: Qwen3-Next) runs at another of its internal chunk
     sizes (8, 16, 32 tokens for its 64): the same arithmetic in another float32 order. The decay parameters
     (A_log, dt_bias) sum many terms that cancel, so for them this is above 1e-5; a chunked run is held to
-    twice it there."""
+    twice it there. Zero for every parameter of a model without that rule."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
     modeling = sys.modules[type(base).__module__]
-    rule = modeling.torch_chunk_gated_delta_rule
     spread = dict.fromkeys(want, 0.0)
+    rule = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+    if rule is None:  # no gated delta rule: nothing moves
+        return spread
     try:
         for size in (8, 16, 32):
             modeling.torch_chunk_gated_delta_rule = lambda *args, _size=size, **kwargs: rule(*args, chunk_size=_size,

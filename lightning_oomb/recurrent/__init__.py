@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .gated_delta import gated_delta_chunk, initial_state
+from . import gated_delta, mamba2
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,11 @@ class CarriedKind:
     start: Callable[[nn.Module, int], Any]
 
 
-_GATED_DELTA = CarriedKind(gated_delta_chunk, initial_state)
+_GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state)
+_MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state)
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
-           "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA}
+           "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
+           "GraniteMoeHybridMambaLayer": _MAMBA2}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:

@@ -13,47 +13,20 @@ computes what the layer computes on the whole sequence.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class GatedDeltaState:
-    """What one Gated DeltaNet layer carries across a chunk border, for a batch of B sequences.
-
-    conv: (B, conv_dim, kernel - 1), the layer's dtype: the convolution's inputs (q, k, v projections) of the
-        last ``kernel - 1`` tokens before the border (zeros before the sequence's start).
-    recurrent: (B, num_v_heads, head_k_dim, head_v_dim) float32: the delta rule's state after the last token.
-    """
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-
-    def detach(self) -> GatedDeltaState:
-        return GatedDeltaState(self.conv.detach(), self.recurrent.detach())
-
-    def requires_grad_(self) -> GatedDeltaState:
-        self.conv.requires_grad_()
-        self.recurrent.requires_grad_()
-        return self
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.conv, self.recurrent
+from .carried_state import CarriedState, causal_conv_from
 
 
-def initial_state(layer: nn.Module, batch: int) -> GatedDeltaState:
+def initial_state(layer: nn.Module, batch: int) -> CarriedState:
     """The state before a sequence's first token: zeros (what the layer's own zero-padded convolution and its
-    delta rule without an initial state start from)."""
-    weight = layer.conv1d.weight
-    kernel = layer.conv1d.kernel_size[0]
-    return GatedDeltaState(
-        conv=torch.zeros(batch, layer.conv_dim, kernel - 1, dtype=weight.dtype, device=weight.device),
-        recurrent=torch.zeros(batch, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, dtype=torch.float32,
-                              device=weight.device),
-    )
+    delta rule without an initial state start from). conv (B, conv_dim, kernel - 1) in the layer's dtype: the
+    q, k, v projections of the last kernel - 1 tokens; recurrent (B, num_v_heads, head_k_dim, head_v_dim)
+    float32: the delta rule's state."""
+    return CarriedState.zeros(layer.conv1d, batch, (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
 
 
 def _delta_rule(layer: nn.Module):
@@ -78,22 +51,15 @@ def _projections(layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def gated_delta_chunk(layer: nn.Module, hidden: torch.Tensor,
-                      state: GatedDeltaState) -> tuple[torch.Tensor, GatedDeltaState]:
+                      state: CarriedState) -> tuple[torch.Tensor, CarriedState]:
     """One chunk of a Gated DeltaNet ``layer`` (``Qwen3NextGatedDeltaNet``, ``Qwen3_5GatedDeltaNet``) from
     ``state``.
 
     hidden: (B, T, hidden_size), the chunk's input to the layer. Returns the layer's output (B, T, hidden_size)
     and the state after the chunk's last token."""
-    from transformers.activations import ACT2FN
-
     batch, tokens, _ = hidden.shape
     mixed, z, b, a = _projections(layer, hidden)
-    # The convolution over the chunk's inputs with the last kernel - 1 inputs before it in front: the
-    # whole-sequence layer's zero padding at the sequence's start, and its window across the border later.
-    padded = torch.cat([state.conv.to(mixed.dtype), mixed], dim=2)
-    kernel = layer.conv1d.kernel_size[0]
-    conv = F.conv1d(padded, layer.conv1d.weight, layer.conv1d.bias, groups=layer.conv_dim)
-    conv = ACT2FN[layer.activation](conv).transpose(1, 2)
+    conv, tail = causal_conv_from(state.conv, mixed, layer.conv1d, layer.activation)
     query, key, value = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(batch, tokens, -1, layer.head_k_dim)
     key = key.reshape(batch, tokens, -1, layer.head_k_dim)
@@ -105,4 +71,4 @@ def gated_delta_chunk(layer: nn.Module, hidden: torch.Tensor,
     z_shape = z.shape
     out = layer.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1])).reshape(z_shape)
     out = layer.out_proj(out.reshape(batch, tokens, -1))
-    return out, GatedDeltaState(conv=padded[:, :, padded.shape[2] - (kernel - 1):], recurrent=recurrent)
+    return out, CarriedState(conv=tail, recurrent=recurrent)
