@@ -276,3 +276,17 @@ def test_bamba_generate_equals_transformers_greedy_search():
     want = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
     assert torch.equal(generate(model, ids, max_new_tokens=10, eos_token_id=-1, chunk_size=8, page_size=4), want)
 
+
+
+def test_a_transformers_without_the_scan_is_refused_in_one_line(monkeypatch):
+    """Where the layer's modeling module has no chunked scan (transformers releases before it), the model is
+    refused before any compute, in one line naming the function, not failed inside the step."""
+    from transformers.models.bamba import modeling_bamba
+
+    from lightning_oomb import train_step
+
+    model = tiny_mamba2()
+    monkeypatch.delattr(modeling_bamba, "mamba2_chunk_scan")
+    with pytest.raises(NotImplementedError, match="mamba2_chunk_scan, which transformers .* lacks") as refused:
+        train_step(model.train(), torch.randint(3, 101, (1, 16)), chunk_size=8, page_size=4)
+    assert "\n" not in str(refused.value)

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+import transformers
 
-from ..recurrent import carried_kind
+from ..recurrent import carried_kind, missing_function
 from .decoder import decoder_of
 from .router_balance import router_class
 from .transformers import causal_lm, logit_head
@@ -76,6 +77,11 @@ def check_supported(model: nn.Module) -> None:
         what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
         raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
                                   "not supported")
+    lacking = next((f for m in decoder.modules() if carried_kind(m) is not None for f in [missing_function(m)] if f), None)
+    if lacking is not None:
+        raise NotImplementedError(f"{name}'s state-carrying layers run chunk by chunk through transformers' "
+                                  f"{lacking}, which transformers {transformers.__version__} lacks: upgrade "
+                                  "transformers")
     if _alibi(cfg):
         raise NotImplementedError(
             f"{name} adds ALiBi position biases (a slope per head times the key's distance) to its attention "

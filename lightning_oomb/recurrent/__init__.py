@@ -5,6 +5,7 @@ from; ``CARRIED`` holds them by the layer's transformers class name. This room i
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -15,15 +16,17 @@ from . import gated_delta, mamba2
 
 @dataclass(frozen=True)
 class CarriedKind:
-    """How one kind of state-carrying layer runs a chunk (``chunk``) and what a sequence starts from
-    (``start(layer, batch)``)."""
+    """How one kind of state-carrying layer runs a chunk (``chunk``), what a sequence starts from
+    (``start(layer, batch)``), and the function of the layer's transformers modeling module it calls
+    (``needs``: transformers releases before it have none)."""
 
     chunk: Callable[..., tuple[Any, Any]]
     start: Callable[[nn.Module, int], Any]
+    needs: str
 
 
-_GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state)
-_MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state)
+_GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state, "torch_chunk_gated_delta_rule")
+_MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state, "mamba2_chunk_scan")
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
            "GraniteMoeHybridMambaLayer": _MAMBA2}
@@ -32,6 +35,14 @@ CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATE
 def carried_kind(module: nn.Module) -> CarriedKind | None:
     """The kind of state-carrying layer ``module`` is, None for any other module."""
     return CARRIED.get(type(module).__name__)
+
+
+def missing_function(layer: nn.Module) -> str | None:
+    """The function a state-carrying layer's chunks call that its modeling module lacks (an older transformers),
+    else None."""
+    kind = carried_kind(layer)
+    modeling = sys.modules.get(type(layer).__module__)
+    return None if kind is None or hasattr(modeling, kind.needs) else kind.needs
 
 
 def carried_layers(model: nn.Module) -> list[nn.Module]:
