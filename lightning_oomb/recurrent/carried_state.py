@@ -28,7 +28,8 @@ class CarriedState:
         and a zero float32 recurrence state of shape (batch, *recurrent)."""
         weight = conv.weight
         return cls(
-            conv=torch.zeros(batch, conv.in_channels, conv.kernel_size[0] - 1, dtype=weight.dtype, device=weight.device),
+            conv=torch.zeros(batch, conv.in_channels, conv.kernel_size[0] - 1, dtype=weight.dtype,
+                             device=weight.device),
             recurrent=torch.zeros(batch, *recurrent, dtype=torch.float32, device=weight.device),
         )
 

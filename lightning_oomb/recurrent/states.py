@@ -5,18 +5,17 @@ state at every chunk border is kept (on the states' device) for stage 2. Stage 2
 each layer reruns its chunk from the kept border state, now a leaf that requires grad, and backpropagates the
 chunk's output gradient together with the gradient of its final state that the next chunk's backward handed
 back; the gradient its initial state receives is handed back to the chunk before. Summed over the chunks,
-every parameter gradient is the whole sequence's. A border state costs what ``state_bytes`` says per layer,
-independent of the context.
+every parameter gradient is the whole sequence's. The border states of a step take what
+``border_state_bytes`` says: per chunk and layer, independent of the context.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
 
 from . import carried_kind
+from .carried_state import CarriedState
 
 
 class _HandBack(torch.autograd.Function):
@@ -39,12 +38,13 @@ class ChunkStates:
 
     def __init__(self, batch: int):
         self.batch = batch
-        self.current: dict[int, Any] = {}  # by layer: the state the next chunk starts from (stage 1)
-        self.borders: dict[tuple[int, int], Any] = {}  # by (chunk, layer): the state the chunk started from
+        self.current: dict[int, CarriedState] = {}  # by layer: the state the next chunk starts from (stage 1)
+        self.borders: dict[tuple[int, int], CarriedState] = {}  # by (chunk, layer): the state the chunk started from
         self.handed_back: dict[int, dict[int, torch.Tensor]] = {}  # by layer: d(loss)/d(initial state) of the
         # chunk whose backward ran last, by the state's tensor index
 
-    def run(self, layer: nn.Module, hidden: torch.Tensor, chunk: int, keep_borders: bool, recompute: bool) -> torch.Tensor:
+    def run(self, layer: nn.Module, hidden: torch.Tensor, chunk: int, keep_borders: bool,
+            recompute: bool) -> torch.Tensor:
         """``layer``'s output (B, T, d) for chunk ``chunk`` of the sequence, its input ``hidden`` (B, T, d).
         Stage 1 (``recompute`` False) starts from the state the chunk before left and keeps it when
         ``keep_borders``; stage 2 starts from the kept one. With autograd on, the chunk's graph takes the
