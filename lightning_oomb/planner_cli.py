@@ -235,7 +235,8 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
     machine = f"{p.machine + ': ' if p.machine else ''}GPU {_gib(p.gpu_memory)} GiB, host budget {_gib(p.host_memory)} GiB"
     note = textwrap.fill(
         "The machine limit: the GPU memory a one-chunk step leaves free plus the host memory budget's room for "
-        "pinned pages, over the bytes a token stores (K, V and their gradients, all layers"
+        "pinned pages, over the bytes a token stores (K, V and their gradients, "
+        + (f"the {p.shape.kv_layers} layers with K/V pages" if p.shape.layers_without_kv else "all layers")
         + ("; the sliding-window layers' gradients are a ring of their window" if p.shape.window_layers else "")
         + "). Dense steps past "
         "the GPU stream every page from the host; sparse steps keep the KV-gradient pages, then the K/V pages, "

@@ -25,8 +25,10 @@ def test_builtin_shapes_load_and_count_like_the_real_models():
             model = AutoModelForCausalLM.from_config(transformers_config(load_config_dict(name)))
         assert shape.total_params == sum(p.numel() for p in model.parameters()), name
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        # Mixtures of experts: the stacked expert weights and the routers, parameters of their own modules.
-        other = sum(p.numel() for m in model.modules() if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+        # Mixtures of experts: the stacked expert weights and the routers, parameters of their own modules (not a
+        # hybrid's depthwise convolutions, which multiply no matrix).
+        other = sum(p.numel() for m in model.modules()
+                    if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))
                     for p in m.parameters(recurse=False) if p.dim() >= 2)
         assert shape.matmul_params == linear + other, name
 

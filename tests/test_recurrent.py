@@ -200,15 +200,37 @@ def test_qwen3_next_packed_documents_are_refused_in_one_line():
     assert "\n" not in str(refused.value)
 
 
-def test_plan_of_a_hybrid_says_what_it_leaves_out(tmp_path, capsys):
-    """lightning-oomb plan on a Qwen3-Next directory: the plan says how many layers are linear attention, that it
-    plans them as attention layers, and that their border states are not in it."""
-    from lightning_oomb.cli import main
+def test_plan_of_a_hybrid_counts_pages_of_its_attention_layers_and_the_border_states():
+    """The plan of a Qwen3-Next with 2 linear-attention and 2 attention layers: K/V pages for the 2 attention
+    layers (half a same-sized model's with attention in all 4), and the border states a bf16 step keeps (5 chunks:
+    what border_state_bytes counts on the bf16 model), with a note on what it plans approximately."""
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.plan import plan
 
-    tiny_qwen3_next().config.save_pretrained(tmp_path)
-    assert main(["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "79GiB"]) in (0, None)
-    out = capsys.readouterr().out
-    assert "Note: 2 of 4 layers are linear attention (qwen3_next), planned here as attention layers" in out
+    model = tiny_qwen3_next()
+    shape = ModelShape.from_config(model.config)
+    dense = ModelShape.from_config(type(model.config)(**{**model.config.to_dict(), "layer_types": ["full_attention"] * 4}))
+    assert (shape.kv_layers, dense.kv_layers) == (2, 4)
+    options = dict(chunk_size=8, page_size=4, gpu_memory=79 * 2**30)
+    got, like_dense = plan(shape, 40, **options), plan(dense, 40, **options)
+    pages = lambda p: next(v for k, v in p.gpu_lines.items() if k.startswith("K/V pages"))  # noqa: E731
+    assert pages(got) * 2 == pages(like_dense)
+    borders = next(v for k, v in got.gpu_lines.items() if k.startswith("border states of 2"))
+    assert borders == border_state_bytes(model.to(torch.bfloat16), batch=1, chunks=5)
+    assert any("2 of 4 layers carry a state across chunk borders (qwen3_next): K/V pages for the other 2" in n
+               for n in got.notes)
+
+
+def test_the_page_pool_holds_the_attention_layers_only():
+    """A training step of the hybrid allocates pages for its 2 attention layers, not its 4 layers."""
+    from lightning_oomb import ChunkConfig
+    from lightning_oomb.core.schedule import ChunkedSequence
+
+    model = tiny_qwen3_next().train()
+    seq = ChunkedSequence(model, torch.randint(3, 101, (1, 16)), config=ChunkConfig(chunk_size=8, page_size=4))
+    seq.fill()
+    seq.backward()
+    assert seq.pool.spec.n_layers == 2 and seq.kv_slots == {1: 0, 3: 1}
 
 
 @pytest.mark.parametrize("pages", ["sparse, every page", "host"])

@@ -73,6 +73,59 @@ def _windows(config: Any) -> dict[str, int]:
     return {"window": int(window), "window_layers": layers} if layers else {}
 
 
+# Families whose attention's q_proj also projects a gate of the attention output, per query channel.
+GATED_QUERY_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+# Layer kinds of a hybrid's ``layer_types`` that keep no K/V pages: layers whose token mixing carries a state
+# from token to token (lightning_oomb.recurrent), and layers of an MLP or experts only (Nemotron-H).
+NO_KV_KINDS = ("linear_attention", "mamba", "conv", "mlp", "moe")
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    return list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+
+
+def kv_layer_indices(config: Any) -> list[int]:
+    """The decoder layers that attend and keep K/V pages, ascending: every layer, but those a hybrid's layer
+    kinds name as state-carrying or MLP-only. A step's page pool holds these layers' pages, in this order."""
+    kinds = _layer_kinds(config)
+    if not kinds:
+        return list(range(config.num_hidden_layers))
+    return [i for i, kind in enumerate(kinds) if kind not in NO_KV_KINDS]
+
+
+def _carried_fields(config: Any) -> dict[str, int]:
+    """How many layers carry a state across chunk borders, and its bytes per sequence over all of them
+    (lightning_oomb.recurrent: the convolution's last inputs, 2-byte, and the float32 recurrence), from the
+    config fields of Gated DeltaNet (Qwen3-Next, Qwen3.5) and Mamba-2 (Bamba, Granite 4, Nemotron-H) layers;
+    bytes 0 for the other kinds."""
+    layers = sum(kind in ("linear_attention", "mamba", "conv") for kind in _layer_kinds(config))
+    if not layers:
+        return {}
+    get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), 0)  # noqa: E731
+    params = {}
+    if get("linear_num_value_heads"):  # Gated DeltaNet
+        heads, hidden = get("linear_num_value_heads"), config.hidden_size
+        key_dim = get("linear_num_key_heads") * get("linear_key_head_dim")
+        value_dim = heads * get("linear_value_head_dim")
+        conv = (2 * key_dim + value_dim) * (get("linear_conv_kernel_dim") - 1)
+        recurrent = heads * get("linear_key_head_dim") * get("linear_value_head_dim")
+        # q, k, v and the output gate z in, the beta and decay inputs b and a, out; the convolution's weights,
+        # A_log and dt_bias per head, the gated norm's weight
+        params = {"carried_matrices": (hidden * (2 * key_dim + 2 * value_dim), hidden * 2 * heads, value_dim * hidden),
+                  "carried_vector_params": (2 * key_dim + value_dim) * get("linear_conv_kernel_dim") + 2 * heads
+                  + get("linear_value_head_dim")}
+    elif get("mamba_n_heads", "mamba_num_heads"):  # Mamba-2
+        heads, head_dim = get("mamba_n_heads", "mamba_num_heads"), get("mamba_d_head", "mamba_head_dim")
+        state, groups = get("mamba_d_state", "ssm_state_size"), get("mamba_n_groups", "n_groups")
+        inner = int(get("mamba_expand", "expand") * config.hidden_size)
+        conv = (inner + 2 * groups * state) * (get("mamba_d_conv", "conv_kernel") - 1)
+        recurrent = heads * head_dim * state
+    else:
+        return {"carried_layers": layers}
+    return {"carried_layers": layers, "carried_state_bytes": layers * (2 * conv + 4 * recurrent), **params}
+
+
 # Mixtures of experts whose config says, by a rule of their own, which decoder layers hold experts (the others a
 # dense MLP of intermediate_size), as transformers' modeling code of the family applies it. Configs with
 # `mlp_layer_types` say it layer by layer; the other families are counted with experts in every layer.
@@ -243,8 +296,16 @@ class ModelShape:
     clamped_experts: bool = False  # GPT-OSS: gate and up clamped, glu = gate sigmoid(alpha gate), (up + 1) glu
     attention_sinks: bool = False  # GPT-OSS: a learned sink logit per query head and layer
     tensor_parallel: int = 1
-    # Layers of kind linear_attention (Qwen3-Next, Qwen3.5), planned as attention layers: see core.plan.search
-    linear_attention_layers: int = 0
+    # Hybrids: layers that keep no K/V pages (state-carrying or MLP-only layers, kv_layer_indices), and the
+    # bytes per sequence of the states the state-carrying ones hand across a chunk border (0 where not known)
+    layers_without_kv: int = 0
+    carried_layers: int = 0
+    carried_state_bytes: int = 0
+    # What a state-carrying layer holds instead of attention (where known): the elements of its nn.Linear weights
+    # (the projections in and out) and its other parameters (convolution, decay and norm weights)
+    carried_matrices: tuple[int, ...] = ()
+    carried_vector_params: int = 0
+    gated_queries: bool = False  # Qwen3-Next, Qwen3.5: q_proj also projects a sigmoid gate of the output
     n_experts: int = 0
     expert_intermediate: int = 0
     shared_intermediate: int = 0
@@ -281,7 +342,8 @@ class ModelShape:
             qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and config.qkv_bias),
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2") + GATED_QUERY_FAMILIES,
+            gated_queries=model_type in GATED_QUERY_FAMILIES,
             qk_norm_whole=model_type == "olmo2",
             fused_projections=model_type == "phi3",
             expert_biases=model_type == "gpt_oss",
@@ -290,7 +352,8 @@ class ModelShape:
             layer_norms=4 if model_type == "gemma3_text" else 2,
             norm_style="gemma" if model_type == "gemma3_text" else "llama",
             model_type=model_type,
-            linear_attention_layers=list(getattr(config, "layer_types", None) or []).count("linear_attention"),
+            layers_without_kv=config.num_hidden_layers - len(kv_layer_indices(config)),
+            **_carried_fields(config),
         )
 
     @classmethod
@@ -379,13 +442,28 @@ class ModelShape:
     def attention_matrices(self) -> tuple[int, int, int, int]:
         """Elements of q, k, v and o of one decoder layer (latent attention's low-rank projections are counted as
         these full ones)."""
-        return (self.hidden * self.q_width, self.hidden * self.kv_width, self.hidden * self.v_width,
-                self.out_width * self.hidden)
+        q = self.hidden * self.q_width * (2 if self.gated_queries else 1)
+        return q, self.hidden * self.kv_width, self.hidden * self.v_width, self.out_width * self.hidden
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:
         """The decoder layers by kind, each kind's weight matrices (``LayerGroup``): all alike in a dense model;
-        a mixture's layers with experts, then its dense layers (if any)."""
+        a mixture's layers with experts, then its dense layers (if any); a hybrid's state-carrying layers (where
+        their matrices are known) in groups of their own after them, taken from the first groups."""
+        groups = self._attention_layer_groups()
+        left = self.carried_layers if self.carried_matrices else 0
+        attention, carried = sum(self.attention_matrices), sum(self.carried_matrices)
+        split = []
+        for g in groups:
+            n = min(left, g.layers)
+            left -= n
+            rest = g.linear[len(self.attention_matrices):]
+            split.append(g._replace(layers=g.layers - n))
+            if n:
+                split.append(LayerGroup(n, self.carried_matrices + rest, g.fused, g.active - attention + carried))
+        return tuple(g for g in split if g.layers)
+
+    def _attention_layer_groups(self) -> tuple[LayerGroup, ...]:
         attention = self.attention_matrices
         if not self.n_experts:
             mlp = (self.hidden * self.intermediate,) * 3
@@ -443,8 +521,11 @@ class ModelShape:
     @property
     def layer_norm_params(self) -> int:
         """RMSNorm weights of one decoder layer: ``layer_norms`` of the hidden size, and the q and k norms."""
-        qk = (self.q_width + self.kv_width if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
-        return self.layer_norms * self.hidden + qk
+        return self.layer_norms * self.hidden + self._qk_norm_params
+
+    @property
+    def _qk_norm_params(self) -> int:
+        return (self.q_width + self.kv_width if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
 
     @property
     def layer_replicated_params(self) -> int:
@@ -455,7 +536,8 @@ class ModelShape:
     @property
     def decoder_params(self) -> int:
         """All parameters of the decoder layers: matrices, biases, norms (what FSDP2 shards)."""
-        return self.decoder_matmul_params + self.n_layers * (self.layer_bias_params + self.layer_norm_params)
+        carried = self.carried_layers * (self.carried_vector_params - self._qk_norm_params) if self.carried_matrices else 0
+        return self.decoder_matmul_params + self.n_layers * (self.layer_bias_params + self.layer_norm_params) + carried
 
     @property
     def largest_layer_params(self) -> int:
@@ -498,10 +580,15 @@ class ModelShape:
             adapted_experts = (self.n_layers - self.dense_layers) * per_layer
         return rank * (attention + adapted_experts)
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers with K/V pages: every layer but a hybrid's layers_without_kv."""
+        return self.n_layers - self.layers_without_kv
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V (or of dK and dV) of one token over all layers in ``dtype``: keys kv_width wide, values
-        v_width."""
-        return self.n_layers * (self.kv_width + self.v_width) * _itemsize(dtype)
+        """Bytes of K and V (or of dK and dV) of one token over all layers with pages in ``dtype``: keys kv_width
+        wide, values v_width."""
+        return self.kv_layers * (self.kv_width + self.v_width) * _itemsize(dtype)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

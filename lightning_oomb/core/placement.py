@@ -261,7 +261,7 @@ def place_step(
         # keep_attention=None: nothing on a CPU device, whose memory is the host's
         kept = min(keep or 0, n_chunks - graphs)
         if sparse:
-            n_layers = ModelShape.resolve(model).n_layers
+            n_layers = ModelShape.resolve(model).kv_layers
             layers = n_layers if config.offload == "host" else 0
             return placed(Placement("gpu", segment, batch, layers, kept, graphs, host_kv_layers=layers))
         if config.offload == "host":
@@ -299,7 +299,7 @@ def place_step(
         # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
         needed = needed_on_gpu(step_plan(Pages(streamed=True), page))
         per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
-        per_token //= shape.n_layers
+        per_token //= shape.kv_layers
         staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
         segment = int(staging // (2 * batch * per_token)) // page * page
         return min(max(segment, page), OFFLOAD_SEGMENT_TOKENS)
@@ -314,7 +314,7 @@ def place_step(
     def needs(pages: Pages) -> tuple[int, int]:
         return needed_on_gpu(step_of(pages)), pinned_of(step_of(pages))
 
-    every = shape.n_layers
+    every = shape.kv_layers
     choices = page_choices(config.offload, sparse, every)
     if sparse and host_grad_layers is not None:  # the run's pool decided the layers
         choices = [Pages(host_grad_layers=host_grad_layers, host_kv_layers=host_kv_layers or 0)]

@@ -37,7 +37,7 @@ from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_ac
 from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .model_shape import head_dim, kv_heads, value_dim
+from .model_shape import ModelShape, head_dim, kv_heads, kv_layer_indices, value_dim
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
@@ -255,14 +255,17 @@ class ChunkedSequence:
         cfg = self.lm.config
         windows = layer_windows(self.lm)
         widest = max(windows.values(), default=0)
+        # The page pool's layers: the decoder layers that attend (a hybrid's state-carrying layers keep no K/V),
+        # by their transformers layer index.
+        self.kv_slots = {layer: slot for slot, layer in enumerate(kv_layer_indices(cfg))}
         self.spec_base = dict(
             grad_dtype=config.grad_dtype,
-            n_layers=cfg.num_hidden_layers,
+            n_layers=len(self.kv_slots),
             # this rank's share of the heads (tensor parallel)
             n_kv_heads=kv_heads(cfg) // ranks.kv_head_split,
             head_dim=head_dim(cfg),
             v_head_dim=value_dim(cfg),
-            window_layers=tuple(sorted(windows)),
+            window_layers=tuple(sorted(self.kv_slots[layer] for layer in windows)),
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
         )
@@ -274,8 +277,11 @@ class ChunkedSequence:
         held_kv_layers = getattr(self.pools, "host_kv_layers", lambda: None)()
         pool_placement = getattr(self.pools, "pool_placement", lambda: None)()
         optimizer, pending, pending_host = pending_state(optimizers)
-        # Stage 1 keeps the state-carrying layers' border states on the device until stage 2 has used them.
-        borders = border_state_bytes(self.lm, input_ids.shape[0], len(self.chunks)) if self.states is not None else 0
+        # Stage 1 keeps the state-carrying layers' border states on the device until stage 2 has used them; the
+        # plan counts them where the model's shape knows their size.
+        borders = 0
+        if self.states is not None and not ModelShape.resolve(self.lm).carried_state_bytes:
+            borders = border_state_bytes(self.lm, input_ids.shape[0], len(self.chunks))
         self.placement = place_step(model, input_ids.shape[0], seq_len, config, self.device, *reusable,
                                     stage_1_loss=stage_1_loss, optimizer=optimizer,
                                     pending_gpu_bytes=pending + ranks.step_gpu_bytes + borders,
@@ -341,8 +347,12 @@ class ChunkedSequence:
         softcap * tanh(score / softcap), or None."""
         if self.pool is None:
             self._take_pages(k.dtype)
-        store = self.pool.layer(layer_idx, self.table)
-        key = (self._chunk, layer_idx)
+        slot = self.kv_slots.get(layer_idx)
+        if slot is None:
+            raise NotImplementedError(f"layer {layer_idx} of {type(self.lm).__name__} attends, but its config's "
+                                      "layer kinds say it keeps no K/V: not supported")
+        store = self.pool.layer(slot, self.table)
+        key = (self._chunk, slot)
         fill = self._stage == "fill"
         sparse = self.config.sparse
         selection = None
@@ -359,7 +369,7 @@ class ChunkedSequence:
                         f"{spec.v_dim}, which the pages hold")
                 store.write(k, v, self._start)
             if sparse is not None and fill:
-                summaries = self.pool.summaries(sparse.score, layer_idx)
+                summaries = self.pool.summaries(sparse.score, slot)
                 # Select from the past's summaries, then add this chunk's keys for the chunks after it.
                 selection = select_pages(q, store, summaries, sparse, self._start, bounds[0])
                 update_summaries(store, summaries, sparse.score, self._start, self._start + k.shape[2])
@@ -379,7 +389,7 @@ class ChunkedSequence:
                                                 one_document, sinks, softcap)
             if self.host_kept is None:
                 self.host_kept = self.pool.host_kept_attention(self.placement.host_kept_chunks, out, lse)
-            self.host_kept.save(self._chunk, layer_idx, out, lse)
+            self.host_kept.save(self._chunk, slot, out, lse)
             return out
         if not fill and key not in self.kept and self.host_kept is not None and key in self.host_kept.saved:
             self.kept[key] = self.host_kept.fetch(*key)

@@ -20,7 +20,7 @@ def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
-    page_layers = 2 * shape.n_layers - c.host_grad_layers - c.host_kv_layers  # PagePool.page_layers
+    page_layers = 2 * shape.kv_layers - c.host_grad_layers - c.host_kv_layers  # PagePool.page_layers
     on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
@@ -78,11 +78,11 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     heads = shape.n_kv_heads if sparse.per_kv_head else 1
-    page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.n_layers  # K and V
+    page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers  # K and V
     n = c.n_chunks
     graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
     kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
-    host, last = spread_layers(shape.n_layers, c.host_kv_layers), shape.n_layers - 1
+    host, last = spread_layers(shape.kv_layers, c.host_kv_layers), shape.kv_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = [0.0, 0.0]
     for index, start in enumerate(range(0, c.context, c.chunk_size)):

@@ -114,8 +114,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
     if c.streamed:
-        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
-        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
+        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
         segment = offload_segment_pages(c) * c.page_size
         gpu[f"offload staging: 2 segments x {segment:,} tokens of K, V, dK, dV (one layer)"] = (
             2 * segment * (kv_layer + grad_layer)
@@ -130,12 +130,12 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         host[f"pinned {grad_name}"] = grad_bytes
     else:
         n_kv_host = c.host_kv_layers
-        if n_kv_host > shape.n_layers:
-            raise SetupError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.n_layers} layers")
+        if n_kv_host > shape.kv_layers:
+            raise SetupError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.kv_layers} layers")
         if n_kv_host:
-            kv_layer = kv_bytes // shape.n_layers
-            gpu[f"{kv_name}, {shape.n_layers - n_kv_host} of {shape.n_layers} layers"] = kv_layer * (
-                shape.n_layers - n_kv_host)
+            kv_layer = kv_bytes // shape.kv_layers
+            gpu[f"{kv_name}, {shape.kv_layers - n_kv_host} of {shape.kv_layers} layers"] = kv_layer * (
+                shape.kv_layers - n_kv_host)
             host[f"pinned {kv_name}, {n_kv_host} layers (selected pages gathered)"] = kv_layer * n_kv_host
             # One attention call's gather: per sequence, every past page a selection can name (core.pages
             # HostKVStaging sizes it for the worst case, on the device).
@@ -146,19 +146,19 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
                 lists = n_tiles if c.sparse.per_query_tile else 1
                 staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
-            per_token = shape.kv_bytes_per_token(kv_dtype) // shape.n_layers
+            per_token = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
             gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
                 "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
         else:
             gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers
-        if n_host > shape.n_layers:
-            raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.n_layers} layers")
+        if n_host > shape.kv_layers:
+            raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.kv_layers} layers")
         if n_host:
-            n_gpu = shape.n_layers - n_host
-            gpu[f"{grad_name}, {n_gpu} of {shape.n_layers} layers"] = grad_bytes // shape.n_layers * n_gpu
+            n_gpu = shape.kv_layers - n_host
+            gpu[f"{grad_name}, {n_gpu} of {shape.kv_layers} layers"] = grad_bytes // shape.kv_layers * n_gpu
             host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
-                grad_bytes // shape.n_layers * n_host
+                grad_bytes // shape.kv_layers * n_host
             )
             # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
             # kernels.sparse_attention.invert_selection.
@@ -175,12 +175,12 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         elif shape.window_layers and not n_kv_host:
             # The sliding-window layers' gradient pages: a ring of the pages their window reaches
             # (core.pages.gradient_ring_pages), the other layers' for every stored token.
-            grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.n_layers
-            full = shape.n_layers - shape.window_layers
+            grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
+            full = shape.kv_layers - shape.window_layers
             ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
                              math.ceil(c.context / c.page_size))
             if full:
-                gpu[f"{grad_name}, {full} of {shape.n_layers} layers"] = grad_layer * full * c.stored_tokens
+                gpu[f"{grad_name}, {full} of {shape.kv_layers} layers"] = grad_layer * full * c.stored_tokens
             ring = f"{grad_name}, {shape.window_layers} sliding-window layers: a ring of {ring_pages} pages a sequence"
             gpu[ring] = grad_layer * shape.window_layers * c.batch * ring_pages * c.page_size
         else:
@@ -191,15 +191,19 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         # their pages in host memory.
         summary_bytes = 4 if c.sparse.score == "mean" else 2 * _itemsize(kv_dtype)
         per_layer = pages * shape.n_kv_heads * shape.head_dim * summary_bytes
-        summaries = (shape.n_layers - c.host_kv_layers) * per_layer
+        summaries = (shape.kv_layers - c.host_kv_layers) * per_layer
         if c.host_kv_layers:
             host[f"pinned page summaries ({c.sparse.score}), {c.host_kv_layers} layers"] = c.host_kv_layers * per_layer
         # int32 page lists kept from stage 1 to stage 2: per layer, sequence, KV head (or one), query tile (or
         # chunk, per_query_tile=False).
         heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
         lists = pages if c.sparse.per_query_tile else c.batch * c.n_chunks
-        selections = 4 * shape.n_layers * heads * lists * min(c.sparse.budget_pages, pages)
+        selections = 4 * shape.kv_layers * heads * lists * min(c.sparse.budget_pages, pages)
         gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
+    if shape.carried_state_bytes:
+        # Stage 1 keeps each state-carrying layer's state at every chunk border until stage 2 reruns the chunk.
+        gpu[f"border states of {shape.carried_layers} state-carrying layers ({c.n_chunks} chunks)"] = (
+            c.batch * c.n_chunks * shape.carried_state_bytes)
     graphs = min(c.graph_chunks, c.n_chunks)
     kept = min(c.kept_chunks, c.n_chunks - graphs)
     if kept:
@@ -311,7 +315,7 @@ def quantized_params(shape: ModelShape, c: PlanConfig) -> int:
 
 def kept_chunk_bytes(shape: ModelShape, chunk_tokens: int, dtype: torch.dtype) -> int:
     """Bytes of one chunk's attention outputs (every layer's out in ``dtype`` and fp32 lse) kept from stage 1."""
-    return shape.n_layers * chunk_tokens * (shape.out_width * _itemsize(dtype) + 4 * shape.n_heads)
+    return shape.kv_layers * chunk_tokens * (shape.out_width * _itemsize(dtype) + 4 * shape.n_heads)
 
 
 def graph_chunk_bytes(shape: ModelShape, c: PlanConfig) -> int:

@@ -135,9 +135,9 @@ class Plan:
         if c.streamed:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
         if c.host_grad_layers:
-            head += f"; KV-gradient pages of {c.host_grad_layers} of {s.n_layers} layers in pinned host memory"
+            head += f"; KV-gradient pages of {c.host_grad_layers} of {s.kv_layers} layers in pinned host memory"
         if c.host_kv_layers:
-            head += f"; K/V pages of {c.host_kv_layers} of {s.n_layers} layers in pinned host memory"
+            head += f"; K/V pages of {c.host_kv_layers} of {s.kv_layers} layers in pinned host memory"
         if c.stage_1_loss and c.loss_grads == "recomputed":
             head += "; each chunk's dL/dh computed again in stage 2 (no room to keep it)"
         if not c.fused_ops:

@@ -98,7 +98,7 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
 
     def fewest_on_host(config: PlanConfig) -> Plan:
         """``config`` with the fewest sparse layers' pages on the host that fit the GPU."""
-        return placed(config, page_choices("auto", True, shape.n_layers), math.inf)
+        return placed(config, page_choices("auto", True, shape.kv_layers), math.inf)
 
     def placed_as_asked(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
@@ -111,11 +111,13 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
     result.checkpoint_auto = checkpoint_auto
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
     result.suggestions = suggestions_for(result, estimate, fewest_on_host)
-    if shape.linear_attention_layers:
+    if shape.carried_layers:
+        states = ("their border states are counted" if shape.carried_state_bytes else
+                  "their border states are not in this plan (a training step counts them before it starts)")
         result.notes.append(
-            f"{shape.linear_attention_layers} of {shape.n_layers} layers are linear attention ({shape.model_type}), "
-            "planned here as attention layers with K/V pages; their states at the chunk borders are not in this "
-            "plan (a training step counts them against its memory before it starts)")
+            f"{shape.carried_layers} of {shape.n_layers} layers carry a state across chunk borders "
+            f"({shape.model_type}): K/V pages for the other {shape.kv_layers} only; their projections are "
+            f"planned as attention's, their token mixing as free; {states}")
     return result
 
 
@@ -129,7 +131,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool =
     config = PlanConfig.build(config, **options)
     offload = config.chunk.offload
     if config.sparse is not None:
-        choices = page_choices(offload, True, ModelShape.resolve(model).n_layers)
+        choices = page_choices(offload, True, ModelShape.resolve(model).kv_layers)
         # "auto": _plan tries them in order, for each checkpointing setting
         result = _plan(model, config.replace(pages=choices[0]), checkpoint_auto,
                        choices if len(choices) > 1 else None)
@@ -171,9 +173,9 @@ def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 
     shape = least.shape
     # Sliding-window layers' gradient pages can be a ring of their window (core.pages.gradient_ring_pages),
     # which no token adds to: the limit counts the other layers' gradients.
-    grad_layers = shape.n_layers - shape.window_layers
+    grad_layers = shape.kv_layers - shape.window_layers
     per_token = c.batch * (shape.kv_bytes_per_token(_kv_dtype(c.precision))
-                           + shape.kv_bytes_per_token(c.grad_dtype) * grad_layers // shape.n_layers)
+                           + shape.kv_bytes_per_token(c.grad_dtype) * grad_layers // shape.kv_layers)
     host_room = least.host_memory - sum(v for k, v in least.host_lines.items() if k.startswith("process"))
     # The one-chunk step's own pages on the GPU are room for tokens too (its pinned ones are in host_room).
     own_pages = sum(v for k, v in least.gpu_lines.items() if k.startswith(("K/V pages", "KV-gradient pages")))

@@ -109,7 +109,7 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         linear = 8.0 * shape.active_matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 2 * (d_q + d_out) per (query, key) pair (QK^T, PV).
     attended = context if sparse is None else sparse.attended_past_tokens(page_size)
-    full_layers = shape.n_layers - shape.window_layers
+    full_layers = shape.kv_layers - shape.window_layers
     chunk_pairs = []  # over the layers: full ones, then sliding-window ones
     for s in range(0, context, chunk_size):
         pairs = _chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
