@@ -14,15 +14,21 @@ from torch import nn
 from . import gated_delta, mamba2
 
 
+def _alone(out: Any) -> Any:
+    return out
+
+
 @dataclass(frozen=True)
 class CarriedKind:
     """How one kind of state-carrying layer runs a chunk (``chunk``), what a sequence starts from
-    (``start(layer, batch)``), and the function of the layer's transformers modeling module it calls
-    (``needs``: transformers releases before it have none)."""
+    (``start(layer, batch)``), the function of the layer's transformers modeling module it calls (``needs``:
+    transformers releases before it have none; None: it calls none), and what the layer's forward returns made
+    of the chunk's output (``returns``: the output alone, or the tuple its decoder layer unpacks)."""
 
     chunk: Callable[..., tuple[Any, Any]]
     start: Callable[[nn.Module, int], Any]
-    needs: str
+    needs: str | None
+    returns: Callable[[Any], Any] = _alone
 
 
 _GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state, "torch_chunk_gated_delta_rule")
@@ -42,7 +48,7 @@ def missing_function(layer: nn.Module) -> str | None:
     else None."""
     kind = carried_kind(layer)
     modeling = sys.modules.get(type(layer).__module__)
-    return None if kind is None or hasattr(modeling, kind.needs) else kind.needs
+    return None if kind is None or kind.needs is None or hasattr(modeling, kind.needs) else kind.needs
 
 
 def carried_layers(model: nn.Module) -> list[nn.Module]:
