@@ -40,8 +40,12 @@ SIZES = dict(
     first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
     qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64, n_positions=64,
 )
-# Families whose defaults need more than SIZES.
-OVERRIDES: dict[str, dict] = {}
+# Families whose defaults need more than SIZES: LFM2's default config is attention alone (its checkpoints mix in
+# short convolutions), LFM2-MoE's names no layer kinds and would build no model; one dense layer, then experts.
+OVERRIDES: dict[str, dict] = {
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+}
 _SUB_CONFIGS = ("text_config", "decoder", "decoder_config")
 
 

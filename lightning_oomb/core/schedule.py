@@ -218,13 +218,13 @@ class ChunkedSequence:
         if config.sparse is not None and not config.sparse.per_query_tile and self.doc_start is not None:
             raise ValueError(PER_CHUNK_OVER_DOCUMENTS)
         self.fused_ops = uses_triton(config.attention, self.device)
-        # The states of the state-carrying layers (linear attention) across chunk borders, if the model has any.
+        # The states of the state-carrying layers (lightning_oomb.recurrent) across chunk borders, if the model has any.
         self.states = ChunkStates(input_ids.shape[0]) if carried_layers(self.lm) else None
         if self.states is not None and self.doc_start is not None:
             raise ValueError(
-                f"{type(self.lm).__name__} carries its linear-attention state from token to token, across the "
-                "starts of packed documents too: train packed documents without document masking (position_ids), "
-                "or one document per sequence"
+                f"{type(self.lm).__name__} carries a state (linear attention, state space, short convolution) from "
+                "token to token, across the starts of packed documents too: train packed documents without document "
+                "masking (position_ids), or one document per sequence"
             )
         # Page selections made in stage 1, by (chunk index, layer), kept until the chunk's stage-2 backward.
         self.selections: dict[tuple[int, int], torch.Tensor] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +67,9 @@ def check_supported(model: nn.Module) -> None:
     name = f"{type(lm).__name__} (model_type {cfg.model_type!r})"
     decoder = decoder_of(lm)
     # State-carrying layers that lightning_oomb.recurrent runs chunk by chunk, and what lies inside them.
-    carried = {n for n, m in decoder.named_modules() if carried_kind(m) is not None}
+    carried = {n: m for n, m in decoder.named_modules() if carried_kind(m) is not None}
     inside = {n for n, _ in decoder.named_modules() if any(n == c or n.startswith(c + ".") for c in carried)}
-    kinds = set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS)
-    if carried:
-        kinds.discard("linear_attention")
-    other_layers = sorted(kinds)
+    other_layers = _uncarried_kinds(getattr(cfg, "layer_types", None) or [], carried.values())
     convs = [n for n, m in decoder.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d)) and n not in inside]
     if other_layers or convs:
         what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
@@ -118,6 +116,15 @@ def check_supported(model: nn.Module) -> None:
     if lm.training:
         _check_deterministic_training(lm, name)
     _check_loss_is_cross_entropy(lm, name)
+
+
+def _uncarried_kinds(layer_types: list[str], carried: Iterable[nn.Module]) -> list[str]:
+    """The layer kinds of ``layer_types`` (the config's, by layer index) that mix tokens outside attention and
+    are not carried: a kind some layer has in its config with no state-carrying layer of that index (``carried``:
+    those of the model, e.g. LFM2's "conv", MiniMax's "linear_attention")."""
+    indices = {m.layer_idx for m in carried}
+    return sorted({kind for i, kind in enumerate(layer_types) if kind not in ATTENTION_LAYERS + TOKENWISE_LAYERS
+                   and i not in indices})
 
 
 def _calls_attention_interface(lm: nn.Module) -> bool:

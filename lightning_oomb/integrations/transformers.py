@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..recurrent import carried_layers
+from ..recurrent import carried_kind, carried_layers
 from .fused_ops import accumulating_linears
 from .fused_ops import fused_ops as swapped_fused_ops
 
@@ -65,12 +65,13 @@ def _oomb_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.transpose(1, 2).contiguous(), None
 
 
-def _carried_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs) -> torch.Tensor:
+def _carried_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, attention_mask=None,
+                     **kwargs) -> Any:
     """The forward of a state-carrying layer (lightning_oomb.recurrent) during a step: the chunk from the state
-    the chunk before it left, through the step's ``carry``."""
+    the chunk before it left, through the step's ``carry``, returned as the layer's own forward returns it."""
     if attention_mask is not None:
         raise ValueError("lightning_oomb runs state-carrying layers without a padding mask; mask labels with -100")
-    return _active.carry(layer, hidden_states)
+    return carried_kind(layer).returns(_active.carry(layer, hidden_states))
 
 
 # No mask function is registered for it, on purpose: for an implementation absent from transformers'

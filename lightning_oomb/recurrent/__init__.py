@@ -11,25 +11,35 @@ from typing import Any, Callable
 
 from torch import nn
 
-from . import gated_delta, mamba2
+from . import gated_delta, lightning_attention, mamba2, short_conv
+
+
+def _alone(out: Any) -> Any:
+    return out
 
 
 @dataclass(frozen=True)
 class CarriedKind:
     """How one kind of state-carrying layer runs a chunk (``chunk``), what a sequence starts from
-    (``start(layer, batch)``), and the function of the layer's transformers modeling module it calls
-    (``needs``: transformers releases before it have none)."""
+    (``start(layer, batch)``), the function of the layer's transformers modeling module it calls (``needs``:
+    transformers releases before it have none; None: it calls none), and what the layer's forward returns made
+    of the chunk's output (``returns``: the output alone, or the tuple its decoder layer unpacks)."""
 
     chunk: Callable[..., tuple[Any, Any]]
     start: Callable[[nn.Module, int], Any]
-    needs: str
+    needs: str | None
+    returns: Callable[[Any], Any] = _alone
 
 
 _GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state, "torch_chunk_gated_delta_rule")
 _MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state, "mamba2_chunk_scan")
+_SHORT_CONV = CarriedKind(short_conv.short_conv_chunk, short_conv.initial_state, None)
+_LIGHTNING = CarriedKind(lightning_attention.lightning_attention_chunk, lightning_attention.initial_state, None,
+                         lightning_attention.with_no_weights)
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
-           "GraniteMoeHybridMambaLayer": _MAMBA2}
+           "GraniteMoeHybridMambaLayer": _MAMBA2, "Lfm2ShortConv": _SHORT_CONV, "Lfm2MoeShortConv": _SHORT_CONV,
+           "MiniMaxLightningAttention": _LIGHTNING}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:
@@ -42,7 +52,7 @@ def missing_function(layer: nn.Module) -> str | None:
     else None."""
     kind = carried_kind(layer)
     modeling = sys.modules.get(type(layer).__module__)
-    return None if kind is None or hasattr(modeling, kind.needs) else kind.needs
+    return None if kind is None or kind.needs is None or hasattr(modeling, kind.needs) else kind.needs
 
 
 def carried_layers(model: nn.Module) -> list[nn.Module]:
