@@ -41,7 +41,11 @@ SIZES = dict(
     qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64, n_positions=64,
 )
 # Families whose defaults need more than SIZES.
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    # Jamba places attention and experts by period and offset (defaults 8 and 4, 2 and 1): a Mamba layer, then
+    # attention with experts, where two layers by the defaults would have no attention.
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+}
 _SUB_CONFIGS = ("text_config", "decoder", "decoder_config")
 
 

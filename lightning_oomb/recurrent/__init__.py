@@ -11,25 +11,26 @@ from typing import Any, Callable
 
 from torch import nn
 
-from . import gated_delta, mamba2
+from . import gated_delta, mamba1, mamba2
 
 
 @dataclass(frozen=True)
 class CarriedKind:
     """How one kind of state-carrying layer runs a chunk (``chunk``), what a sequence starts from
     (``start(layer, batch)``), and the function of the layer's transformers modeling module it calls
-    (``needs``: transformers releases before it have none)."""
+    (``needs``: transformers releases before it have none; None where the chunk calls none of it)."""
 
     chunk: Callable[..., tuple[Any, Any]]
     start: Callable[[nn.Module, int], Any]
-    needs: str
+    needs: str | None = None
 
 
 _GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state, "torch_chunk_gated_delta_rule")
 _MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state, "mamba2_chunk_scan")
+_MAMBA1 = CarriedKind(mamba1.mamba1_chunk, mamba1.initial_state)  # its scan is its own: transformers' has no start
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
-           "GraniteMoeHybridMambaLayer": _MAMBA2}
+           "GraniteMoeHybridMambaLayer": _MAMBA2, "JambaMambaMixer": _MAMBA1}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:
@@ -42,7 +43,7 @@ def missing_function(layer: nn.Module) -> str | None:
     else None."""
     kind = carried_kind(layer)
     modeling = sys.modules.get(type(layer).__module__)
-    return None if kind is None or hasattr(modeling, kind.needs) else kind.needs
+    return None if kind is None or kind.needs is None or hasattr(modeling, kind.needs) else kind.needs
 
 
 def carried_layers(model: nn.Module) -> list[nn.Module]:
