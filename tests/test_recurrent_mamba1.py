@@ -1,6 +1,7 @@
-"""Mamba-1 mixers (Jamba's) run chunk by chunk (lightning_oomb.recurrent.mamba1) against transformers' own model
-over the whole sequence, float32 on the CPU, where transformers runs its torch scan (no mamba-ssm kernel on the
-CPU, use_mambapy off): the loss and every gradient, generation, and what stays refused."""
+"""Mamba-1 mixers (Jamba's: lightning_oomb.recurrent.mamba1) and Falcon-H1's Mamba-2 mixers with its multipliers
+run chunk by chunk against transformers' own model over the whole sequence, float32 on the CPU, where transformers
+runs its torch scans (no mamba-ssm kernel on the CPU, use_mambapy off): the loss and every gradient, generation,
+and what stays refused."""
 
 from __future__ import annotations
 
@@ -63,16 +64,17 @@ def test_mamba1_chunks_give_the_whole_sequence_output_in_bfloat16(chunk):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("chunk", [8, 2])
-def test_jamba_train_step_equals_full_sequence_training(chunk):
+@pytest.mark.parametrize(("chunk", "tokens"), [(8, 40), (2, 21)])
+def test_jamba_train_step_equals_full_sequence_training(chunk, tokens):
     """The Mamba state (the convolution's last inputs and the SSM state) carried across chunks of 8 (dividing 40
-    tokens) and 2 (shorter than the convolution's window), beside attention and experts, batch of two with
-    masked labels: the loss and every gradient of transformers' full-sequence training within 1e-5."""
+    tokens) and 2 (not dividing 21, shorter than the convolution's window of 3 inputs before a token), beside
+    attention and experts, batch of two with masked labels: the loss and every gradient of transformers'
+    full-sequence training within 1e-5."""
     torch.manual_seed(2)
-    ids = torch.randint(3, 101, (2, 40))
+    ids = torch.randint(3, 101, (2, tokens))
     labels = ids.clone()
     labels[0, :7] = -100
-    labels[1, 30:] = -100
+    labels[1, tokens - 6:] = -100
     assert_trains_as_full_sequence(tiny_jamba(), ids, labels, chunk_size=chunk, page_size=4)
 
 
@@ -129,3 +131,48 @@ def test_plan_of_jamba_counts_its_mamba_layers(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "79GiB"]) in (0, None)
     out = capsys.readouterr().out
     assert "Note: 2 of 3 layers are linear attention (jamba), planned here as attention layers" in out
+
+
+def tiny_falcon_h1(rms_norm: bool, seed: int = 0):
+    """A tiny Falcon-H1: two layers each of attention and a Mamba-2 mixer side by side (4 heads of 16, SSM state 8,
+    scan chunks of 16), its mixer's gated norm on or off, and every muP multiplier away from 1: on the embedding,
+    the logits, the attention's input, keys and output, the MLP's gate and down projection, the mixer's input and
+    output and each part of its projection (gate, x, B, C, dt)."""
+    from transformers import AutoModelForCausalLM, FalconH1Config
+
+    config = FalconH1Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=101, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=rms_norm, max_position_embeddings=128,
+        tie_word_embeddings=False, lm_head_multiplier=0.75, embedding_multiplier=3.0, mlp_multipliers=[0.5, 1.5],
+        key_multiplier=0.8, attention_in_multiplier=1.25, attention_out_multiplier=0.6,
+        ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], ssm_in_multiplier=0.9, ssm_out_multiplier=1.1,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize(("chunk", "rms_norm"), [(8, False), (5, True)])
+def test_falcon_h1_train_step_equals_full_sequence_training(chunk, rms_norm):
+    """Falcon-H1's Mamba-2 state carried across chunks of 8 and 5 tokens (its scan's own chunks are 16) with every
+    multiplier as transformers applies it, the mixer gated by silu alone or by its gated norm, batch of two with
+    masked labels: the loss and every gradient of transformers' full-sequence training within 1e-5."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, 101, (2, 40))
+    labels = ids.clone()
+    labels[1, :9] = -100
+    assert_trains_as_full_sequence(tiny_falcon_h1(rms_norm), ids, labels, chunk_size=chunk, page_size=4)
+
+
+def test_falcon_h1_generate_equals_transformers_greedy_search():
+    from lightning_oomb import generate
+
+    model = tiny_falcon_h1(rms_norm=False).eval()
+    torch.manual_seed(3)
+    ids = torch.randint(3, 101, (2, 29))
+    want = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    assert torch.equal(generate(model, ids, max_new_tokens=10, eos_token_id=-1, chunk_size=8, page_size=4), want)

@@ -31,7 +31,7 @@ TOKENWISE_LAYERS = ("mlp", "moe")
 # Model types whose attention layers call transformers' AttentionInterface though their class does not declare
 # ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
 INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba",
-                          "nemotron_h", "granitemoehybrid", "jamba")
+                          "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1")
 # Families whose attention layers call attention more than once a forward, with the same keys and other values,
 # by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
 # attend to the last call's values of the past.
@@ -69,8 +69,8 @@ def check_supported(model: nn.Module) -> None:
     carried = {n for n, m in decoder.named_modules() if carried_kind(m) is not None}
     inside = {n for n, _ in decoder.named_modules() if any(n == c or n.startswith(c + ".") for c in carried)}
     kinds = set(getattr(cfg, "layer_types", None) or []) - set(ATTENTION_LAYERS) - set(TOKENWISE_LAYERS)
-    if carried:
-        kinds.discard("linear_attention")
+    if carried:  # linear attention or Mamba layers; Falcon-H1's "hybrid" ones: attention and Mamba side by side
+        kinds -= {"linear_attention", "hybrid"}
     other_layers = sorted(kinds)
     convs = [n for n, m in decoder.named_modules() if isinstance(m, (nn.Conv1d, nn.Conv2d)) and n not in inside]
     if other_layers or convs:

@@ -30,7 +30,7 @@ _MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state, "mamba2_chunk_s
 _MAMBA1 = CarriedKind(mamba1.mamba1_chunk, mamba1.initial_state)  # its scan is its own: transformers' has no start
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
-           "GraniteMoeHybridMambaLayer": _MAMBA2, "JambaMambaMixer": _MAMBA1}
+           "GraniteMoeHybridMambaLayer": _MAMBA2, "FalconH1Mixer": _MAMBA2, "JambaMambaMixer": _MAMBA1}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:
