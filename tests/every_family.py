@@ -41,10 +41,13 @@ SIZES = dict(
     qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=64, n_positions=64,
 )
 # Families whose defaults need more than SIZES: LFM2's default config is attention alone (its checkpoints mix in
-# short convolutions), LFM2-MoE's names no layer kinds and would build no model; one dense layer, then experts.
+# short convolutions), LFM2-MoE's names no layer kinds and would build no model (one dense layer, then experts);
+# Jamba places attention and experts by period and offset (defaults 8 and 4, 2 and 1), where two layers by the
+# defaults would have no attention: a Mamba layer, then attention with experts.
 OVERRIDES: dict[str, dict] = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
 }
 _SUB_CONFIGS = ("text_config", "decoder", "decoder_config")
 

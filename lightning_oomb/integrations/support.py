@@ -32,7 +32,7 @@ TOKENWISE_LAYERS = ("mlp", "moe")
 # Model types whose attention layers call transformers' AttentionInterface though their class does not declare
 # ``_supports_attention_backend`` (each trained against its whole-sequence training in tests/test_model_families.py).
 INTERFACE_WITHOUT_FLAG = ("stablelm", "falcon", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba",
-                          "nemotron_h", "granitemoehybrid")
+                          "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1")
 # Families whose attention layers call attention more than once a forward, with the same keys and other values,
 # by model_type: what those values are. The K/V pages hold one value per layer and token, so each call would
 # attend to the last call's values of the past.

@@ -102,9 +102,9 @@ def sliding_window(attention: nn.Module) -> int | None:
 @dataclass(frozen=True)
 class LogitHead:
     """What a causal LM does to ``lm_head(h)`` before its loss, in transformers' order: ``logits * scale``
-    (Cohere's ``logit_scale``), ``logits / divisor`` (Granite's ``logits_scaling``), then
-    ``softcap * tanh(logits / softcap)`` (``final_logit_softcapping``: Gemma 2, NanoChat). The identity is
-    LogitHead()."""
+    (Cohere's ``logit_scale``, Falcon-H1's ``lm_head_multiplier``), ``logits / divisor`` (Granite's
+    ``logits_scaling``), then ``softcap * tanh(logits / softcap)`` (``final_logit_softcapping``: Gemma 2,
+    NanoChat). The identity is LogitHead()."""
 
     scale: float = 1.0
     divisor: float = 1.0
@@ -142,6 +142,8 @@ class LogitHead:
 
 # Model types whose logits_scaling multiplies the logits (muP), where Granite's divides them.
 MULTIPLYING_LOGITS_SCALING = ("hyperclovax",)
+# Model types whose config names the factor on the logits otherwise than logit_scale (Falcon-H1's muP).
+LOGIT_SCALE_FIELD = {"falcon_h1": "lm_head_multiplier"}
 
 
 def logit_head(model: nn.Module) -> LogitHead:
@@ -154,7 +156,8 @@ def logit_head(model: nn.Module) -> LogitHead:
         value = getattr(cfg, field, None)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
-    scale, divisor, softcap = number("logit_scale"), number("logits_scaling"), number("final_logit_softcapping")
+    scale_field = LOGIT_SCALE_FIELD.get(cfg.model_type, "logit_scale")
+    scale, divisor, softcap = number(scale_field), number("logits_scaling"), number("final_logit_softcapping")
     if divisor is not None and cfg.model_type in MULTIPLYING_LOGITS_SCALING:
         scale, divisor = divisor, None
     return LogitHead(1.0 if scale is None else scale, 1.0 if divisor is None else divisor, softcap)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from . import gated_delta, lightning_attention, mamba2, short_conv
+from . import gated_delta, lightning_attention, mamba1, mamba2, short_conv
 
 
 def _alone(out: Any) -> Any:
@@ -33,13 +33,14 @@ class CarriedKind:
 
 _GATED_DELTA = CarriedKind(gated_delta.gated_delta_chunk, gated_delta.initial_state, "torch_chunk_gated_delta_rule")
 _MAMBA2 = CarriedKind(mamba2.mamba2_chunk, mamba2.initial_state, "mamba2_chunk_scan")
+_MAMBA1 = CarriedKind(mamba1.mamba1_chunk, mamba1.initial_state, None)  # transformers' scan takes no start
 _SHORT_CONV = CarriedKind(short_conv.short_conv_chunk, short_conv.initial_state, None)
 _LIGHTNING = CarriedKind(lightning_attention.lightning_attention_chunk, lightning_attention.initial_state, None,
                          lightning_attention.with_no_weights)
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
            "GraniteMoeHybridMambaLayer": _MAMBA2, "Lfm2ShortConv": _SHORT_CONV, "Lfm2MoeShortConv": _SHORT_CONV,
-           "MiniMaxLightningAttention": _LIGHTNING}
+           "MiniMaxLightningAttention": _LIGHTNING, "FalconH1Mixer": _MAMBA2, "JambaMambaMixer": _MAMBA1}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:
