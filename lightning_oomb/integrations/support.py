@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 import transformers
 
+from ..core.model_shape import kv_layer_indices
 from ..recurrent import carried_kind, missing_function
 from .decoder import decoder_of
 from .router_balance import router_class
@@ -86,7 +87,8 @@ def check_supported(model: nn.Module) -> None:
             "scores, which lightning_oomb's attention does not compute: not supported"
         )
     # After the layer kinds and ALiBi: what stands in the way is named before the own-code attention it comes with.
-    if not _calls_attention_interface(lm):
+    # A model whose every layer is a carried state-space or linear-attention layer attends nowhere: nothing to route.
+    if _attends(cfg, carried.values()) and not _calls_attention_interface(lm):
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
@@ -125,6 +127,13 @@ def _uncarried_kinds(layer_types: list[str], carried: Iterable[nn.Module]) -> li
     indices = {m.layer_idx for m in carried}
     return sorted({kind for i, kind in enumerate(layer_types) if kind not in ATTENTION_LAYERS + TOKENWISE_LAYERS
                    and i not in indices})
+
+
+def _attends(cfg, carried: Iterable[nn.Module]) -> bool:
+    """Whether some decoder layer attends: one the config's layer kinds give K/V pages, or one that no
+    state-carrying layer stands for (pure state-space models, Mamba's and Mamba-2's, have neither)."""
+    indices = {m.layer_idx for m in carried}
+    return bool(kv_layer_indices(cfg)) or any(i not in indices for i in range(cfg.num_hidden_layers))
 
 
 def _calls_attention_interface(lm: nn.Module) -> bool:
