@@ -450,6 +450,13 @@ class ChunkedSequence:
         first_graph = len(self.chunks) - self.placement.graph_chunks
         return first_graph - self.placement.kept_chunks <= index < first_graph
 
+    def _take_pages_without_attention(self) -> None:
+        """A model that attends nowhere (pure state-space models) takes its pool, of no layers and no bytes, at
+        the start of stage 1 rather than at a first attention call that never comes: the step's page bookkeeping
+        (zeroing and reading gradient pages, a host buffer of dL/dh, release) then runs as for any model."""
+        if self.pool is None and not self.kv_slots:
+            self._take_pages(self.head.weight.dtype)
+
     def _take_pages(self, dtype: torch.dtype) -> None:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
         batch, seq_len = self.input_ids.shape
@@ -518,6 +525,7 @@ class ChunkedSequence:
             raise RuntimeError("no parameter of the model requires grad")
         self._stage, self._with_grads = "fill", with_grads
         self._decoder_trains = any(p.requires_grad for p in self.decoder.parameters())
+        self._take_pages_without_attention()
         total = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage_1_loss else None
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
@@ -565,6 +573,7 @@ class ChunkedSequence:
                              f"{self.input_ids.shape[1]}: needs {stored} < end <= {self.input_ids.shape[1]} and "
                              f"keep_last <= {end - stored}")
         self._stage, self._with_grads, self._decoder_trains = "fill", False, False
+        self._take_pages_without_attention()
         first_kept = end - keep_last
         kept = []
         binding = contextlib.nullcontext() if self._bound else self.bound()
