@@ -61,6 +61,25 @@ def test_mamba_chunks_shorter_than_the_convolution_window():
     assert_trains_as_full_sequence(tiny_ssm("mamba"), ids, None, chunk_size=2, page_size=4)
 
 
+def test_mamba_in_bfloat16_reads_its_float32_residual_stream_as_the_head_does():
+    """bf16 weights, the residual stream in float32 (residual_in_fp32), cast to bf16 before lm_head: each
+    gradient of train_step within twice the error of transformers' own bf16 run against float32, plus 2e-3."""
+    from tiny_models import rel_err
+
+    from lightning_oomb import train_step
+
+    model32 = tiny_ssm("mamba")
+    ids = torch.randint(3, 101, (1, 24))
+    model32(input_ids=ids, labels=ids).loss.backward()
+    model16 = tiny_ssm("mamba").to(torch.bfloat16)
+    model16(input_ids=ids, labels=ids).loss.backward()
+    plain = {n: p.grad.float() for n, p in model16.named_parameters()}
+    model16.zero_grad(set_to_none=True)
+    train_step(model16.train(), ids, chunk_size=8, page_size=4)
+    for (name, p), p32 in zip(model16.named_parameters(), model32.parameters()):
+        assert rel_err(p.grad.float(), p32.grad) <= 2 * rel_err(plain[name], p32.grad) + 2e-3, name
+
+
 def test_a_model_without_attention_takes_no_page():
     """A Mamba-2 step's pool holds no layer and no byte: nothing attends."""
     from lightning_oomb import ChunkConfig

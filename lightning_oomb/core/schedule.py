@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ..integrations.decoder import decoder_of
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
+from ..integrations.transformers import bind, causal_lm, decoder_layers, head_input, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
 from ..recurrent import border_state_bytes, carried_layers
 from ..recurrent.states import ChunkStates
@@ -475,9 +475,10 @@ class ChunkedSequence:
             self._chunk_first_page = self.first_keys[start] // self.config.page_size
             pos = pos - self._chunk_doc_start
         try:
-            return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+            hidden = self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         except _LastKVStored:
             return None
+        return head_input(self.head, hidden)
 
     def _chunk_loss(
         self, hidden: torch.Tensor, start: int, end: int, with_grads: bool

@@ -21,7 +21,7 @@ from ..core.model_shape import kv_layer_indices
 from ..recurrent import carried_kind, missing_function
 from .decoder import decoder_of
 from .router_balance import router_class
-from .transformers import causal_lm, logit_head
+from .transformers import causal_lm, head_input, logit_head
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -188,7 +188,8 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     with torch.no_grad():
         out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, **extra)
         hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = logit_head(lm).apply(lm.get_output_embeddings()(hidden))
+        head = lm.get_output_embeddings()
+        logits = logit_head(lm).apply(head(head_input(head, hidden)))
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     same_logits = out.logits.shape == logits.shape and torch.allclose(out.logits.float(), logits.float(),
                                                                       rtol=1e-3, atol=1e-3)
