@@ -43,11 +43,13 @@ SIZES = dict(
 # Families whose defaults need more than SIZES: LFM2's default config is attention alone (its checkpoints mix in
 # short convolutions), LFM2-MoE's names no layer kinds and would build no model (one dense layer, then experts);
 # Jamba places attention and experts by period and offset (defaults 8 and 4, 2 and 1), where two layers by the
-# defaults would have no attention: a Mamba layer, then attention with experts.
+# defaults would have no attention: a Mamba layer, then attention with experts. Mamba-2's heads times head_dim
+# must be its mixer's width, expand x hidden: 4 heads of 16 (SIZES' head_dim is attention's).
 OVERRIDES: dict[str, dict] = {
     "lfm2": dict(layer_types=["conv", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8),
 }
 _SUB_CONFIGS = ("text_config", "decoder", "decoder_config")
 

@@ -146,7 +146,7 @@ def build(model_type, **config):
 
 @pytest.mark.parametrize("model_type,config,match", [
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1), "router_jitter_noise=0.1"),
-    ("falcon_h1", dict(), "layers of kind hybrid"),  # Mamba-2 beside attention in each layer: not carried
+    ("kimi_linear", dict(), "layers of kind linear_attention"),  # its delta-rule layers are not carried
     ("bloom", dict(n_layer=1, n_head=2), r"BloomForCausalLM \(model_type 'bloom'\) adds ALiBi position biases"),
     ("mpt", dict(n_layers=1, n_heads=2, d_model=32), r"model_type 'mpt'\) adds ALiBi position biases"),
     ("falcon", dict(alibi=True), r"model_type 'falcon'\) adds ALiBi position biases"),

@@ -124,16 +124,19 @@ def test_jamba_border_state_bytes_are_the_convolution_tails_and_the_float32_ssm_
 
 def test_plan_of_jamba_counts_its_mamba_layers(tmp_path, capsys):
     """lightning-oomb plan on a Jamba directory: K/V pages for its one attention layer (Jamba's layer_types names
-    the Mamba layers linear_attention), and a note that the Mamba layers' border states are not in the plan (the
-    step counts them)."""
+    the Mamba layers linear_attention), and the Mamba layers' border states a bf16 step keeps (4K tokens in one
+    chunk: what border_state_bytes counts on the bf16 model)."""
     from lightning_oomb.cli import main
+    from lightning_oomb.core.model_shape import ModelShape
 
     jamba_config().save_pretrained(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--context", "4K", "--gpu-memory", "79GiB"]) in (0, None)
     out = capsys.readouterr().out
     out = " ".join(out.split())
     assert ("Note: 2 of 3 layers carry a state across chunk borders (jamba): K/V pages for the other 1 only" in out
-            and "their border states are not in this plan" in out)
+            and "their border states are counted" in out and "border states of 2 state-carrying layers" in out)
+    shape = ModelShape.from_path(tmp_path)
+    assert shape.carried_state_bytes == border_state_bytes(tiny_jamba().to(torch.bfloat16), batch=1, chunks=1)
 
 
 def tiny_falcon_h1(rms_norm: bool, seed: int = 0):

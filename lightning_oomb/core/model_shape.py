@@ -12,6 +12,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from ..recurrent.layer_kinds import CARRIED_KINDS, STATE_SPACE_FAMILIES, kv_layer_indices, layer_kinds
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
 
@@ -45,7 +47,22 @@ def load_config_dict(model: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not a readable config.json ({type(e).__name__}: {e})") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{path} is not a config.json: it holds a JSON {type(fields).__name__}, not an object")
-    return fields
+    return _special_floats(fields)
+
+
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(value: Any) -> Any:
+    """``value`` read from a config.json with the floats JSON cannot hold restored: transformers writes
+    infinities and NaN as {"__float__": "Infinity"} (Mamba-2's time_step_limit (0.0, inf))."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[value["__float__"]]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def transformers_config(config: dict[str, Any]):
@@ -76,34 +93,16 @@ def _windows(config: Any) -> dict[str, int]:
 # Families whose attention's q_proj also projects a gate of the attention output, per query channel.
 GATED_QUERY_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
-# Layer kinds of a hybrid's ``layer_types`` that keep no K/V pages: layers whose token mixing carries a state
-# from token to token (lightning_oomb.recurrent), and layers of an MLP or experts only (Nemotron-H).
-NO_KV_KINDS = ("linear_attention", "mamba", "conv", "mlp", "moe")
-
-
-def _layer_kinds(config: Any) -> list[str]:
-    return list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
-
-
-def kv_layer_indices(config: Any) -> list[int]:
-    """The decoder layers that attend and keep K/V pages, ascending: every layer, but those a hybrid's layer
-    kinds name as state-carrying or MLP-only. A step's page pool holds these layers' pages, in this order."""
-    kinds = _layer_kinds(config)
-    if not kinds:
-        return list(range(config.num_hidden_layers))
-    return [i for i, kind in enumerate(kinds) if kind not in NO_KV_KINDS]
-
-
 def _carried_fields(config: Any) -> dict[str, int]:
     """How many layers carry a state across chunk borders, and its bytes per sequence over all of them
     (lightning_oomb.recurrent: the convolution's last inputs, 2-byte, and the float32 recurrence), from the
-    config fields of Gated DeltaNet (Qwen3-Next, Qwen3.5) and Mamba-2 (Bamba, Granite 4, Nemotron-H) layers;
-    bytes 0 for the other kinds."""
-    layers = sum(kind in ("linear_attention", "mamba", "conv") for kind in _layer_kinds(config))
+    config fields of Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba-2 (Mamba-2, Bamba, Granite 4, Nemotron-H) and
+    Mamba-1 (Mamba, Falcon-Mamba, Jamba) layers; bytes 0 for the other kinds."""
+    layers = sum(kind in CARRIED_KINDS for kind in layer_kinds(config))
     if not layers:
         return {}
     get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), 0)  # noqa: E731
-    params = {}
+    model_type = getattr(config, "model_type", "")
     if get("linear_num_value_heads"):  # Gated DeltaNet
         heads, hidden = get("linear_num_value_heads"), config.hidden_size
         key_dim = get("linear_num_key_heads") * get("linear_key_head_dim")
@@ -115,15 +114,45 @@ def _carried_fields(config: Any) -> dict[str, int]:
         params = {"carried_matrices": (hidden * (2 * key_dim + 2 * value_dim), hidden * 2 * heads, value_dim * hidden),
                   "carried_vector_params": (2 * key_dim + value_dim) * get("linear_conv_kernel_dim") + 2 * heads
                   + get("linear_value_head_dim")}
-    elif get("mamba_n_heads", "mamba_num_heads"):  # Mamba-2
-        heads, head_dim = get("mamba_n_heads", "mamba_num_heads"), get("mamba_d_head", "mamba_head_dim")
-        state, groups = get("mamba_d_state", "ssm_state_size"), get("mamba_n_groups", "n_groups")
-        inner = int(get("mamba_expand", "expand") * config.hidden_size)
-        conv = (inner + 2 * groups * state) * (get("mamba_d_conv", "conv_kernel") - 1)
-        recurrent = heads * head_dim * state
+    elif get("mamba_n_heads", "mamba_num_heads") or model_type == "mamba2":
+        conv, recurrent, params = _mamba2_fields(config, get)
+    elif get("mamba_dt_rank") or model_type in ("mamba", "falcon_mamba"):
+        conv, recurrent, params = _mamba1_fields(config, get)
     else:
         return {"carried_layers": layers}
     return {"carried_layers": layers, "carried_state_bytes": layers * (2 * conv + 4 * recurrent), **params}
+
+
+def _mamba2_fields(config: Any, get) -> tuple[int, int, dict[str, Any]]:
+    """A Mamba-2 mixer's border state, elements: the convolution's (x, B, C of the last kernel - 1 tokens) and the
+    SSM state's (heads x head_dim x state); and its parameters: in_proj (gate, x, B, C, dt) and out_proj; the
+    convolution's weights and bias, dt_bias, A_log and D per head, the gated norm's weight. Hybrids name the
+    fields mamba_*, Mamba-2's own config plainly."""
+    plain = getattr(config, "model_type", "") == "mamba2"
+    heads = config.num_heads if plain else get("mamba_n_heads", "mamba_num_heads")
+    head_dim = config.head_dim if plain else get("mamba_d_head", "mamba_head_dim")
+    state, groups = get("mamba_d_state", "ssm_state_size", "state_size"), get("mamba_n_groups", "n_groups")
+    kernel = get("mamba_d_conv", "conv_kernel")
+    hidden = config.hidden_size
+    inner = int(get("mamba_expand", "expand") * hidden)
+    conv_dim = inner + 2 * groups * state
+    params = {"carried_matrices": (hidden * (inner + conv_dim + heads), inner * hidden),
+              "carried_vector_params": conv_dim * (kernel + 1) + 3 * heads + inner}
+    return conv_dim * (kernel - 1), heads * head_dim * state, params
+
+
+def _mamba1_fields(config: Any, get) -> tuple[int, int, dict[str, Any]]:
+    """A Mamba-1 mixer's border state, elements: the convolution's (its inputs of the last kernel - 1 tokens) and
+    the SSM state's (intermediate x state); and its parameters: in_proj (x and the gate), x_proj (dt, B, C),
+    dt_proj, out_proj; the convolution's weights and bias, dt_proj's bias, A_log and D. Jamba names the fields
+    mamba_* (its mixer expand x hidden wide), Mamba and Falcon-Mamba plainly."""
+    hidden = config.hidden_size
+    inner = int(get("mamba_expand") * hidden) if get("mamba_expand") else config.intermediate_size
+    state, kernel = get("mamba_d_state", "state_size"), get("mamba_d_conv", "conv_kernel")
+    rank = int(get("mamba_dt_rank", "time_step_rank"))
+    params = {"carried_matrices": (hidden * 2 * inner, inner * (rank + 2 * state), rank * inner, inner * hidden),
+              "carried_vector_params": inner * (kernel + 3 + state)}
+    return inner * (kernel - 1), inner * state, params
 
 
 # Mixtures of experts whose config says, by a rule of their own, which decoder layers hold experts (the others a
@@ -198,13 +227,21 @@ def latent_attention(config: Any) -> bool:
             and getattr(config, "qk_rope_head_dim", None) is not None)
 
 
+def attends(config: Any) -> bool:
+    """Whether some decoder layer of ``config`` attends (keeps K/V pages); pure state-space models do not."""
+    return bool(kv_layer_indices(config))
+
+
 def kv_heads(config: Any) -> int:
     """The K/V heads each attention layer hands to attention, which the K/V pages store:
     ``num_key_value_heads``, or one per query head where the config names none. JetMoE repeats its K/V heads
     for each of the num_experts_per_tok attention experts of a token (as many as its query heads), tiled
     rather than grouped: its pages hold them repeated, which is what its queries attend to (the planner then
     counts its K/V projections that many times too, a small overestimate of its weights). Latent attention
-    expands its keys and values for every query head, whatever ``num_key_value_heads`` says."""
+    expands its keys and values for every query head, whatever ``num_key_value_heads`` says. 0 where no layer
+    attends."""
+    if not attends(config):
+        return 0
     if getattr(config, "model_type", "") == "jetmoe" or latent_attention(config):
         return config.num_attention_heads
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -212,7 +249,10 @@ def kv_heads(config: Any) -> int:
 
 def head_dim(config: Any) -> int:
     """Channels of one query and key head: ``head_dim``, or hidden_size / num_attention_heads; of latent
-    attention, qk_nope_head_dim + qk_rope_head_dim (its configs' ``head_dim`` is the RoPE part)."""
+    attention, qk_nope_head_dim + qk_rope_head_dim (its configs' ``head_dim`` is the RoPE part). 0 where no layer
+    attends (Mamba-2's ``head_dim`` is its SSM heads')."""
+    if not attends(config):
+        return 0
     if latent_attention(config):
         return config.qk_nope_head_dim + config.qk_rope_head_dim
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -221,12 +261,14 @@ def head_dim(config: Any) -> int:
 def value_dim(config: Any) -> int:
     """Channels of one value head (and of the attention output's): ``v_head_dim`` where the config names one
     (DeepSeek's MLA, MiMo-V2-Flash), else ``head_dim``."""
-    return getattr(config, "v_head_dim", None) or head_dim(config)
+    return (getattr(config, "v_head_dim", None) or head_dim(config)) if attends(config) else 0
 
 
 def _mlp_fields(config: Any) -> dict[str, Any]:
     """ModelShape's MLP fields of ``config``: ``intermediate`` for a dense model; for a mixture of experts the
     experts', the shared expert's and the dense layers' widths, and how many layers are dense."""
+    if getattr(config, "model_type", "") in STATE_SPACE_FAMILIES:
+        return dict(intermediate=0)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
     kinds = expert_layers(config) if experts else []
     if not any(kinds):
@@ -323,7 +365,7 @@ class ModelShape:
         if isinstance(config, dict):
             config = transformers_config(config)
         model_type = getattr(config, "model_type", "")
-        n_heads = config.num_attention_heads
+        n_heads = config.num_attention_heads if attends(config) else 0
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             n_layers=config.num_hidden_layers,
@@ -349,7 +391,7 @@ class ModelShape:
             expert_biases=model_type == "gpt_oss",
             clamped_experts=model_type == "gpt_oss",
             attention_sinks=model_type == "gpt_oss",
-            layer_norms=4 if model_type == "gemma3_text" else 2,
+            layer_norms={"gemma3_text": 4, **dict.fromkeys(STATE_SPACE_FAMILIES, 1)}.get(model_type, 2),
             norm_style="gemma" if model_type == "gemma3_text" else "llama",
             model_type=model_type,
             layers_without_kv=config.num_hidden_layers - len(kv_layer_indices(config)),

@@ -27,9 +27,10 @@ from torch.distributed.tensor import DTensor
 from ..integrations.decoder import decoder_of
 from ..integrations.router_balance import RouterBalance
 from ..integrations.support import check_supported
-from ..integrations.transformers import bind, causal_lm, decoder_layers, layer_windows, logit_head
+from ..integrations.transformers import bind, causal_lm, decoder_layers, head_input, layer_windows, logit_head
 from ..kernels.page_table import LayerStore, StoreSpec
 from ..recurrent import border_state_bytes, carried_layers
+from ..recurrent.layer_kinds import kv_layer_indices
 from ..recurrent.states import ChunkStates
 from .attention import chunk_attention, chunk_attention_with_lse, resolve_backend, uses_triton
 from .config import PER_CHUNK_OVER_DOCUMENTS, ChunkConfig, SparseConfig
@@ -37,7 +38,7 @@ from .documents import IGNORE_INDEX, chunk_documents, document_starts, ignore_ac
 from .errors import SetupError
 from .kept_attention import HostKeptAttention
 from .loss import HeadGradients, linear_cross_entropy
-from .model_shape import ModelShape, head_dim, kv_heads, kv_layer_indices, value_dim
+from .model_shape import ModelShape, head_dim, kv_heads, value_dim
 from .pages import PagePool, gradient_ring_pages, stage_2_gather_order
 from .optimizers import pending_state
 from .placement import Placement, place_step
@@ -450,6 +451,13 @@ class ChunkedSequence:
         first_graph = len(self.chunks) - self.placement.graph_chunks
         return first_graph - self.placement.kept_chunks <= index < first_graph
 
+    def _take_pages_without_attention(self) -> None:
+        """A model that attends nowhere (pure state-space models) takes its pool, of no layers and no bytes, at
+        the start of stage 1 rather than at a first attention call that never comes: the step's page bookkeeping
+        (zeroing and reading gradient pages, a host buffer of dL/dh, release) then runs as for any model."""
+        if self.pool is None and not self.kv_slots:
+            self._take_pages(self.head.weight.dtype)
+
     def _take_pages(self, dtype: torch.dtype) -> None:
         spec = StoreSpec(dtype=dtype, **self.spec_base)
         batch, seq_len = self.input_ids.shape
@@ -468,9 +476,10 @@ class ChunkedSequence:
             self._chunk_first_page = self.first_keys[start] // self.config.page_size
             pos = pos - self._chunk_doc_start
         try:
-            return self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+            hidden = self.decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         except _LastKVStored:
             return None
+        return head_input(self.head, hidden)
 
     def _chunk_loss(
         self, hidden: torch.Tensor, start: int, end: int, with_grads: bool
@@ -518,6 +527,7 @@ class ChunkedSequence:
             raise RuntimeError("no parameter of the model requires grad")
         self._stage, self._with_grads = "fill", with_grads
         self._decoder_trains = any(p.requires_grad for p in self.decoder.parameters())
+        self._take_pages_without_attention()
         total = torch.zeros((), dtype=torch.float32, device=self.device) if self.stage_1_loss else None
         kept = []
         first_kept = self.input_ids.shape[1] - keep_last
@@ -565,6 +575,7 @@ class ChunkedSequence:
                              f"{self.input_ids.shape[1]}: needs {stored} < end <= {self.input_ids.shape[1]} and "
                              f"keep_last <= {end - stored}")
         self._stage, self._with_grads, self._decoder_trains = "fill", False, False
+        self._take_pages_without_attention()
         first_kept = end - keep_last
         kept = []
         binding = contextlib.nullcontext() if self._bound else self.bound()

@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor
 import transformers
 
 from ..recurrent import carried_kind, missing_function
+from ..recurrent.layer_kinds import kv_layer_indices
 from .decoder import decoder_of
 from .router_balance import router_class
-from .transformers import causal_lm, logit_head
+from .transformers import causal_lm, head_input, logit_head
 
 # RoPE variants whose frequencies depend on the sequence length seen, which differs per chunk.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -86,7 +87,8 @@ def check_supported(model: nn.Module) -> None:
             "scores, which lightning_oomb's attention does not compute: not supported"
         )
     # After the layer kinds and ALiBi: what stands in the way is named before the own-code attention it comes with.
-    if not _calls_attention_interface(lm):
+    # A model whose every layer is a carried state-space or linear-attention layer attends nowhere: nothing to route.
+    if _attends(cfg, carried.values()) and not _calls_attention_interface(lm):
         raise NotImplementedError(
             f"{name} computes attention in its own code, not through transformers' AttentionInterface, which "
             "lightning_oomb routes chunk by chunk: not supported"
@@ -125,6 +127,13 @@ def _uncarried_kinds(layer_types: list[str], carried: Iterable[nn.Module]) -> li
     indices = {m.layer_idx for m in carried}
     return sorted({kind for i, kind in enumerate(layer_types) if kind not in ATTENTION_LAYERS + TOKENWISE_LAYERS
                    and i not in indices})
+
+
+def _attends(cfg, carried: Iterable[nn.Module]) -> bool:
+    """Whether some decoder layer attends: one the config's layer kinds give K/V pages, or one that no
+    state-carrying layer stands for (pure state-space models, Mamba's and Mamba-2's, have neither)."""
+    indices = {m.layer_idx for m in carried}
+    return bool(kv_layer_indices(cfg)) or any(i not in indices for i in range(cfg.num_hidden_layers))
 
 
 def _calls_attention_interface(lm: nn.Module) -> bool:
@@ -179,7 +188,8 @@ def _check_loss_is_cross_entropy(lm: nn.Module, name: str) -> None:
     with torch.no_grad():
         out = type(lm).forward(lm, input_ids=ids, attention_mask=mask, labels=ids, use_cache=False, **extra)
         hidden = type(decoder).forward(decoder, input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = logit_head(lm).apply(lm.get_output_embeddings()(hidden))
+        head = lm.get_output_embeddings()
+        logits = logit_head(lm).apply(head(head_input(head, hidden)))
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     same_logits = out.logits.shape == logits.shape and torch.allclose(out.logits.float(), logits.float(),
                                                                       rtol=1e-3, atol=1e-3)

@@ -163,6 +163,16 @@ def logit_head(model: nn.Module) -> LogitHead:
     return LogitHead(1.0 if scale is None else scale, 1.0 if divisor is None else divisor, softcap)
 
 
+def head_input(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The last hidden state (B, T, d) as the output layer ``head`` reads it: in its weight's dtype. Mamba's models
+    keep their residual stream in float32 (residual_in_fp32) and cast it before lm_head; any other model's
+    hidden state is in that dtype already (no copy), or under autocast, which casts inside the matmul."""
+    dtype = head.weight.dtype
+    if hidden.dtype == dtype or not dtype.is_floating_point or torch.is_autocast_enabled(hidden.device.type):
+        return hidden
+    return hidden.to(dtype)
+
+
 def causal_lm(model: nn.Module) -> PreTrainedModel:
     """The transformers causal LM inside ``model`` (unwrapping peft), or a clear error."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model

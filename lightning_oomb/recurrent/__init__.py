@@ -40,7 +40,8 @@ _LIGHTNING = CarriedKind(lightning_attention.lightning_attention_chunk, lightnin
 CARRIED = {"Qwen3NextGatedDeltaNet": _GATED_DELTA, "Qwen3_5GatedDeltaNet": _GATED_DELTA,
            "Qwen3_5MoeGatedDeltaNet": _GATED_DELTA, "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2,
            "GraniteMoeHybridMambaLayer": _MAMBA2, "Lfm2ShortConv": _SHORT_CONV, "Lfm2MoeShortConv": _SHORT_CONV,
-           "MiniMaxLightningAttention": _LIGHTNING, "FalconH1Mixer": _MAMBA2, "JambaMambaMixer": _MAMBA1}
+           "MiniMaxLightningAttention": _LIGHTNING, "FalconH1Mixer": _MAMBA2, "JambaMambaMixer": _MAMBA1,
+           "MambaMixer": _MAMBA1, "FalconMambaMixer": _MAMBA1, "Mamba2Mixer": _MAMBA2}
 
 
 def carried_kind(module: nn.Module) -> CarriedKind | None:

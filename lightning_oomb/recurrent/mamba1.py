@@ -1,8 +1,9 @@
-"""Mamba-1 mixers (Jamba's) run one chunk at a time, from the state the chunk before left.
+"""Mamba-1 mixers (Jamba's, Mamba's, Falcon-Mamba's) run one chunk at a time, from the state the chunk before left.
 
 The mixer's input projection gives the convolution's inputs and the gate; the short convolution continues from
-its last ``kernel - 1`` inputs before the chunk; x_proj, Jamba's norms of dt, B and C, and dt_proj give the
-selective scan's inputs, and the scan starts from the SSM state the chunk before left. transformers' scan
+its last ``kernel - 1`` inputs before the chunk; x_proj, the norms of dt, B and C where the mixer has them
+(Jamba's RMS norms, Falcon-Mamba's weightless ones; Mamba's mixer has none) and dt_proj give the selective scan's
+inputs, and the scan starts from the SSM state the chunk before left. transformers' scan
 (``mamba_selective_scan``) always starts from zeros, so the scan is written here: its torch reference path
 (``selective_scan``), token after token, with transformers' dtypes. mamba-ssm's fused kernel, which transformers
 calls where it is installed, takes no initial state either.
@@ -26,12 +27,13 @@ def initial_state(layer: nn.Module, batch: int) -> CarriedState:
 
 def _scan_inputs(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scan's time step before its bias (B, intermediate, T), B and C (B, T, ssm_state_size) from the
-    convolution's output ``x`` (B, T, intermediate), as the mixer computes them."""
+    convolution's output ``x`` (B, T, intermediate), as the mixer computes them: normed where it has the norms."""
     time_step, b, c = torch.split(layer.x_proj(x), [layer.time_step_rank, layer.ssm_state_size,
                                                      layer.ssm_state_size], dim=-1)
-    time_step = layer.dt_layernorm(time_step)
-    b = layer.b_layernorm(b)
-    c = layer.c_layernorm(c)
+    if hasattr(layer, "dt_layernorm"):
+        time_step = layer.dt_layernorm(time_step)
+        b = layer.b_layernorm(b)
+        c = layer.c_layernorm(c)
     if hasattr(layer.config, "_is_quantized"):  # transformers calls a quantized dt_proj as a module
         return (layer.dt_proj(time_step) - layer.dt_proj.bias).transpose(1, 2), b, c
     return layer.dt_proj.weight @ time_step.transpose(1, 2), b, c
@@ -61,7 +63,7 @@ def selective_scan(x: torch.Tensor, time_step: torch.Tensor, A: torch.Tensor, b:
 
 
 def mamba1_chunk(layer: nn.Module, hidden: torch.Tensor, state: CarriedState) -> tuple[torch.Tensor, CarriedState]:
-    """One chunk of a Mamba-1 ``layer`` (``JambaMambaMixer``) from ``state``.
+    """One chunk of a Mamba-1 ``layer`` (``JambaMambaMixer``, ``MambaMixer``, ``FalconMambaMixer``) from ``state``.
 
     hidden: (B, T, hidden_size), the chunk's input to the mixer. Returns the mixer's output (B, T, hidden_size)
     and the state after the chunk's last token."""

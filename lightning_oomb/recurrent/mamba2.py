@@ -1,5 +1,5 @@
-"""Mamba-2 mixers (Bamba's, Granite 4's, Nemotron-H's, Falcon-H1's) run one chunk at a time, from the state the
-chunk before left.
+"""Mamba-2 mixers (Mamba-2's, Bamba's, Granite 4's, Nemotron-H's, Falcon-H1's) run one chunk at a time, from the
+state the chunk before left.
 
 The mixer's input projection gives the gate, the convolution's inputs (x, B, C) and the time steps; the short
 convolution continues from the last ``kernel - 1`` inputs before the chunk, and transformers' chunked scan
@@ -43,8 +43,8 @@ def _gated(layer: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Ten
 
 
 def mamba2_chunk(layer: nn.Module, hidden: torch.Tensor, state: CarriedState) -> tuple[torch.Tensor, CarriedState]:
-    """One chunk of a Mamba-2 ``layer`` (``BambaMixer``, ``GraniteMoeHybridMambaLayer``, ``NemotronHMamba2Mixer``,
-    ``FalconH1Mixer``) from ``state``.
+    """One chunk of a Mamba-2 ``layer`` (``Mamba2Mixer``, ``BambaMixer``, ``GraniteMoeHybridMambaLayer``,
+    ``NemotronHMamba2Mixer``, ``FalconH1Mixer``) from ``state``.
 
     hidden: (B, T, hidden_size), the chunk's input to the mixer. Returns the mixer's output (B, T, hidden_size)
     and the state after the chunk's last token."""

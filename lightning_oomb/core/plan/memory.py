@@ -113,7 +113,9 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
-    if c.streamed:
+    if not shape.kv_layers:
+        pass  # no layer attends (pure state-space models): no pages, streamed or not
+    elif c.streamed:
         kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
         grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
         segment = offload_segment_pages(c) * c.page_size
@@ -185,7 +187,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             gpu[ring] = grad_layer * shape.window_layers * c.batch * ring_pages * c.page_size
         else:
             gpu[grad_name] = grad_bytes
-    if isinstance(c.sparse, SparseConfig):
+    if isinstance(c.sparse, SparseConfig) and shape.kv_layers:
         pages = c.stored_tokens // c.page_size
         # A float32 mean key, or a min and max key, per page, layer and KV head; the host K/V layers' live with
         # their pages in host memory.

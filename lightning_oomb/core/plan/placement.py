@@ -35,7 +35,10 @@ def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
 def page_choices(offload: str, sparse: bool, n_layers: int) -> list[Pages]:
     """The placements of a step's pages that ``offload`` ("gpu", "auto", "host") allows, in the order they are
     tried: fewest pages on the host first. Dense: every page on the GPU or every page streamed; sparse: the
-    pages of whole layers (``host_layer_counts``), of none ("gpu") or all ("host")."""
+    pages of whole layers (``host_layer_counts``), of none ("gpu") or all ("host"). A model with no layer that
+    keeps K/V (``n_layers`` 0: pure state-space models) has no pages to place: only "on the GPU"."""
+    if not n_layers:
+        return [Pages()]
     if sparse:
         every = Pages(host_grad_layers=n_layers, host_kv_layers=n_layers)
         by_layers = [Pages(host_grad_layers=n, host_kv_layers=m) for n, m in host_layer_counts(n_layers)]
@@ -75,7 +78,9 @@ def place_pages(choices: Sequence[Pages], needs: Callable[[Pages], tuple[int, fl
 def keepable_chunks(spare_bytes: float, chunk_bytes: int, n_chunks: int, share: float = KEPT_ATTENTION_SHARE) -> int:
     """Chunks of ``chunk_bytes`` each (attention outputs, or with KEPT_GRAPHS_SHARE autograd graphs) a step keeps
     by default when ``spare_bytes`` of GPU memory are left beyond it: those that fit in ``share`` of them, at
-    most ``n_chunks``."""
+    most ``n_chunks``. None of ``chunk_bytes`` 0: a model that attends nowhere has no attention outputs."""
+    if chunk_bytes <= 0:
+        return 0
     return min(n_chunks, int(share * max(0.0, spare_bytes)) // chunk_bytes)
 
 

@@ -114,6 +114,11 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
     if shape.carried_layers:
         states = ("their border states are counted" if shape.carried_state_bytes else
                   "their border states are not in this plan (a training step counts them before it starts)")
+        if not shape.kv_layers:
+            result.notes.append(
+                f"every layer carries a state across chunk borders ({shape.model_type}): no layer attends, so "
+                f"there are no K/V pages; their projections are planned, their token mixing as free; {states}")
+            return result
         result.notes.append(
             f"{shape.carried_layers} of {shape.n_layers} layers carry a state across chunk borders "
             f"({shape.model_type}): K/V pages for the other {shape.kv_layers} only; their projections are "
@@ -142,7 +147,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool =
                                 + (f", and the K/V pages of {c.host_kv_layers}" if c.host_kv_layers else ""))
         return _kept_for_stage_2(result)
     # Dense: the pages in page_choices' order, each placement with both checkpointing settings (_plan).
-    first, *others = page_choices(offload, False, 0)
+    first, *others = page_choices(offload, False, ModelShape.resolve(model).kv_layers)
     result = _plan(model, config.replace(pages=first), checkpoint_auto)
     if not result.fits:
         for pages in others:  # "auto": every page streamed from the host
@@ -215,8 +220,9 @@ def _kept_for_stage_2(result: Plan) -> Plan:
                        result.gpu_memory, result.host_memory, result.machine)
     placed.checkpoint_auto, placed.other_activation_bytes = result.checkpoint_auto, result.other_activation_bytes
     placed.suggestions = result.suggestions
+    outputs = f" and the attention outputs of {kept} more" if result.shape.kv_layers else ""
     placed.notes = result.notes + [
-        f"a step keeps stage 1's autograd graphs of the last {graphs} and the attention outputs of {kept} more "
+        f"a step keeps stage 1's autograd graphs of the last {graphs}{outputs} "
         f"of {c.n_chunks} chunks in the memory to spare (keep_graphs=None, keep_attention=None), so stage 2 "
         "skips their forward or their attention forward"
     ]
