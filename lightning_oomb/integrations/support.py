@@ -133,6 +133,8 @@ def _attends(cfg, carried: Iterable[nn.Module]) -> bool:
     """Whether some decoder layer attends: one the config's layer kinds give K/V pages, or one that no
     state-carrying layer stands for (pure state-space models, Mamba's and Mamba-2's, have neither)."""
     indices = {m.layer_idx for m in carried}
+    if not indices:  # (multimodal configs may hold their layer count elsewhere: nothing is read from them here)
+        return True
     return bool(kv_layer_indices(cfg)) or any(i not in indices for i in range(cfg.num_hidden_layers))
 
 
