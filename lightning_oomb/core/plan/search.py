@@ -119,10 +119,11 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
                 f"every layer carries a state across chunk borders ({shape.model_type}): no layer attends, so "
                 f"there are no K/V pages; their projections are planned, their token mixing as free; {states}")
             return result
+        weights = "counted as built" if shape.carried_matrices else "planned as attention's"
         result.notes.append(
             f"{shape.carried_layers} of {shape.n_layers} layers carry a state across chunk borders "
-            f"({shape.model_type}): K/V pages for the other {shape.kv_layers} only; their projections are "
-            f"planned as attention's, their token mixing as free; {states}")
+            f"({shape.model_type}): K/V pages for the other {shape.kv_layers} only; their projections "
+            f"{weights}, their token mixing as free; {states}")
     return result
 
 
