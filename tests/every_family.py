@@ -50,6 +50,11 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "mamba2": dict(num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8),
+    # Bamba's and Granite 4's defaults have no attention layer: a Mamba-2 layer (heads as Mamba-2's), then attention
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_d_state=8,
+                  mamba_chunk_size=16),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_expand=2, mamba_d_state=8, mamba_chunk_size=16, position_embedding_type="rope"),
 }
 _SUB_CONFIGS = ("text_config", "decoder", "decoder_config")
 

@@ -578,7 +578,9 @@ class ModelShape:
     @property
     def decoder_params(self) -> int:
         """All parameters of the decoder layers: matrices, biases, norms (what FSDP2 shards)."""
-        carried = self.carried_layers * (self.carried_vector_params - self._qk_norm_params) if self.carried_matrices else 0
+        carried = 0
+        if self.carried_matrices:
+            carried = self.carried_layers * (self.carried_vector_params - self._qk_norm_params)
         return self.decoder_matmul_params + self.n_layers * (self.layer_bias_params + self.layer_norm_params) + carried
 
     @property

@@ -76,7 +76,7 @@ def check_supported(model: nn.Module) -> None:
         what = f"layers of kind {', '.join(other_layers)}" if other_layers else f"convolutions over tokens ({convs[0]})"
         raise NotImplementedError(f"{name} has {what}, which mix tokens outside attention: chunks would cut them; "
                                   "not supported")
-    lacking = next((f for m in decoder.modules() if carried_kind(m) is not None for f in [missing_function(m)] if f), None)
+    lacking = next((f for m in carried.values() for f in [missing_function(m)] if f), None)
     if lacking is not None:
         raise NotImplementedError(f"{name}'s state-carrying layers run chunk by chunk through transformers' "
                                   f"{lacking}, which transformers {transformers.__version__} lacks: upgrade "
