@@ -221,6 +221,23 @@ def test_plan_of_a_hybrid_counts_pages_of_its_attention_layers_and_the_border_st
                for n in got.notes)
 
 
+def test_plan_counts_the_delta_rules_flops_per_chunk_pass():
+    """The step's token-mixing FLOPs of the tiny Qwen3-Next: per value head and token the chunked delta rule's
+    2*64*(3*d_k + 2*d_v) + 6*d_k*d_v (4 heads of 8, 2 layers), four passes a chunk, one fewer for a chunk whose
+    stage-1 graph is kept and one more under layer checkpointing."""
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.plan.timing import step_time
+
+    shape = ModelShape.from_config(tiny_qwen3_next().config)
+    per_token = 2 * 4 * (2 * 64 * (3 * 8 + 2 * 8) + 6 * 8 * 8)
+    assert shape.carried_mixing_flops == per_token
+    options = dict(chunk_size=8, page_size=4)
+    assert step_time(shape, 40, checkpoint_layers=False, graph_chunks=0, **options).mixing_flops == per_token * 40 * 4
+    assert step_time(shape, 40, checkpoint_layers=False, graph_chunks=2, **options).mixing_flops == per_token * (
+        24 * 4 + 16 * 3)
+    assert step_time(shape, 40, checkpoint_layers=True, **options).mixing_flops == per_token * 40 * 5
+
+
 def test_the_page_pool_holds_the_attention_layers_only():
     """A training step of the hybrid allocates pages for its 2 attention layers, not its 4 layers."""
     from lightning_oomb import ChunkConfig

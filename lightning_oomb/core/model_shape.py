@@ -114,12 +114,18 @@ def _carried_fields(config: Any) -> dict[str, int]:
         params = {"carried_matrices": (hidden * (2 * key_dim + 2 * value_dim), hidden * 2 * heads, value_dim * hidden),
                   "carried_vector_params": (2 * key_dim + value_dim) * get("linear_conv_kernel_dim") + 2 * heads
                   + get("linear_value_head_dim")}
+        # The chunked delta rule in chunks of 64, per value head and token: q.k, k.k, the triangular
+        # system's products with v and k, q's and k's products with the state, the chunk's scores with the
+        # new values, the state's update.
+        d_k, d_v, c = get("linear_key_head_dim"), get("linear_value_head_dim"), 64
+        params["carried_mixing_flops"] = heads * (2 * c * (3 * d_k + 2 * d_v) + 6 * d_k * d_v)
     elif get("mamba_n_heads", "mamba_num_heads") or model_type == "mamba2":
         conv, recurrent, params = _mamba2_fields(config, get)
     elif get("mamba_dt_rank") or model_type in ("mamba", "falcon_mamba"):
         conv, recurrent, params = _mamba1_fields(config, get)
     else:
         return {"carried_layers": layers}
+    params["carried_mixing_flops"] = layers * params.get("carried_mixing_flops", 0)
     return {"carried_layers": layers, "carried_state_bytes": layers * (2 * conv + 4 * recurrent), **params}
 
 
@@ -136,8 +142,12 @@ def _mamba2_fields(config: Any, get) -> tuple[int, int, dict[str, Any]]:
     hidden = config.hidden_size
     inner = int(get("mamba_expand", "expand") * hidden)
     conv_dim = inner + 2 * groups * state
+    # The SSD scan in chunks of c tokens, per head and token: C.B within the chunk, its masked product with x,
+    # the chunk's state from B and x, and C's product with the state passed in.
+    c = get("mamba_chunk_size", "chunk_size") or 256
     params = {"carried_matrices": (hidden * (inner + conv_dim + heads), inner * hidden),
-              "carried_vector_params": conv_dim * (kernel + 1) + 3 * heads + inner}
+              "carried_vector_params": conv_dim * (kernel + 1) + 3 * heads + inner,
+              "carried_mixing_flops": heads * (2 * c * (state + head_dim) + 4 * state * head_dim)}
     return conv_dim * (kernel - 1), heads * head_dim * state, params
 
 
@@ -150,8 +160,11 @@ def _mamba1_fields(config: Any, get) -> tuple[int, int, dict[str, Any]]:
     inner = int(get("mamba_expand") * hidden) if get("mamba_expand") else config.intermediate_size
     state, kernel = get("mamba_d_state", "state_size"), get("mamba_d_conv", "conv_kernel")
     rank = int(get("mamba_dt_rank", "time_step_rank"))
+    # The selective scan, per token: the state's decay and input (exp(dt A), dt B x) and its read-out by C,
+    # elementwise over intermediate x state.
     params = {"carried_matrices": (hidden * 2 * inner, inner * (rank + 2 * state), rank * inner, inner * hidden),
-              "carried_vector_params": inner * (kernel + 3 + state)}
+              "carried_vector_params": inner * (kernel + 3 + state),
+              "carried_mixing_flops": 8 * inner * state}
     return inner * (kernel - 1), inner * state, params
 
 
@@ -347,6 +360,7 @@ class ModelShape:
     # (the projections in and out) and its other parameters (convolution, decay and norm weights)
     carried_matrices: tuple[int, ...] = ()
     carried_vector_params: int = 0
+    carried_mixing_flops: int = 0  # forward FLOPs of the state-carrying layers' token mixing per token, all layers
     gated_queries: bool = False  # Qwen3-Next, Qwen3.5: q_proj also projects a sigmoid gate of the output
     n_experts: int = 0
     expert_intermediate: int = 0

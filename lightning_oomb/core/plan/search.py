@@ -114,16 +114,18 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
     if shape.carried_layers:
         states = ("their border states are counted" if shape.carried_state_bytes else
                   "their border states are not in this plan (a training step counts them before it starts)")
+        mixing = ("their token mixing counted in FLOPs at attention's efficiency" if shape.carried_mixing_flops else
+                  "their token mixing as free")
         if not shape.kv_layers:
             result.notes.append(
                 f"every layer carries a state across chunk borders ({shape.model_type}): no layer attends, so "
-                f"there are no K/V pages; their projections are planned, their token mixing as free; {states}")
+                f"there are no K/V pages; their projections are planned, {mixing}; {states}")
             return result
         weights = "counted as built" if shape.carried_matrices else "planned as attention's"
         result.notes.append(
             f"{shape.carried_layers} of {shape.n_layers} layers carry a state across chunk borders "
             f"({shape.model_type}): K/V pages for the other {shape.kv_layers} only; their projections "
-            f"{weights}, their token mixing as free; {states}")
+            f"{weights}, {mixing}; {states}")
     return result
 
 

@@ -33,10 +33,11 @@ class StepTime:
     sharding_s: float = 0.0  # sharded data parallel: the decoder layers' gathers and reduce-scatters (step_collectives)
     tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
     dequant_s: float = 0.0  # QLoRA: dequantising the 4-bit weights for every matmul (dequant_seconds)
+    mixing_flops: float = 0.0  # hybrids: the state-carrying layers' token mixing (ModelShape.carried_mixing_flops)
 
     @property
     def total_flops(self) -> float:
-        return self.linear_flops + self.attention_flops + self.recompute_flops
+        return self.linear_flops + self.attention_flops + self.recompute_flops + self.mixing_flops
 
     @property
     def floor_s(self) -> float:
@@ -47,9 +48,10 @@ class StepTime:
     def compute_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
         of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
-        linear = self.total_flops - self.attention_flops
+        linear = self.total_flops - self.attention_flops - self.mixing_flops
         peak = self.matmul_tflops * 1e12
-        return (linear / (peak * LINEAR_EFFICIENCY) + (self.attention_flops - self.portable_attention_flops)
+        return (linear / (peak * LINEAR_EFFICIENCY) + (self.attention_flops + self.mixing_flops
+                                                        - self.portable_attention_flops)
                 / (peak * ATTENTION_EFFICIENCY) + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
 
     @property
@@ -135,11 +137,16 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
+    # The state-carrying layers' token mixing: stage 1's forward, stage 2's (unless its graph was kept), the
+    # backward's two, a checkpoint's recompute.
+    mixing = shape.carried_mixing_flops * batch * sum(
+        min(chunk_size, context - i * chunk_size) * (4 - (i >= n - graphs) + checkpoint_layers) for i in range(n))
+    stage_1 += shape.carried_mixing_flops * tokens
     # Each pass of the decoder layers' matmuls (stage 1, stage 2's forward unless its graph was kept, the
     # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
     passes = 3 * n - graphs + (n if checkpoint_layers else 0)
     return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
-                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c))
+                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing)
 
 
 def expert_adapter_flops(shape: ModelShape, c: PlanConfig, n_chunks: int) -> float:
