@@ -64,6 +64,11 @@ def gated_delta_chunk(layer: nn.Module, hidden: torch.Tensor,
     query = query.reshape(batch, tokens, -1, layer.head_k_dim)
     key = key.reshape(batch, tokens, -1, layer.head_k_dim)
     value = value.reshape(batch, tokens, -1, layer.head_v_dim)
+    if layer.num_v_heads > layer.num_k_heads:
+        # Each query and key head serves num_v_heads // num_k_heads consecutive value heads. Older transformers
+        # repeat them in the layer, newer ones in the kernel (which skips it once the heads match).
+        query = query.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
+        key = key.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=2)
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     out, recurrent = _delta_rule(layer)(query, key, value, g=g, beta=beta, initial_state=state.recurrent,
