@@ -262,3 +262,48 @@ def test_bf16_true_learns_like_float32_with_the_recommended_choice():
     assert kahan["cosine"] >= 0.9 and 0.85 <= kahan["norm_ratio"] <= 1.15, kahan
     assert abs(kahan["loss_decrease_ratio"] - 1) <= 0.1, kahan
     assert plain["cosine"] < 0.6 and plain["loss_decrease_ratio"] < 0.5, plain
+
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA_ONLY])])
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw8bit-kahan", "adamw-kahan"])
+def test_large_parameters_step_in_slices_bit_for_bit(name, device, monkeypatch):
+    """A parameter larger than SLICE_ELEMENTS is updated in row slices that fill whole 8-bit blocks (rows of 96
+    elements: 8 rows a block multiple) with the weights, moments and compensation of the whole-tensor update, bit
+    for bit, over three steps; a slice's float32 working set, not the parameter's, is what a step adds. On CUDA
+    every update is compiled (on the CPU the Kahan ones run eagerly)."""
+    from lightning_oomb.core import optimizer_slices
+
+    torch.manual_seed(0)
+    start = (torch.randn(512, 96) * 0.02).bfloat16().to(device)
+    grads = [torch.randn(512, 96).bfloat16().to(device) for _ in range(3)]
+    results = []
+    for elements in (1 << 26, 4000):
+        monkeypatch.setattr(optimizer_slices, "SLICE_ELEMENTS", elements)
+        assert len(optimizer_slices.row_slices(start, 256)) == (1 if elements > start.numel() else 13)
+        p = torch.nn.Parameter(start.clone())
+        optimizer = OptimizerSpec.parse(name).build([p], lr=1e-3, weight_decay=0.01)
+        for g in grads:
+            p.grad = g.clone()
+            optimizer.step()
+        state = optimizer.state[p]
+        tensors = [p.detach()] + [state[k].dequantize() if hasattr(state[k], "dequantize") else state[k]
+                                  for k in ("exp_avg", "exp_avg_sq", "compensation") if k in state]
+        results.append(tensors)
+    for whole, sliced in zip(*results):
+        assert torch.equal(whole, sliced)
+
+
+def test_plan_counts_one_slices_float32_working_set():
+    """The plan's GPU lines hold the update's float32 working set: per element of one slice, 12 bytes for
+    adamw8bit-kahan, 8 for adamw8bit, 4 for adamw-kahan, none for plain AdamW; Qwen2.5-7B's embedding (545M
+    elements) is updated SLICE_ELEMENTS at a time."""
+    from lightning_oomb.core.optimizer_slices import SLICE_ELEMENTS
+    from lightning_oomb.core.plan import plan
+
+    for name, rate in [("adamw8bit-kahan", 12), ("adamw8bit", 8), ("adamw-kahan", 4), ("adamw", 0)]:
+        lines = plan("qwen2.5-7b", 32768, optimizer=name, gpu_memory=140 << 30).gpu_lines
+        got = [v for k, v in lines.items() if k.startswith("optimizer step: float32 working set")]
+        assert got == ([rate * SLICE_ELEMENTS] if rate else []), name

@@ -16,7 +16,7 @@ from torchao.optim import AdamW8bit, _AdamW
 from torchao.optim.adam import single_param_adam
 
 from .errors import SetupError
-from .torchao_optim import OneConfigStep
+from .torchao_optim import OneConfigStep, SlicedStep, rows_of
 
 
 def compensated_adam_step(
@@ -40,8 +40,10 @@ _compiled_step = torch.compile(compensated_adam_step, fullgraph=True, dynamic=Fa
                                options={"emulate_precision_casts": True})
 
 
-class _Kahan:
-    """The step of a torchao ``_AdamBase`` subclass with compensated bf16 weights (mixed into one below)."""
+class _Kahan(SlicedStep):
+    """SlicedStep with compensated bf16 weights (mixed into torchao's AdamW classes below)."""
+
+    compiled_on_cpu = False
 
     def _check_params(self) -> None:
         for group in self.param_groups:
@@ -49,41 +51,17 @@ class _Kahan:
                 raise SetupError(f"{type(self).__name__} steps whole tensors, not sharded (DTensor) weights: "
                                  "use adamw8bit or adamw-sr with oomb_model_parallel")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch._dynamo.utils.disable_cache_limit():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if p.grad.is_sparse:
-                        raise RuntimeError("sparse gradients are not supported")
-                    state = self.state[p]
-                    if not state:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                        if group["amsgrad"]:
-                            state["max_exp_avg_sq"] = self._new_buffer(p, False)
-                        if p.dtype == torch.bfloat16:
-                            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["step"] += 1
-                    moments = (state["step"], state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
-                               group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
-                               group["eps"], self.is_adamw)
-                    if "compensation" in state:
-                        step = _compiled_step if p.is_cuda else compensated_adam_step
-                        hi = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                        step(hi, p.detach(), state["compensation"], p.grad, *moments)
-                    else:
-                        single = torch.compile(single_param_adam, fullgraph=True, dynamic=False) if p.is_cuda \
-                            else single_param_adam
-                        single(p.detach(), p.grad, *moments, False)
-        return loss
+    def _init_state(self, p: Tensor, state: dict, group: dict) -> None:
+        super()._init_state(p, state, group)
+        if p.dtype == torch.bfloat16:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _update(self, p: Tensor, grad: Tensor, parts: dict, state: dict, group: dict, rows: slice | None) -> None:
+        if "compensation" not in state:
+            return super()._update(p, grad, parts, state, group, rows)
+        step = _compiled_step if p.is_cuda else compensated_adam_step
+        hi = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        step(hi, p, rows_of(state["compensation"], rows), grad, *self._moments(parts, state, group))
 
 
 class KahanAdamW(OneConfigStep, _Kahan, _AdamW):

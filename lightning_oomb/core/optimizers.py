@@ -40,6 +40,9 @@ class OptimizerChoice:
     kahan: bool = False          # a compensation buffer per bf16 weight
     package: str | None = None   # the import it needs beyond torch
     compile_host_bytes: int = 0  # host memory its first CUDA update adds (torch.compile)
+    # float32 bytes per element of the slice an update takes at a time (torchao_optim.SlicedStep): each 8-bit
+    # moment before it is quantized again (torch.compile makes them buffers), the compensated weight
+    step_scratch_bytes: int = 0
     defaults: dict[str, Any] = field(default_factory=dict)
 
     def state_bytes_per_param(self, weight_bytes: int) -> float:
@@ -63,10 +66,13 @@ class OptimizerChoice:
 OPTIMIZERS: dict[str, OptimizerChoice] = {c.name: c for c in (
     OptimizerChoice("adamw", "moments in the weights' dtype", 2),
     OptimizerChoice("adamw-sr", "moments in the weights' dtype, bf16 weights stochastically rounded", 2, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES),
-    OptimizerChoice("adamw8bit", "8-bit moments", 2, eight_bit=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES),
-    OptimizerChoice("adamw-kahan", "moments in the weights' dtype + bf16 compensation", 2, kahan=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES),
+    OptimizerChoice("adamw8bit", "8-bit moments", 2, eight_bit=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES,
+                    step_scratch_bytes=8),
+    OptimizerChoice("adamw-kahan", "moments in the weights' dtype + bf16 compensation", 2, kahan=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES,
+                    step_scratch_bytes=4),
     OptimizerChoice("adamw8bit-kahan", "8-bit moments + bf16 compensation", 2,
-                    eight_bit=True, kahan=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES),
+                    eight_bit=True, kahan=True, package="torchao", compile_host_bytes=COMPILE_HOST_BYTES,
+                    step_scratch_bytes=12),
     OptimizerChoice("sgd", f"momentum {SGD_MOMENTUM}", 1, defaults={"momentum": SGD_MOMENTUM}),
 )}
 # What the planner takes: the named choices, and "none" for a step without an optimizer.

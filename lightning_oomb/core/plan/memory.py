@@ -11,6 +11,7 @@ from ..config import SparseConfig
 from ..errors import SetupError
 from ..loss import piece_rows
 from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
+from ..optimizer_slices import SLICE_ELEMENTS
 from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
 from ..pages import HostGradStaging, gradient_ring_pages
 from ..ranks import GRADIENT_BUCKET_BYTES
@@ -68,6 +69,13 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 shape.total_params * p.param + lora * 4)
         gpu[f"gradients ({trained_dtype}, {human_count(trainable)} trainable)"] = trainable * trained_bytes
         gpu[f"optimizer state ({what})"] = int(rate * trainable)
+        scratch = OPTIMIZER_CHOICES[c.optimizer].step_scratch_bytes if c.optimizer in OPTIMIZER_CHOICES else 0
+        if scratch and not c.lora_rank:
+            # The update's float32 working set: the largest weight's (the embeddings', usually), a slice at a time.
+            largest = max(shape.vocab * shape.hidden, max(max(g.linear) for g in shape.layer_groups))
+            elements = min(largest, SLICE_ELEMENTS)
+            gpu[f"optimizer step: float32 working set of {human_count(elements)} elements (transient)"] = (
+                scratch * elements)
     else:
         gpu = _sharded_lines(shape, c, state)
     if p.autocast_weight_copies:

@@ -50,9 +50,9 @@ class StepTime:
         of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
         linear = self.total_flops - self.attention_flops - self.mixing_flops
         peak = self.matmul_tflops * 1e12
-        return (linear / (peak * LINEAR_EFFICIENCY) + (self.attention_flops + self.mixing_flops
-                                                        - self.portable_attention_flops)
-                / (peak * ATTENTION_EFFICIENCY) + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
+        fast = self.attention_flops + self.mixing_flops - self.portable_attention_flops
+        return (linear / (peak * LINEAR_EFFICIENCY) + fast / (peak * ATTENTION_EFFICIENCY)
+                + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
 
     @property
     def predicted_s(self) -> float:
