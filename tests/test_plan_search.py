@@ -24,6 +24,18 @@ def test_plan_that_fits_says_so():
     assert p.peak_gpu_bytes == sum(p.gpu_lines.values())
 
 
+def test_a_placed_step_states_the_placements_verdict():
+    """A step placed on the GPU against measured memory prints the placement's verdict, with how far its planned
+    total (assumed lines) is over, and no suggestions to make it fit."""
+    p = plan("qwen2.5-7b", parse_tokens("1M"), **H200)
+    assert not p.fits
+    p.placed_against = (3 << 30, 4 << 30)
+    text = str(p)
+    assert "PLACED on GPU 141.00 GB" in text and "allocates 3.00 GiB more on the GPU, 4.00 GiB is free" in text
+    assert "the planned total above is" in text
+    assert "DOES NOT FIT" not in text and "What would make it fit" not in text
+
+
 def test_plan_that_does_not_fit_lists_suggestions_with_numbers():
     p = plan("qwen2.5-7b", parse_tokens("1M"), **H200)
     assert not p.fits

@@ -222,6 +222,8 @@ def place_step(
             result.device = "cpu"
             check_on_cpu(result)
             return dataclasses.replace(placement, plan=result)
+        if placement.where == "gpu":
+            result.placed_against = (needed_on_gpu(result), free)
         # the next step's growth allowance counts from what this one planned the process to reach
         return dataclasses.replace(placement, host_limit=host_free, host_budget=budget,
                                    host_process=grown_from + pending_host_bytes, plan=result)

@@ -82,6 +82,9 @@ class Plan:
     suggestion_style: str = "python"
     notes: list[str] = field(default_factory=list)
     suggestions: list[Suggestion] = field(default_factory=list)
+    # A step placed on the GPU (core.placement): (the bytes it still allocates, the bytes free beyond the reserve),
+    # measured where the plan assumes; its verdict is the placement's.
+    placed_against: tuple[int, int] | None = None
 
     @property
     def peak_gpu_bytes(self) -> int:
@@ -203,7 +206,15 @@ class Plan:
         )
         rows.append("")
         reserve = f"beyond the {PLACEMENT_HEADROOM_SHARE:.0%} reserve a step keeps"
-        if self.fits:
+        if self.placed_against is not None:
+            needed, free = self.placed_against
+            over = self.peak_gpu_bytes - self.usable_gpu_bytes
+            rows.append(
+                f"PLACED on {machine}, against the memory measured: the step allocates {gib(needed)} GiB more on "
+                f"the GPU, {gib(free)} GiB is free {reserve}"
+                + (f" (the planned total above is {gib(over)} GiB over: its assumed lines are not what this process "
+                   "holds)" if over > 0 else ""))
+        elif self.fits:
             rows.append(
                 f"FITS on {machine}: {gib(self.usable_gpu_bytes - self.peak_gpu_bytes)} GiB of GPU memory to spare "
                 f"{reserve}"
@@ -215,7 +226,7 @@ class Plan:
             if self.peak_host_bytes > self.host_memory:
                 short.append(f"host short by {gib(self.peak_host_bytes - self.host_memory)} GiB")
             rows.append(f"DOES NOT FIT on {machine}: {', '.join(short)}")
-        memory = [x for x in self.suggestions if x.goal == "memory"]
+        memory = [x for x in self.suggestions if x.goal == "memory" and self.placed_against is None]
         faster = [x for x in self.suggestions if x.goal == "time"]
         if memory:
             rows += ["What would make it fit:", *(x.render(self.suggestion_style) for x in memory)]
