@@ -176,9 +176,10 @@ class Plan:
             + (f", token mixing of the state-carrying layers {t.mixing_flops:.3g}" if t.mixing_flops else "") + ")",
             f"Step time: floor {duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
             f"{duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention"
-            + (" and token mixing" if t.mixing_flops else "") + f" at {ATTENTION_EFFICIENCY:.0%} of the peak" + (f", {_portable_share(t):.0%} of it at {PORTABLE_ATTENTION_EFFICIENCY:.0%}: packed "
-                             "chunks that hold a document border or whose document starts mid-page run the "
-                             "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
+            + (" and token mixing" if t.mixing_flops else "") + f" at {ATTENTION_EFFICIENCY:.0%} of the peak"
+            + (f", {_portable_share(t):.0%} of it at {PORTABLE_ATTENTION_EFFICIENCY:.0%}: packed "
+               "chunks that hold a document border or whose document starts mid-page run the "
+               "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
             + (f", plus {duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
