@@ -88,6 +88,7 @@ class SlicedStep:
     in ``row_slices``; ``_update`` is one slice's update (overridden for compensated weights)."""
 
     compiled_on_cpu = True  # torchao compiles its step on every device
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -105,9 +106,9 @@ class SlicedStep:
                     if not state:
                         self._init_state(p, state, group)
                     state["step"] += 1
+                    names = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
                     # A sharded (DTensor) weight is stepped whole, as torchao steps it.
                     for rows in [None] if isinstance(p, DTensor) else row_slices(p, self.block_size):
-                        names = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
                         parts = {k: rows_of(state[k], rows) for k in names}
                         self._update(rows_of(p.detach(), rows), rows_of(p.grad, rows), parts, state, group, rows)
                         for k in names:
