@@ -20,7 +20,8 @@ commands:
   lm-eval   lm-eval's command line with the lightning_oomb model (the [eval] extra):
             lm-eval run --model lightning_oomb --model_args pretrained=DIR,chunk_size=4096 --tasks TASK
 
-`lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration)."""
+`lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration).
+`kill -USR1 PID` prints a running fit's, validate's or test's Python stacks to stderr; the run goes on."""
 
 
 COMMANDS = ("fit", "validate", "test", "plan", "bench", "evaluate", "lm-eval")
@@ -56,9 +57,20 @@ def main(args: list[str] | None = None) -> int | None:
         print(f"lightning-oomb: error: unknown command {argv[0]!r}" + (f"; did you mean {close[0]!r}?" if close else "")
               + f" (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    dump_stacks_on_sigusr1()
     from .lightning.cli import run
 
     return run(args)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's Python stack to stderr and the run goes on: where a long step or
+    an unexpected growth of memory is, without stopping it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def lm_eval_main(args: list[str]) -> int:

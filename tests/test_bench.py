@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -376,3 +377,23 @@ def test_optimizer_host_memory_refuses_a_machine_without_cuda_in_one_line(capsys
     assert main(["--optimizer", "adamw8bit"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "optimizer_host_memory: needs a CUDA device"
+
+
+def test_cli_route_sampler_asks_for_the_stacks_while_host_memory_grows(tmp_path):
+    """bench.cli_route's sampler sends SIGUSR1 when the child's resident set grows by growth_bytes within three
+    samples, then waits ten samples and stops after max_dumps (fed resident sets here, signals to this process)."""
+    import signal
+
+    from lightning_oomb.bench.cli_route import GIB, Sampler
+
+    got = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: got.append(len(fed)))
+    try:
+        sampler = Sampler(os.getpid(), tmp_path / "memory.csv", max_dumps=2)
+        fed = []
+        for rss in [1, 1, 2, 3, 4, 5, 6, *range(7, 30), 30, 30]:
+            fed.append(rss)
+            sampler._dump_stacks_if_growing(rss * GIB)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert got == [4, 14]  # at 1 -> 3 GiB, then ten samples later

@@ -913,6 +913,17 @@ def test_unknown_command_is_one_line(capsys):
     assert "unknown command 'predict'" in capsys.readouterr().err
 
 
+def test_sigusr1_prints_the_stacks_and_the_run_goes_on():
+    """What fit, validate and test register before Lightning starts: SIGUSR1 writes every thread's Python stack to
+    stderr and the process carries on (the CLI benchmark sends it when host memory grows unplanned)."""
+    code = ("import os, signal\nfrom lightning_oomb.cli import dump_stacks_on_sigusr1\n"
+            "def where_it_was():\n    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "dump_stacks_on_sigusr1()\nwhere_it_was()\nprint('went on')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == "went on\n"
+    assert "in where_it_was" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("name,gpu,host", [("qlora-24gb", "24GiB", "64GiB"), ("qwen2.5-7b-h100", "79GiB", "112GiB")])
 def test_the_card_examples_fit_their_cards(name, gpu, host):
     """The planner, given the example's step (its strategy's, model's and data's options), fits it on the card

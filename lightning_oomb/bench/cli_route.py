@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -129,14 +130,20 @@ def derived_config(config: Path, out: Path, checkpoint_every: int | None, seq_le
 
 
 class Sampler(threading.Thread):
-    """Every ``period`` seconds: the child's resident set, the machine's used and available memory, GPU used."""
+    """Every ``period`` seconds: the child's resident set, the machine's used and available memory, GPU used.
+    While the child's resident set grows by ``growth_bytes`` or more within three samples, the child is sent
+    SIGUSR1 (at most ``max_dumps`` times, ten samples apart), which ``lightning-oomb`` answers with every thread's
+    Python stack in its log: where an unplanned growth of host memory comes from."""
 
-    def __init__(self, pid: int, path: Path, period: float = 1.0):
+    def __init__(self, pid: int, path: Path, period: float = 1.0, growth_bytes: int = 2 * GIB, max_dumps: int = 6):
         super().__init__(daemon=True)
         self.pid, self.path, self.period = pid, path, period
+        self.growth_bytes, self.dumps_left = growth_bytes, max_dumps
         self.stopped = threading.Event()
         self.peak_rss = 0
         self.peak_used = 0
+        self.recent: list[int] = []
+        self.quiet = 0
 
     def run(self) -> None:
         started = time.time()
@@ -147,10 +154,23 @@ class Sampler(threading.Thread):
                 total, available = _meminfo()
                 gpu = _gpu_used()
                 self.peak_rss = max(self.peak_rss, rss)
+                self._dump_stacks_if_growing(rss)
                 self.peak_used = max(self.peak_used, total - available)
                 f.write(f"{time.time() - started:.1f},{rss / GIB:.2f},{(total - available) / GIB:.2f},"
                         f"{available / GIB:.2f},{gpu / GIB:.2f}\n")
                 f.flush()
+
+
+    def _dump_stacks_if_growing(self, rss: int) -> None:
+        self.recent = [*self.recent[-2:], rss]
+        self.quiet = max(0, self.quiet - 1)
+        if self.dumps_left and not self.quiet and rss - self.recent[0] >= self.growth_bytes:
+            try:
+                os.kill(self.pid, signal.SIGUSR1)
+            except OSError:
+                return
+            self.dumps_left -= 1
+            self.quiet = 10
 
 
 def _rss(pid: int) -> int:

@@ -2,8 +2,9 @@
 
 Builds ``--optimizer`` (a torchao choice) over bf16 weights of Qwen2.5-7B's largest shapes (the embedding and
 the output layer, 152064 x 3584, and one MLP projection), fills the GPU but for ``--room`` GiB, and steps twice.
-Prints one JSON line: the process's host memory (anonymous and shared resident pages) before and after each
-step, what torch's pinned allocator holds, the step times and the GPU peak. ``--inductor-default`` runs the
+Prints one JSON line: the process's host memory (anonymous and shared resident pages) and the machine's
+available memory (MemAvailable, which also counts Inductor's compile workers) before and after each step, what
+torch's pinned allocator holds, the step times and the GPU peak. ``--inductor-default`` runs the
 steps under Inductor's default settings instead of the one kernel configuration the optimizer is built with
 (core/torchao_optim.py), for the comparison; each run wants an empty ``TORCHINDUCTOR_CACHE_DIR``, or Inductor
 reuses the configurations an earlier run chose.
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ..core.host_memory import process_host_bytes
+    from ..core.host_memory import available_host_memory, process_host_bytes
     from ..core.optimizers import OptimizerSpec
     from ..core.torchao_optim import OneConfigStep
 
@@ -61,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     filler = torch.empty(max(0, free - int(args.room * GIB)), dtype=torch.uint8, device="cuda")  # noqa: F841
     result = {"optimizer": args.optimizer, "inductor": "default" if args.inductor_default else "one configuration",
               "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-              "host_before_gib": round(process_host_bytes() / GIB, 3)}
+              "host_before_gib": round(process_host_bytes() / GIB, 3),
+              "available_before_gib": round(available_host_memory() / GIB, 3)}
     for i in (1, 2):
         start = time.perf_counter()
         step()
         result[f"step{i}_s"] = round(time.perf_counter() - start, 4)
         result[f"host_after_step{i}_gib"] = round(process_host_bytes() / GIB, 3)
+        result[f"available_after_step{i}_gib"] = round(available_host_memory() / GIB, 3)
     stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     result["pinned_allocator_held_gib"] = round(stats.get("allocated_bytes.current", 0) / GIB, 3)
     result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
