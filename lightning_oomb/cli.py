@@ -69,8 +69,13 @@ def dump_stacks_on_sigusr1() -> None:
     import faulthandler
     import signal
 
-    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The process's own stderr: a captured or redirected sys.stderr may have no file descriptor to write to.
+    stderr = sys.__stderr__
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and stderr is not None:
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):
+            return
 
 
 def lm_eval_main(args: list[str]) -> int:
