@@ -66,16 +66,23 @@ def main(args: list[str] | None = None) -> int | None:
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 PID`` prints every thread's Python stack to stderr and the run goes on: where a long step or
     an unexpected growth of memory is, without stopping it."""
-    import faulthandler
     import signal
 
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        # A Python handler, not faulthandler.register: Lightning's Trainer saves the handlers Python knows at
+        # set-up and puts them back at teardown, which would reset a C-level one to the default (terminate).
+        signal.signal(signal.SIGUSR1, _dump_stacks)
+
+
+def _dump_stacks(signum: int, frame: object) -> None:
+    import faulthandler
+
     # The process's own stderr: a captured or redirected sys.stderr may have no file descriptor to write to.
-    stderr = sys.__stderr__
-    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and stderr is not None:
+    if sys.__stderr__ is not None:
         try:
-            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
-        except (OSError, ValueError, AttributeError):
-            return
+            faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+        except (OSError, ValueError):
+            pass
 
 
 def lm_eval_main(args: list[str]) -> int:

@@ -915,10 +915,16 @@ def test_unknown_command_is_one_line(capsys):
 
 def test_sigusr1_prints_the_stacks_and_the_run_goes_on():
     """What fit, validate and test register before Lightning starts: SIGUSR1 writes every thread's Python stack to
-    stderr and the process carries on (the CLI benchmark sends it when host memory grows unplanned)."""
+    stderr and the process carries on (the CLI benchmark sends it when host memory grows unplanned), also after
+    a Trainer has set up and torn down its own signal handlers."""
     code = ("import os, signal\nfrom lightning_oomb.cli import dump_stacks_on_sigusr1\n"
             "def where_it_was():\n    os.kill(os.getpid(), signal.SIGUSR1)\n"
-            "dump_stacks_on_sigusr1()\nwhere_it_was()\nprint('went on')")
+            "dump_stacks_on_sigusr1()\n"
+            "from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector\n"
+            "from lightning.pytorch import Trainer\n"
+            "connector = _SignalConnector(Trainer(accelerator='cpu', logger=False, enable_progress_bar=False))\n"
+            "connector.register_signal_handlers()\nconnector.teardown()\n"
+            "where_it_was()\nprint('went on')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "went on\n"
     assert "in where_it_was" in done.stderr, done.stderr
