@@ -407,6 +407,31 @@ def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():
     assert seen == [(True, 0, False)]
 
 
+def test_weights_the_host_has_no_room_for_stay_where_they_are(monkeypatch, capsys):
+    """Teardown moves the weights to the CPU only where the host takes them with HOST_GROWTH_BYTES to spare (a
+    step that failed may still hold its pinned pages): otherwise one line says so and they stay on their device.
+    The weights here are on the CPU, so what counts as off it is set."""
+    from lightning_oomb.lightning import strategy as strategy_module
+    from lightning_oomb.lightning.strategy import bytes_off_the_cpu, host_takes
+
+    assert bytes_off_the_cpu(torch.nn.Linear(4, 3)) == 0
+    assert host_takes(1, strategy_module.HOST_GROWTH_BYTES + 1) and not host_takes(2, strategy_module.HOST_GROWTH_BYTES + 1)
+    moved = []
+
+    class Module(UserModule):
+        def cpu(self):
+            moved.append(True)
+            return super().cpu()
+
+    monkeypatch.setattr(strategy_module, "bytes_off_the_cpu", lambda module: 14 << 30)
+    monkeypatch.setattr(strategy_module, "available_host_memory", lambda: 3 << 30)
+    module = Module(tiny_model("qwen2"), optimizer="adamw")
+    fit(module, OOMBStrategy(chunk_size=8, page_size=4), callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
+    assert moved == [] and "cpu" not in vars(module)
+    assert "the model's weights stay on cpu after the run: the host has 3.00 GiB available for their 14.00 GiB" \
+        in capsys.readouterr().out
+
+
 def test_sharded_checkpoint_folder_replaces_what_was_there(tmp_path):
     """A finished folder takes the target's place whether nothing, a file or a folder of an earlier save is
     there, and removes what a killed save left (the .old of an interrupted replacement)."""

@@ -232,7 +232,8 @@ class OOMBStrategyMixin:
         7B model's AdamW state do not fit in 128 GB together: the kernel's OOM killer ended such a run here).
         The optimizer state and the last step's gradients are dropped rather than copied (43 GiB and most of
         a minute for a 7B model with AdamW): a later ``fit`` builds new optimizers, whose state comes from a
-        checkpoint, and computes its own gradients."""
+        checkpoint, and computes its own gradients. Weights the host has no room for stay on their device, and
+        one line says so."""
         self._release_pending()
         wait = getattr(self.checkpoint_io, "wait", None)
         if wait is not None:
@@ -248,15 +249,36 @@ class OOMBStrategyMixin:
             module.zero_grad(set_to_none=True)
         # A set-up hook that refused the run did so before configure_model made the weights: the structure is on
         # the meta device, which Lightning's move to the CPU cannot copy, and its error would hide the refusal.
-        # There is nothing to move, so the move is skipped for this call alone.
+        # There is nothing to move, so the move is skipped for this call alone. Nor are weights moved that the
+        # host has no room for (a step that failed still holding its pinned pages): the kernel's OOM killer
+        # would end the process before the failure's message is printed.
         skeleton = module is not None and any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-        if skeleton:
+        stays = skeleton
+        if module is not None and not skeleton:
+            moved = bytes_off_the_cpu(module)
+            available = available_host_memory() if moved else 0
+            if moved and not host_takes(moved, available):
+                stays = True
+                print(f"OOMBStrategy: the model's weights stay on {self.root_device} after the run: the host has "
+                      f"{available / GIB:.2f} GiB available for their {moved / GIB:.2f} GiB")
+        if stays:
             module.cpu = lambda: module
         try:
             super().teardown()
         finally:
-            if skeleton:
+            if stays:
                 del module.cpu
+
+
+def bytes_off_the_cpu(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers on a device other than the CPU (what ``.cpu()`` copies)."""
+    return sum(t.numel() * t.element_size() for t in itertools.chain(module.parameters(), module.buffers())
+               if t.device.type not in ("cpu", "meta"))
+
+
+def host_takes(nbytes: int, available: int) -> bool:
+    """Whether ``nbytes`` more of host memory leave ``HOST_GROWTH_BYTES`` of the ``available`` bytes free."""
+    return nbytes + HOST_GROWTH_BYTES <= available
 
 
 # The Lightning CLI's help (`fit --help`) reads each argument's text from the class docstring: ChunkConfig's own.
