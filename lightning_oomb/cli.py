@@ -21,7 +21,8 @@ commands:
             lm-eval run --model lightning_oomb --model_args pretrained=DIR,chunk_size=4096 --tasks TASK
 
 `lightning-oomb COMMAND --help` lists a command's options (fit: --print_config shows a whole configuration).
-`kill -USR1 PID` prints a running fit's, validate's or test's Python stacks to stderr; the run goes on."""
+`kill -USR1 PID` prints a running fit's, validate's or test's Python stacks to stderr and the run goes on
+(not under SLURM, whose auto-requeue signal it is)."""
 
 
 COMMANDS = ("fit", "validate", "test", "plan", "bench", "evaluate", "lm-eval")
@@ -65,9 +66,13 @@ def main(args: list[str] | None = None) -> int | None:
 
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1 PID`` prints every thread's Python stack to stderr and the run goes on: where a long step or
-    an unexpected growth of memory is, without stopping it."""
+    an unexpected growth of memory is, without stopping it. Not under SLURM, where SIGUSR1 is the signal that
+    Lightning's auto-requeue handles, and which it does not claim where a handler is already set."""
+    import os
     import signal
 
+    if "SLURM_JOB_ID" in os.environ:
+        return
     if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
         # A Python handler, not faulthandler.register: Lightning's Trainer saves the handlers Python knows at
         # set-up and puts them back at teardown, which would reset a C-level one to the default (terminate).

@@ -928,6 +928,10 @@ def test_sigusr1_prints_the_stacks_and_the_run_goes_on():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == "went on\n"
     assert "in where_it_was" in done.stderr, done.stderr
+    # Under SLURM the signal is left to Lightning's auto-requeue: unhandled, it ends the process.
+    slurm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "SLURM_JOB_ID": "1"})
+    assert slurm.returncode == -signal.SIGUSR1 and slurm.stdout == ""
 
 
 @pytest.mark.parametrize("name,gpu,host", [("qlora-24gb", "24GiB", "64GiB"), ("qwen2.5-7b-h100", "79GiB", "112GiB")])
