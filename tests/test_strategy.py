@@ -407,6 +407,37 @@ def test_pool_given_back_before_lightning_moves_the_model_to_the_cpu():
     assert seen == [(True, 0, False)]
 
 
+def test_pool_given_back_before_the_move_when_the_update_fails():
+    """An update that raises after the backward (a CUDA out-of-memory in the optimizer's step) leaves the loss
+    referenced from the exception's frames: its graph node no longer holds the step's sequence, so the pinned
+    pool is gone when Lightning's teardown moves the model to host memory."""
+    import gc
+    import weakref
+
+    seen = {}
+
+    class FailingUpdate(torch.optim.AdamW):
+        def step(self, closure=None):
+            closure()
+            callback = next(cb for cb in module.trainer.callbacks if isinstance(cb, PagedKVCallback))
+            seen["pool"] = weakref.ref(callback.pool)
+            raise torch.OutOfMemoryError("the update ran out of memory")
+
+    class Module(UserModule):
+        def configure_optimizers(self):
+            return FailingUpdate(self.parameters(), lr=1e-3)
+
+        def cpu(self):
+            gc.collect()
+            seen["pool at the move"] = seen["pool"]()
+            return super().cpu()
+
+    module = Module(tiny_model("qwen2"))
+    with pytest.raises(torch.OutOfMemoryError, match="the update ran out of memory"):
+        fit(module, OOMBStrategy(chunk_size=8, page_size=4), callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
+    assert seen["pool at the move"] is None
+
+
 def test_weights_the_host_has_no_room_for_stay_where_they_are(monkeypatch, capsys):
     """Teardown moves the weights to the CPU only where the host takes them with HOST_GROWTH_BYTES to spare (a
     step that failed may still hold its pinned pages): otherwise one line says so and they stay on their device.

@@ -63,8 +63,13 @@ class _StageTwo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         device_type, dtype, enabled = ctx.autocast
+        # The loss's graph node outlives the backward wherever the loss is still referenced (Lightning's
+        # closure result, an exception's frames): without the sequence it no longer holds the page pool.
+        seq, ctx.seq = ctx.seq, None
+        if seq is None:
+            raise RuntimeError("stage 2 of this step has already run: a served loss backpropagates once")
         with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            ctx.seq.backward(grad)
+            seq.backward(grad)
         return None, None, None
 
 
