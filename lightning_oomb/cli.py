@@ -76,7 +76,10 @@ def dump_stacks_on_sigusr1() -> None:
     if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
         # A Python handler, not faulthandler.register: Lightning's Trainer saves the handlers Python knows at
         # set-up and puts them back at teardown, which would reset a C-level one to the default (terminate).
-        signal.signal(signal.SIGUSR1, _dump_stacks)
+        try:
+            signal.signal(signal.SIGUSR1, _dump_stacks)
+        except ValueError:  # called from a thread other than the main one, where no handler can be set
+            return
 
 
 def _dump_stacks(signum: int, frame: object) -> None:
