@@ -46,6 +46,25 @@ def test_every_family_counts_like_its_model(family):
     assert shape.matmul_params == matrices
 
 
+@pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1", "lfm2", "jamba", "minimax", "deepseek_v2", "opt"])
+def test_families_the_fields_do_not_describe_count_all_their_parameters(model_type):
+    """MLA, hybrids' MLP-only and parallel layers, learned positions: the total (weights, gradients, optimizer
+    state in the plan) is what transformers builds from the config, counted on the meta device; a tensor-parallel
+    part and a config that builds no model fall back to the fields' formulas."""
+    from every_family import tiny_config
+
+    from lightning_oomb.core.model_shape import counted_params
+
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_config(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    assert shape.decoder_params + shape.root_params == shape.total_params
+    assert ModelShape.resolve(tiny_model("qwen2")).tensor_parallel_part(2).counted_params == 0
+    assert counted_params(object()) == 0
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_lora_on_experts_counts_peft_adapters(family):
     """lora_params(rank, experts=True): peft's adapters on q, k, v, o and on the stacked expert weights

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -63,6 +64,33 @@ def _special_floats(value: Any) -> Any:
     if isinstance(value, list):
         return [_special_floats(v) for v in value]
     return value
+
+
+def counted_params(config: Any) -> int:
+    """Parameters of the causal LM transformers builds from ``config`` (a config object), counted on the meta
+    device without memory, once per distinct config; 0 where none can be built here."""
+    try:
+        key = config.to_json_string()
+    except (AttributeError, TypeError, ValueError):
+        return 0
+    if key not in _COUNTED:
+        _COUNTED[key] = _count_on_meta(config)
+    return _COUNTED[key]
+
+
+_COUNTED: dict[str, int] = {}
+
+
+def _count_on_meta(config: Any) -> int:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # the families' own remarks about their configs
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a config transformers builds no causal LM from here: the fields' formulas count
+        return 0
+    return sum(p.numel() for p in model.parameters())
 
 
 def transformers_config(config: dict[str, Any]):
@@ -371,6 +399,10 @@ class ModelShape:
     window: int = 0  # tokens of the sliding window of window_layers of the layers (0: none)
     window_layers: int = 0
     v_head_dim: int = 0  # of values and the attention output, where not head_dim (0: head_dim)
+    # All parameters of the model transformers builds from the config, counted on the meta device (0: where it
+    # cannot be built, and for a tensor-parallel part): ``total_params`` whatever the family's layers hold that
+    # the fields above do not describe (MLA, hybrids' MLP-only and parallel layers, learned positions)
+    counted_params: int = 0
 
     # -- constructors -----------------------------------------------------------------------------------
     @classmethod
@@ -410,6 +442,7 @@ class ModelShape:
             model_type=model_type,
             layers_without_kv=config.num_hidden_layers - len(kv_layer_indices(config)),
             **_carried_fields(config),
+            counted_params=counted_params(config),
         )
 
     @classmethod
@@ -466,7 +499,7 @@ class ModelShape:
                                  f"divisor of num_key_value_heads={self.n_kv_heads} (each rank computes whole KV "
                                  "heads)")
         return dataclasses.replace(self, n_heads=self.n_heads // size, n_kv_heads=self.n_kv_heads // size,
-                                   intermediate=self.intermediate // size, tensor_parallel=size)
+                                   intermediate=self.intermediate // size, tensor_parallel=size, counted_params=0)
 
     # -- sizes ------------------------------------------------------------------------------------------
     @property
@@ -592,6 +625,8 @@ class ModelShape:
     @property
     def decoder_params(self) -> int:
         """All parameters of the decoder layers: matrices, biases, norms (what FSDP2 shards)."""
+        if self.counted_params:
+            return self.counted_params - self.root_params
         carried = 0
         if self.carried_matrices:
             carried = self.carried_layers * (self.carried_vector_params - self._qk_norm_params)
