@@ -160,7 +160,6 @@ class Sampler(threading.Thread):
                         f"{available / GIB:.2f},{gpu / GIB:.2f}\n")
                 f.flush()
 
-
     def _dump_stacks_if_growing(self, rss: int) -> None:
         self.recent = [*self.recent[-2:], rss]
         self.quiet = max(0, self.quiet - 1)
