@@ -354,6 +354,45 @@ def test_attention_outputs_kept_on_the_host_give_the_same_gradient(checkpoint_la
             assert torch.equal(grads[name], grad), name
 
 
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+def test_streamed_pages_with_attention_outputs_kept_on_the_host_give_the_same_gradient(checkpoint_layers,
+                                                                                          monkeypatch):
+    """A dense step whose pages are streamed from the host keeps stage 1's attention outputs of its first chunks
+    in host memory (its GPU holds only staging): stage 2 skips their attention forward and its streaming, and the
+    gradient is bitwise the one without, which is transformers' full-sequence gradient."""
+    import dataclasses
+
+    from lightning_oomb.core import attention, schedule
+    from lightning_oomb.core.schedule import cached_pool
+
+    model = probed(tiny_model("qwen2"))
+    ids = torch.randint(0, VOCAB, (1, 37))  # 5 chunks of 8, the last one short
+    kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
+                  offload="host", segment_tokens=8)
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
+    place = schedule.place_step
+    results = []
+    for on_host in (0, 4):
+        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
+            place(*a, **k), host_kept_chunks=on_host))
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = lightning_oomb.train_step(model, ids, **kwargs)
+        pool = cached_pool(model)
+        assert pool.on_host
+        results.append((loss, grads_of(model), len(calls)))
+    layers = model.config.num_hidden_layers
+    stage_1 = 5 * (layers - 1)  # the last layer's attention runs in stage 2 only
+    assert results[0][2] == stage_1 + 5 * layers
+    assert results[1][2] == stage_1 + 4 + layers  # the kept chunks' last layer, and the last chunk's every layer
+    assert torch.equal(results[1][0], results[0][0])
+    for name, grad in results[0][1].items():
+        assert torch.equal(results[1][1][name], grad), name
+    assert_matches_full(model, ids, *results[1][:2])
+
+
 @pytest.mark.parametrize(
     "backend,sparse", [("reference", None), ("reference", SPARSE_2)] + ([("triton", None)] if "triton" in BACKENDS else [])
 )

@@ -36,6 +36,36 @@ def test_host_kept_attention_outputs_are_pinned_and_fill_what_the_budget_leaves(
     assert host_kept_for_stage_2(short, 1000 * per_chunk, 0, 0) == 255  # whole chunks only
 
 
+def test_a_streamed_step_keeps_attention_outputs_of_its_first_chunks_on_the_host(monkeypatch):
+    """With its pages streamed from the host (dense, offload="host") the GPU holds only staging: place_step keeps
+    stage 1's attention outputs of as many first whole chunks as the host memory budget has room for, counts
+    them as a pinned line and in the step's time (stage 2 skips their attention forward), none with
+    keep_attention=0."""
+    from lightning_oomb.core import placement
+    from lightning_oomb.core.plan.memory import kept_chunk_bytes
+
+    gib = 1 << 30
+    monkeypatch.setattr(placement, "gpu_room", lambda device, gpu_memory=None: (8 * gib, 8 * gib))
+    monkeypatch.setattr(placement, "process_host_bytes", lambda: gib)
+    model = tiny_model("qwen2")
+    cuda = torch.device("cuda", 0)
+
+    def placed(host_memory: int, **options) -> placement.Placement:
+        config = ChunkConfig(chunk_size=8, offload="host", attention="reference", host_memory=host_memory, **options)
+        return placement.place_step(model, 1, 37, config, cuda)  # 4 whole chunks of 8, then 5 tokens
+
+    roomy = placed(8 * gib)
+    assert roomy.where == "host" and roomy.host_kept_chunks == 4
+    per_chunk = kept_chunk_bytes(roomy.plan.shape, 8, torch.float32)
+    assert roomy.plan.host_lines["pinned attention outputs kept from stage 1 (4 of 5 chunks)"] == 4 * per_chunk
+    none = placed(8 * gib, keep_attention=0)
+    assert none.host_kept_chunks == 0 and not any("attention outputs" in k for k in none.plan.host_lines)
+    assert roomy.plan.time.attention_flops < none.plan.time.attention_flops
+    pinned = sum(v for k, v in none.plan.host_lines.items() if k.startswith("pinned"))
+    tight = placed(gib + placement.HOST_GROWTH_BYTES + pinned + int(2.5 * per_chunk))
+    assert tight.host_kept_chunks == 2
+
+
 def test_kept_attention_outputs_are_planned_per_chunk_and_refused_with_host_pages():
     """keep_attention: a plan line of n_layers x tokens x (q_width bf16 + fp32 lse) per chunk; place_step
     keeps what is asked on a CPU device (nothing by default), and refuses it when pages go to the host."""
@@ -97,8 +127,12 @@ def test_placed_plan_says_how_many_graphs_and_attention_outputs_a_step_keeps():
     # graph more since the down projection recomputes its input (kernels.linear.swiglu_linear).
     assert any("autograd graphs of the last 4 and the attention outputs of 4 more of 8 chunks" in n
                for n in roomy.notes), roomy.notes
+    assert not any("pinned host memory (keep" in n for n in roomy.notes)  # every chunk is kept on the GPU
+    # Streamed pages leave the GPU only staging: the outputs of every whole chunk wait in pinned host memory.
     offloaded = plan_placed("qwen2.5-7b", parse_tokens("32K"), offload="host", optimizer="none", **H200)
-    assert not any("attention outputs" in n for n in offloaded.notes)
+    assert offloaded.config.streamed and offloaded.config.host_kept_chunks == 8
+    assert not any("autograd graphs" in n for n in offloaded.notes)
+    assert any("attention outputs of the first 8 chunks in pinned host memory" in n for n in offloaded.notes)
 
 
 def test_a_cpu_runs_plan_prints_only_lines_that_hold_something():

@@ -44,7 +44,7 @@ class Placement:
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
     computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2 where
     ``loss_grads`` says: "gpu" (the device), "host" (pinned host memory), or "recomputed" (not kept: stage 2
-    runs the output layer again). With the pages on the GPU, stage 1 may also keep
+    runs the output layer again). With the pages on the GPU or streamed, stage 1 may also keep
     the attention outputs of the first ``host_kept_chunks`` chunks in pinned host memory. With sparse
     attention, the K/V pages of ``host_kv_layers`` layers may live in pinned host memory too, of which each
     attention call gathers the selected pages (``PagePool``).
@@ -132,7 +132,8 @@ def place_step(
     stage 1 keeps for stage 2 (``config.keep_graphs``, ``config.keep_attention``: that many, refused if
     they do not fit; None: the last chunk's graph, attention outputs in KEPT_ATTENTION_SHARE of the memory
     the step leaves free (none on a CPU device), more graphs in KEPT_GRAPHS_SHARE of what is left, and the
-    attention outputs of the first chunks in what the host memory budget leaves).
+    attention outputs of the first chunks in what the host memory budget leaves). With streamed pages only
+    the last: the attention outputs of the first chunks in pinned host memory (``keep_attention=None``).
 
     ``stage_1_loss``: the step computes its loss in stage 1 and keeps every chunk's dL/dh for stage 2: on
     the GPU when every page is there and they fit in what the step leaves free (before anything is kept
@@ -354,10 +355,14 @@ def place_step(
             f"nothing was allocated for it.\n\n{step}"
         )
     step = step_of(pages)
-    if pages.streamed:
-        return placed(Placement("host", step.config.segment_tokens, batch, loss_grads=where if loss_grads else "gpu"))
     needed, pinned = needs(pages)
     pinned += loss_grads if where == "host" else 0
+    if pages.streamed:
+        # The GPU holds only staging, so stage 1's attention outputs wait for stage 2 in pinned host memory, where
+        # the budget has room: stage 2 then skips their attention forward and the streaming of its past.
+        host_kept = host_kept_for_stage_2(step, host_free - pinned, 0, 0, keep)
+        return placed(Placement("host", step.config.segment_tokens, batch, loss_grads=where if loss_grads else "gpu",
+                                host_kept_chunks=host_kept))
     spare = free - needed - (loss_grads if where == "gpu" else 0)
     n, m = pages.host_grad_layers, pages.host_kv_layers
     kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)

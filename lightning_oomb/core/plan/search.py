@@ -14,7 +14,7 @@ from ..model_shape import ModelShape, _kv_dtype
 from .config import Pages, PlanConfig
 from .estimate import estimate_step
 from .memory import loss_grad_bytes
-from .placement import kept_for_stage_2, page_choices, place_pages
+from .placement import asked_graphs, host_kept_for_stage_2, kept_for_stage_2, page_choices, place_pages
 from .report import ContextLimit, Plan, usable_gpu_bytes
 from .suggestions import suggestions_for
 
@@ -157,7 +157,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool =
             on_host = _plan(model, config.replace(pages=pages), checkpoint_auto)
             if on_host.fits:
                 on_host.notes.append("the pages do not fit on the GPU: offload='auto' puts them in pinned host memory")
-                return on_host
+                return _kept_for_stage_2(on_host)
     return _kept_for_stage_2(result)
 
 
@@ -211,22 +211,36 @@ def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 
 
 def _kept_for_stage_2(result: Plan) -> Plan:
     """The plan with the chunks' autograd graphs and attention outputs a step would keep (keep_graphs=None,
-    keep_attention=None) in what this plan leaves free, as place_step decides it: their memory and the
-    stage-2 work they save, said in a note."""
+    keep_attention=None) in what this plan leaves free, as place_step decides it: on the GPU where every page
+    is there, then the first chunks' outputs in the host memory budget's room (with streamed pages only
+    those); their memory and the stage-2 work they save, said in a note."""
     c = result.config
-    if c.pages.on_host or not result.fits:
+    if not result.fits or not result.shape.kv_layers:
         return result
-    kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
-    if not (kept or graphs):
+    if not c.pages.on_host:
+        kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
+    else:  # host layers keep no more than the last chunk's graph on the GPU; streamed pages nothing
+        kept, graphs = 0, 0 if c.streamed else asked_graphs(c.n_chunks, c.checkpoint_layers, None)
+    host_kept = host_kept_for_stage_2(result, result.host_memory - result.peak_host_bytes, kept, graphs)
+    if not (kept or graphs or host_kept):
         return result
-    placed = estimate_step(result.shape, dataclasses.replace(c, kept_chunks=kept, graph_chunks=graphs),
-                       result.gpu_memory, result.host_memory, result.machine)
+    placed = estimate_step(result.shape, dataclasses.replace(c, kept_chunks=kept, graph_chunks=graphs,
+                                                             host_kept_chunks=host_kept),
+                           result.gpu_memory, result.host_memory, result.machine)
     placed.checkpoint_auto, placed.other_activation_bytes = result.checkpoint_auto, result.other_activation_bytes
     placed.suggestions = result.suggestions
-    outputs = f" and the attention outputs of {kept} more" if result.shape.kv_layers else ""
+    kept_where = []
+    if graphs and kept:
+        kept_where.append(f"autograd graphs of the last {graphs} and the attention outputs of {kept} more "
+                          f"of {c.n_chunks} chunks in the GPU memory to spare")
+    elif graphs or kept:
+        what = "autograd graphs" if graphs else "attention outputs"
+        kept_where.append(f"{what} of the last {graphs or kept} of {c.n_chunks} chunks in the GPU memory to spare")
+    if host_kept:
+        first = "the first chunk" if host_kept == 1 else f"the first {host_kept} chunks"
+        kept_where.append(f"attention outputs of {first} in pinned host memory")
     placed.notes = result.notes + [
-        f"a step keeps stage 1's autograd graphs of the last {graphs}{outputs} "
-        f"of {c.n_chunks} chunks in the memory to spare (keep_graphs=None, keep_attention=None), so stage 2 "
+        f"a step keeps stage 1's {' and '.join(kept_where)} (keep_graphs=None, keep_attention=None), so stage 2 "
         "skips their forward or their attention forward"
     ]
     return placed
