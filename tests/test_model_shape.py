@@ -17,8 +17,8 @@ from lightning_oomb.kernels.page_table import StoreSpec
 
 
 def test_builtin_shapes_load_and_count_like_the_real_models():
-    assert set(builtin_names()) >= {"qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b", "qwen3-30b-a3b",
-                                    "gemma-3-12b"}
+    assert set(builtin_names()) >= {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b",
+                                    "qwen3-30b-a3b", "gemma-3-12b"}
     for name in builtin_names():
         shape = ModelShape.from_name(name)
         with torch.device("meta"):  # the real module tree, no memory
