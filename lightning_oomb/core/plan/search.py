@@ -215,13 +215,15 @@ def _kept_for_stage_2(result: Plan) -> Plan:
     is there, then the first chunks' outputs in the host memory budget's room (with streamed pages only
     those); their memory and the stage-2 work they save, said in a note."""
     c = result.config
-    if not result.fits or not result.shape.kv_layers:
+    if not result.fits:
         return result
     if not c.pages.on_host:
         kept, graphs = kept_for_stage_2(result, result.usable_gpu_bytes - result.peak_gpu_bytes)
     else:  # host layers keep no more than the last chunk's graph on the GPU; streamed pages nothing
         kept, graphs = 0, 0 if c.streamed else asked_graphs(c.n_chunks, c.checkpoint_layers, None)
-    host_kept = host_kept_for_stage_2(result, result.host_memory - result.peak_host_bytes, kept, graphs)
+    host_kept = 0
+    if result.shape.kv_layers:  # a model that attends nowhere has no attention outputs to keep
+        host_kept = host_kept_for_stage_2(result, result.host_memory - result.peak_host_bytes, kept, graphs)
     if not (kept or graphs or host_kept):
         return result
     placed = estimate_step(result.shape, dataclasses.replace(c, kept_chunks=kept, graph_chunks=graphs,
@@ -230,17 +232,18 @@ def _kept_for_stage_2(result: Plan) -> Plan:
     placed.checkpoint_auto, placed.other_activation_bytes = result.checkpoint_auto, result.other_activation_bytes
     placed.suggestions = result.suggestions
     kept_where = []
-    if graphs and kept:
-        kept_where.append(f"autograd graphs of the last {graphs} and the attention outputs of {kept} more "
+    outputs = kept if result.shape.kv_layers else 0  # a model that attends nowhere keeps graphs only
+    if graphs and outputs:
+        kept_where.append(f"autograd graphs of the last {graphs} and the attention outputs of {outputs} more "
                           f"of {c.n_chunks} chunks in the GPU memory to spare")
-    elif graphs or kept:
+    elif graphs or outputs:
         what = "autograd graphs" if graphs else "attention outputs"
-        kept_where.append(f"{what} of the last {graphs or kept} of {c.n_chunks} chunks in the GPU memory to spare")
+        kept_where.append(f"{what} of the last {graphs or outputs} of {c.n_chunks} chunks in the GPU memory to spare")
     if host_kept:
         first = "the first chunk" if host_kept == 1 else f"the first {host_kept} chunks"
         kept_where.append(f"attention outputs of {first} in pinned host memory")
     placed.notes = result.notes + [
         f"a step keeps stage 1's {' and '.join(kept_where)} (keep_graphs=None, keep_attention=None), so stage 2 "
         "skips their forward or their attention forward"
-    ]
+    ] if kept_where else result.notes
     return placed
