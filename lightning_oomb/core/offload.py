@@ -148,7 +148,9 @@ class Streamer:
         self._loaded, self._consumed, self._written = [ev(), ev()], [ev(), ev()], [ev(), ev()]
         self._out_ready, self._out_done, self._out_turn = [ev(), ev()], [ev(), ev()], 0
         self._in_loaded, self._in_consumed, self._in_turn = [ev(), ev()], [ev(), ev()], 0
-        self._last_d2h = None
+        # Per layer, the event of its last copy to the host (a chunk's K, V or a segment's dK, dV): a load reads
+        # host pages of its own layer only, so it waits for that layer's writes, not for every layer's.
+        self._layer_d2h: dict[int, torch.cuda.Event | None] = {}
         self.stats = CopyStats()
         self._step: dict | None = None
 
@@ -289,7 +291,7 @@ class Streamer:
                     host_v[row : row + n].copy_(out_v[b, off : off + n], non_blocking=True)
         self.stats.d2h_bytes += (out_k[:, :t].numel() + out_v[:, :t].numel()) * out_k.element_size()
         self.streams.record(self._out_done[turn], "d2h")
-        self._last_d2h = self._out_done[turn]
+        self._layer_d2h[store.layer] = self._out_done[turn]
 
     def _copy(self, host: torch.Tensor, staged: torch.Tensor, base: Callable[[int], int], lo: int, hi: int,
               to_host: bool) -> int:
@@ -314,7 +316,10 @@ class Streamer:
         half = index % 2
         written = max(lo, self._grads_from(layer)) if grads else hi  # dK, dV copied from here on
         nbytes = 0
-        with self.streams.on("h2d", [self._consumed[half], self._last_d2h]):
+        # The half's K, V and dK, dV are free once the compute has read them and, where this load overwrites its
+        # dK, dV, once their write-back has read them; the host rows it reads once their layer's writes are done.
+        waits = [self._consumed[half], self._layer_d2h.get(layer)] + ([self._written[half]] if grads else [])
+        with self.streams.on("h2d", waits):
             if grads and written > lo:
                 rows = slice(half * self.half_pages, (half + 1) * self.half_pages)
                 self.dk[rows].zero_()
@@ -338,7 +343,7 @@ class Streamer:
                 nbytes += self._copy(host, staged, self._segment_base(half), lo, end, to_host=True)
         self.stats.d2h_bytes += nbytes
         self.streams.record(self._written[half], "d2h")
-        self._last_d2h = self._written[half]
+        self._layer_d2h[store.layer] = self._written[half]
 
     def _load_chunk_grads(self, layer: int, start: int, t: int) -> int:
         """Stage the gradient later chunks stored for tokens [start, start + t) of ``layer`` (zero where no
@@ -351,7 +356,7 @@ class Streamer:
         first = (start // self.page_size) * self.page_size
         written = max(start, self._grads_from(layer))
         nbytes = 0
-        with self.streams.on("h2d", [self._in_consumed[turn], self._last_d2h]):
+        with self.streams.on("h2d", [self._in_consumed[turn], self._layer_d2h.get(layer)]):
             if written > start:
                 self._in_dk[turn].zero_()
                 self._in_dv[turn].zero_()
