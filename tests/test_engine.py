@@ -309,6 +309,31 @@ def test_kept_attention_outputs_give_the_same_gradient(checkpoint_layers, sparse
         assert_matches_full(model, ids, *results[2][:2])
 
 
+def _steps_keeping_outputs_on_the_host(monkeypatch, model, ids, counts, **options) -> list[tuple]:
+    """One train_step of ``model`` on ``ids`` per entry of ``counts``, each placed as place_step places it but for
+    host_kept_chunks (the entry): (loss, gradients, attention forwards run, the pool, its host-kept outputs and
+    its GPU bytes after the step) of each."""
+    import dataclasses
+
+    from lightning_oomb.core import attention, schedule
+    from lightning_oomb.core.schedule import cached_pool
+
+    calls = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
+    place = schedule.place_step
+    results = []
+    for on_host in counts:
+        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
+            place(*a, **k), host_kept_chunks=on_host))
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        loss = lightning_oomb.train_step(model, ids, **options)
+        pool = cached_pool(model)
+        results.append((loss, grads_of(model), len(calls), pool, pool._host_kept, pool.gpu_nbytes))
+    return results
+
+
 # Where the kept outputs wait is the engine's bookkeeping: the reference here; the Triton kernels' outputs kept
 # above, and on the host on a GPU (tests/test_gpu_end_to_end.py).
 @pytest.mark.parametrize("checkpoint_layers,sparse", [(False, None), (True, SPARSE_2)])
@@ -316,38 +341,23 @@ def test_attention_outputs_kept_on_the_host_give_the_same_gradient(checkpoint_la
     """Stage 1 copies the attention outputs of the first chunks to (pinned) host memory and stage 2 brings
     them back instead of recomputing: bitwise the same gradient, the buffer kept with the pool for the next
     step, beside outputs kept on the GPU."""
-    import dataclasses
-
-    from lightning_oomb.core import attention, schedule
-    from lightning_oomb.core.schedule import cached_pool
-
     model = probed(tiny_model("qwen2"))
     ids = torch.randint(0, VOCAB, (1, 37))  # 5 chunks of 8, the last one short
-    kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
-                  sparse=sparse, keep_graphs=0, keep_attention=1)
-    calls = []
-    forward = attention._forward
-    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
-    place = schedule.place_step
-    results = []
-    for on_host in (0, 2, 2):  # the third step reuses the second one's buffer
-        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
-            place(*a, **k), host_kept_chunks=on_host))
-        model.zero_grad(set_to_none=True)
-        calls.clear()
-        loss = lightning_oomb.train_step(model, ids, **kwargs)
-        pool = cached_pool(model)
-        results.append((loss, grads_of(model), len(calls), pool._host_kept, pool.gpu_nbytes))
+    # the third step reuses the second one's buffer
+    results = _steps_keeping_outputs_on_the_host(monkeypatch, model, ids, (0, 2, 2), chunk_size=8, page_size=4,
+                                                 attention="reference", checkpoint_layers=checkpoint_layers,
+                                                 sparse=sparse, keep_graphs=0, keep_attention=1)
+    pool = results[-1][3]
     layers = model.config.num_hidden_layers
     # Stage 1 skips the last layer's attention (its output feeds nothing there), so stage 2 computes that one;
     # chunk 3's outputs are kept on the GPU.
     stage_1 = 5 * (layers - 1)
     assert results[0][2] == stage_1 + (4 * layers + 1)
     assert {r[2] for r in results[1:]} == {stage_1 + (2 * layers + 3)}
-    kept = results[-1][3]
-    assert kept is results[1][3]  # a later step reuses the first one's pinned buffer
+    kept = results[-1][4]
+    assert kept is results[1][4]  # a later step reuses the first one's pinned buffer
     assert kept.out.shape[:2] == (2, layers) and kept.saved == {(c, i) for c in (0, 1) for i in range(layers - 1)}
-    assert pool.host_nbytes == kept.nbytes and results[0][4] == results[1][4] == pool.gpu_nbytes > 0
+    assert pool.host_nbytes == kept.nbytes and results[0][5] == results[1][5] == pool.gpu_nbytes > 0
     for loss, grads, *_ in results[1:]:
         assert torch.equal(loss, results[0][0])
         for name, grad in results[0][1].items():
@@ -360,29 +370,12 @@ def test_streamed_pages_with_attention_outputs_kept_on_the_host_give_the_same_gr
     """A dense step whose pages are streamed from the host keeps stage 1's attention outputs of its first chunks
     in host memory (its GPU holds only staging): stage 2 skips their attention forward and its streaming, and the
     gradient is bitwise the one without, which is transformers' full-sequence gradient."""
-    import dataclasses
-
-    from lightning_oomb.core import attention, schedule
-    from lightning_oomb.core.schedule import cached_pool
-
     model = probed(tiny_model("qwen2"))
     ids = torch.randint(0, VOCAB, (1, 37))  # 5 chunks of 8, the last one short
-    kwargs = dict(chunk_size=8, page_size=4, attention="reference", checkpoint_layers=checkpoint_layers,
-                  offload="host", segment_tokens=8)
-    calls = []
-    forward = attention._forward
-    monkeypatch.setattr(attention, "_forward", lambda *args: calls.append(args[5]) or forward(*args))
-    place = schedule.place_step
-    results = []
-    for on_host in (0, 4):
-        monkeypatch.setattr(schedule, "place_step", lambda *a, **k: dataclasses.replace(
-            place(*a, **k), host_kept_chunks=on_host))
-        model.zero_grad(set_to_none=True)
-        calls.clear()
-        loss = lightning_oomb.train_step(model, ids, **kwargs)
-        pool = cached_pool(model)
-        assert pool.on_host
-        results.append((loss, grads_of(model), len(calls)))
+    results = _steps_keeping_outputs_on_the_host(monkeypatch, model, ids, (0, 4), chunk_size=8, page_size=4,
+                                                 attention="reference", checkpoint_layers=checkpoint_layers,
+                                                 offload="host", segment_tokens=8)
+    assert all(r[3].on_host for r in results)
     layers = model.config.num_hidden_layers
     stage_1 = 5 * (layers - 1)  # the last layer's attention runs in stage 2 only
     assert results[0][2] == stage_1 + 5 * layers
