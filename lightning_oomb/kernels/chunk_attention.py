@@ -632,6 +632,20 @@ def _warp_specialized_past(q: torch.Tensor, store: LayerStore, start: int, doc_s
     return (lo, hi) if hi > lo and past_attention_sm90.supported(q, store, hi - lo) else (0, 0)
 
 
+def _warp_specialized_range(q: torch.Tensor, store: LayerStore, past_lo: int, past_hi: int,
+                            doc_start: torch.Tensor | None, softcap: float | None) -> int:
+    """The end of the whole key tiles from ``past_lo`` on that the warp-specialised kernels run for a call over
+    the stored keys [past_lo, past_hi) (a streamed segment), or ``past_lo`` when they run none: on sm_90, with
+    no documents and no soft cap, from a page start."""
+    if not is_sm90(q) or doc_start is not None or softcap is not None or past_lo % store.page_size:
+        return past_lo
+    from . import past_attention_sm90
+
+    whole = (past_hi - past_lo) // past_attention_sm90.BLOCK_N * past_attention_sm90.BLOCK_N
+    pages = store.from_page(past_lo // store.page_size)
+    return past_lo + whole if whole and past_attention_sm90.supported(q, pages, whole) else past_lo
+
+
 def _head(lo: int, doc_start: torch.Tensor | None, one_document: int | None) -> bool:
     """Whether the chunk's document has keys before ``lo``, the warp-specialised kernels' first page."""
     return doc_start is not None and one_document < lo
@@ -726,8 +740,17 @@ def forward_state(
         state = (output_like(q, v.shape[-1], torch.float32),
                  torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
     tiles = default_tiles(kernel_width(q, v), q.dtype).fwd
-    launch_forward(q, k, v, store, past_lo, past_hi, scale, tiles, chunk, *state, carry=carry, doc_start=doc_start,
-                   chunk_start=chunk_start, softcap=softcap)
+    mid = _warp_specialized_range(q, store, past_lo, past_hi, doc_start, softcap) if carry else past_lo
+    if mid < past_hi or chunk or not carry:
+        launch_forward(q, k, v, store, mid, past_hi, scale, tiles, chunk, *state, carry=carry, doc_start=doc_start,
+                       chunk_start=chunk_start, softcap=softcap)
+    if mid > past_lo:
+        # The whole tiles last: the warp-specialised kernel continues the state and writes it back normalised,
+        # in place (each program reads its rows before it writes them).
+        from . import past_attention_sm90
+
+        past_attention_sm90.forward_past(q, store.from_page(past_lo // store.page_size), scale, state, state[0],
+                                         past_end=mid - past_lo)
     return state
 
 
@@ -747,8 +770,30 @@ def backward_part(
     _check_grads(store)
     q, k, v, dout = (last_dim_contiguous(x) for x in (q, k, v, dout))
     tiles = default_tiles(kernel_width(q, v), q.dtype)
-    grads = launch_dkdv(dout, q, k, v, *softmax_row_terms(lse, delta, scale), store, past_lo, past_hi, chunk_start, scale,
-                        tiles, chunk, doc_start, softcap)
-    launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True,
-              doc_start=doc_start, chunk_start=chunk_start, softcap=softcap)
+    lse = lse.contiguous()
+    row_terms = softmax_row_terms(lse, delta, scale)
+    mid = _warp_specialized_range(q, store, past_lo, past_hi, doc_start, softcap)
+    if mid == past_lo:
+        grads = launch_dkdv(dout, q, k, v, *row_terms, store, past_lo, past_hi, chunk_start, scale, tiles, chunk,
+                            doc_start, softcap)
+        launch_dq(dout, q, k, v, lse, delta, store, past_lo, past_hi, scale, tiles.dq, chunk, dq, accumulate=True,
+                  doc_start=doc_start, chunk_start=chunk_start, softcap=softcap)
+        return grads
+    # The whole tiles [past_lo, mid) in the warp-specialised kernels (dK/dV: disjoint rows; dQ: added to dq in
+    # place, after the Triton kernel's share of the rest), the partial tile and the chunk's own keys here.
+    from . import past_attention_sm90
+
+    pages = store.from_page(past_lo // store.page_size)
+    dkdv_from = past_lo
+    if past_attention_sm90.rows_ok(q, dout):
+        past_attention_sm90.dkdv_past(dout, q, *row_terms, pages, scale, past_end=mid - past_lo)
+        dkdv_from = mid
+    grads = None
+    if dkdv_from < past_hi or chunk:
+        grads = launch_dkdv(dout, q, k, v, *row_terms, store, dkdv_from, past_hi, chunk_start, scale, tiles, chunk,
+                            doc_start, softcap)
+    if mid < past_hi or chunk:
+        launch_dq(dout, q, k, v, lse, delta, store, mid, past_hi, scale, tiles.dq, chunk, dq, accumulate=True,
+                  doc_start=doc_start, chunk_start=chunk_start, softcap=softcap)
+    past_attention_sm90.dq_past(dout, q, lse, delta, pages, scale, dq, dq, past_end=mid - past_lo)
     return grads
