@@ -162,7 +162,7 @@ def test_tensor_parallel_collectives_by_hand(checkpoint_layers):
     assert t.tensor_parallel_s == pytest.approx((forward.calls * forward.bus_bytes + backward.calls * backward.bus_bytes)
                                                 / (COLLECTIVE_GBPS * 1e9))
     assert t.all_reduce_s == pytest.approx(gradients.bus_bytes / (COLLECTIVE_GBPS * 1e9)) and t.sharding_s == 0
-    assert t.predicted_s == pytest.approx(t.compute_s + t.tensor_parallel_s + t.all_reduce_s)
+    assert t.predicted_s == pytest.approx(t.compute_s + t.launch_s + t.tensor_parallel_s + t.all_reduce_s)
 
 
 def test_tensor_parallel_inside_sharded_data_parallel():

@@ -9,7 +9,7 @@ from ..config import SparseConfig
 from ..model_shape import ModelShape
 from ..units import GIB
 from .assumptions import (
-    ATTENTION_EFFICIENCY, COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, LINEAR_EFFICIENCY,
+    COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, KERNEL_LAUNCH_S, LINEAR_EFFICIENCY,
     PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .collectives import step_collectives
@@ -176,10 +176,12 @@ class Plan:
             + (f", token mixing of the state-carrying layers {t.mixing_flops:.3g}" if t.mixing_flops else "") + ")",
             f"Step time: floor {duration(t.floor_s)} at {t.matmul_tflops:g} TFLOP/s; predicted "
             f"{duration(t.predicted_s)} (linear at {LINEAR_EFFICIENCY:.0%}, attention"
-            + (" and token mixing" if t.mixing_flops else "") + f" at {ATTENTION_EFFICIENCY:.0%} of the peak"
+            + (" and token mixing" if t.mixing_flops else "") + f" at {t.attention_efficiency:.0%} of the peak"
             + (f", {_portable_share(t):.0%} of it at {PORTABLE_ATTENTION_EFFICIENCY:.0%}: packed "
                "chunks that hold a document border or whose document starts mid-page run the "
                "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
+            + (f", plus {duration(t.launch_s)} of the GPU waiting for the host to launch small kernels "
+               f"({KERNEL_LAUNCH_S * 1e6:g} us each; larger chunks launch fewer)" if t.launch_s >= 0.005 * t.predicted_s else "")
             + (f", plus {duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"

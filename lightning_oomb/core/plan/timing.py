@@ -9,7 +9,8 @@ from typing import Any
 from ..config import SparseConfig
 from ..model_shape import PROFILES, ModelShape
 from .assumptions import (
-    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
+    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY, KERNEL_LAUNCH_S,
+    KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .config import PlanConfig
 
@@ -17,8 +18,9 @@ from .config import PlanConfig
 @dataclass(frozen=True)
 class StepTime:
     """FLOPs one step executes and its time at ``matmul_tflops`` (floor) and at LINEAR_EFFICIENCY and
-    ATTENTION_EFFICIENCY of it (predicted). ``recompute_flops`` (layer checkpointing) are linear: the
-    recompute takes the attention outputs of the stage-2 forward."""
+    ``attention_efficiency`` of it (predicted), plus the host's kernel launches where a chunk's compute is
+    shorter than them (``launch_s``). ``recompute_flops`` (layer checkpointing) are linear: the recompute
+    takes the attention outputs of the stage-2 forward."""
 
     linear_flops: float
     attention_flops: float
@@ -34,6 +36,9 @@ class StepTime:
     tensor_parallel_s: float = 0.0  # tensor parallel: the decoder layers' activation all-reduces (step_collectives)
     dequant_s: float = 0.0  # QLoRA: dequantising the 4-bit weights for every matmul (dequant_seconds)
     mixing_flops: float = 0.0  # hybrids: the state-carrying layers' token mixing (ModelShape.carried_mixing_flops)
+    attention_efficiency: float = ATTENTION_EFFICIENCY  # of the peak: this model's heads (attention_efficiency)
+    chunk_compute_shares: tuple[float, ...] = ()  # of compute_s: each chunk's (stage 1 and 2 together)
+    chunk_kernels: tuple[int, ...] = ()  # kernels the host launches for each chunk (chunk_kernels)
 
     @property
     def total_flops(self) -> float:
@@ -46,21 +51,30 @@ class StepTime:
 
     @property
     def compute_s(self) -> float:
-        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ATTENTION_EFFICIENCY of the peak, those
-        of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
+        """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ``attention_efficiency`` of the peak,
+        those of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
         linear = self.total_flops - self.attention_flops - self.mixing_flops
         peak = self.matmul_tflops * 1e12
         fast = self.attention_flops + self.mixing_flops - self.portable_attention_flops
-        return (linear / (peak * LINEAR_EFFICIENCY) + fast / (peak * ATTENTION_EFFICIENCY)
+        return (linear / (peak * LINEAR_EFFICIENCY) + fast / (peak * self.attention_efficiency)
                 + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
+
+    @property
+    def launch_s(self) -> float:
+        """Seconds the GPU waits for the host: for each chunk, how far the host's time to launch its kernels
+        (KERNEL_LAUNCH_S each) outlasts its compute. Nothing for a 7B model's chunks; most of a small model's
+        step in small chunks (docs/planner.md, "Time")."""
+        compute = self.compute_s
+        return sum(max(0.0, kernels * KERNEL_LAUNCH_S - compute * share)
+                   for share, kernels in zip(self.chunk_compute_shares, self.chunk_kernels))
 
     @property
     def predicted_s(self) -> float:
         """``compute_s`` plus the host gradient layers' additions, the host K/V gathers and the collectives that
         do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
         other machines."""
-        return (self.compute_s + self.host_add_s + self.host_gather_s + self.all_reduce_s + self.sharding_s
-                + self.tensor_parallel_s + self.dequant_s)
+        return (self.compute_s + self.launch_s + self.host_add_s + self.host_gather_s + self.all_reduce_s
+                + self.sharding_s + self.tensor_parallel_s + self.dequant_s)
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -145,8 +159,36 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     # Each pass of the decoder layers' matmuls (stage 1, stage 2's forward unless its graph was kept, the
     # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
     passes = 3 * n - graphs + (n if checkpoint_layers else 0)
+    efficiency = attention_efficiency(shape)
+    sizes = [min(chunk_size, context - i * chunk_size) for i in range(n)]
+    graph_kept = [i >= n - graphs for i in range(n)]
+    # Each chunk's compute in seconds up to one factor (its linear and attention FLOPs at their rates), for
+    # its share of compute_s.
+    weights = [(linear + recompute) * size / tokens / LINEAR_EFFICIENCY
+               + (per_pair * pairs * passes_i + shape.carried_mixing_flops * batch * size) / efficiency
+               for size, pairs, passes_i in zip(sizes, chunk_pairs, (4.5 - (i in kept) for i in range(n)))]
+    total = sum(weights)
     return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
-                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing)
+                    stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing,
+                    attention_efficiency=efficiency, chunk_compute_shares=tuple(w / total for w in weights),
+                    chunk_kernels=tuple(chunk_kernels(shape, kept_graph, checkpoint_layers) for kept_graph in graph_kept))
+
+
+def attention_efficiency(shape: ModelShape) -> float:
+    """Share of the matmul peak this model's attention reaches: HEAD_DIM_64_ATTENTION_EFFICIENCY for heads of
+    64 (the kernels' tiles hold half the work per load there), ATTENTION_EFFICIENCY otherwise."""
+    if shape.head_dim == 64 and shape.v_head_dim in (0, 64):
+        return HEAD_DIM_64_ATTENTION_EFFICIENCY
+    return ATTENTION_EFFICIENCY
+
+
+def chunk_kernels(shape: ModelShape, kept_graph: bool, checkpoint_layers: bool) -> int:
+    """Kernels the host launches for one chunk's decoder layers over a step: the forward of stage 1, of stage 2
+    (unless the chunk's graph was kept) and of a checkpoint's recompute, and the backward, at
+    KERNELS_PER_LAYER_FORWARD and KERNELS_PER_LAYER_BACKWARD each (counted on a Llama layer with the fused
+    ops; other layers launch about as many)."""
+    forwards = 1 + (not kept_graph) + checkpoint_layers
+    return shape.n_layers * (forwards * KERNELS_PER_LAYER_FORWARD + KERNELS_PER_LAYER_BACKWARD)
 
 
 def expert_adapter_flops(shape: ModelShape, c: PlanConfig, n_chunks: int) -> float:
