@@ -75,6 +75,8 @@ def _rms_norm_agrees(m: nn.Module) -> bool:
     if not (hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor)
             and m.weight.dim() == 1):
         return False
+    if type(m) in _agrees:  # asked once per class: no probe data built again at every step's bind
+        return _agrees[type(m)]
     device, n = _device(m), m.weight.shape[0]
     probe = copy.copy(m)  # the same attributes, its own small float32 weight (the model's may be a shard)
     probe._parameters = {"weight": nn.Parameter(1 + 0.1 * _randn(n, device=device))}
@@ -97,6 +99,8 @@ def _fused_mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _mlp_agrees(m: nn.Module) -> bool:
     if not all(isinstance(getattr(m, a, None), nn.Module) for a in ("gate_proj", "up_proj", "down_proj")):
         return False
+    if type(m) in _agrees:
+        return _agrees[type(m)]
     device = _device(m)
     # Its own small float32 layers, the model's activation: the probe asks what the forward computes, which no
     # width changes, and takes no memory from a step placed to the last GiB.
@@ -139,6 +143,10 @@ def _rope_agrees(modeling, lm: PreTrainedModel) -> bool:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if rotary is None:
         return False
+    original = modeling.apply_rotary_pos_emb
+    key = (modeling, type(rotary), head_dim, tuple(getattr(rotary, "inv_freq", torch.empty(0)).shape))
+    if key in _agrees:
+        return _agrees[key]
     device, tokens = _device(lm), 8
 
     def cos_sin():
@@ -154,8 +162,6 @@ def _rope_agrees(modeling, lm: PreTrainedModel) -> bool:
         cos, sin = cos_sin()
         return torch.cat([t.flatten() for t in apply(q, k, cos.float(), sin.float())])
 
-    original = modeling.apply_rotary_pos_emb
-    key = (modeling, type(rotary), head_dim, tuple(getattr(rotary, "inv_freq", torch.empty(0)).shape))
     return _probe(key, device, lambda: run(partial(_fused_rope, original)), lambda: run(original))
 
 
