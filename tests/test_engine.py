@@ -467,3 +467,19 @@ def test_triton_steps_swap_in_the_fused_ops_and_restore_the_model(monkeypatch):
                      "apply_rope": 2 * layers}
     assert modeling.apply_rotary_pos_emb is rope_before
     assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_page_rows_are_computed_once_per_chunk_and_again_after_the_slots_change():
+    """Every layer of a chunk asks its page table for the same rows: the table computes them once, and again
+    when its slots are modified in place or replaced."""
+    from lightning_oomb.kernels.page_table import PageTable
+
+    table = PageTable(torch.tensor([[2, 0, 1]], dtype=torch.int32), seq_len=12, page_size=4)
+    first = table.rows(3, 9)
+    assert first.tolist() == [[11, 0, 1, 2, 3, 4]]
+    assert table.rows(3, 9) is first
+    table.slots[0, 1] = 5
+    assert table.rows(3, 9).tolist() == [[11, 20, 21, 22, 23, 4]]
+    assert table.rows(0, 4).tolist() == [[8, 9, 10, 11]]
+    table.slots = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    assert table.rows(3, 9).tolist() == [[3, 4, 5, 6, 7, 8]]

@@ -11,7 +11,7 @@ The pool that owns the tensors and decides where they live is ``core.pages.PageP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -80,11 +80,20 @@ class PageTable:
     slots: torch.Tensor
     seq_len: int
     page_size: int
+    # The last rows asked for, with the slots' version they came from: every layer of a chunk asks for the same
+    # rows, and each computation is seven small kernels (a small model's step is bound by launching them).
+    _last_rows: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
-        """Pool rows of tokens [start, end) of every sequence: (batch, end - start) int64."""
+        """Pool rows of tokens [start, end) of every sequence: (batch, end - start) int64. Callers must not
+        modify it (the next call for the same tokens returns the same tensor)."""
+        last = self._last_rows
+        if last is not None and last[0] is self.slots and last[1:4] == (self.slots._version, start, end):
+            return last[4]
         t = torch.arange(start, end, device=self.slots.device)
-        return self.slots[:, t // self.page_size].long() * self.page_size + t % self.page_size
+        rows = self.slots[:, t // self.page_size].long() * self.page_size + t % self.page_size
+        self._last_rows = (self.slots, self.slots._version, start, end, rows)
+        return rows
 
 
 @dataclass
