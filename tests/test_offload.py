@@ -262,3 +262,55 @@ def test_streamed_windowed_layers_visit_only_their_window():
     # Chunks at 8..32 see the segments from their window's first key (start - 5) on: one segment each instead
     # of all before them.
     assert traffic[6] < traffic[None] * 0.7, traffic
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton kernels (the interpreter on CPU)")
+def test_streamed_segments_hand_their_whole_tiles_to_the_hopper_kernels(monkeypatch):
+    """On sm_90 a streamed segment's whole key tiles from its first page run in the warp-specialised kernels
+    (past_attention_sm90, GPU only; the GPU suite checks them), the partial tile and the chunk's keys in the
+    Triton ones. Here, on the CPU, tiles of 4 keys and the reference attention standing in for the Hopper
+    kernels by their documented contract (continue the softmax state in place; add the past's dQ to a partial
+    one; add dK/dV into the store): the routing (which keys go where, from which page, the state and dQ
+    continued in place) must give the full-sequence gradient."""
+    import dataclasses
+
+    from lightning_oomb.core import reference_attention as ref
+    from lightning_oomb.kernels import chunk_attention, past_attention_sm90 as hopper
+
+    calls = {"forward": 0, "dq": 0, "dkdv": 0}
+
+    def no_keys(q, store):
+        return q.new_empty(q.shape[0], store.k.shape[2], 0, q.shape[-1])
+
+    def forward_past(q, store, scale, state, out, past_end=0, selection=None):
+        calls["forward"] += 1
+        ref.forward_state(q, no_keys(q, store), no_keys(q, store), store, 0, past_end, scale, False, state)
+        out.copy_(state[0])
+        return out
+
+    def dq_past(dout, q, lse, delta, store, scale, partial, dq, past_end=0, selection=None):
+        calls["dq"] += 1
+        total = partial.clone()
+        scratch = dataclasses.replace(store, dk=torch.zeros_like(store.dk), dv=torch.zeros_like(store.dv))
+        ref.backward_part(dout, q, no_keys(q, store), no_keys(q, store), lse, delta, scratch, 0, past_end, 0, scale,
+                          False, total)
+        dq.copy_(total)
+        return dq
+
+    def dkdv_past(dout, q, lse2, sdelta, store, scale, past_end=0, pages=None, staging=None):
+        calls["dkdv"] += 1
+        lse, delta = lse2 / 1.4426950408889634, sdelta / scale
+        ref.backward_part(dout, q, no_keys(q, store), no_keys(q, store), lse, delta, store, 0, past_end, 0, scale,
+                          False, torch.zeros(q.shape, dtype=torch.float32))
+
+    monkeypatch.setattr(chunk_attention, "is_sm90", lambda t: True)
+    monkeypatch.setattr(hopper, "BLOCK_N", 4)
+    monkeypatch.setattr(hopper, "supported", lambda q, store, past_end: past_end % 4 == 0)
+    monkeypatch.setattr(hopper, "rows_ok", lambda *xs: True)
+    for name, fn in (("forward_past", forward_past), ("dq_past", dq_past), ("dkdv_past", dkdv_past)):
+        monkeypatch.setattr(hopper, name, fn)
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, VOCAB, (1, 45))
+    # Chunks of 6 over pages of 4: a segment that ends at its chunk ends mid-tile, its partial tile in Triton.
+    check_host_step(model, ids, chunk_size=6, page_size=4, segment_tokens=12, attention="triton")
+    assert min(calls.values()) > 0, calls
