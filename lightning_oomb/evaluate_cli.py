@@ -218,19 +218,31 @@ def main(argv: list[str] | None = None) -> int:
     refused = [p for p in plans if p.where is None]
     if refused:
         _fail(parser, "; ".join(f"--lengths {human_tokens(p.tokens)} does not fit: {p.why}" for p in refused))
+    sparse = None
+    if args.budget_pages:
+        from .core.config import SparseConfig
+
+        sparse = SparseConfig(budget_pages=args.budget_pages)
     print(f"Eval plan ({device}, {dtype}, K/V pages only, no gradients): weights and one chunk "
           f"{_size(fixed)}; " + ", ".join(f"{human_tokens(p.tokens)}: {_size(p.pages)} of pages on {p.where}"
                                             for p in plans))
+    times = {}
+    if device.startswith("cuda"):  # the planner's GPU time model (docs/planner.md, "Generation")
+        from .core.plan.timing import generation_time
+
+        times = {p.tokens: generation_time(shape, p.tokens, args.chunk, args.page_size, sparse, 1, bytes_)
+                 for p in plans}
+        print("Time per sample (plan): " + ", ".join(
+            f"{human_tokens(n)}: prefill {t.prefill_s:.2g} s, then {t.decode_s * 1e3:.0f} ms a new token"
+            for n, t in times.items()))
 
     from .core.pretrained import load_pretrained
     from .evaluation.grid import format_table, heatmap, run_grid
 
     model = load_pretrained(str(where), dtype, device, args.gguf_file).eval()
     options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
-    if args.budget_pages:
-        from .core.config import SparseConfig
-
-        options["sparse"] = SparseConfig(budget_pages=args.budget_pages)
+    if sparse is not None:
+        options["sparse"] = sparse
     results = run_grid(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(model=str(args.model), gguf_file=args.gguf_file, tasks=tasks, lengths=lengths,
                   samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
                   plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
-                            pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans}),
+                            pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans},
+                            seconds={human_tokens(n): dict(prefill=t.prefill_s, per_new_token=t.decode_s)
+                                     for n, t in times.items()}),
                   scores=scores, details={t: {human_tokens(n): results[t][n]["samples"] for n in lengths}
                                           for t in tasks})
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")

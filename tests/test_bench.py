@@ -397,3 +397,39 @@ def test_cli_route_sampler_asks_for_the_stacks_while_host_memory_grows(tmp_path)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert got == [4, 14]  # at 1 -> 3 GiB, then ten samples later
+
+
+def test_generate_speed_writes_times_plans_and_transformers_tokens(tmp_path, capsys):
+    """The prefill and decoding bench on a tiny model on the CPU: every point timed, the plan beside it, and
+    transformers' own cached greedy decoding giving the engine's tokens (float32)."""
+    from lightning_oomb.bench.generate_speed import main as speed_main
+
+    out = tmp_path / "speed"
+    argv = ["--model", str(tiny_config(tmp_path)), "--lengths", "96,160", "--new-tokens", "4", "--modes",
+            "dense,sparse", "--budget-pages", "6", "--chunk", "32", "--page-size", "16", "--transformers",
+            "--out", str(out)]
+    assert speed_main(argv) == 0
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["runner"], r["mode"], r["context"]) for r in rows] == [
+        ("lightning_oomb", "dense", "96"), ("lightning_oomb", "sparse", "96"), ("transformers", "dense", "96"),
+        ("lightning_oomb", "dense", "160"), ("lightning_oomb", "sparse", "160"), ("transformers", "dense", "160")]
+    for r in rows:
+        assert r["status"] == "ok" and float(r["prefill_s"]) > 0 and float(r["decode_s_per_token"]) > 0
+        assert (r["planned_prefill_s"] != "") == (r["runner"] == "lightning_oomb")
+    assert [r["same_tokens"] for r in rows if r["runner"] == "transformers"] == ["4/4", "4/4"]
+    assert "| runner | mode | context |" in (out / "results.md").read_text()
+
+
+def test_generate_speed_refuses_bad_options_in_one_line(tmp_path, capsys):
+    from lightning_oomb.bench.generate_speed import main as speed_main
+
+    with pytest.raises(SystemExit) as e:
+        speed_main(["--model", "qwen2.5-7b", "--lengths", "1K", "--modes", "dense,fast", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown fast" in err
+    with pytest.raises(SystemExit) as e:
+        speed_main(["--model", "qwen2.5-7b", "--lengths", "1K", "--modes", "sparse", "--budget-pages", "2",
+                    "--out", str(tmp_path)])
+    assert e.value.code == 2 and "budget_pages" in capsys.readouterr().err

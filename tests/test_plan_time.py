@@ -125,3 +125,27 @@ def test_host_layers_move_to_the_gpu_as_stage_2_frees_pages():
     assert 0 < host_add_seconds(shape, c) < unmoved / 2
     for kept in (dict(grad_dtype=torch.float32), dict(batch=2, context=1 << 19)):
         assert set(host_layers_left(shape, c.replace(**kept))) == {16}
+
+
+def test_generation_time_counts_prefill_flops_reads_and_launches():
+    """The plan's generation time: the prefill's FLOPs are the forward's (2 x P_mm per token less the output
+    layer, which runs for the last position only, plus the attention); a new token reads the weights and every
+    K/V it attends to, and waits for its layers' launches where those take longer."""
+    from lightning_oomb.core.plan.assumptions import KERNEL_LAUNCH_S, KERNELS_PER_LAYER_FORWARD
+    from lightning_oomb.core.plan.timing import generation_time
+
+    shape = ModelShape.resolve("qwen2.5-7b")
+    n = 131072
+    dense = generation_time(shape, n)
+    pairs = n * n / 2
+    linear = 2.0 * (shape.active_matmul_params - shape.head_params) * n + 2.0 * shape.head_params
+    attention = 2.0 * (shape.q_width + shape.out_width) * pairs * shape.n_layers
+    assert dense.prefill_flops == pytest.approx(linear + attention)
+    kv = n * shape.n_layers * (shape.kv_width + shape.v_width) * 2
+    assert dense.decode_bytes == pytest.approx(shape.active_matmul_params * 2 + kv)
+    sparse = generation_time(shape, n, sparse=SparseConfig(budget_pages=64))
+    assert sparse.prefill_s < dense.prefill_s / 2 and sparse.decode_bytes < dense.decode_bytes
+    launches = shape.n_layers * KERNELS_PER_LAYER_FORWARD * KERNEL_LAUNCH_S
+    assert dense.decode_s >= launches
+    small = generation_time("smollm2-135m", 65536, chunk_size=4096)
+    assert small.prefill_s >= 16 * ModelShape.resolve("smollm2-135m").n_layers * KERNELS_PER_LAYER_FORWARD * KERNEL_LAUNCH_S

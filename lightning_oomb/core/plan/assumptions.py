@@ -34,6 +34,9 @@ HOST_ADD_GBPS = 61.5  # GB/s: host gradient layers' additions over the bus (spar
 HOST_ADD_HIDDEN_S = 5.4e-3  # s: of each host layer's additions per chunk, hidden behind the compute
 HOST_GATHER_GBPS = 48.0  # GB/s: host K/V layers' gathers of the selected pages over the bus (sparse)
 
+# -- generation (prefill and decoding without gradients)
+DECODE_GBPS = 3400.0  # GB/s at DEFAULT_MATMUL_TFLOPS: a new token's reads of weights and K/V (assumed, not measured)
+
 # -- QLoRA (4-bit base weights, bitsandbytes)
 DEQUANT_GBPS = 2900.0  # GB/s at DEFAULT_MATMUL_TFLOPS: dequantising a 4-bit weight (assumed, not measured)
 

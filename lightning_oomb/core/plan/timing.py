@@ -9,7 +9,7 @@ from typing import Any
 from ..config import SparseConfig
 from ..model_shape import PROFILES, ModelShape
 from .assumptions import (
-    ATTENTION_EFFICIENCY, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY, KERNEL_LAUNCH_S,
+    ATTENTION_EFFICIENCY, DECODE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY, KERNEL_LAUNCH_S,
     KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .config import PlanConfig
@@ -125,12 +125,7 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
         linear = 8.0 * shape.active_matmul_params * tokens
     # Forward attention FLOPs of one layer and one sequence: 2 * (d_q + d_out) per (query, key) pair (QK^T, PV).
     attended = context if sparse is None else sparse.attended_past_tokens(page_size)
-    full_layers = shape.kv_layers - shape.window_layers
-    chunk_pairs = []  # over the layers: full ones, then sliding-window ones
-    for s in range(0, context, chunk_size):
-        pairs = _chunk_pairs(s, min(chunk_size, context - s), attended, document_length or context)
-        windowed = min(pairs, _window_pairs(s, min(chunk_size, context - s), shape.window)) if shape.window else 0
-        chunk_pairs.append(full_layers * pairs + shape.window_layers * windowed)
+    chunk_pairs = layer_chunk_pairs(shape, context, chunk_size, attended, document_length or context)
     per_pair = 2.0 * (shape.q_width + shape.out_width) * batch  # forward FLOPs of one (query, key) pair, one layer
     forward_attention = per_pair * sum(chunk_pairs)
     recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
@@ -172,6 +167,61 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
                     stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing,
                     attention_efficiency=efficiency, chunk_compute_shares=tuple(w / total for w in weights),
                     chunk_kernels=tuple(chunk_kernels(shape, kept_graph, checkpoint_layers) for kept_graph in graph_kept))
+
+
+def layer_chunk_pairs(shape: ModelShape, context: int, chunk_size: int, attended: int | float,
+                      document_length: int) -> list[float]:
+    """(query, key) pairs of each chunk of one sequence, summed over the attending layers: full ones (each
+    query seeing at most ``attended`` past keys, within documents of ``document_length`` tokens), then
+    sliding-window ones."""
+    full_layers = shape.kv_layers - shape.window_layers
+    pairs_by_chunk = []
+    for s in range(0, context, chunk_size):
+        n = min(chunk_size, context - s)
+        pairs = _chunk_pairs(s, n, attended, document_length)
+        windowed = min(pairs, _window_pairs(s, n, shape.window)) if shape.window else 0
+        pairs_by_chunk.append(full_layers * pairs + shape.window_layers * windowed)
+    return pairs_by_chunk
+
+
+@dataclass(frozen=True)
+class GenerationTime:
+    """A generation's time in the plan (docs/planner.md, "Generation"): the prompt's prefill, chunk by chunk
+    without gradients, and each new token's decoding over the pages."""
+
+    prefill_flops: float
+    prefill_s: float  # each chunk's compute, or its kernel launches where those take longer
+    decode_bytes: float  # bytes one new token reads: the weights it goes through and the K/V it attends to
+    decode_s: float  # seconds per new token: those bytes at DECODE_GBPS, or its kernel launches if longer
+
+
+def generation_time(model: Any, context: int, chunk_size: int = 4096, page_size: int = 128,
+                    sparse: SparseConfig | None = None, batch: int = 1, dtype_bytes: int = 2,
+                    matmul_tflops: float = DEFAULT_MATMUL_TFLOPS) -> GenerationTime:
+    """The plan's time for prefilling a prompt of ``context`` tokens per sequence (``batch`` of them) in chunks
+    of ``chunk_size`` and decoding one more token after it, dense or ``sparse``, weights and pages of
+    ``dtype_bytes`` per element, at ``matmul_tflops`` (the training step's efficiencies, launch cost and
+    kernels per layer forward; memory traffic at DECODE_GBPS scaled like DEQUANT_GBPS)."""
+    shape = ModelShape.resolve(model)
+    peak = matmul_tflops * 1e12
+    efficiency = attention_efficiency(shape)
+    attended = context if sparse is None else sparse.attended_past_tokens(page_size)
+    per_pair = 2.0 * (shape.q_width + shape.out_width) * batch
+    body = shape.active_matmul_params - shape.head_params  # logits of a chunk's last position only
+    launches = shape.n_layers * KERNELS_PER_LAYER_FORWARD * KERNEL_LAUNCH_S
+    flops, seconds = 2.0 * shape.head_params * batch, 0.0
+    for i, pairs in enumerate(layer_chunk_pairs(shape, context, chunk_size, attended, context)):
+        n = min(chunk_size, context - i * chunk_size) * batch
+        linear, attention = 2.0 * body * n, per_pair * pairs + shape.carried_mixing_flops * n
+        flops += linear + attention
+        seconds += max(linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * efficiency), launches)
+    seconds += 2.0 * shape.head_params * batch / (peak * LINEAR_EFFICIENCY)
+    full_layers = shape.kv_layers - shape.window_layers
+    keys = full_layers * min(context, attended) + shape.window_layers * min(context, shape.window or context)
+    per_key = (shape.kv_width + shape.v_width) * dtype_bytes
+    read = shape.active_matmul_params * dtype_bytes + batch * keys * per_key
+    rate = DECODE_GBPS * 1e9 * matmul_tflops / DEFAULT_MATMUL_TFLOPS
+    return GenerationTime(flops, seconds, read, max(read / rate, launches))
 
 
 def attention_efficiency(shape: ModelShape) -> float:
