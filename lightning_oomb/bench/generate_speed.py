@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(r), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_results(results, out, device, " ".join(["python -m lightning_oomb.bench.generate_speed", *(argv or sys.argv[1:])]))
+    command = " ".join(["python -m lightning_oomb.bench.generate_speed", *(argv or sys.argv[1:])])
+    write_results(results, out, device, command)
     print(f"wrote {out / 'results.csv'} and {out / 'results.md'}")
     return 0
 
@@ -221,15 +222,16 @@ def write_results(results: list[SpeedResult], out: Path, device: torch.device, c
         writer.writerows([_cell(v) for v in asdict(r).values()] for r in results)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    rows = ["| runner | mode | context | status | prefill s (plan) | ms a new token (plan) | GPU peak GiB | same tokens |",
-            "|---|---|---:|---|---:|---:|---:|---|"]
+    rows = ["| runner | mode | context | status | prefill s (plan) | ms a new token (plan) | GPU peak GiB "
+            "| same tokens |", "|---|---|---:|---|---:|---:|---:|---|"]
     for r in results:
         plan_p = f" ({r.planned_prefill_s:.3g})" if not math.isnan(r.planned_prefill_s) else ""
-        plan_d = f" ({r.planned_decode_s_per_token * 1e3:.3g})" if not math.isnan(r.planned_decode_s_per_token) else ""
+        planned_ms = r.planned_decode_s_per_token * 1e3
+        plan_d = f" ({planned_ms:.3g})" if not math.isnan(planned_ms) else ""
         rows.append(f"| {r.runner} | {r.mode} | {r.context:,} | {r.status} | {_cell(r.prefill_s)}{plan_p} | "
                     f"{_cell(r.decode_s_per_token * 1e3)}{plan_d} | {_cell(r.peak_gpu_gib)} | {r.same_tokens} |")
-    (out / "results.md").write_text(f"# generate_speed\n\n- machine: {machine}\n- date: {date}\n- command: `{command}`\n\n"
-                                    + "\n".join(rows) + "\n")
+    head = f"# generate_speed\n\n- machine: {machine}\n- date: {date}\n- command: `{command}`\n\n"
+    (out / "results.md").write_text(head + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ class Plan:
                "chunks that hold a document border or whose document starts mid-page run the "
                "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
             + (f", plus {duration(t.launch_s)} of the GPU waiting for the host to launch small kernels "
-               f"({KERNEL_LAUNCH_S * 1e6:g} us each; larger chunks launch fewer)" if t.launch_s >= 0.005 * t.predicted_s else "")
+               f"({KERNEL_LAUNCH_S * 1e6:g} us each; larger chunks launch fewer)"
+               if t.launch_s >= 0.005 * t.predicted_s else "")
             + (f", plus {duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"

@@ -9,8 +9,9 @@ from typing import Any
 from ..config import SparseConfig
 from ..model_shape import PROFILES, ModelShape
 from .assumptions import (
-    ATTENTION_EFFICIENCY, DECODE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY, KERNEL_LAUNCH_S,
-    KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD, LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
+    ATTENTION_EFFICIENCY, DECODE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY,
+    KERNEL_LAUNCH_S, KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD, LINEAR_EFFICIENCY,
+    PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .config import PlanConfig
 
@@ -134,8 +135,8 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     kept = attention_kept_chunks(n, checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
     # forward a kept output spares.
-    passes = [4.5 - (i in kept) for i in range(n)]
-    attention = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs))
+    attention_passes = [4.5 - (i in kept) for i in range(n)]
+    attention = per_pair * sum(pairs * attention_passes[i] for i, pairs in enumerate(chunk_pairs))
     linear -= 2.0 * shape.active_matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
                                                       for i in range(n - graphs, n))
     if c.lora_rank > 0 and c.lora_experts:
@@ -143,7 +144,7 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     stage_1 = 2.0 * shape.active_matmul_params * tokens + forward_attention
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
-        portable = per_pair * sum(pairs * passes[i] for i, pairs in enumerate(chunk_pairs)
+        portable = per_pair * sum(pairs * attention_passes[i] for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
     # The state-carrying layers' token mixing: stage 1's forward, stage 2's (unless its graph was kept), the
@@ -161,12 +162,12 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     # its share of compute_s.
     weights = [(linear + recompute) * size / tokens / LINEAR_EFFICIENCY
                + (per_pair * pairs * passes_i + shape.carried_mixing_flops * batch * size) / efficiency
-               for size, pairs, passes_i in zip(sizes, chunk_pairs, (4.5 - (i in kept) for i in range(n)))]
+               for size, pairs, passes_i in zip(sizes, chunk_pairs, attention_passes)]
     total = sum(weights)
     return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
                     stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing,
                     attention_efficiency=efficiency, chunk_compute_shares=tuple(w / total for w in weights),
-                    chunk_kernels=tuple(chunk_kernels(shape, kept_graph, checkpoint_layers) for kept_graph in graph_kept))
+                    chunk_kernels=tuple(chunk_kernels(shape, g, checkpoint_layers) for g in graph_kept))
 
 
 def layer_chunk_pairs(shape: ModelShape, context: int, chunk_size: int, attended: int | float,
