@@ -483,3 +483,6 @@ def test_page_rows_are_computed_once_per_chunk_and_again_after_the_slots_change(
     assert table.rows(0, 4).tolist() == [[8, 9, 10, 11]]
     table.slots = torch.tensor([[0, 1, 2]], dtype=torch.int32)
     assert table.rows(3, 9).tolist() == [[3, 4, 5, 6, 7, 8]]
+    with torch.inference_mode():  # no version counter there: computed every time
+        frozen = PageTable(torch.tensor([[1, 0]], dtype=torch.int32), seq_len=8, page_size=4)
+        assert frozen.rows(2, 6).tolist() == [[6, 7, 0, 1]] and frozen.rows(2, 6) is not frozen.rows(2, 6)

@@ -87,12 +87,14 @@ class PageTable:
     def rows(self, start: int, end: int) -> torch.Tensor:
         """Pool rows of tokens [start, end) of every sequence: (batch, end - start) int64. Callers must not
         modify it (the next call for the same tokens returns the same tensor)."""
+        # Inference tensors (a table made under torch.inference_mode) keep no version counter: never cached.
+        version = None if self.slots.is_inference() else self.slots._version
         last = self._last_rows
-        if last is not None and last[0] is self.slots and last[1:4] == (self.slots._version, start, end):
+        if version is not None and last is not None and last[0] is self.slots and last[1:4] == (version, start, end):
             return last[4]
         t = torch.arange(start, end, device=self.slots.device)
         rows = self.slots[:, t // self.page_size].long() * self.page_size + t % self.page_size
-        self._last_rows = (self.slots, self.slots._version, start, end, rows)
+        self._last_rows = None if version is None else (self.slots, version, start, end, rows)
         return rows
 
 
