@@ -165,3 +165,17 @@ def test_sparse_attention_is_offered_only_where_it_is_faster():
     big = plan_placed("qwen3-8b", parse_tokens("256K"), gpu_memory=140 << 30, host_memory=500 << 30)
     offered = [s for s in big.suggestions if "sparse attention" in s.change]
     assert offered and offered[0].plan.time.predicted_s <= 0.9 * big.time.predicted_s
+
+
+def test_larger_chunks_are_offered_where_the_gpu_waits_for_launches():
+    """SmolLM2-135M at 64K in chunks of 4096 waits for the host's kernel launches for half its step: the plan
+    offers the fastest larger chunk that fits, a faster step; a 7B model's chunks of 4096 are offered nothing of
+    the kind."""
+    small = plan("smollm2-135m", 65536, chunk_size=4096, **H200)
+    assert small.time.launch_s > 0.3 * small.time.predicted_s
+    offered = [s for s in small.suggestions if s.change.startswith("larger chunks")]
+    assert len(offered) == 1 and offered[0].goal == "time" and offered[0].plan.fits
+    assert offered[0].plan.config.chunk_size > 4096 and offered[0].cli == f"--chunk {offered[0].plan.config.chunk_size}"
+    assert offered[0].plan.time.predicted_s <= 0.9 * small.time.predicted_s
+    big = plan("qwen2.5-7b", 131072, chunk_size=4096, **H200)
+    assert big.time.launch_s == 0 and not [s for s in big.suggestions if s.change.startswith("larger chunks")]
