@@ -4,6 +4,7 @@ recompute FLOPs a step executes; ``StepTime`` turns them into seconds at the ass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ..config import SparseConfig
@@ -50,7 +51,7 @@ class StepTime:
         """Seconds if every FLOP ran at the matmul peak."""
         return self.total_flops / (self.matmul_tflops * 1e12)
 
-    @property
+    @cached_property  # frozen: computed once per StepTime (a plan search asks for it many times)
     def compute_s(self) -> float:
         """The linear FLOPs at LINEAR_EFFICIENCY, the attention FLOPs at ``attention_efficiency`` of the peak,
         those of packed chunks in the portable kernels at PORTABLE_ATTENTION_EFFICIENCY."""
@@ -60,7 +61,7 @@ class StepTime:
         return (linear / (peak * LINEAR_EFFICIENCY) + fast / (peak * self.attention_efficiency)
                 + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
 
-    @property
+    @cached_property
     def launch_s(self) -> float:
         """Seconds the GPU waits for the host: for each chunk, how far the host's time to launch its kernels
         (KERNEL_LAUNCH_S each) outlasts its compute. Nothing for a 7B model's chunks; most of a small model's
