@@ -3,6 +3,7 @@ recompute FLOPs a step executes; ``StepTime`` turns them into seconds at the ass
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -39,8 +40,10 @@ class StepTime:
     dequant_s: float = 0.0  # QLoRA: dequantising the 4-bit weights for every matmul (dequant_seconds)
     mixing_flops: float = 0.0  # hybrids: the state-carrying layers' token mixing (ModelShape.carried_mixing_flops)
     attention_efficiency: float = ATTENTION_EFFICIENCY  # of the peak: this model's heads (attention_efficiency)
-    chunk_compute_shares: tuple[float, ...] = ()  # of compute_s: each chunk's (stage 1 and 2 together)
-    chunk_kernels: tuple[int, ...] = ()  # kernels the host launches for each chunk (chunk_kernels)
+    # The GPU waiting for the host: for each chunk, how far the host's time to launch its kernels
+    # (chunk_kernels, KERNEL_LAUNCH_S each) outlasts the chunk's share of compute_s. Nothing for a 7B model's
+    # chunks; most of a small model's step in small chunks (docs/planner.md, "Small models").
+    launch_s: float = 0.0
 
     @property
     def total_flops(self) -> float:
@@ -60,15 +63,6 @@ class StepTime:
         fast = self.attention_flops + self.mixing_flops - self.portable_attention_flops
         return (linear / (peak * LINEAR_EFFICIENCY) + fast / (peak * self.attention_efficiency)
                 + self.portable_attention_flops / (peak * PORTABLE_ATTENTION_EFFICIENCY))
-
-    @cached_property
-    def launch_s(self) -> float:
-        """Seconds the GPU waits for the host: for each chunk, how far the host's time to launch its kernels
-        (KERNEL_LAUNCH_S each) outlasts its compute. Nothing for a 7B model's chunks; most of a small model's
-        step in small chunks (docs/planner.md, "Time")."""
-        compute = self.compute_s
-        return sum(max(0.0, kernels * KERNEL_LAUNCH_S - compute * share)
-                   for share, kernels in zip(self.chunk_compute_shares, self.chunk_kernels))
 
     @property
     def predicted_s(self) -> float:
@@ -157,18 +151,19 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
     passes = 3 * n - graphs + (n if checkpoint_layers else 0)
     efficiency = attention_efficiency(shape)
-    sizes = [min(chunk_size, context - i * chunk_size) for i in range(n)]
-    graph_kept = [i >= n - graphs for i in range(n)]
     # Each chunk's compute in seconds up to one factor (its linear and attention FLOPs at their rates), for
     # its share of compute_s.
-    weights = [(linear + recompute) * size / tokens / LINEAR_EFFICIENCY
-               + (per_pair * pairs * passes_i + shape.carried_mixing_flops * batch * size) / efficiency
-               for size, pairs, passes_i in zip(sizes, chunk_pairs, attention_passes)]
-    total = sum(weights)
-    return StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
+    per_token = (linear + recompute) / tokens / LINEAR_EFFICIENCY + shape.carried_mixing_flops * batch / efficiency
+    per_attended_pair = per_pair / efficiency
+    weights = [per_token * min(chunk_size, context - i * chunk_size) + per_attended_pair * pairs * attention_passes[i]
+               for i, pairs in enumerate(chunk_pairs)]
+    time = StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
                     stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing,
-                    attention_efficiency=efficiency, chunk_compute_shares=tuple(w / total for w in weights),
-                    chunk_kernels=tuple(chunk_kernels(shape, g, checkpoint_layers) for g in graph_kept))
+                    attention_efficiency=efficiency)
+    seconds_per_weight = time.compute_s / sum(weights)
+    launches = [chunk_kernels(shape, kept_graph, checkpoint_layers) * KERNEL_LAUNCH_S for kept_graph in (False, True)]
+    waits = sum(max(0.0, launches[i >= n - graphs] - w * seconds_per_weight) for i, w in enumerate(weights))
+    return dataclasses.replace(time, launch_s=waits)
 
 
 def layer_chunk_pairs(shape: ModelShape, context: int, chunk_size: int, attended: int | float,
