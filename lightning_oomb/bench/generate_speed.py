@@ -31,6 +31,7 @@ import torch
 
 from ..cli_flags import OneLineParser, add_budget_pages, add_chunk, add_offload, add_page_size
 from ..core.units import human_tokens, parse_tokens
+from .measure import sync
 
 MODES = ("dense", "sparse")
 
@@ -52,11 +53,6 @@ class SpeedResult:
     same_tokens: str = ""  # transformers: how many of its greedy tokens equal the engine's, "k/n"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -75,7 +71,7 @@ def timed_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int,
     marks: list[float] = []
 
     def mark(tokens: torch.Tensor) -> bool:  # called after each new token: the clock, never a stop
-        _sync(ids.device)
+        sync(ids.device)
         marks.append(time.perf_counter())
         return False
 
@@ -94,7 +90,7 @@ def timed_transformers(model: torch.nn.Module, ids: torch.Tensor, new_tokens: in
     started = time.perf_counter()
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    _sync(device)
+    sync(device)
     prefill = time.perf_counter() - started
     chosen, steps = [token], []
     for _ in range(new_tokens - 1):
@@ -102,7 +98,7 @@ def timed_transformers(model: torch.nn.Module, ids: torch.Tensor, new_tokens: in
         out = model(input_ids=token, use_cache=True, **{cache: getattr(out, cache)})
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         chosen.append(token)
-        _sync(device)
+        sync(device)
         steps.append(time.perf_counter() - started)
     return prefill, statistics.median(steps) if steps else math.nan, torch.cat(chosen, dim=1)
 
