@@ -221,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     sparse = None
     if args.budget_pages:
         from .core.config import SparseConfig
+        from .core.errors import SetupError
 
-        sparse = SparseConfig(budget_pages=args.budget_pages)
+        try:
+            sparse = SparseConfig(budget_pages=args.budget_pages)
+        except SetupError as e:
+            _fail(parser, f"--budget-pages: {e}")
     print(f"Eval plan ({device}, {dtype}, K/V pages only, no gradients): weights and one chunk "
           f"{_size(fixed)}; " + ", ".join(f"{human_tokens(p.tokens)}: {_size(p.pages)} of pages on {p.where}"
                                             for p in plans))

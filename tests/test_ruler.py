@@ -114,6 +114,11 @@ def test_a_length_that_does_not_fit_is_one_line(model_dir, capsys):
     assert "--lengths: vt at 400 tokens: its prompt alone takes" in err
 
 
+def test_a_sparse_budget_below_its_sink_and_local_pages_is_one_line(model_dir, capsys):
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--budget-pages", "2"])
+    assert "--budget-pages: SparseConfig: sink_pages + local_pages (1 + 4) must not exceed budget_pages (2)" in err
+
+
 def test_a_directory_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):
     bare = tmp_path / "bare"
     bare.mkdir()
