@@ -200,6 +200,26 @@ def test_qwen3_next_packed_documents_are_refused_in_one_line():
     assert "\n" not in str(refused.value)
 
 
+def test_kept_border_states_hold_their_own_bytes_not_the_chunks_inputs():
+    """Stage 1 keeps each layer's state at every chunk border until stage 2: those states hold what
+    border_state_bytes counts and no more. A convolution's tail sliced from the chunk's input would keep the whole
+    input alive (at Qwen3-Next's width 64 MiB per layer and chunk of 4096 tokens, every chunk of the step)."""
+    from lightning_oomb.core.config import ChunkConfig
+    from lightning_oomb.core.schedule import ChunkedSequence
+
+    model = tiny_qwen3_next()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=8, page_size=4, attention="reference"))
+    try:
+        seq.fill()
+        kept = [t for state in seq.states.borders.values() for t in state.tensors()]
+        current = [t for state in seq.states.current.values() for t in state.tensors()]
+        assert sum(t.untyped_storage().nbytes() for t in kept) == border_state_bytes(model, batch=2, chunks=5)
+        assert sum(t.untyped_storage().nbytes() for t in current) == border_state_bytes(model, batch=2, chunks=1)
+    finally:
+        seq.release()
+
+
 def test_plan_of_a_hybrid_counts_pages_of_its_attention_layers_and_the_border_states():
     """The plan of a Qwen3-Next with 2 linear-attention and 2 attention layers: K/V pages for the 2 attention
     layers (half a same-sized model's with attention in all 4), and the border states a bf16 step keeps (5 chunks:

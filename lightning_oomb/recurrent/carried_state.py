@@ -38,6 +38,11 @@ class CarriedState:
     def detach(self) -> CarriedState:
         return CarriedState(*(None if t is None else t.detach() for t in (self.conv, self.recurrent)))
 
+    def kept(self) -> CarriedState:
+        """A detached copy that holds only its own bytes: a convolution's tail is a view of the chunk's whole
+        input (B, C, T + kernel - 1), and a state kept at every border must not keep every chunk's input alive."""
+        return CarriedState(*(None if t is None else _own(t.detach()) for t in (self.conv, self.recurrent)))
+
     def requires_grad_(self) -> CarriedState:
         for t in self.tensors():
             t.requires_grad_()
@@ -46,6 +51,13 @@ class CarriedState:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The parts the layer kind has, conv before recurrent: the same number and order at every border."""
         return tuple(t for t in (self.conv, self.recurrent) if t is not None)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its storage holds nothing more, else a compact copy."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def causal_conv_from(tail: torch.Tensor, inputs: torch.Tensor, conv: nn.Conv1d,

@@ -58,7 +58,7 @@ class ChunkStates:
             if start is None:
                 start = kind.start(layer, self.batch)
             if keep_borders:
-                self.borders[(chunk, key)] = start.detach()
+                self.borders[(chunk, key)] = start.kept()
         if torch.is_grad_enabled():
             begin = start.detach().requires_grad_()
             for i, t in enumerate(begin.tensors()):
@@ -68,7 +68,7 @@ class ChunkStates:
         else:
             out, final = kind.chunk(layer, hidden, start)
         if not recompute:
-            self.current[key] = final.detach()
+            self.current[key] = final.kept()
         return out
 
     def _hand_back(self, key: int, index: int):
