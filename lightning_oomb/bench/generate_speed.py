@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(BenchConfig(model=args.model, seed=args.seed), device, dtype).eval()
+    # Random weights have no trained length: let generate reach the longest prompt plus its new tokens (the
+    # default RoPE does not read this field, so the timed work is the same).
+    reach = lengths[-1] + args.new_tokens
+    model.config.max_position_embeddings = max(getattr(model.config, "max_position_embeddings", 0) or 0, reach)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     generator = torch.Generator().manual_seed(args.seed)
     results: list[SpeedResult] = []
