@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -69,28 +70,59 @@ def _special_floats(value: Any) -> Any:
 def counted_params(config: Any) -> int:
     """Parameters of the causal LM transformers builds from ``config`` (a config object), counted on the meta
     device without memory, once per distinct config; 0 where none can be built here."""
+    return _on_meta(config)[0]
+
+
+def carried_saved(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """What one state-carrying layer of the model built from ``config`` saves for backward over a chunk, beyond
+    its decoder layer's other parts: (bytes per token, fixed bytes) with bf16 weights, then with float32 weights,
+    measured by running the layer's chunk on the meta device (lightning_oomb.recurrent.saved); zeros where the
+    model has no such layer or cannot be built or run there."""
+    return _on_meta(config)[1]
+
+
+_MEASURED: dict[str, tuple[int, tuple[tuple[int, int], tuple[int, int]]]] = {}
+_NOT_MEASURED = ((0, 0), (0, 0))
+# Two chunk lengths, multiples of every carried kernel's block (64 or 256 tokens): bytes(T) = fixed + T x per token.
+_SAVED_TOKENS = (1024, 2048)
+
+
+def _on_meta(config: Any) -> tuple[int, tuple[tuple[int, int], tuple[int, int]]]:
     try:
         key = config.to_json_string()
     except (AttributeError, TypeError, ValueError):
-        return 0
-    if key not in _COUNTED:
-        _COUNTED[key] = _count_on_meta(config)
-    return _COUNTED[key]
+        return 0, _NOT_MEASURED
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_on_meta(config)
+    return _MEASURED[key]
 
 
-_COUNTED: dict[str, int] = {}
-
-
-def _count_on_meta(config: Any) -> int:
+def _measure_on_meta(config: Any) -> tuple[int, tuple[tuple[int, int], tuple[int, int]]]:
     from transformers import AutoModelForCausalLM
+
+    from ..recurrent import carried_layers
+    from ..recurrent.saved import saved_bytes
 
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the families' own remarks about their configs
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # a config transformers builds no causal LM from here: the fields' formulas count
-        return 0
-    return sum(p.numel() for p in model.parameters())
+        return 0, _NOT_MEASURED
+    params = sum(p.numel() for p in model.parameters())
+    layers = carried_layers(model)
+    if not layers:
+        return params, _NOT_MEASURED
+    measured = []
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = layers[0].to(dtype)
+        try:
+            short, long = (saved_bytes(layer, t, config.hidden_size) for t in _SAVED_TOKENS)
+        except Exception:  # a kernel that cannot run on meta tensors: the plan says its saved tensors are unknown
+            return params, _NOT_MEASURED
+        per_token = math.ceil((long - short) / (_SAVED_TOKENS[1] - _SAVED_TOKENS[0]))
+        measured.append((per_token, max(0, short - per_token * _SAVED_TOKENS[0])))
+    return params, (measured[0], measured[1])
 
 
 def transformers_config(config: dict[str, Any]):
@@ -389,6 +421,9 @@ class ModelShape:
     carried_matrices: tuple[int, ...] = ()
     carried_vector_params: int = 0
     carried_mixing_flops: int = 0  # forward FLOPs of the state-carrying layers' token mixing per token, all layers
+    # What one state-carrying layer's token mixing saves for backward, measured on the meta device
+    # (``carried_saved``): (bytes per token, fixed bytes) with bf16 weights, then with float32 ones
+    carried_saved: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
     gated_queries: bool = False  # Qwen3-Next, Qwen3.5: q_proj also projects a sigmoid gate of the output
     n_experts: int = 0
     expert_intermediate: int = 0
@@ -443,6 +478,7 @@ class ModelShape:
             layers_without_kv=config.num_hidden_layers - len(kv_layer_indices(config)),
             **_carried_fields(config),
             counted_params=counted_params(config),
+            carried_saved=carried_saved(config),
         )
 
     @classmethod

@@ -142,6 +142,16 @@ def layer_activation_bytes(
     return tokens * per_token
 
 
+def carried_mixing_bytes(shape: ModelShape, tokens: int, precision: str = "bf16-true") -> int:
+    """Bytes one state-carrying layer's token mixing saves for backward over ``tokens`` tokens (batch x chunk),
+    on top of what ``layer_activation_bytes`` counts for its decoder layer: measured on the meta device
+    (``ModelShape.carried_saved``), with the weights' dtype of ``precision``; 0 for a model without such layers."""
+    if not shape.carried_layers:
+        return 0
+    per_token, fixed = shape.carried_saved[0 if PROFILES[precision].param == 2 else 1]
+    return fixed + tokens * per_token
+
+
 def model_activation_bytes(
     shape: ModelShape, tokens: int, precision: str = "bf16-true", lora_rank: int = 0, fused_ops: bool = True
 ) -> int:
@@ -174,17 +184,20 @@ def activation_bytes(
     Without checkpointing: every layer's saved tensors. With it: each layer's input (T x hidden, residual
     dtype, kept by the checkpoint for the recompute) and attention output and log-sum-exp (q's dtype and
     float32 per head, which the recompute takes instead of attending again), plus one layer's full
-    activations (the recompute).
+    activations (the recompute). A state-carrying layer adds what its token mixing saves
+    (``carried_mixing_bytes``).
     fused_ops: the Triton steps' fused RMSNorm/RoPE/SwiGLU (False: transformers' own ops). lora_experts: LoRA on
     the stacked expert weights too (``expert_adapter_bytes``).
     """
     if checkpoint_layers:
         p = PROFILES[precision]
         per_layer = shape.hidden * p.residual + shape.out_width * p.qk + 4 * shape.n_heads
-        one_layer = layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
+        one_layer = (layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts)
+                     + carried_mixing_bytes(shape, tokens, precision))
         layers = shape.n_layers * tokens * per_layer + one_layer
     else:
         experts = shape.n_layers - shape.dense_layers if shape.n_experts else 0
         layers = sum(n * layer_activation_bytes(shape, tokens, precision, lora_rank, fused_ops, lora_experts, kind)
                      for n, kind in ((experts, True), (shape.n_layers - experts, False)) if n)
+        layers += shape.carried_layers * carried_mixing_bytes(shape, tokens, precision)
     return layers + model_activation_bytes(shape, tokens, precision, lora_rank, fused_ops)

@@ -16,7 +16,7 @@ from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
 from ..pages import HostGradStaging, gradient_ring_pages
 from ..ranks import GRADIENT_BUCKET_BYTES
 from ..units import human_count
-from .activations import activation_bytes, activations_modelled, layer_activation_bytes
+from .activations import activation_bytes, activations_modelled, carried_mixing_bytes, layer_activation_bytes
 from .assumptions import (
     CUDA_CONTEXT_BYTES, HOST_GROWTH_BYTES, HOST_PROCESS_BYTES, UNMODELLED_ACTIVATION_FACTOR, ZERO3_GATHERED_LAYERS,
 )
@@ -91,14 +91,19 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     if not activations_modelled(shape):
         ckpt += (f"; {shape.model_type}'s layers not modelled: {UNMODELLED_ACTIVATION_FACTOR:g}x a Llama "
                  "layer's")
+    if shape.carried_layers:
+        measured = shape.carried_saved != ((0, 0), (0, 0))
+        ckpt += ("; plus the state-carrying layers' token mixing, measured on the meta device" if measured else
+                 "; the state-carrying layers' token mixing NOT counted (it could not run on the meta device)")
     tokens = f"{t:,} tokens" if c.batch == 1 else f"{t:,} tokens: batch {c.batch} x {t // c.batch:,}"
     gpu[f"activations, one chunk of {tokens}{ckpt}"] = activation_bytes(
         shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
     )
     # Gradients in flight while autograd walks back through a layer: at most what that layer saved
     # (an assumption, see docs/planner.md).
-    gpu["backward working set (one layer)"] = layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops,
-                                                                     c.lora_experts)
+    gpu["backward working set (one layer)"] = (layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops,
+                                                                      c.lora_experts)
+                                               + carried_mixing_bytes(shape, t, c.precision))
     gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
     if c.stage_1_loss and c.loss_grads != "recomputed":
         kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
