@@ -189,3 +189,38 @@ def test_extend_continues_its_own_stage_1_only():
             seq.extend(9)
     finally:
         seq.release()
+
+
+def test_a_forward_alone_is_placed_without_what_training_keeps():
+    """generate, eval_loss and scoring place their sequence for a forward alone: weights, K/V pages and one
+    layer's working set; no gradients, optimizer state, KV-gradient pages, dL/dh or stage-1 results kept for a
+    stage 2. The Qwen2.5-7B shape's 1M-token sparse forward with its pages on the host then pins its K/V pages
+    alone, where a training step's placement (which refused it on an 80 GB card) pinned their gradients too."""
+    from lightning_oomb.core.config import ChunkConfig, SparseConfig
+    from lightning_oomb.core.plan import plan
+    from lightning_oomb.core.schedule import ChunkedSequence
+
+    options = dict(chunk_size=4096, gpu_memory=79 * 2**30, host_memory=112 * 2**30, offload="host",
+                   sparse=SparseConfig(budget_pages=64, per_query_tile=False), host_grad_layers=28, host_kv_layers=28, optimizer="none")
+    training, forward = plan("qwen2.5-7b", 2**20, **options), plan("qwen2.5-7b", 2**20, training=False, **options)
+    trained_only = ("gradients", "optimizer state", "backward", "loss: dL/dh", "loss: dL/dW", "autograd graphs",
+                    "attention outputs kept")
+    assert not [k for k in forward.gpu_lines if k.startswith(trained_only) or "KV-gradient" in k]
+    assert not [k for k in forward.host_lines if "KV-gradient" in k or "kept" in k]
+    assert "forward only (no gradients)" in str(forward)
+    pinned = lambda p: sum(v for k, v in p.host_lines.items() if k.startswith("pinned"))  # noqa: E731
+    kv_pages = 2**20 * 28 * 2 * 4 * 128 * 2  # tokens x layers x (K, V) x KV heads x head_dim x bf16
+    assert pinned(forward) < 1.01 * kv_pages < 1.01 * pinned(training) / 2
+    assert forward.fits and not training.fits
+
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    seq = ChunkedSequence(model, ids, config=ChunkConfig(chunk_size=8, page_size=4, attention="reference"),
+                          training=False)
+    try:
+        assert (seq.placement.graph_chunks, seq.placement.kept_chunks) == (0, 0)
+        assert not [k for k in seq.placement.plan.gpu_lines if "KV-gradient" in k]
+        with pytest.raises(RuntimeError, match="placed for a forward alone"):
+            seq.fill(with_grads=True)
+    finally:
+        seq.release()

@@ -110,6 +110,7 @@ def place_step(
     host_grad_layers: int | None = None,
     agree: Callable[[list[int]], list[int]] = lambda values: values, host_kv_layers: int | None = None,
     kv_head_split: int = 1, document_length: int | None = None, reused: Placement | None = None,
+    training: bool = True,
 ) -> Placement:
     """Decide where a step's pages live, and refuse, before anything is allocated, a step that cannot fit.
 
@@ -141,6 +142,9 @@ def place_step(
     anywhere does stage 2 compute them again (``loss_grads="recomputed"``: the output layer's forward once
     more, about 2 x vocab x hidden FLOPs a token), so every step that fits with them keeps them.
     ``optimizer`` (a name of ``PLAN_OPTIMIZERS``) is only for the plan the placement carries.
+
+    ``training`` False: a forward over the chunks alone (``eval_loss``, ``generate``, scoring), which keeps no
+    gradients, KV-gradient pages, dL/dh or stage-1 results for a stage 2 (PlanConfig.training).
 
     ``agree``: maps this process's free GPU bytes and host room to the least over the data-parallel ranks
     (``core.ranks``), so that every rank, placing the same step against the same memory, decides alike.
@@ -207,7 +211,8 @@ def place_step(
             seq_len, chunk, batch=batch, lora_rank=lora_rank, lora_experts=lora_experts, quantization=quantization,
             optimizer=optimizer,
             precision=precision, tensor_parallel=kv_head_split, fused_ops=uses_triton(config.attention, device),
-            host_process_bytes=process, host_pending_bytes=pending_host_bytes, pages=pages, **decided,
+            host_process_bytes=process, host_pending_bytes=pending_host_bytes, pages=pages, training=training,
+            **decided,
         ), gpu_memory=gpu_total)
 
     def placed(placement: Placement) -> Placement:
@@ -229,7 +234,9 @@ def place_step(
         return dataclasses.replace(placement, host_limit=host_free, host_budget=budget,
                                    host_process=grown_from + pending_host_bytes, plan=result)
 
-    missing = sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None) + pending_gpu_bytes
+    missing = pending_gpu_bytes
+    if training:
+        missing += sum(_local(p).numel() * p.element_size() for p in trainable if p.grad is None)
 
     def check_on_cpu(step: Plan) -> None:
         """A CPU run keeps everything in RAM: the host lines (the process, its growth allowance, host pages) and
@@ -260,9 +267,9 @@ def place_step(
             not_kept("offload='host'")
             graphs = 0
         else:  # the last chunk's graph (free: stage 2 would hold it next), none with layer checkpointing
-            graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs)
+            graphs = asked_graphs(n_chunks, config.checkpoint_layers, keep_graphs) if training else 0
         # keep_attention=None: nothing on a CPU device, whose memory is the host's
-        kept = min(keep or 0, n_chunks - graphs)
+        kept = min(keep or 0, n_chunks - graphs) if training else 0
         if sparse:
             n_layers = ModelShape.resolve(model).kv_layers
             layers = n_layers if config.offload == "host" else 0
@@ -277,7 +284,7 @@ def place_step(
     free, host_free = agree([free, host_free])
     shape = ModelShape.resolve(model).tensor_parallel_part(kv_head_split)
     chunk_tokens = batch * min(config.chunk_size, seq_len)
-    loss_grads = stage_1_loss * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
+    loss_grads = stage_1_loss * training * loss_grad_bytes(shape, chunk_tokens, n_chunks, precision)
 
     def needed_on_gpu(step: Plan) -> int:
         return sum(v for k, v in step.gpu_lines.items() if not k.startswith(_RESIDENT_LINES)) + missing
@@ -301,7 +308,8 @@ def place_step(
         # The longest segment whose double-buffered staging takes at most OFFLOAD_STAGING_SHARE of what the
         # step leaves free (at least one page, at most OFFLOAD_SEGMENT_TOKENS).
         needed = needed_on_gpu(step_plan(Pages(streamed=True), page))
-        per_token = (shape.kv_bytes_per_token(_kv_dtype(precision)) + shape.kv_bytes_per_token(config.grad_dtype))
+        per_token = (shape.kv_bytes_per_token(_kv_dtype(precision))
+                     + training * shape.kv_bytes_per_token(config.grad_dtype))
         per_token //= shape.kv_layers
         staging = max(0, free - needed) * OFFLOAD_STAGING_SHARE
         segment = int(staging // (2 * batch * per_token)) // page * page
@@ -333,8 +341,9 @@ def place_step(
         gpu_part = (f"{needed / GIB:.2f} GiB of GPU memory ({free / GIB:.2f} GiB free beyond a "
                     f"{PLACEMENT_HEADROOM_SHARE:.0%} reserve)")
         if sparse:
-            where = {"gpu": "on the GPU", "auto": "with the KV-gradient and K/V pages of every layer in host memory",
-                     "host": "with the KV-gradient and K/V pages in host memory"}[config.offload]
+            pages_named = "KV-gradient and K/V pages" if training else "K/V pages"
+            where = {"gpu": "on the GPU", "auto": f"with the {pages_named} of every layer in host memory",
+                     "host": f"with the {pages_named} in host memory"}[config.offload]
             if host_grad_layers is not None:
                 where = (f"with the KV-gradient pages of {last.host_grad_layers} and the K/V pages of "
                          f"{last.host_kv_layers} of {every} layers in host memory (the run's page pool)")
@@ -360,12 +369,15 @@ def place_step(
     if pages.streamed:
         # The GPU holds only staging, so stage 1's attention outputs wait for stage 2 in pinned host memory, where
         # the budget has room: stage 2 then skips their attention forward and the streaming of its past.
-        host_kept = host_kept_for_stage_2(step, host_free - pinned, 0, 0, keep)
+        host_kept = host_kept_for_stage_2(step, host_free - pinned, 0, 0, keep) if training else 0
         return placed(Placement("host", step.config.segment_tokens, batch, loss_grads=where if loss_grads else "gpu",
                                 host_kept_chunks=host_kept))
     spare = free - needed - (loss_grads if where == "gpu" else 0)
     n, m = pages.host_grad_layers, pages.host_kv_layers
-    kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
-    host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
+    if not training:
+        kept, host_kept = (0, 0), 0
+    else:
+        kept = kept_for_stage_2(step, spare, keep, keep_graphs) if n == 0 else last_graph_only(n)
+        host_kept = host_kept_for_stage_2(step, host_free - pinned, *kept, keep)
     return placed(Placement("gpu", config.segment_tokens or OFFLOAD_SEGMENT_TOKENS, batch, n, *kept,
                             loss_grads=where, host_kept_chunks=host_kept, host_kv_layers=m))

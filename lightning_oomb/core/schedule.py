@@ -177,7 +177,8 @@ class ChunkedSequence:
 
     ranks: the data-parallel ranks this step agrees its batch shape, loss normaliser and placement with
     (``core.ranks``); the default is one process. before_chunk: called before each chunk of both stages
-    (``ChunkHook``), before anything of the chunk runs.
+    (``ChunkHook``), before anything of the chunk runs. training False: a forward alone (``fill(with_grads=False)``,
+    ``extend``), placed without gradients, KV-gradient pages or anything kept for stage 2.
     """
 
     def __init__(
@@ -194,8 +195,10 @@ class ChunkedSequence:
         position_ids: torch.Tensor | None = None,
         ranks: Ranks = Ranks(),
         before_chunk: ChunkHook | None = None,
+        training: bool = True,
     ):
         self.stage_1_loss = stage_1_loss
+        self.training = training
         self.before_chunk = before_chunk
         targets = _check_tokens(input_ids, labels)
         ranks.check_batch(tuple(input_ids.shape), config.chunk_size, config.page_size)
@@ -288,7 +291,7 @@ class ChunkedSequence:
                                     pending_gpu_bytes=pending + ranks.step_gpu_bytes + borders,
                                     pending_host_bytes=pending_host,
                                     host_grad_layers=held_layers, agree=ranks.least, host_kv_layers=held_kv_layers,
-                                    kv_head_split=ranks.kv_head_split, reused=pool_placement)
+                                    kv_head_split=ranks.kv_head_split, reused=pool_placement, training=training)
         # Valid labels per chunk, read once and only after the placement fits (a long sequence's mask is
         # itself hundreds of MB): a chunk whose labels are all valid needs no boolean mask in its
         # loss (a mask's data-dependent shape would make the host wait for the GPU at every chunk).
@@ -523,6 +526,8 @@ class ChunkedSequence:
         (B, keep_last, V) of the last ``keep_last`` positions, else None."""
         if self._stage != "new":
             raise RuntimeError("fill() runs once per ChunkedSequence")
+        if with_grads and not self.training:
+            raise RuntimeError("this sequence was placed for a forward alone (training=False): fill(with_grads=False)")
         if with_grads and not any(p.requires_grad for p in self.model.parameters()):
             raise RuntimeError("no parameter of the model requires grad")
         self._stage, self._with_grads = "fill", with_grads
@@ -746,7 +751,8 @@ def eval_loss(
     the backward, such as ``grad_dtype``, do nothing here); holds K/V pages but no gradient pages.
     """
     config = ChunkConfig.build(config, **options)
-    seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True, position_ids=position_ids)
+    seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True, position_ids=position_ids,
+                          training=False)
     try:
         return seq.fill(with_grads=False)[0]
     finally:

@@ -96,7 +96,7 @@ def generate(
     # Every position the decoding may reach is in the sequence from the start: the placement and the page table
     # are those of T_prompt + max_new_tokens tokens, and the tokens past the prompt are written as chosen.
     ids = torch.cat([input_ids.long(), input_ids.new_zeros(batch, max_new_tokens, dtype=torch.long)], dim=1)
-    seq = ChunkedSequence(model, ids, config=config)
+    seq = ChunkedSequence(model, ids, config=config, training=False)
     chosen: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=ids.device)

@@ -58,7 +58,7 @@ def loglikelihood(
         ids = torch.cat([ctx, cont], dim=1)
         n = cont.shape[1]
         _check_positions(lm, ids.shape[1] - 1)  # the last token is predicted, never run
-        seq = ChunkedSequence(model, ids, config=config)
+        seq = ChunkedSequence(model, ids, config=config, training=False)
         try:
             logits = seq.extend(ids.shape[1] - 1, keep_last=n)[0]  # (n, V): positions predicting the continuation
         finally:
@@ -100,7 +100,7 @@ def loglikelihood_rolling(
             raise ValueError("a text of one token has nothing to score without a prefix_token_id")
         _check_positions(lm, ids.shape[1] - 1)
         # The loss over one valid label per token: its sum, not its mean.
-        seq = ChunkedSequence(model, ids, config=config, stage_1_loss=True, num_items_in_batch=1)
+        seq = ChunkedSequence(model, ids, config=config, stage_1_loss=True, num_items_in_batch=1, training=False)
         seq.balance = None  # the experts' load-balancing loss is no log-likelihood
         try:
             total = seq.fill(with_grads=False)[0]

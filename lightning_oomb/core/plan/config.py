@@ -86,6 +86,9 @@ class PlanConfig:
     graph_chunks: int = 0  # last chunks whose autograd graphs stage 1 keeps (the last one's costs nothing)
     host_kept_chunks: int = 0  # first chunks whose attention outputs stage 1 keeps pinned on the host
     loss_grads: str | None = None  # LOSS_GRADS: where a stage_1_loss step keeps every chunk's dL/dh until stage 2
+    # False: a forward over the chunks and their K/V pages alone (eval_loss, generate, scoring): no gradients,
+    # optimizer state, KV-gradient pages, border states or anything stage 1 keeps for a stage 2
+    training: bool = True
 
     def __post_init__(self):
         if not isinstance(self.chunk, ChunkConfig):

@@ -67,10 +67,11 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         else:
             gpu[f"weights ({param_dtype}, {human_count(shape.total_params)} params{adapters})"] = (
                 shape.total_params * p.param + lora * 4)
-        gpu[f"gradients ({trained_dtype}, {human_count(trainable)} trainable)"] = trainable * trained_bytes
-        gpu[f"optimizer state ({what})"] = int(rate * trainable)
+        if c.training:
+            gpu[f"gradients ({trained_dtype}, {human_count(trainable)} trainable)"] = trainable * trained_bytes
+            gpu[f"optimizer state ({what})"] = int(rate * trainable)
         scratch = OPTIMIZER_CHOICES[c.optimizer].step_scratch_bytes if c.optimizer in OPTIMIZER_CHOICES else 0
-        if scratch and not c.lora_rank:
+        if scratch and not c.lora_rank and c.training:
             # The update's float32 working set: the largest weight's (the embeddings', usually), a slice at a time.
             largest = max(shape.vocab * shape.hidden, max(max(g.linear) for g in shape.layer_groups))
             elements = min(largest, SLICE_ELEMENTS)
@@ -96,16 +97,21 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         ckpt += ("; plus the state-carrying layers' token mixing, measured on the meta device" if measured else
                  "; the state-carrying layers' token mixing NOT counted (it could not run on the meta device)")
     tokens = f"{t:,} tokens" if c.batch == 1 else f"{t:,} tokens: batch {c.batch} x {t // c.batch:,}"
-    gpu[f"activations, one chunk of {tokens}{ckpt}"] = activation_bytes(
-        shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
-    )
-    # Gradients in flight while autograd walks back through a layer: at most what that layer saved
-    # (an assumption, see docs/planner.md).
-    gpu["backward working set (one layer)"] = (layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops,
-                                                                      c.lora_experts)
-                                               + carried_mixing_bytes(shape, t, c.precision))
-    gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
-    if c.stage_1_loss and c.loss_grads != "recomputed":
+    one_layer = (layer_activation_bytes(shape, t, c.precision, c.lora_rank, c.fused_ops, c.lora_experts)
+                 + carried_mixing_bytes(shape, t, c.precision))
+    if not c.training:
+        # Without autograd a layer's tensors are freed as the forward moves on: at most about what one layer
+        # would save (an assumption, as the backward working set's).
+        gpu[f"activations: a forward's working set, one chunk of {tokens} (one layer)"] = one_layer
+    else:
+        gpu[f"activations, one chunk of {tokens}{ckpt}"] = activation_bytes(
+            shape, t, c.precision, c.checkpoint_layers, c.lora_rank, c.fused_ops, c.lora_experts
+        )
+        # Gradients in flight while autograd walks back through a layer: at most what that layer saved
+        # (an assumption, see docs/planner.md).
+        gpu["backward working set (one layer)"] = one_layer
+        gpu["loss: dL/dh of the chunk"] = t * shape.hidden * p.linear
+    if c.training and c.stage_1_loss and c.loss_grads != "recomputed":
         kept_grads = loss_grad_bytes(shape, t, c.n_chunks, c.precision)
         name = f"loss: dL/dh of every chunk, kept from stage 1 for stage 2 ({c.n_chunks} chunks)"
         on_host = c.loss_grads == "host"
@@ -115,7 +121,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     # fused kernel (kernels.cross_entropy) writes the gradient over the logits.
     piece = rows * shape.vocab * (p.linear if c.fused_ops else 8 + 2 * p.linear)
     head_w = shape.vocab * shape.hidden
-    if head_trained:
+    if head_trained and c.training:
         gpu["loss: dL/dW accumulator (fp32, vocab x hidden)"] = head_w * 4
         # Backward scales the accumulator in place and casts it to the weight dtype.
         gpu["loss: logits piece / dL/dW cast (transient)"] = max(piece, head_w * p.param)
@@ -123,14 +129,14 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
     kv_dtype = _kv_dtype(c.precision)
     kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
-    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
+    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype) if c.training else 0
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
     if not shape.kv_layers:
         pass  # no layer attends (pure state-space models): no pages, streamed or not
     elif c.streamed:
         kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
-        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers if c.training else 0
         segment = offload_segment_pages(c) * c.page_size
         gpu[f"offload staging: 2 segments x {segment:,} tokens of K, V, dK, dV (one layer)"] = (
             2 * segment * (kv_layer + grad_layer)
@@ -142,7 +148,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = (
             c.chunk_tokens * max(shape.out_width, shape.q_width) * 4)
         host[f"pinned {kv_name}"] = kv_bytes
-        host[f"pinned {grad_name}"] = grad_bytes
+        if c.training:
+            host[f"pinned {grad_name}"] = grad_bytes
     else:
         n_kv_host = c.host_kv_layers
         if n_kv_host > shape.kv_layers:
@@ -169,7 +176,9 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         n_host = c.host_grad_layers
         if n_host > shape.kv_layers:
             raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.kv_layers} layers")
-        if n_host:
+        if not c.training:
+            pass  # a forward alone keeps no KV-gradient pages
+        elif n_host:
             n_gpu = shape.kv_layers - n_host
             gpu[f"{grad_name}, {n_gpu} of {shape.kv_layers} layers"] = grad_bytes // shape.kv_layers * n_gpu
             host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
@@ -215,7 +224,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         lists = pages if c.sparse.per_query_tile else c.batch * c.n_chunks
         selections = 4 * shape.kv_layers * heads * lists * min(c.sparse.budget_pages, pages)
         gpu[f"sparse: page summaries ({c.sparse.score}) and selections (int32)"] = summaries + selections
-    if shape.carried_state_bytes:
+    if shape.carried_state_bytes and c.training:
         # Stage 1 keeps each state-carrying layer's state at every chunk border until stage 2 reruns the chunk.
         gpu[f"border states of {shape.carried_layers} state-carrying layers ({c.n_chunks} chunks)"] = (
             c.batch * c.n_chunks * shape.carried_state_bytes)

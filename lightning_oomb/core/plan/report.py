@@ -117,6 +117,8 @@ class Plan:
         training = f"LoRA {rank}" if c.lora_rank else "full training"
         if c.quantization is not None:
             training = f"QLoRA {rank} (base weights in 4-bit {c.quantization.describe()})"
+        if not c.training:
+            training = "forward only (no gradients)"
         ckpt = "on" if c.checkpoint_layers else "off"
         if self.checkpoint_auto:
             ckpt += " (auto)"
@@ -124,6 +126,9 @@ class Plan:
             f"Plan: {s.name}, context {c.context:,} tokens x batch {c.batch}, chunk {c.chunk_size:,}, "
             f"page {c.page_size}; {training}, optimizer {c.optimizer}, {c.precision}, layer checkpointing "
             f"{ckpt}, KV-gradients {dtype_name(c.grad_dtype)}"
+        ) if c.training else (
+            f"Plan: {s.name}, context {c.context:,} tokens x batch {c.batch}, chunk {c.chunk_size:,}, "
+            f"page {c.page_size}; {training}, {c.precision}"
         )
         if c.devices > 1 and c.sharding == "none":
             head += f"; {c.devices} data-parallel ranks (oomb_ddp), memory per GPU"
@@ -137,7 +142,7 @@ class Plan:
             head += f"; packed from documents of {c.document_length:,} tokens"
         if c.streamed:
             head += f"; pages offloaded to pinned host memory, streamed in segments of {c.segment_tokens:,} tokens"
-        if c.host_grad_layers:
+        if c.host_grad_layers and c.training:
             head += f"; KV-gradient pages of {c.host_grad_layers} of {s.kv_layers} layers in pinned host memory"
         if c.host_kv_layers:
             head += f"; K/V pages of {c.host_kv_layers} of {s.kv_layers} layers in pinned host memory"
@@ -169,7 +174,8 @@ class Plan:
         rows += [f"  {k:<{width - 2}}{amount(v):>10}" for k, v in host_lines.items()]
         rows.append(f"  {'total':<{width - 2}}{amount(self.peak_host_bytes):>10}")
         t = self.time
-        rows += [] if cpu else [
+        # A forward alone's time is the generation plan's (plan.timing.generation_time), not a training step's.
+        rows += [] if cpu or not c.training else [
             "",
             f"Step FLOPs {t.total_flops:.3g} (linear {t.linear_flops:.3g}, attention {t.attention_flops:.3g}, "
             f"checkpoint recompute {t.recompute_flops:.3g}"
@@ -198,7 +204,7 @@ class Plan:
                         "hidden behind the compute):")
             rows += [f"  {x.kind} of {x.what}: {x.calls} x {gib(x.bus_bytes)} GiB, {duration(x.seconds)}"
                      for x in collectives]
-        if self.other_activation_bytes is not None:
+        if self.other_activation_bytes is not None and c.training:
             other = "on" if not c.checkpoint_layers else "off"
             rows.append(f"Activations with layer checkpointing {other}: {amount(self.other_activation_bytes)} {unit}")
         rows += [f"Note: {n}" for n in self.notes]

@@ -110,7 +110,8 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
         result, other = other, result
     result.checkpoint_auto = checkpoint_auto
     result.other_activation_bytes = next(v for k, v in other.gpu_lines.items() if k.startswith("activations"))
-    result.suggestions = suggestions_for(result, estimate, fewest_on_host)
+    # What would make a step fit or run faster is about training (LoRA, checkpointing, gradient dtypes).
+    result.suggestions = suggestions_for(result, estimate, fewest_on_host) if base.training else []
     if shape.carried_layers:
         states = ("their border states are counted" if shape.carried_state_bytes else
                   "their border states are not in this plan (a training step counts them before it starts)")
