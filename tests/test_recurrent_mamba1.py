@@ -182,3 +182,23 @@ def test_falcon_h1_generate_equals_transformers_greedy_search():
     ids = torch.randint(3, 101, (2, 29))
     want = model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
     assert torch.equal(generate(model, ids, max_new_tokens=10, eos_token_id=-1, chunk_size=8, page_size=4), want)
+
+
+def test_falcon_h1_plan_counts_a_mixer_beside_every_layers_attention():
+    """Falcon-H1 names no layer kinds: each layer attends and runs a Mamba-2 mixer beside it. The plan keeps K/V
+    pages for both layers, counts both mixers' border states (what a step keeps: border_state_bytes of the model)
+    and what their token mixing saves, and its parameters are the model's own."""
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.core.plan import plan
+    from lightning_oomb.core.plan.activations import carried_mixing_bytes
+    from lightning_oomb.recurrent import border_state_bytes
+
+    model = tiny_falcon_h1(rms_norm=False).to(torch.bfloat16)
+    shape = ModelShape.from_config(model.config)
+    assert (shape.carried_layers, shape.kv_layers) == (2, 2)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    got = plan(shape, 40, chunk_size=8, page_size=4, gpu_memory=79 * 2**30)
+    borders = next(v for k, v in got.gpu_lines.items() if k.startswith("border states of 2"))
+    assert borders == border_state_bytes(model, batch=1, chunks=5)
+    assert carried_mixing_bytes(shape, 8) > 0
+    assert any("every layer runs a state-space mixer beside its attention (falcon_h1)" in n for n in got.notes)

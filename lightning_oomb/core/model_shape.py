@@ -14,7 +14,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from ..recurrent.layer_kinds import CARRIED_KINDS, STATE_SPACE_FAMILIES, kv_layer_indices, layer_kinds
+from ..recurrent.layer_kinds import (CARRIED_KINDS, PARALLEL_HYBRIDS, STATE_SPACE_FAMILIES, kv_layer_indices,
+                                     layer_kinds)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "model_shapes"
@@ -159,6 +160,9 @@ def _carried_fields(config: Any) -> dict[str, int]:
     config fields of Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba-2 (Mamba-2, Bamba, Granite 4, Nemotron-H) and
     Mamba-1 (Mamba, Falcon-Mamba, Jamba) layers; bytes 0 for the other kinds."""
     layers = sum(kind in CARRIED_KINDS for kind in layer_kinds(config))
+    parallel = getattr(config, "model_type", "") in PARALLEL_HYBRIDS
+    if parallel:  # a mixer beside every layer's attention
+        layers = config.num_hidden_layers
     if not layers:
         return {}
     get = lambda *names: next((getattr(config, n) for n in names if getattr(config, n, None)), 0)  # noqa: E731
@@ -186,6 +190,9 @@ def _carried_fields(config: Any) -> dict[str, int]:
     else:
         return {"carried_layers": layers}
     params["carried_mixing_flops"] = layers * params.get("carried_mixing_flops", 0)
+    if parallel:  # the layers keep their attention: the mixer's weights are in the model's counted total
+        params.pop("carried_matrices", None)
+        params.pop("carried_vector_params", None)
     return {"carried_layers": layers, "carried_state_bytes": layers * (2 * conv + 4 * recurrent), **params}
 
 
@@ -200,7 +207,8 @@ def _mamba2_fields(config: Any, get) -> tuple[int, int, dict[str, Any]]:
     state, groups = get("mamba_d_state", "ssm_state_size", "state_size"), get("mamba_n_groups", "n_groups")
     kernel = get("mamba_d_conv", "conv_kernel")
     hidden = config.hidden_size
-    inner = int(get("mamba_expand", "expand") * hidden)
+    # Falcon-H1 may set the mixer's width itself (mamba_d_ssm), as its mixer reads it
+    inner = get("mamba_d_ssm") or int(get("mamba_expand", "expand") * hidden)
     conv_dim = inner + 2 * groups * state
     # The SSD scan in chunks of c tokens, per head and token: C.B within the chunk, its masked product with x,
     # the chunk's state from B and x, and C's product with the state passed in.

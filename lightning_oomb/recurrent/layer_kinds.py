@@ -11,6 +11,8 @@ CARRIED_KINDS = ("linear_attention", "mamba", "conv")
 NO_KV_KINDS = CARRIED_KINDS + ("mlp", "moe")
 # Families whose decoder layers are a norm and a state-space mixer alone: no attention, no MLP.
 STATE_SPACE_FAMILIES = ("mamba", "falcon_mamba", "mamba2")
+# Families whose every decoder layer runs attention and a state-space mixer side by side (no layer kinds named).
+PARALLEL_HYBRIDS = ("falcon_h1",)
 
 
 def layer_kinds(config: Any) -> list[str]:

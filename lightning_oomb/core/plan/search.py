@@ -122,6 +122,11 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
                 f"every layer carries a state across chunk borders ({shape.model_type}): no layer attends, so "
                 f"there are no K/V pages; their projections are planned, {mixing}; {states}")
             return result
+        if shape.carried_layers == shape.n_layers:
+            result.notes.append(
+                f"every layer runs a state-space mixer beside its attention ({shape.model_type}): K/V pages for "
+                f"all {shape.kv_layers}, the mixers' weights in the model's total, {mixing}; {states}")
+            return result
         weights = "counted as built" if shape.carried_matrices else "planned as attention's"
         result.notes.append(
             f"{shape.carried_layers} of {shape.n_layers} layers carry a state across chunk borders "
