@@ -4,7 +4,9 @@ cached greedy decoding where it fits.
 Random weights of a built-in shape (or a config.json), bf16 on the GPU (float32 on the CPU), a random prompt of
 each length: ``generate`` prefills it chunk by chunk into the K/V pages (dense, or sparse with
 ``--budget-pages``) and decodes ``--new-tokens`` tokens. Prefill: from the call to the first new token (page
-allocation included); decoding: the median seconds between later tokens. With ``--transformers`` the same
+allocation included); decoding: the median seconds between later tokens. Before the first timed point each mode
+(and transformers) runs once on a prompt of two chunks, so that no timed point carries the kernels' compilation
+and autotuning. With ``--transformers`` the same
 prompt through the model itself (one forward with ``use_cache``, then a token at a time over its cache), and
 how many of its greedy tokens equal the engine's; a length it cannot hold is recorded as out of memory.
 
@@ -157,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     generator = torch.Generator().manual_seed(args.seed)
     results: list[SpeedResult] = []
+    # One untimed run of each mode on a prompt of two chunks and a short past (Triton compiles and autotunes its
+    # kernels at their first launch; Inductor the fused ops at theirs).
+    warm = torch.randint(0, shape.vocab, (1, min(2 * args.chunk, lengths[0])), generator=generator).to(device)
+    for mode in modes:
+        timed_generate(model, warm, 2, chunk_size=args.chunk, page_size=args.page_size, offload=args.offload,
+                       sparse=sparse_config if mode == "sparse" else None)
+    if args.transformers:
+        timed_transformers(model, warm, 2)
     for n in lengths:
         ids = torch.randint(0, shape.vocab, (1, n), generator=generator).to(device)
         ours: dict[str, torch.Tensor] = {}
