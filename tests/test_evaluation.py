@@ -201,7 +201,8 @@ def test_a_forward_alone_is_placed_without_what_training_keeps():
     from lightning_oomb.core.schedule import ChunkedSequence
 
     options = dict(chunk_size=4096, gpu_memory=79 * 2**30, host_memory=112 * 2**30, offload="host",
-                   sparse=SparseConfig(budget_pages=64, per_query_tile=False), host_grad_layers=28, host_kv_layers=28, optimizer="none")
+                   sparse=SparseConfig(budget_pages=64, per_query_tile=False), host_grad_layers=28, host_kv_layers=28,
+                   optimizer="none")
     training, forward = plan("qwen2.5-7b", 2**20, **options), plan("qwen2.5-7b", 2**20, training=False, **options)
     trained_only = ("gradients", "optimizer state", "backward", "loss: dL/dh", "loss: dL/dW", "autograd graphs",
                     "attention outputs kept")

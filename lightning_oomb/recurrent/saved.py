@@ -16,8 +16,9 @@ from . import carried_kind
 
 def saved_bytes(layer: nn.Module, tokens: int, hidden_size: int) -> int:
     """Bytes the chunk function of ``layer`` (a state-carrying layer on the meta device) saves for backward over a
-    chunk of ``tokens`` tokens of one sequence, its input (1, tokens, hidden_size), its parameters requiring grad (as in full training; LoRA and
-    frozen weights save no more), in the layer's dtype; each storage counted once, parameters not at all."""
+    chunk of ``tokens`` tokens of one sequence, its input (1, tokens, hidden_size), its parameters requiring grad
+    (as in full training; LoRA and frozen weights save no more), in the layer's dtype; each storage counted once,
+    parameters not at all."""
     kind = carried_kind(layer)
     if kind is None:
         raise ValueError(f"{type(layer).__name__} is not a state-carrying layer")
