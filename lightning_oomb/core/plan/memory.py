@@ -138,7 +138,8 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
         grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers if c.training else 0
         segment = offload_segment_pages(c) * c.page_size
-        gpu[f"offload staging: 2 segments x {segment:,} tokens of K, V, dK, dV (one layer)"] = (
+        staged = "K, V, dK, dV" if c.training else "K, V"
+        gpu[f"offload staging: 2 segments x {segment:,} tokens of {staged} (one layer)"] = (
             2 * segment * (kv_layer + grad_layer)
         )
         # One chunk's K, V on their way out (two buffers) and its stored dK, dV on their way in.
