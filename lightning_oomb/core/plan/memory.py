@@ -129,7 +129,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
     kv_dtype = _kv_dtype(c.precision)
     kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
-    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype) if c.training else 0
+    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
     if not shape.kv_layers:
