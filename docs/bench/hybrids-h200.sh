@@ -10,10 +10,12 @@
 # time counts the delta rule's FLOPs at attention's efficiency; transformers' torch path of the delta rule, used
 # where flash-linear-attention is not installed, runs a Python loop over 64-token blocks).
 # Run it under setsid and read OUT/*/summary.json back (device README).
-#   bash docs/bench/hybrids-h200.sh OUT [MODEL_DIR]
+#   bash docs/bench/hybrids-h200.sh OUT [MODEL_DIR] [128k] [1m]    (both parts when none is named)
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 out=${1:-/root/hybrids}
 model=${2:-/root/qwen3-next-8-layers}
+shift $(( $# < 2 ? $# : 2 ))
+parts=${*:-128k 1m}
 mkdir -p "$out"
 "$python" - "$out/qwen3-next-8-layers.json" <<'PY'
 import json, sys
@@ -24,7 +26,12 @@ json.dump(config, open(sys.argv[1], "w"))
 PY
 route() { "$python" -m lightning_oomb.bench.cli_route --model-dir "$model" --make-model "$out/qwen3-next-8-layers.json" \
   --steps 2 --checkpoint-every 0 "$@"; }
-logged "$out/128k.log" route --config examples/lora.yaml --seq-len 131072 --out "$out/128k"
-logged "$out/1m-sparse.log" route --config examples/qwen2.5-7b-1m-sparse.yaml --lora-rank 16 --optimizer adamw \
-  --seq-len 1048576 --out "$out/1m-sparse"
+for part in $parts; do
+  case $part in
+    128k) logged "$out/128k.log" route --config examples/lora.yaml --seq-len 131072 --out "$out/128k" ;;
+    1m) logged "$out/1m-sparse.log" route --config examples/qwen2.5-7b-1m-sparse.yaml --lora-rank 16 \
+          --optimizer adamw --seq-len 1048576 --out "$out/1m-sparse" ;;
+    *) echo "unknown part $part (128k, 1m)" >&2; exit 2 ;;
+  esac
+done
 touch "$out/done"
