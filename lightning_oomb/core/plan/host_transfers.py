@@ -8,7 +8,7 @@ from ..model_shape import ModelShape, _itemsize, _kv_dtype
 from ..pages import movable_host_layers, spread_layers, stage_2_gather_order
 from .assumptions import HOST_ADD_GBPS, HOST_ADD_HIDDEN_S, HOST_GATHER_GBPS
 from .config import PlanConfig
-from .timing import attention_kept_chunks, expected_selected_pages, expected_union_pages
+from .timing import attention_kept_chunks, selected_pages_by_chunk
 
 
 def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
@@ -38,8 +38,9 @@ def host_add_seconds(shape: "ModelShape", c: "PlanConfig") -> float:
     n_tiles = -(-min(c.chunk_size, c.context) // c.page_size) if sparse.per_query_tile else 1
     page_bytes = c.page_size * (shape.head_dim + shape.value_dim) * _itemsize(c.grad_dtype)  # dK and dV
     seconds = 0.0
-    for start, layers in zip(range(0, c.context, c.chunk_size), host_layers_left(shape, c)):
-        pairs = expected_selected_pages(-(-start // c.page_size), sparse, n_tiles) * shape.n_kv_heads * c.batch
+    selected = selected_pages_by_chunk(c.context, c.chunk_size, c.page_size, sparse, n_tiles)
+    for pages, layers in zip(selected, host_layers_left(shape, c)):
+        pairs = pages * shape.n_kv_heads * c.batch
         bus_bytes = pairs * page_bytes * 2  # read and written
         seconds += max(0.0, bus_bytes / (HOST_ADD_GBPS * 1e9) - HOST_ADD_HIDDEN_S) * layers
     return seconds
@@ -85,7 +86,9 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     host, last = spread_layers(shape.kv_layers, c.host_kv_layers), shape.kv_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = [0.0, 0.0]
-    for index, start in enumerate(range(0, c.context, c.chunk_size)):
+    # a chunk's union over the (tile, head) pairs: each pair picks at random (``expected_union_pages``)
+    unions = selected_pages_by_chunk(c.context, c.chunk_size, c.page_size, sparse, n_tiles * heads)
+    for index, union in enumerate(unions):
         kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
         skip_last = kind != "graph" and not c.stage_1_loss
         key = (kind, skip_last, index == n - 1)
@@ -94,7 +97,6 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
             first, held = _gathers(requests[0], None)
             # stage 2 starts with the chunk stage 1 ended with: its last gather may serve stage 2's first call
             per_kind[key] = (first, _gathers(requests[1], held if index == n - 1 else None)[0])
-        union = expected_union_pages(-(-start // c.page_size), sparse, n_tiles, heads)
         for stage, calls in enumerate(per_kind[key]):
             gathers[stage] += union * calls
     return gathers[0] * c.batch * page_bytes, gathers[1] * c.batch * page_bytes

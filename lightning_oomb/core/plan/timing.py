@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
+
+import numpy as np
 
 from ..config import SparseConfig
 from ..model_shape import PROFILES, ModelShape
@@ -84,6 +86,15 @@ def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -
     return sparse.sink_pages + sparse.local_pages + free * (1 - (1 - picked / free) ** n_tiles)
 
 
+@lru_cache(maxsize=512)
+def selected_pages_by_chunk(context: int, chunk_size: int, page_size: int, sparse: "SparseConfig",
+                            n_tiles: int) -> tuple[float, ...]:
+    """``expected_selected_pages`` for each chunk of a sequence of ``context`` tokens, its past in pages of
+    ``page_size`` tokens. Cached: a placement search asks for the same chunks under many placements."""
+    return tuple(expected_selected_pages(-(-start // page_size), sparse, n_tiles)
+                 for start in range(0, context, chunk_size))
+
+
 def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, heads: int) -> float:
     """Distinct past pages a chunk's selections touch over ``heads`` selecting KV heads (each page's K of every
     head travels together), in expectation, each of the ``n_tiles * heads`` (tile, head) pairs picking its
@@ -123,29 +134,30 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     attended = context if sparse is None else sparse.attended_past_tokens(page_size)
     chunk_pairs = layer_chunk_pairs(shape, context, chunk_size, attended, document_length or context)
     per_pair = 2.0 * (shape.q_width + shape.out_width) * batch  # forward FLOPs of one (query, key) pair, one layer
-    forward_attention = per_pair * sum(chunk_pairs)
+    forward_attention = per_pair * float(chunk_pairs.sum())
     recompute = 2.0 * (shape.active_matmul_params - shape.head_params) * tokens if checkpoint_layers else 0.0
     n = len(chunk_pairs)
+    lengths = chunk_lengths(context, chunk_size)
     graphs = 0 if checkpoint_layers else min(c.graph_chunks, n)
+    graph_kept = np.arange(n) >= n - graphs  # chunks whose whole graph stage 1 kept
     kept = attention_kept_chunks(n, checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
     # Attention forwards a chunk executes: stage 1's, stage 2's and the backward's 2.5, less the stage-2
     # forward a kept output spares.
-    attention_passes = [4.5 - (i in kept) for i in range(n)]
-    attention = per_pair * sum(pairs * attention_passes[i] for i, pairs in enumerate(chunk_pairs))
-    linear -= 2.0 * shape.active_matmul_params * batch * sum(min(chunk_size, context - i * chunk_size)
-                                                      for i in range(n - graphs, n))
+    attention_passes = np.full(n, 4.5)
+    attention_passes[sorted(kept)] -= 1.0
+    attention = per_pair * float(chunk_pairs @ attention_passes)
+    linear -= 2.0 * shape.active_matmul_params * batch * float(lengths[graph_kept].sum())
     if c.lora_rank > 0 and c.lora_experts:
         linear += expert_adapter_flops(shape, c, n)
     stage_1 = 2.0 * shape.active_matmul_params * tokens + forward_attention
     portable = 0.0
     if document_length is not None and document_length < context and not sparse:
-        portable = per_pair * sum(pairs * attention_passes[i] for i, pairs in enumerate(chunk_pairs)
+        portable = per_pair * sum(float(pairs * attention_passes[i]) for i, pairs in enumerate(chunk_pairs)
                                   if _runs_portable(i * chunk_size, min(chunk_size, context - i * chunk_size),
                                                     document_length, page_size))
     # The state-carrying layers' token mixing: stage 1's forward, stage 2's (unless its graph was kept), the
     # backward's two, a checkpoint's recompute.
-    mixing = shape.carried_mixing_flops * batch * sum(
-        min(chunk_size, context - i * chunk_size) * (4 - (i >= n - graphs) + checkpoint_layers) for i in range(n))
+    mixing = shape.carried_mixing_flops * batch * float(lengths @ (4.0 - graph_kept + checkpoint_layers))
     stage_1 += shape.carried_mixing_flops * tokens
     # Each pass of the decoder layers' matmuls (stage 1, stage 2's forward unless its graph was kept, the
     # backward, a checkpoint's recompute) dequantises their 4-bit weights once.
@@ -155,22 +167,31 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     # its share of compute_s.
     per_token = (linear + recompute) / tokens / LINEAR_EFFICIENCY + shape.carried_mixing_flops * batch / efficiency
     per_attended_pair = per_pair / efficiency
-    weights = [per_token * min(chunk_size, context - i * chunk_size) + per_attended_pair * pairs * attention_passes[i]
-               for i, pairs in enumerate(chunk_pairs)]
+    weights = per_token * lengths + per_attended_pair * chunk_pairs * attention_passes
     time = StepTime(linear, attention, recompute, c.matmul_tflops, portable_attention_flops=portable,
                     stage_1_flops=stage_1, dequant_s=passes * dequant_seconds(shape, c), mixing_flops=mixing,
                     attention_efficiency=efficiency)
-    seconds_per_weight = time.compute_s / sum(weights)
-    launches = [chunk_kernels(shape, kept_graph, checkpoint_layers) * KERNEL_LAUNCH_S for kept_graph in (False, True)]
-    waits = sum(max(0.0, launches[i >= n - graphs] - w * seconds_per_weight) for i, w in enumerate(weights))
+    seconds_per_weight = time.compute_s / float(weights.sum())
+    launches = np.where(graph_kept, chunk_kernels(shape, True, checkpoint_layers),
+                        chunk_kernels(shape, False, checkpoint_layers)) * KERNEL_LAUNCH_S
+    waits = float(np.maximum(0.0, launches - weights * seconds_per_weight).sum())
     return dataclasses.replace(time, launch_s=waits)
 
 
+def chunk_lengths(context: int, chunk_size: int) -> np.ndarray:
+    """Tokens of each chunk of a sequence of ``context`` tokens (the last one may be short), float64."""
+    lengths = np.full(-(-context // chunk_size), float(chunk_size))
+    lengths[-1] = context - (len(lengths) - 1) * chunk_size
+    return lengths
+
+
+@lru_cache(maxsize=512)
 def layer_chunk_pairs(shape: ModelShape, context: int, chunk_size: int, attended: int | float,
-                      document_length: int) -> list[float]:
+                      document_length: int) -> np.ndarray:
     """(query, key) pairs of each chunk of one sequence, summed over the attending layers: full ones (each
     query seeing at most ``attended`` past keys, within documents of ``document_length`` tokens), then
-    sliding-window ones."""
+    sliding-window ones; a read-only float64 array, one entry per chunk. Cached: a placement search asks for
+    the same chunks under many placements."""
     full_layers = shape.kv_layers - shape.window_layers
     pairs_by_chunk = []
     for s in range(0, context, chunk_size):
@@ -178,7 +199,9 @@ def layer_chunk_pairs(shape: ModelShape, context: int, chunk_size: int, attended
         pairs = _chunk_pairs(s, n, attended, document_length)
         windowed = min(pairs, _window_pairs(s, n, shape.window)) if shape.window else 0
         pairs_by_chunk.append(full_layers * pairs + shape.window_layers * windowed)
-    return pairs_by_chunk
+    pairs = np.array(pairs_by_chunk, dtype=np.float64)
+    pairs.flags.writeable = False
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -207,7 +230,7 @@ def generation_time(model: Any, context: int, chunk_size: int = 4096, page_size:
     body = shape.active_matmul_params - shape.head_params  # logits of a chunk's last position only
     launches = shape.n_layers * KERNELS_PER_LAYER_FORWARD * KERNEL_LAUNCH_S
     flops, seconds = 2.0 * shape.head_params * batch, 0.0
-    for i, pairs in enumerate(layer_chunk_pairs(shape, context, chunk_size, attended, context)):
+    for i, pairs in enumerate(layer_chunk_pairs(shape, context, chunk_size, attended, context).tolist()):
         n = min(chunk_size, context - i * chunk_size) * batch
         linear, attention = 2.0 * body * n, per_pair * pairs + shape.carried_mixing_flops * n
         flops += linear + attention
