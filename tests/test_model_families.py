@@ -372,7 +372,9 @@ def test_the_planner_holds_every_expert_and_times_a_tokens(model_type, config):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_load_balancing_loss_and_its_gradient_match_the_whole_sequence(family, backend):
     """output_router_logits=True: the experts' load-balancing loss over every layer and token of the sequence,
-    and its gradient, through train_step, layer checkpoints, eval_loss and the served forward."""
+    and its gradient, through train_step, layer checkpoints, eval_loss and the served forward. The loss is
+    gathered from the routers apart from attention: the Triton kernels run train_step only (interpreted, the
+    other routes would repeat the reference backend's checks at ten times the time)."""
     from lightning_oomb.core.config import ChunkConfig
 
     model = tiny_model(family, output_router_logits=True, router_aux_loss_coef=0.5)
@@ -386,6 +388,8 @@ def test_load_balancing_loss_and_its_gradient_match_the_whole_sequence(family, b
         assert rel_err(loss, want_loss) <= TOL
         assert_grads_close(grads_of(model), want, TOL)
         model.zero_grad(set_to_none=True)
+        if backend == "triton":
+            return
     config = ChunkConfig(chunk_size=8, page_size=4, attention=backend)
     assert_served_matches(model, config, want_loss, want, TOL, input_ids=ids, labels=ids)
     model.eval()
