@@ -7,8 +7,8 @@
 #   2. examples/qwen2.5-7b-1m-sparse.yaml at 1,048,576 tokens (sparse attention on the two attention layers), LoRA
 #      rank 16 and plain AdamW instead of the YAML's full training, 2 steps.
 # Each summary.json holds the step times, GPU and host peaks and the plan's; the fit log holds the plan (its step
-# time counts the delta rule's FLOPs at attention's efficiency; transformers' torch path of the delta rule, used
-# where flash-linear-attention is not installed, runs a Python loop over 64-token blocks).
+# time counts the delta rule's FLOPs at attention's efficiency and, where flash-linear-attention is not installed,
+# the small operations transformers' torch path launches in its Python loop over 64-token blocks).
 # Run it under setsid and read OUT/*/summary.json back (device README).
 #   bash docs/bench/hybrids-h200.sh OUT [MODEL_DIR] [128k] [1m]    (both parts when none is named)
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)

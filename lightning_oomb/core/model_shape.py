@@ -71,7 +71,7 @@ def _special_floats(value: Any) -> Any:
 def counted_params(config: Any) -> int:
     """Parameters of the causal LM transformers builds from ``config`` (a config object), counted on the meta
     device without memory, once per distinct config; 0 where none can be built here."""
-    return _on_meta(config)[0]
+    return _on_meta(config).params
 
 
 def carried_saved(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -79,51 +79,77 @@ def carried_saved(config: Any) -> tuple[tuple[int, int], tuple[int, int]]:
     its decoder layer's other parts: (bytes per token, fixed bytes) with bf16 weights, then with float32 weights,
     measured by running the layer's chunk on the meta device (lightning_oomb.recurrent.saved); zeros where the
     model has no such layer or cannot be built or run there."""
-    return _on_meta(config)[1]
+    return _on_meta(config).saved
 
 
-_MEASURED: dict[str, tuple[int, tuple[tuple[int, int], tuple[int, int]]]] = {}
-_NOT_MEASURED = ((0, 0), (0, 0))
-# Two chunk lengths, multiples of every carried kernel's block (64 or 256 tokens): bytes(T) = fixed + T x per token.
+def carried_ops(config: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The operations one state-carrying layer of the model built from ``config`` launches over a chunk of one
+    sequence: (per token, fixed) in its forward, then in its backward, counted by running the layer's chunk on
+    the meta device (lightning_oomb.recurrent.saved); zeros where the model has no such layer or cannot be built
+    or run there (a fused kernel, such as flash-linear-attention's, runs on no meta tensors)."""
+    return _on_meta(config).ops
+
+
+class _Measured(NamedTuple):
+    params: int
+    saved: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+    ops: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+
+
+_MEASURED: dict[str, _Measured] = {}
+# Two chunk lengths, multiples of every carried kernel's block (64 or 256 tokens): bytes(T) = fixed + T x per token,
+# and so the operations, one loop pass per block.
 _SAVED_TOKENS = (1024, 2048)
 
 
-def _on_meta(config: Any) -> tuple[int, tuple[tuple[int, int], tuple[int, int]]]:
+def _on_meta(config: Any) -> _Measured:
     try:
         key = config.to_json_string()
     except (AttributeError, TypeError, ValueError):
-        return 0, _NOT_MEASURED
+        return _Measured(0)
     if key not in _MEASURED:
         _MEASURED[key] = _measure_on_meta(config)
     return _MEASURED[key]
 
 
-def _measure_on_meta(config: Any) -> tuple[int, tuple[tuple[int, int], tuple[int, int]]]:
+def _line(short: float, long: float) -> tuple[float, float]:
+    """(per token, fixed) of a count measured at both _SAVED_TOKENS lengths."""
+    per_token = (long - short) / (_SAVED_TOKENS[1] - _SAVED_TOKENS[0])
+    return per_token, max(0.0, short - per_token * _SAVED_TOKENS[0])
+
+
+def _measure_on_meta(config: Any) -> _Measured:
     from transformers import AutoModelForCausalLM
 
     from ..recurrent import carried_layers
-    from ..recurrent.saved import saved_bytes
+    from ..recurrent.saved import launched_ops, saved_bytes
 
     try:
         with warnings.catch_warnings(), torch.device("meta"):
             warnings.simplefilter("ignore")  # the families' own remarks about their configs
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # a config transformers builds no causal LM from here: the fields' formulas count
-        return 0, _NOT_MEASURED
+        return _Measured(0)
     params = sum(p.numel() for p in model.parameters())
     layers = carried_layers(model)
     if not layers:
-        return params, _NOT_MEASURED
-    measured = []
-    for dtype in (torch.bfloat16, torch.float32):
-        layer = layers[0].to(dtype)
-        try:
+        return _Measured(params)
+    saved = []
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            layer = layers[0].to(dtype)
             short, long = (saved_bytes(layer, t, config.hidden_size) for t in _SAVED_TOKENS)
-        except Exception:  # a kernel that cannot run on meta tensors: the plan says its saved tensors are unknown
-            return params, _NOT_MEASURED
-        per_token = math.ceil((long - short) / (_SAVED_TOKENS[1] - _SAVED_TOKENS[0]))
-        measured.append((per_token, max(0, short - per_token * _SAVED_TOKENS[0])))
-    return params, (measured[0], measured[1])
+            per_token, fixed = _line(short, long)
+            saved.append((math.ceil(per_token), int(fixed)))
+    except Exception:  # a kernel that cannot run on meta tensors: the plan says its saved tensors are unknown
+        return _Measured(params)
+    try:
+        (forward_short, backward_short), (forward_long, backward_long) = (
+            launched_ops(layer, t, config.hidden_size) for t in _SAVED_TOKENS)
+    except Exception:  # a backward that cannot run on meta tensors: its launches go uncounted
+        return _Measured(params, (saved[0], saved[1]))
+    ops = (_line(forward_short, forward_long), _line(backward_short, backward_long))
+    return _Measured(params, (saved[0], saved[1]), ops)
 
 
 def transformers_config(config: dict[str, Any]):
@@ -432,6 +458,9 @@ class ModelShape:
     # What one state-carrying layer's token mixing saves for backward, measured on the meta device
     # (``carried_saved``): (bytes per token, fixed bytes) with bf16 weights, then with float32 ones
     carried_saved: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))
+    # The operations one state-carrying layer's token mixing launches over a chunk of one sequence, counted on the
+    # meta device (``carried_ops``): (per token, fixed) in its forward, then in its backward
+    carried_ops: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
     gated_queries: bool = False  # Qwen3-Next, Qwen3.5: q_proj also projects a sigmoid gate of the output
     n_experts: int = 0
     expert_intermediate: int = 0
@@ -487,6 +516,7 @@ class ModelShape:
             **_carried_fields(config),
             counted_params=counted_params(config),
             carried_saved=carried_saved(config),
+            carried_ops=carried_ops(config),
         )
 
     @classmethod

@@ -30,6 +30,7 @@ HEAD_DIM_64_ATTENTION_EFFICIENCY = 0.44  # of the matmul peak: the attention of 
 KERNEL_LAUNCH_S = 70e-6  # s: the host's time to issue one kernel of a chunk's layer step (Python, autograd)
 KERNELS_PER_LAYER_FORWARD = 32  # kernels one decoder layer's forward of one chunk launches (Llama layer, fused ops)
 KERNELS_PER_LAYER_BACKWARD = 61  # ... and its backward
+CARRIED_OP_LAUNCH_S = 11.4e-6  # s: the host's time to issue one operation of a state-carrying layer's torch path
 HOST_ADD_GBPS = 61.5  # GB/s: host gradient layers' additions over the bus (sparse)
 HOST_ADD_HIDDEN_S = 5.4e-3  # s: of each host layer's additions per chunk, hidden behind the compute
 HOST_GATHER_GBPS = 48.0  # GB/s: host K/V layers' gathers of the selected pages over the bus (sparse)

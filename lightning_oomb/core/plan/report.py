@@ -9,8 +9,8 @@ from ..config import SparseConfig
 from ..model_shape import ModelShape
 from ..units import GIB
 from .assumptions import (
-    COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, KERNEL_LAUNCH_S, LINEAR_EFFICIENCY,
-    PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
+    CARRIED_OP_LAUNCH_S, COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, KERNEL_LAUNCH_S,
+    LINEAR_EFFICIENCY, PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .collectives import step_collectives
 from .config import PlanConfig
@@ -187,7 +187,10 @@ class Plan:
                "chunks that hold a document border or whose document starts mid-page run the "
                "portable Triton kernels, docs/planner.md" if t.portable_attention_flops else "")
             + (f", plus {duration(t.launch_s)} of the GPU waiting for the host to launch small kernels "
-               f"({KERNEL_LAUNCH_S * 1e6:g} us each; larger chunks launch fewer)"
+               f"({KERNEL_LAUNCH_S * 1e6:g} us each; larger chunks launch fewer"
+               + (f"; the state-carrying layers' token mixing launches {t.carried_ops:.3g} operations, "
+                  f"{CARRIED_OP_LAUNCH_S * 1e6:g} us each: transformers' torch path, which a fused kernel such "
+                  "as flash-linear-attention's replaces" if t.carried_ops else "") + ")"
                if t.launch_s >= 0.005 * t.predicted_s else "")
             + (f", plus {duration(t.host_add_s)} for the host gradient layers" if t.host_add_s else "")
             + (f", plus {duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "

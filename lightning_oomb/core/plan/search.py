@@ -117,6 +117,8 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
                   "their border states are not in this plan (a training step counts them before it starts)")
         mixing = ("their token mixing counted in FLOPs at attention's efficiency" if shape.carried_mixing_flops else
                   "their token mixing as free")
+        if shape.carried_ops != ((0.0, 0.0), (0.0, 0.0)):
+            mixing += " and in the operations their torch path launches (counted on the meta device)"
         if not shape.kv_layers:
             result.notes.append(
                 f"every layer carries a state across chunk borders ({shape.model_type}): no layer attends, so "

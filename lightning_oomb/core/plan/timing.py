@@ -13,9 +13,9 @@ import numpy as np
 from ..config import SparseConfig
 from ..model_shape import PROFILES, ModelShape
 from .assumptions import (
-    ATTENTION_EFFICIENCY, DECODE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HEAD_DIM_64_ATTENTION_EFFICIENCY,
-    KERNEL_LAUNCH_S, KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD, LINEAR_EFFICIENCY,
-    PORTABLE_ATTENTION_EFFICIENCY,
+    ATTENTION_EFFICIENCY, CARRIED_OP_LAUNCH_S, DECODE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS,
+    HEAD_DIM_64_ATTENTION_EFFICIENCY, KERNEL_LAUNCH_S, KERNELS_PER_LAYER_BACKWARD, KERNELS_PER_LAYER_FORWARD,
+    LINEAR_EFFICIENCY, PORTABLE_ATTENTION_EFFICIENCY,
 )
 from .config import PlanConfig
 
@@ -43,9 +43,11 @@ class StepTime:
     mixing_flops: float = 0.0  # hybrids: the state-carrying layers' token mixing (ModelShape.carried_mixing_flops)
     attention_efficiency: float = ATTENTION_EFFICIENCY  # of the peak: this model's heads (attention_efficiency)
     # The GPU waiting for the host: for each chunk, how far the host's time to launch its kernels
-    # (chunk_kernels, KERNEL_LAUNCH_S each) outlasts the chunk's share of compute_s. Nothing for a 7B model's
-    # chunks; most of a small model's step in small chunks (docs/planner.md, "Small models").
+    # (chunk_kernels, KERNEL_LAUNCH_S each; the state-carrying layers' operations, CARRIED_OP_LAUNCH_S each)
+    # outlasts the chunk's share of compute_s. Nothing for a 7B model's chunks; most of a small model's step in
+    # small chunks, and of a hybrid's whose token mixing runs transformers' torch path (docs/planner.md).
     launch_s: float = 0.0
+    carried_ops: float = 0.0  # hybrids: operations the state-carrying layers launch over the step (carried_ops)
 
     @property
     def total_flops(self) -> float:
@@ -174,8 +176,22 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
     seconds_per_weight = time.compute_s / float(weights.sum())
     launches = np.where(graph_kept, chunk_kernels(shape, True, checkpoint_layers),
                         chunk_kernels(shape, False, checkpoint_layers)) * KERNEL_LAUNCH_S
+    mixing_ops = carried_ops(shape, lengths, 2.0 - graph_kept + checkpoint_layers)
+    launches += mixing_ops * CARRIED_OP_LAUNCH_S
     waits = float(np.maximum(0.0, launches - weights * seconds_per_weight).sum())
-    return dataclasses.replace(time, launch_s=waits)
+    return dataclasses.replace(time, launch_s=waits, carried_ops=float(mixing_ops.sum()))
+
+
+def carried_ops(shape: ModelShape, lengths: np.ndarray, forwards: np.ndarray | float,
+                backwards: float = 1.0) -> np.ndarray:
+    """Operations the state-carrying layers launch for each chunk of ``lengths`` tokens (one sequence: a batch
+    runs the same operations on larger tensors): ``forwards`` forwards of each (stage 1's, stage 2's unless its
+    graph was kept, a checkpoint's recompute) and ``backwards`` backwards, as counted on the meta device
+    (``ModelShape.carried_ops``); zeros for a model without such layers or whose kernels were not counted."""
+    (forward_per_token, forward_fixed), (backward_per_token, backward_fixed) = shape.carried_ops
+    forward = forward_per_token * lengths + forward_fixed
+    backward = backward_per_token * lengths + backward_fixed
+    return shape.carried_layers * (forwards * forward + backwards * backward)
 
 
 def chunk_lengths(context: int, chunk_size: int) -> np.ndarray:
@@ -221,7 +237,8 @@ def generation_time(model: Any, context: int, chunk_size: int = 4096, page_size:
     """The plan's time for prefilling a prompt of ``context`` tokens per sequence (``batch`` of them) in chunks
     of ``chunk_size`` and decoding one more token after it, dense or ``sparse``, weights and pages of
     ``dtype_bytes`` per element, at ``matmul_tflops`` (the training step's efficiencies, launch cost and
-    kernels per layer forward; memory traffic at DECODE_GBPS scaled like DEQUANT_GBPS)."""
+    kernels per layer forward, the state-carrying layers' operations; memory traffic at DECODE_GBPS scaled
+    like DEQUANT_GBPS)."""
     shape = ModelShape.resolve(model)
     peak = matmul_tflops * 1e12
     efficiency = attention_efficiency(shape)
@@ -229,12 +246,15 @@ def generation_time(model: Any, context: int, chunk_size: int = 4096, page_size:
     per_pair = 2.0 * (shape.q_width + shape.out_width) * batch
     body = shape.active_matmul_params - shape.head_params  # logits of a chunk's last position only
     launches = shape.n_layers * KERNELS_PER_LAYER_FORWARD * KERNEL_LAUNCH_S
+    lengths = chunk_lengths(context, chunk_size)
+    chunk_launches = launches + carried_ops(shape, lengths, 1.0, backwards=0.0) * CARRIED_OP_LAUNCH_S
     flops, seconds = 2.0 * shape.head_params * batch, 0.0
     for i, pairs in enumerate(layer_chunk_pairs(shape, context, chunk_size, attended, context).tolist()):
         n = min(chunk_size, context - i * chunk_size) * batch
         linear, attention = 2.0 * body * n, per_pair * pairs + shape.carried_mixing_flops * n
         flops += linear + attention
-        seconds += max(linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * efficiency), launches)
+        seconds += max(linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * efficiency),
+                       float(chunk_launches[i]))
     seconds += 2.0 * shape.head_params * batch / (peak * LINEAR_EFFICIENCY)
     full_layers = shape.kv_layers - shape.window_layers
     keys = full_layers * min(context, attended) + shape.window_layers * min(context, shape.window or context)
