@@ -139,8 +139,8 @@ def _measure_on_meta(config: Any) -> _Measured:
         for dtype in (torch.bfloat16, torch.float32):
             layer = layers[0].to(dtype)
             short, long = (saved_bytes(layer, t, config.hidden_size) for t in _SAVED_TOKENS)
-            per_token, fixed = _line(short, long)
-            saved.append((math.ceil(per_token), int(fixed)))
+            per_token = math.ceil(_line(short, long)[0])  # whole bytes, rounded up
+            saved.append((per_token, max(0, short - per_token * _SAVED_TOKENS[0])))
     except Exception:  # a kernel that cannot run on meta tensors: the plan says its saved tensors are unknown
         return _Measured(params)
     try:

@@ -69,11 +69,11 @@ def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
 
 def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float, float]:
     """Bytes the host K/V layers' gathers move over the bus in stage 1 and in stage 2 of a step of ``c``, in
-    expectation: each gather moves the union of the chunk's selected pages (``expected_union_pages``); a chunk
-    gathers once per attention call of a host layer (``_host_layer_requests``: stage 1's forward; stage 2's
-    forward and the backward, less the forwards ``attention_kept_chunks``
-    spares), except where a call follows one of the same layer and chunk, which reuses its gather
-    (``_gathers``)."""
+    expectation: each gather moves the union of the chunk's selected pages over its query tiles and selecting
+    KV heads (each page's K of every head travels together; ``selected_pages_by_chunk`` with a picker per (tile,
+    head) pair); a chunk gathers once per attention call of a host layer (``_host_layer_requests``: stage 1's
+    forward; stage 2's forward and the backward, less the forwards ``attention_kept_chunks`` spares), except
+    where a call follows one of the same layer and chunk, which reuses its gather (``_gathers``)."""
     if not c.host_kv_layers:
         return 0.0, 0.0
     sparse = c.sparse if isinstance(c.sparse, SparseConfig) else SparseConfig()
@@ -86,7 +86,7 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     host, last = spread_layers(shape.kv_layers, c.host_kv_layers), shape.kv_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = [0.0, 0.0]
-    # a chunk's union over the (tile, head) pairs: each pair picks at random (``expected_union_pages``)
+    # a chunk's union over the (tile, head) pairs, each picking its top-k pages at random
     unions = selected_pages_by_chunk(c.context, c.chunk_size, c.page_size, sparse, n_tiles * heads)
     for index, union in enumerate(unions):
         kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"

@@ -97,13 +97,6 @@ def selected_pages_by_chunk(context: int, chunk_size: int, page_size: int, spars
                  for start in range(0, context, chunk_size))
 
 
-def expected_union_pages(n_past: int, sparse: "SparseConfig", n_tiles: int, heads: int) -> float:
-    """Distinct past pages a chunk's selections touch over ``heads`` selecting KV heads (each page's K of every
-    head travels together), in expectation, each of the ``n_tiles * heads`` (tile, head) pairs picking its
-    top-k pages at random (``expected_selected_pages``)."""
-    return expected_selected_pages(n_past, sparse, n_tiles * heads)
-
-
 def attention_kept_chunks(n_chunks: int, checkpoint_layers: bool, graph_chunks: int, kept_chunks: int,
                           host_kept_chunks: int) -> set[int]:
     """Chunks whose attention forward stage 2 takes from stage 1 instead of computing it: the last
