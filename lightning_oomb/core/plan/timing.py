@@ -243,7 +243,7 @@ def generation_time(model: Any, context: int, chunk_size: int = 4096, page_size:
     chunk_launches = launches + carried_ops(shape, lengths, 1.0, backwards=0.0) * CARRIED_OP_LAUNCH_S
     flops, seconds = 2.0 * shape.head_params * batch, 0.0
     for i, pairs in enumerate(layer_chunk_pairs(shape, context, chunk_size, attended, context).tolist()):
-        n = min(chunk_size, context - i * chunk_size) * batch
+        n = float(lengths[i]) * batch
         linear, attention = 2.0 * body * n, per_pair * pairs + shape.carried_mixing_flops * n
         flops += linear + attention
         seconds += max(linear / (peak * LINEAR_EFFICIENCY) + attention / (peak * efficiency),
