@@ -161,17 +161,18 @@ def test_trainer_step_on_packed_documents_is_one_sgd_step_on_separate_documents(
 
 
 def test_host_pages_skip_the_segments_before_a_chunks_documents():
-    """Pages in host memory: the segments of the past wholly before a chunk's earliest document start are
-    neither copied nor computed, and gradient pages that no later chunk wrote are staged as zeros, not read.
-    Every host page is NaN before each step (a stale page read would show), and the traffic is what the
-    documents imply (64 bytes per token of K, V, dK or dV of one layer; 2 layers; chunks of 8 = one segment):
+    """Pages in host memory: the past before the page of a chunk's earliest document start is neither copied
+    nor computed, and gradient pages that no later chunk wrote are staged as zeros, not read. Every host page
+    is NaN before each step (a stale page read would show), and the traffic is what the documents imply (64
+    bytes per token of K, V, dK or dV of one layer; 2 layers; chunks of 8 = one segment; pages of 4):
 
-    documents start at 0, 4, 10, 24: chunks [8, 16) and [16, 24) see the past from tokens 4 and 10, so one
-    segment each ([0, 8) and [8, 16)), chunk [24, 32) none. K, V in: those 16 past tokens in stage 1, in
-    stage 2's forward and in its backward (x 3), plus the chunks' stored dK, dV: none for [16, 24) (the chunk
-    after it sees no key before 24), [8, 16) and [0, 8) from the passes of [16, 24) and [8, 16). The past's
-    dK, dV staged for [16, 24) and [8, 16) lie before what any later chunk wrote: zeros, no copy. Out: every
-    token's K, V, and dK, dV of the 16 past tokens computed. The unpacked step moves 2.9 times as much in, 1.7 out."""
+    documents start at 0, 4, 10, 24: chunks [8, 16) and [16, 24) see the past from tokens 4 and 10, so from
+    the pages at 4 and 8 ([4, 8) and [8, 16): 12 tokens), chunk [24, 32) none. K, V in: those 12 past tokens
+    in stage 1, in stage 2's forward and in its backward (x 3), plus the chunks' stored dK, dV: none for
+    [16, 24) (the chunk after it sees no key before 24), [8, 16) and [4, 8) from the passes of [16, 24) and
+    [8, 16). The past's dK, dV staged for [16, 24) and [8, 16) lie before what any later chunk wrote: zeros,
+    no copy. Out: every token's K, V, and dK, dV of the 12 past tokens computed. The unpacked step moves 3.9
+    times as much in, 1.8 out."""
     from lightning_oomb.core.placement import Placement
     from lightning_oomb.core.schedule import ChunkedSequence, new_pool
     from lightning_oomb.kernels.page_table import StoreSpec
@@ -200,7 +201,7 @@ def test_host_pages_skip_the_segments_before_a_chunks_documents():
         else:
             assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads_of(model).values())
         model.zero_grad(set_to_none=True)
-    assert traffic[True] == (layers * row * (3 * 2 * 16 + 2 * 16), layers * row * (2 * 32 + 2 * 16))
+    assert traffic[True] == (layers * row * (3 * 2 * 12 + 2 * 12), layers * row * (2 * 32 + 2 * 12))
     assert traffic[False] == (48128, 20480)  # test_offload.test_copy_statistics_count_every_byte's count
 
 

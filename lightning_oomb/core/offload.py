@@ -226,13 +226,18 @@ class Streamer:
     def _segments(self, start: int, layer: int) -> list[tuple[int, int, int]]:
         """The past of the chunk at ``start`` that ``layer``'s queries see, as segments (index, lo, hi): segment i
         holds tokens [i * n, (i + 1) * n) of every sequence, in staging half i % 2. Those wholly before the
-        chunk's first key (packed documents; a sliding-window layer's window) are left out."""
+        chunk's first key (packed documents; a sliding-window layer's window) are left out, and the first one
+        kept starts at the page of that key: a window of 1,024 tokens moves its 1,024, not its segment's 64K.
+        Page starts, because staging and the sm_90 kernels address whole pages."""
         n = self._step["seg_tokens"]
         first_key = self._step["first_keys"].get(start, 0)
         if layer in self.spec.window_layers:
             first_key = max(first_key, start - self.spec.window + 1)
-        first = first_key // n if first_key < start else -(-start // n)
-        return [(i, i * n, min((i + 1) * n, start)) for i in range(first, -(-start // n))]
+        if first_key >= start:
+            return []
+        first_page_key = first_key // self.page_size * self.page_size
+        return [(i, max(i * n, first_page_key), min((i + 1) * n, start))
+                for i in range(first_page_key // n, -(-start // n))]
 
     def _grads_from(self, layer: int) -> int:
         return self._step["grads_from"].get(layer, self._step["table"].seq_len)
@@ -306,9 +311,10 @@ class Streamer:
                 nbytes += n * staged[0].numel() * staged.element_size()
         return nbytes
 
-    def _segment_base(self, half: int) -> Callable[[int], int]:
-        """First staging row of sequence b's share of staging half ``half``."""
-        return lambda b: half * self.half_pages * self.page_size + b * self._step["seg_tokens"]
+    def _segment_base(self, index: int, lo: int) -> Callable[[int], int]:
+        """Staging row of token ``lo`` of sequence b in segment ``index`` (staging half index % 2)."""
+        n = self._step["seg_tokens"]
+        return lambda b: (index % 2) * self.half_pages * self.page_size + b * n + lo - index * n
 
     def _load(self, layer: int, index: int, lo: int, hi: int, grads: bool) -> None:
         """Bring segment ``index`` (tokens [lo, hi) of every sequence) of ``layer`` into half index % 2; with
@@ -326,8 +332,8 @@ class Streamer:
                 self.dv[rows].zero_()
             for name, (t0, t1) in (("k", (lo, hi)), ("v", (lo, hi)), ("dk", (written, hi)), ("dv", (written, hi))):
                 if t0 < t1:
-                    nbytes += self._copy(self._host[name][layer], getattr(self, name), self._segment_base(half), t0,
-                                         t1, to_host=False)
+                    nbytes += self._copy(self._host[name][layer], getattr(self, name), self._segment_base(index, t0),
+                                         t0, t1, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._loaded[half], "h2d")
 
@@ -338,9 +344,9 @@ class Streamer:
         nbytes = 0
         with self.streams.on("d2h", [self._consumed[half]]):
             # Whole pages go back: rows past ``hi`` in the last page carry what was loaded.
-            end = _page_end(hi, self.page_size, lo, per_seq)
+            end = _page_end(hi, self.page_size, index * per_seq, per_seq)
             for host, staged in ((store.dk, self.dk), (store.dv, self.dv)):
-                nbytes += self._copy(host, staged, self._segment_base(half), lo, end, to_host=True)
+                nbytes += self._copy(host, staged, self._segment_base(index, lo), lo, end, to_host=True)
         self.stats.d2h_bytes += nbytes
         self.streams.record(self._written[half], "d2h")
         self._layer_d2h[store.layer] = self._written[half]
@@ -440,6 +446,6 @@ class Streamer:
         return dq.to(q.dtype), dk, dv
 
 
-def _page_end(hi: int, page_size: int, lo: int, per_seq: int) -> int:
-    """The end of the page holding token hi - 1, within the segment that starts at lo."""
-    return min(-(-hi // page_size) * page_size, lo + per_seq)
+def _page_end(hi: int, page_size: int, segment_start: int, per_seq: int) -> int:
+    """The end of the page holding token hi - 1, within the segment that starts at ``segment_start``."""
+    return min(-(-hi // page_size) * page_size, segment_start + per_seq)
