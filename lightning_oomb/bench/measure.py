@@ -65,10 +65,11 @@ def measure(
                       matmul_tflops=config.matmul_tflops, document_length=config.document_length)
     result.floor_s = step_time(shape, step.checkpointed(False)).floor_s  # the same for every dense mode
 
-    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0, host_kv_layers: int = 0) -> None:
+    def planned(segment_tokens: int = OFFLOAD_SEGMENT_TOKENS, host_grad_layers: int = 0, host_kv_layers: int = 0,
+                streamed: bool = mode.offload and not mode.sparse) -> None:
         predicted = plan(
             shape, step, gpu_memory=1 << 62, segment_tokens=segment_tokens,
-            pages=Pages(mode.offload and not mode.sparse, host_grad_layers, host_kv_layers),
+            pages=Pages(streamed, host_grad_layers, host_kv_layers),
             kept_chunks=result.kept_chunks or 0, graph_chunks=result.graph_chunks or 0,
             host_kept_chunks=result.host_kept_chunks or 0,
         )
@@ -95,9 +96,10 @@ def measure(
             result.kept_chunks, result.graph_chunks = placement.kept_chunks, placement.graph_chunks
             result.host_kept_chunks = placement.host_kept_chunks
             planned()
-        if mode.offload and pool is not None and pool.on_host:  # plan with the segment the step chose
+        if pool is not None and pool.on_host:  # streamed (offload, or auto on a GPU too small for the pages)
             result.segment_tokens = pool.streamer.half_pages * config.page_size // config.batch
-            planned(result.segment_tokens)
+            if mode.planned:  # plan as the step was placed, with the segment it chose
+                planned(result.segment_tokens, streamed=not mode.sparse)
             pool.streamer.take_stats()  # the timed steps' traffic only
         if pool is not None:  # the timed steps' gathers and additions only
             _bus_seconds(pool)
