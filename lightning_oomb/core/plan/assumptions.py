@@ -34,6 +34,7 @@ CARRIED_OP_LAUNCH_S = 11.4e-6  # s: the host's time to issue one operation of a 
 HOST_ADD_GBPS = 61.5  # GB/s: host gradient layers' additions over the bus (sparse)
 HOST_ADD_HIDDEN_S = 5.4e-3  # s: of each host layer's additions per chunk, hidden behind the compute
 HOST_GATHER_GBPS = 48.0  # GB/s: host K/V layers' gathers of the selected pages over the bus (sparse)
+STREAM_GBPS = 53.0  # GB/s each way: dense steps' streamed segments of host pages (H100, 51-55 measured)
 
 # -- generation (prefill and decoding without gradients)
 DECODE_GBPS = 3400.0  # GB/s at DEFAULT_MATMUL_TFLOPS: a new token's reads of weights and K/V (assumed, not measured)

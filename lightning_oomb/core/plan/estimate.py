@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ..model_shape import ModelShape
 from .collectives import step_collectives
 from .config import PlanConfig
-from .host_transfers import host_add_seconds, host_gather_bytes, host_gather_seconds
+from .host_transfers import (
+    host_add_seconds, host_gather_bytes, host_gather_seconds, streamed_bytes_by_chunk, streamed_seconds,
+)
 from .memory import memory_lines
 from .report import Plan
 from .timing import step_time
@@ -25,6 +29,8 @@ def estimate_step(
                                host_gather_s=host_gather_seconds(
                                    shape, config, time.compute_s * (1 - time.stage_1_flops / time.total_flops)),
                                host_gather_bytes=host_gather_bytes(shape, config),
+                               stream_s=streamed_seconds(shape, config, np.array(time.chunk_busy_s)),
+                               stream_bytes=float(streamed_bytes_by_chunk(shape, config)[0].sum()),
                                all_reduce_s=sum(x.seconds for x in collectives
                                                 if x.kind == "all-reduce" and not x.activations),
                                sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"),

@@ -1,13 +1,17 @@
-"""Seconds that sparse steps' host-memory pages add over the bus: the host gradient layers' additions and the
-host K/V layers' gathers of the selected pages (docs/planner.md, "Time")."""
+"""Seconds that host-memory pages add over the bus: sparse steps' host gradient layers' additions and host K/V
+layers' gathers of the selected pages, dense steps' streamed segments (docs/planner.md, "Time")."""
 
 from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
 
 from ..config import SparseConfig
 from ..model_shape import ModelShape, _itemsize, _kv_dtype
 from ..pages import movable_host_layers, spread_layers, stage_2_gather_order
-from .assumptions import HOST_ADD_GBPS, HOST_ADD_HIDDEN_S, HOST_GATHER_GBPS
-from .config import PlanConfig
+from .assumptions import HOST_ADD_GBPS, HOST_ADD_HIDDEN_S, HOST_GATHER_GBPS, STREAM_GBPS
+from .config import PlanConfig, offload_segment_pages
 from .timing import attention_kept_chunks, selected_pages_by_chunk
 
 
@@ -113,3 +117,106 @@ def host_gather_seconds(shape: "ModelShape", c: "PlanConfig", stage_2_compute_s:
     (``core.pages.HostKVStaging``), so only what outlasts stage 2's compute (``stage_2_compute_s``) shows."""
     stage_1, stage_2 = (b / (HOST_GATHER_GBPS * 1e9) for b in host_gather_stage_bytes(shape, c))
     return stage_1 + max(0.0, stage_2 - stage_2_compute_s)
+
+
+def streamed_bytes_by_chunk(shape: "ModelShape", c: "PlanConfig") -> tuple[np.ndarray, np.ndarray]:
+    """Dense steps with every page in pinned host memory (``c.streamed``): the bytes each chunk's attention
+    calls move host to GPU and GPU to host, stage 1 and stage 2 together, as ``core.offload.Streamer`` moves
+    them (``_streamed_rows``). Zeros for any other step."""
+    n = c.n_chunks
+    if not c.streamed or c.sparse:
+        return np.zeros(n), np.zeros(n)
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
+    kinds = tuple("graph" if i >= n - graphs else "kept" if i in kept else "computed" for i in range(n))
+    per_seq = offload_segment_pages(c) // c.batch * c.page_size
+    kv_in, grads_in, kv_out, grads_out = _streamed_rows(
+        shape.kv_layers, min(shape.window_layers, shape.kv_layers), shape.window, c.context, c.chunk_size,
+        c.page_size, per_seq, c.document_length or 0, kinds, c.stage_1_loss)
+    kv_row = shape.n_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(_kv_dtype(c.precision)) * c.batch
+    grad_row = shape.n_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(c.grad_dtype) * c.batch
+    return kv_in * kv_row + grads_in * grad_row, kv_out * kv_row + grads_out * grad_row
+
+
+def streamed_seconds(shape: "ModelShape", c: "PlanConfig", chunk_busy_s: np.ndarray) -> float:
+    """Seconds the streamed segments of a dense host-paged step add: for each chunk, how far its copies at
+    STREAM_GBPS (each direction on its own copy stream) outlast its compute and launches (``chunk_busy_s``)."""
+    h2d, d2h = streamed_bytes_by_chunk(shape, c)
+    bus = np.maximum(h2d, d2h) / (STREAM_GBPS * 1e9)
+    return float(np.maximum(0.0, bus - chunk_busy_s).sum())
+
+
+@lru_cache(maxsize=64)
+def _streamed_rows(layers: int, window_layers: int, window: int, context: int, chunk: int, page: int,
+                   segment: int, document_length: int, kinds: tuple[str, ...], stage_1_loss: bool
+                   ) -> tuple[np.ndarray, ...]:
+    """Token rows of one sequence and one layer's K and V (or dK and dV) that each chunk's calls move: (K/V in,
+    dK/dV in, K/V out, dK/dV out), mirroring ``Streamer``'s calls in their order. A call streams its past from
+    the page of its first visible key (documents of ``document_length`` tokens; the window of the first
+    ``window_layers`` layers, the others global: which ones only matters for copies sent ahead of a call
+    that never comes) in segments of ``segment`` tokens, sending the next layer's first two ahead; stage 2's
+    backward stages the past's dK, dV (zeros below what this step's passes wrote) and the chunk's stored ones
+    and writes the past's back in whole pages. ``kinds``: per chunk, "graph", "kept" or "computed" as in
+    ``host_gather_stage_bytes``."""
+    n = len(kinds)
+    kv_in, grads_in, kv_out, grads_out = (np.zeros(n) for _ in range(4))
+    written_from: dict[int, int] = {}  # per layer: the first token of this step's dK, dV sums (Streamer's)
+    ahead: tuple | None = None
+
+    def segments(start: int, layer: int) -> list[tuple[int, int, int]]:
+        first_key = start // document_length * document_length if document_length else 0
+        if layer < window_layers:
+            first_key = max(first_key, start - window + 1)
+        if first_key >= start:
+            return []
+        first_page_key = first_key // page * page
+        return [(i, max(i * segment, first_page_key), min((i + 1) * segment, start))
+                for i in range(first_page_key // segment, -(-start // segment))]
+
+    def load(index: int, layer: int, lo: int, hi: int, grads: bool) -> None:
+        kv_in[index] += hi - lo
+        if grads:
+            grads_in[index] += max(0, hi - max(lo, written_from.get(layer, context)))
+
+    def first_loads(index: int, backward: bool, layer: int, start: int, t: int) -> None:
+        nonlocal ahead
+        sent, ahead = ahead, None
+        if sent == (backward, layer, start):
+            return
+        for _, lo, hi in segments(start, layer)[:2]:
+            load(index, layer, lo, hi, backward)
+        if backward:
+            grads_in[index] += max(0, start + t - max(start, written_from.get(layer, context)))
+
+    def call(index: int, backward: bool, layer: int, start: int, t: int) -> None:
+        nonlocal ahead
+        past = segments(start, layer)
+        first_loads(index, backward, layer, start, t)
+        for k, (i, lo, hi) in enumerate(past):
+            if backward:
+                grads_out[index] += min(-(-hi // page) * page, (i + 1) * segment) - lo
+            if k >= 2:
+                load(index, layer, lo, hi, backward)
+        if backward:
+            written_from[layer] = min(written_from.get(layer, context), past[0][1] if past else start)
+        following = layer - 1 if backward else layer + 1
+        if 0 <= following < layers:
+            first_loads(index, backward, following, start, t)
+            ahead = (backward, following, start)
+
+    for index, kind in enumerate(kinds):
+        start, t = index * chunk, min(chunk, context - index * chunk)
+        kv_out[index] += layers * t
+        skip_last = kind != "graph" and not stage_1_loss  # stage 1 ends at the last layer's K/V store
+        for layer in range(layers - 1 if skip_last else layers):
+            call(index, False, layer, start, t)
+    for index in reversed(range(n)):
+        kind = kinds[index]
+        start, t = index * chunk, min(chunk, context - index * chunk)
+        skip_last = kind != "graph" and not stage_1_loss
+        forwards = {"graph": [], "kept": [layers - 1] if skip_last else [], "computed": list(range(layers))}[kind]
+        for layer in forwards:
+            call(index, False, layer, start, t)
+        for layer in reversed(range(layers)):
+            call(index, True, layer, start, t)
+    return kv_in, grads_in, kv_out, grads_out

@@ -10,7 +10,7 @@ from ..model_shape import ModelShape
 from ..units import GIB
 from .assumptions import (
     CARRIED_OP_LAUNCH_S, COLLECTIVE_GBPS, DEFAULT_MATMUL_TFLOPS, DEQUANT_GBPS, HOST_GATHER_GBPS, KERNEL_LAUNCH_S,
-    LINEAR_EFFICIENCY, PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY,
+    LINEAR_EFFICIENCY, PLACEMENT_HEADROOM_SHARE, PORTABLE_ATTENTION_EFFICIENCY, STREAM_GBPS,
 )
 from .collectives import step_collectives
 from .config import PlanConfig
@@ -196,6 +196,8 @@ class Plan:
             + (f", plus {duration(t.host_gather_s)} of gathering the host K/V layers' selected pages "
                f"({gb(t.host_gather_bytes)} at {HOST_GATHER_GBPS:g} GB/s; stage 2's behind the compute)"
                if t.host_gather_bytes else "")
+            + (f", plus {duration(t.stream_s)} of streaming the host pages ({gb(t.stream_bytes)} in at "
+               f"{STREAM_GBPS:g} GB/s, each chunk's behind its compute)" if t.stream_bytes else "")
             + _collectives_time(t, c)
             + (f", plus {duration(t.dequant_s)} dequantising the 4-bit weights for each matmul (assumed "
                f"{DEQUANT_GBPS * t.matmul_tflops / DEFAULT_MATMUL_TFLOPS:.0f} GB/s)" if t.dequant_s else "")

@@ -48,6 +48,10 @@ class StepTime:
     # small chunks, and of a hybrid's whose token mixing runs transformers' torch path (docs/planner.md).
     launch_s: float = 0.0
     carried_ops: float = 0.0  # hybrids: operations the state-carrying layers launch over the step (carried_ops)
+    # Per chunk, seconds of its compute or, where longer, of its launches: what its streamed copies overlap.
+    chunk_busy_s: tuple[float, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    stream_s: float = 0.0  # dense steps on host pages: the streamed copies outlasting each chunk (streamed_seconds)
+    stream_bytes: float = 0.0  # ... and the bytes they move host to GPU (streamed_bytes_by_chunk)
 
     @property
     def total_flops(self) -> float:
@@ -70,11 +74,12 @@ class StepTime:
 
     @property
     def predicted_s(self) -> float:
-        """``compute_s`` plus the host gradient layers' additions, the host K/V gathers and the collectives that
+        """``compute_s`` plus the host gradient layers' additions, the host K/V gathers, the streamed pages and the
+        collectives that
         do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
         other machines."""
-        return (self.compute_s + self.launch_s + self.host_add_s + self.host_gather_s + self.all_reduce_s
-                + self.sharding_s + self.tensor_parallel_s + self.dequant_s)
+        return (self.compute_s + self.launch_s + self.host_add_s + self.host_gather_s + self.stream_s
+                + self.all_reduce_s + self.sharding_s + self.tensor_parallel_s + self.dequant_s)
 
 
 def expected_selected_pages(n_past: int, sparse: "SparseConfig", n_tiles: int) -> float:
@@ -171,8 +176,10 @@ def step_time(model: Any, config: PlanConfig | int, **options: Any) -> StepTime:
                         chunk_kernels(shape, False, checkpoint_layers)) * KERNEL_LAUNCH_S
     mixing_ops = carried_ops(shape, lengths, 2.0 - graph_kept + checkpoint_layers)
     launches += mixing_ops * CARRIED_OP_LAUNCH_S
-    waits = float(np.maximum(0.0, launches - weights * seconds_per_weight).sum())
-    return dataclasses.replace(time, launch_s=waits, carried_ops=float(mixing_ops.sum()))
+    compute = weights * seconds_per_weight
+    waits = float(np.maximum(0.0, launches - compute).sum())
+    return dataclasses.replace(time, launch_s=waits, carried_ops=float(mixing_ops.sum()),
+                               chunk_busy_s=tuple(np.maximum(compute, launches).tolist()))
 
 
 def carried_ops(shape: ModelShape, lengths: np.ndarray, forwards: np.ndarray | float,

@@ -1,0 +1,65 @@
+"""The planner's bytes for a dense step with its pages streamed from host memory
+(``plan.host_transfers.streamed_bytes_by_chunk``) equal what ``core.offload.Streamer`` counts moving, byte for
+byte, on the CPU: global and sliding-window layers, packed documents, chunks that pages and segments do not
+divide, layer checkpointing on and off."""
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.model_shape import ModelShape
+from lightning_oomb.core.placement import Placement
+from lightning_oomb.core.plan.config import Pages, PlanConfig
+from lightning_oomb.core.plan.host_transfers import streamed_bytes_by_chunk, streamed_seconds
+from lightning_oomb.core.schedule import ChunkedSequence, new_pool
+from lightning_oomb.kernels.page_table import StoreSpec
+from tiny_models import VOCAB, tiny_model
+
+CASES = {
+    # family, window, tokens, chunk, page, segment, document length, layer checkpointing
+    "global": ("qwen2", None, 45, 6, 4, 12, None, False),
+    "global, checkpointed": ("qwen2", None, 40, 8, 4, 8, None, True),
+    "window": ("mistral", 6, 40, 8, 4, 16, None, False),
+    "window, pages across chunks": ("mistral", 7, 43, 6, 4, 8, None, True),
+    "documents": ("qwen2", None, 44, 8, 4, 8, 10, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_planned_streamed_bytes_equal_the_streamers(case):
+    family, window, tokens, chunk, page, segment, document_length, checkpoint = CASES[case]
+    model = tiny_model(family, **({"sliding_window": window} if window else {}))
+    ids = torch.randint(0, VOCAB, (1, tokens))
+    position_ids = None
+    if document_length:
+        position_ids = (torch.arange(tokens) % document_length)[None]
+    config = ChunkConfig(chunk_size=chunk, page_size=page, offload="host", segment_tokens=segment,
+                         attention="reference", checkpoint_layers=checkpoint)
+    spec = StoreSpec(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.float32,
+                     **(dict(window_layers=(0, 1), window=window) if window else {}))
+    pool = new_pool(spec, -(-tokens // page), page, torch.device("cpu"), True, Placement("host", segment, 1))
+    seq = ChunkedSequence(model, ids, config=config, pools=lambda *args: pool, position_ids=position_ids)
+    seq.fill()
+    seq.backward()
+    stats = pool.streamer.take_stats()
+
+    shape = ModelShape.resolve(model)
+    plan_config = PlanConfig(tokens, config, precision="32-true", pages=Pages(streamed=True),
+                             document_length=document_length)
+    h2d, d2h = streamed_bytes_by_chunk(shape, plan_config)
+    assert (h2d.sum(), d2h.sum()) == (stats.h2d_bytes, stats.d2h_bytes)
+
+
+def test_streamed_time_is_what_outlasts_each_chunks_compute():
+    """A chunk's copies at STREAM_GBPS overlap its compute; only the excess adds. No streaming, no bytes."""
+    shape = ModelShape.resolve("qwen2.5-7b")
+    chunk = ChunkConfig(chunk_size=4096, offload="host")
+    streamed = PlanConfig(131072, chunk, pages=Pages(streamed=True))
+    h2d, d2h = streamed_bytes_by_chunk(shape, streamed)
+    assert len(h2d) == 32 and h2d[0] < h2d[-1]  # later chunks stream a longer past
+    busy = np.zeros(32)
+    assert streamed_seconds(shape, streamed, busy) == pytest.approx(float((h2d / 53e9).sum()))
+    assert streamed_seconds(shape, streamed, busy + 1e3) == 0.0
+    on_gpu = PlanConfig(131072, chunk)
+    assert streamed_bytes_by_chunk(shape, on_gpu)[0].sum() == 0.0
