@@ -96,17 +96,18 @@ class LengthPlan:
 
 def eval_plan(shape: ModelShape, tokens: list[int], dtype_bytes: int, chunk: int, device: str, offload: str,
               gpu_memory: int | None, host_memory: int | None, max_positions: int | None) -> tuple[int, list[LengthPlan]]:
-    """Each length's K/V pages (bytes = 2 x layers x KV heads x head_dim x dtype bytes x tokens) against the
-    memory left once the weights (``shape.total_params`` x dtype bytes) and one chunk's activations (an
-    estimate: the chunk's q, k, v, attention output, MLP and residual rows) are placed: free GPU memory, else
-    (offload auto or host) the host memory budget; on the CPU the host budget holds all of it. Returns (the fixed
-    bytes of weights and activations, a LengthPlan per length)."""
+    """Each length's K/V pages (bytes = the layers with pages x (key + value width) x dtype bytes x tokens: a
+    hybrid's state-carrying layers hold none) against the memory left once the weights (``shape.total_params``
+    x dtype bytes) and one chunk's activations (an estimate: the chunk's q, k, v, attention output, MLP and
+    residual rows) are placed: free GPU memory, else (offload auto or host) the host memory budget; on the CPU
+    the host budget holds all of it. Returns (the fixed bytes of weights and activations, a LengthPlan per
+    length)."""
     from .core.host_memory import host_budget, process_host_bytes
 
     weights = shape.total_params * dtype_bytes
     row = 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate + 4 * shape.hidden
     fixed = weights + chunk * row * dtype_bytes
-    per_token = 2 * shape.n_layers * shape.kv_width * dtype_bytes
+    per_token = shape.kv_layers * (shape.kv_width + shape.v_width) * dtype_bytes  # kv_bytes_per_token's count
     host_room = host_budget(host_memory) - process_host_bytes()
     gpu_room = None
     if device.startswith("cuda"):

@@ -133,3 +133,17 @@ def test_missing_matplotlib_is_one_line(model_dir, capsys, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
     assert "needs matplotlib" in _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K"])
+
+
+def test_the_eval_plan_counts_pages_of_the_attention_layers_only():
+    """A hybrid's state-carrying layers hold no K/V pages: Qwen3-Next's 12 attention layers of 48 do, with
+    their keys and values as wide as the planner's ModelShape.kv_bytes_per_token counts them."""
+    from lightning_oomb.core.model_shape import ModelShape
+    from lightning_oomb.evaluate_cli import eval_plan
+
+    import torch
+
+    shape = ModelShape.resolve("qwen3-next-80b-a3b")
+    assert shape.kv_layers < shape.n_layers
+    _, plans = eval_plan(shape, [131072], 2, 4096, "cpu", "auto", None, 1 << 50, None)
+    assert plans[0].pages == 131072 * shape.kv_bytes_per_token(torch.bfloat16)
