@@ -1,7 +1,9 @@
 """The planner's bytes for a dense step with its pages streamed from host memory
 (``plan.host_transfers.streamed_bytes_by_chunk``) equal what ``core.offload.Streamer`` counts moving, byte for
 byte, on the CPU: global and sliding-window layers, packed documents, chunks that pages and segments do not
-divide, layer checkpointing on and off."""
+divide, layer checkpointing on and off, attention outputs kept from stage 1, the loss in stage 1."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -17,18 +19,21 @@ from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, tiny_model
 
 CASES = {
-    # family, window, tokens, chunk, page, segment, document length, layer checkpointing
-    "global": ("qwen2", None, 45, 6, 4, 12, None, False),
-    "global, checkpointed": ("qwen2", None, 40, 8, 4, 8, None, True),
-    "window": ("mistral", 6, 40, 8, 4, 16, None, False),
-    "window, pages across chunks": ("mistral", 7, 43, 6, 4, 8, None, True),
-    "documents": ("qwen2", None, 44, 8, 4, 8, 10, False),
+    # family, window, tokens, chunk, page, segment, document length, layer checkpointing, chunks whose
+    # attention outputs stage 1 keeps in host memory, loss in stage 1 (a served step)
+    "global": ("qwen2", None, 45, 6, 4, 12, None, False, 0, False),
+    "global, checkpointed": ("qwen2", None, 40, 8, 4, 8, None, True, 0, False),
+    "global, kept outputs": ("qwen2", None, 40, 8, 4, 8, None, False, 2, False),
+    "global, loss in stage 1": ("qwen2", None, 40, 8, 4, 8, None, False, 0, True),
+    "window": ("mistral", 6, 40, 8, 4, 16, None, False, 0, False),
+    "window, pages across chunks": ("mistral", 7, 43, 6, 4, 8, None, True, 0, False),
+    "documents": ("qwen2", None, 44, 8, 4, 8, 10, False, 0, False),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_planned_streamed_bytes_equal_the_streamers(case):
-    family, window, tokens, chunk, page, segment, document_length, checkpoint = CASES[case]
+    family, window, tokens, chunk, page, segment, document_length, checkpoint, host_kept, stage_1_loss = CASES[case]
     model = tiny_model(family, **({"sliding_window": window} if window else {}))
     ids = torch.randint(0, VOCAB, (1, tokens))
     position_ids = None
@@ -39,14 +44,17 @@ def test_planned_streamed_bytes_equal_the_streamers(case):
     spec = StoreSpec(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.float32,
                      **(dict(window_layers=(0, 1), window=window) if window else {}))
     pool = new_pool(spec, -(-tokens // page), page, torch.device("cpu"), True, Placement("host", segment, 1))
-    seq = ChunkedSequence(model, ids, config=config, pools=lambda *args: pool, position_ids=position_ids)
+    seq = ChunkedSequence(model, ids, config=config, pools=lambda *args: pool, position_ids=position_ids,
+                          stage_1_loss=stage_1_loss)
+    # A CPU placement keeps no attention outputs (its memory is the host's); asked for here as a GPU's would be.
+    seq.placement = dataclasses.replace(seq.placement, host_kept_chunks=host_kept)
     seq.fill()
     seq.backward()
     stats = pool.streamer.take_stats()
 
     shape = ModelShape.resolve(model)
     plan_config = PlanConfig(tokens, config, precision="32-true", pages=Pages(streamed=True),
-                             document_length=document_length)
+                             document_length=document_length, host_kept_chunks=host_kept, stage_1_loss=stage_1_loss)
     h2d, d2h = streamed_bytes_by_chunk(shape, plan_config)
     assert (h2d.sum(), d2h.sum()) == (stats.h2d_bytes, stats.d2h_bytes)
 

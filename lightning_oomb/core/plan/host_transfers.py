@@ -151,72 +151,41 @@ def _streamed_rows(layers: int, window_layers: int, window: int, context: int, c
                    segment: int, document_length: int, kinds: tuple[str, ...], stage_1_loss: bool
                    ) -> tuple[np.ndarray, ...]:
     """Token rows of one sequence and one layer's K and V (or dK and dV) that each chunk's calls move: (K/V in,
-    dK/dV in, K/V out, dK/dV out), mirroring ``Streamer``'s calls in their order. A call streams its past from
-    the page of its first visible key (documents of ``document_length`` tokens; the window of the first
-    ``window_layers`` layers, the others global: which ones only matters for copies sent ahead of a call
-    that never comes) in segments of ``segment`` tokens, sending the next layer's first two ahead; stage 2's
-    backward stages the past's dK, dV (zeros below what this step's passes wrote) and the chunk's stored ones
-    and writes the past's back in whole pages. ``kinds``: per chunk, "graph", "kept" or "computed" as in
-    ``host_gather_stage_bytes``."""
+    dK/dV in, K/V out, dK/dV out), as ``Streamer`` moves them. A call streams its past from the page of its
+    first visible key (documents of ``document_length`` tokens; the window of the first ``window_layers``
+    layers, the others global: which ones only matters for the last layer's copies below) in segments of
+    ``segment`` tokens. Stage 1 calls every layer's forward (but the last one's when it ends the chunk at that
+    layer's K/V store, whose first two segments the layer before sent ahead anyway), stage 2 the forwards it
+    does not take from stage 1 and every backward, which also stages the past's dK, dV (zeros below what this
+    step's passes wrote: they go in reverse order) and the chunk's stored ones, and writes the past's back in
+    whole pages. ``kinds``: per chunk, "graph", "kept" or "computed" as in ``host_gather_stage_bytes``."""
     n = len(kinds)
-    kv_in, grads_in, kv_out, grads_out = (np.zeros(n) for _ in range(4))
-    written_from: dict[int, int] = {}  # per layer: the first token of this step's dK, dV sums (Streamer's)
-    ahead: tuple | None = None
-
-    def segments(start: int, layer: int) -> list[tuple[int, int, int]]:
-        first_key = start // document_length * document_length if document_length else 0
-        if layer < window_layers:
-            first_key = max(first_key, start - window + 1)
-        if first_key >= start:
-            return []
-        first_page_key = first_key // page * page
-        return [(i, max(i * segment, first_page_key), min((i + 1) * segment, start))
-                for i in range(first_page_key // segment, -(-start // segment))]
-
-    def load(index: int, layer: int, lo: int, hi: int, grads: bool) -> None:
-        kv_in[index] += hi - lo
-        if grads:
-            grads_in[index] += max(0, hi - max(lo, written_from.get(layer, context)))
-
-    def first_loads(index: int, backward: bool, layer: int, start: int, t: int) -> None:
-        nonlocal ahead
-        sent, ahead = ahead, None
-        if sent == (backward, layer, start):
-            return
-        for _, lo, hi in segments(start, layer)[:2]:
-            load(index, layer, lo, hi, backward)
-        if backward:
-            grads_in[index] += max(0, start + t - max(start, written_from.get(layer, context)))
-
-    def call(index: int, backward: bool, layer: int, start: int, t: int) -> None:
-        nonlocal ahead
-        past = segments(start, layer)
-        first_loads(index, backward, layer, start, t)
-        for k, (i, lo, hi) in enumerate(past):
-            if backward:
-                grads_out[index] += min(-(-hi // page) * page, (i + 1) * segment) - lo
-            if k >= 2:
-                load(index, layer, lo, hi, backward)
-        if backward:
-            written_from[layer] = min(written_from.get(layer, context), past[0][1] if past else start)
-        following = layer - 1 if backward else layer + 1
-        if 0 <= following < layers:
-            first_loads(index, backward, following, start, t)
-            ahead = (backward, following, start)
-
-    for index, kind in enumerate(kinds):
-        start, t = index * chunk, min(chunk, context - index * chunk)
-        kv_out[index] += layers * t
-        skip_last = kind != "graph" and not stage_1_loss  # stage 1 ends at the last layer's K/V store
-        for layer in range(layers - 1 if skip_last else layers):
-            call(index, False, layer, start, t)
-    for index in reversed(range(n)):
-        kind = kinds[index]
-        start, t = index * chunk, min(chunk, context - index * chunk)
-        skip_last = kind != "graph" and not stage_1_loss
-        forwards = {"graph": [], "kept": [layers - 1] if skip_last else [], "computed": list(range(layers))}[kind]
-        for layer in forwards:
-            call(index, False, layer, start, t)
-        for layer in reversed(range(layers)):
-            call(index, True, layer, start, t)
+    starts = np.arange(n, dtype=np.int64) * chunk
+    lengths = np.minimum(chunk, context - starts)
+    doc_first = starts // document_length * document_length if document_length else np.zeros(n, np.int64)
+    skip_last = np.array([kind != "graph" and not stage_1_loss for kind in kinds])
+    forwards_all = np.array([kind == "computed" for kind in kinds])
+    kept_last = np.array([kind == "kept" for kind in kinds]) & skip_last
+    kv_in, grads_in, grads_out = np.zeros(n), np.zeros(n), np.zeros(n)
+    for windowed, count in ((True, window_layers), (False, layers - window_layers)):
+        first_key = np.maximum(doc_first, starts - window + 1) if windowed else doc_first
+        lo = np.where(first_key < starts, first_key // page * page, starts)  # lo == start: no past
+        past = starts - lo
+        # The first token of this step's dK, dV sums when the chunk's backward runs: the least lo of the chunks
+        # after it (each pass writes back from its lo), the context's end for the last chunk.
+        written = np.append(np.minimum.accumulate(lo[::-1])[::-1][1:], context)
+        calls = 2 + forwards_all  # stage 1's forward, stage 2's forward where computed, the backward
+        kv_in += count * past * calls
+        grads_in += count * (np.maximum(0, starts - np.maximum(lo, written))
+                             + np.maximum(0, starts + lengths - np.maximum(starts, written)))
+        grads_out += count * np.where(past > 0, -(-starts // page) * page - lo, 0)
+        if windowed == (layers - 1 < window_layers):  # the last layer's kind
+            last_past = past
+            last_first_two = np.where(past > 0, np.minimum((lo // segment + 2) * segment, starts) - lo, 0)
+    kv_in -= skip_last * last_past  # stage 1 skips the last layer's forward ...
+    kv_in += kept_last * last_past  # ... which stage 2 then runs where it keeps the others' outputs
+    wasted = skip_last & (layers > 1)  # ... but the layer before sent its first copies ahead
+    wasted[-1] &= not kept_last[-1]  # the last chunk's stage 2 starts with that very call: they serve it
+    kv_in += wasted * last_first_two
+    kv_out = layers * lengths.astype(float)
     return kv_in, grads_in, kv_out, grads_out
