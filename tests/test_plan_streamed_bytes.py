@@ -67,7 +67,7 @@ def test_streamed_time_is_what_outlasts_each_chunks_compute():
     h2d, d2h = streamed_bytes_by_chunk(shape, streamed)
     assert len(h2d) == 32 and h2d[0] < h2d[-1]  # later chunks stream a longer past
     busy = np.zeros(32)
-    assert streamed_seconds(shape, streamed, busy) == pytest.approx(float((h2d / 53e9).sum()))
-    assert streamed_seconds(shape, streamed, busy + 1e3) == 0.0
+    assert streamed_seconds(h2d, d2h, busy) == pytest.approx(float((h2d / 53e9).sum()))
+    assert streamed_seconds(h2d, d2h, busy + 1e3) == 0.0
     on_gpu = PlanConfig(131072, chunk)
     assert streamed_bytes_by_chunk(shape, on_gpu)[0].sum() == 0.0

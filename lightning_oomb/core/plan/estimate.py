@@ -25,12 +25,13 @@ def estimate_step(
     gpu, host = memory_lines(shape, config)
     time = step_time(shape, config)
     collectives = step_collectives(shape, config)
+    streamed_in, streamed_out = streamed_bytes_by_chunk(shape, config)
     time = dataclasses.replace(time, host_add_s=host_add_seconds(shape, config),
                                host_gather_s=host_gather_seconds(
                                    shape, config, time.compute_s * (1 - time.stage_1_flops / time.total_flops)),
                                host_gather_bytes=host_gather_bytes(shape, config),
-                               stream_s=streamed_seconds(shape, config, np.array(time.chunk_busy_s)),
-                               stream_bytes=float(streamed_bytes_by_chunk(shape, config)[0].sum()),
+                               stream_s=streamed_seconds(streamed_in, streamed_out, np.array(time.chunk_busy_s)),
+                               stream_bytes=float(streamed_in.sum()),
                                all_reduce_s=sum(x.seconds for x in collectives
                                                 if x.kind == "all-reduce" and not x.activations),
                                sharding_s=sum(x.seconds for x in collectives if x.kind != "all-reduce"),

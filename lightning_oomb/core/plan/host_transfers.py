@@ -71,6 +71,15 @@ def _gathers(requests: list[int], held: int | None) -> tuple[int, int | None]:
     return count, held
 
 
+def chunk_kinds(c: "PlanConfig") -> tuple[str, ...]:
+    """What stage 2 runs of each chunk: "graph" (stage 1 kept its autograd graph: the backward only), "kept"
+    (stage 1 kept its attention outputs: no attention forward) or "computed" (``attention_kept_chunks``)."""
+    n = c.n_chunks
+    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
+    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
+    return tuple("graph" if i >= n - graphs else "kept" if i in kept else "computed" for i in range(n))
+
+
 def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float, float]:
     """Bytes the host K/V layers' gathers move over the bus in stage 1 and in stage 2 of a step of ``c``, in
     expectation: each gather moves the union of the chunk's selected pages over its query tiles and selecting
@@ -85,15 +94,13 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     heads = shape.n_kv_heads if sparse.per_kv_head else 1
     page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers  # K and V
     n = c.n_chunks
-    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
-    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
+    kinds = chunk_kinds(c)
     host, last = spread_layers(shape.kv_layers, c.host_kv_layers), shape.kv_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = [0.0, 0.0]
     # a chunk's union over the (tile, head) pairs, each picking its top-k pages at random
     unions = selected_pages_by_chunk(c.context, c.chunk_size, c.page_size, sparse, n_tiles * heads)
-    for index, union in enumerate(unions):
-        kind = "graph" if index >= n - graphs else "kept" if index in kept else "computed"
+    for index, (union, kind) in enumerate(zip(unions, kinds)):
         skip_last = kind != "graph" and not c.stage_1_loss
         key = (kind, skip_last, index == n - 1)
         if key not in per_kind:
@@ -126,22 +133,20 @@ def streamed_bytes_by_chunk(shape: "ModelShape", c: "PlanConfig") -> tuple[np.nd
     n = c.n_chunks
     if not c.streamed or c.sparse:
         return np.zeros(n), np.zeros(n)
-    graphs = 0 if c.checkpoint_layers else min(c.graph_chunks, n)
-    kept = attention_kept_chunks(n, c.checkpoint_layers, c.graph_chunks, c.kept_chunks, c.host_kept_chunks)
-    kinds = tuple("graph" if i >= n - graphs else "kept" if i in kept else "computed" for i in range(n))
     per_seq = offload_segment_pages(c) // c.batch * c.page_size
     kv_in, grads_in, kv_out, grads_out = _streamed_rows(
         shape.kv_layers, min(shape.window_layers, shape.kv_layers), shape.window, c.context, c.chunk_size,
-        c.page_size, per_seq, c.document_length or 0, kinds, c.stage_1_loss)
-    kv_row = shape.n_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(_kv_dtype(c.precision)) * c.batch
-    grad_row = shape.n_kv_heads * (shape.head_dim + shape.value_dim) * _itemsize(c.grad_dtype) * c.batch
+        c.page_size, per_seq, c.document_length or 0, chunk_kinds(c), c.stage_1_loss)
+    # one token's K and V (or dK and dV) of one layer, over the batch
+    kv_row = shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers * c.batch
+    grad_row = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers * c.batch
     return kv_in * kv_row + grads_in * grad_row, kv_out * kv_row + grads_out * grad_row
 
 
-def streamed_seconds(shape: "ModelShape", c: "PlanConfig", chunk_busy_s: np.ndarray) -> float:
-    """Seconds the streamed segments of a dense host-paged step add: for each chunk, how far its copies at
-    STREAM_GBPS (each direction on its own copy stream) outlast its compute and launches (``chunk_busy_s``)."""
-    h2d, d2h = streamed_bytes_by_chunk(shape, c)
+def streamed_seconds(h2d: np.ndarray, d2h: np.ndarray, chunk_busy_s: np.ndarray) -> float:
+    """Seconds the streamed segments of a dense host-paged step add: for each chunk, how far its copies
+    (``streamed_bytes_by_chunk``) at STREAM_GBPS, each direction on its own copy stream, outlast its compute and
+    launches (``chunk_busy_s``)."""
     bus = np.maximum(h2d, d2h) / (STREAM_GBPS * 1e9)
     return float(np.maximum(0.0, bus - chunk_busy_s).sum())
 

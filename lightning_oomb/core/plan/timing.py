@@ -75,9 +75,8 @@ class StepTime:
     @property
     def predicted_s(self) -> float:
         """``compute_s`` plus the host gradient layers' additions, the host K/V gathers, the streamed pages and the
-        collectives that
-        do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb bench`` on
-        other machines."""
+        collectives that do not hide behind it: fitted to measured steps, to be calibrated with ``lightning-oomb
+        bench`` on other machines."""
         return (self.compute_s + self.launch_s + self.host_add_s + self.host_gather_s + self.stream_s
                 + self.all_reduce_s + self.sharding_s + self.tensor_parallel_s + self.dequant_s)
 
