@@ -31,5 +31,8 @@ $(VENV)/.dev: $(VENV)/.installed
 demo: setup
 	$(PY) -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml
 
+# The tests in two worker processes (pytest-xdist), each with its share of the cores (tests/conftest.py): the
+# interpreted kernels and the programs the tests start use one core each, so two workers finish in about 70% of
+# the time one takes on 2 cores.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x -n 2

@@ -16,6 +16,13 @@ if not os.environ.get("LIGHTNING_OOMB_CACHE"):
     os.environ["LIGHTNING_OOMB_CACHE"] = tempfile.mkdtemp(prefix="lightning-oomb-token-cache-")
     atexit.register(shutil.rmtree, os.environ["LIGHTNING_OOMB_CACHE"], ignore_errors=True)
 
+# Under pytest-xdist (`-n 2`) the workers share the machine's cores: each takes its share for torch's threads and
+# for the programs it starts, instead of every worker using every core.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 # Without a GPU the Triton kernels run in Triton's CPU interpreter, which must be chosen before any kernel is defined.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
