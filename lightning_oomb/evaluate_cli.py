@@ -22,6 +22,8 @@ from .cli_flags import OneLineParser, add_budget_pages, add_chunk, add_offload, 
 from .core.units import human_tokens, parse_tokens
 
 if TYPE_CHECKING:
+    import torch
+
     from .core.model_shape import ModelShape
 
 T = TypeVar("T")
@@ -94,25 +96,26 @@ class LengthPlan:
     why: str = ""
 
 
-def eval_plan(shape: ModelShape, tokens: list[int], dtype_bytes: int, chunk: int, device: str, offload: str,
+def eval_plan(shape: ModelShape, tokens: list[int], dtype: torch.dtype, chunk: int, device: str, offload: str,
               gpu_memory: int | None, host_memory: int | None, max_positions: int | None) -> tuple[int, list[LengthPlan]]:
-    """Each length's K/V pages (bytes = the layers with pages x (key + value width) x dtype bytes x tokens: a
-    hybrid's state-carrying layers hold none) against the memory left once the weights (``shape.total_params``
-    x dtype bytes) and one chunk's activations (an estimate: the chunk's q, k, v, attention output, MLP and
+    """Each length's K/V pages (bytes = ``shape.kv_bytes_per_token(dtype)`` x tokens: a hybrid's state-carrying
+    layers hold none) against the memory left once the weights (``shape.total_params``
+    x ``dtype``'s bytes) and one chunk's activations (an estimate: the chunk's q, k, v, attention output, MLP and
     residual rows) are placed: free GPU memory, else (offload auto or host) the host memory budget; on the CPU
     the host budget holds all of it. Returns (the fixed bytes of weights and activations, a LengthPlan per
     length)."""
+    import torch
+
     from .core.host_memory import host_budget, process_host_bytes
 
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
     weights = shape.total_params * dtype_bytes
     row = 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate + 4 * shape.hidden
     fixed = weights + chunk * row * dtype_bytes
-    per_token = shape.kv_layers * (shape.kv_width + shape.v_width) * dtype_bytes  # kv_bytes_per_token's count
+    per_token = shape.kv_bytes_per_token(dtype)
     host_room = host_budget(host_memory) - process_host_bytes()
     gpu_room = None
     if device.startswith("cuda"):
-        import torch
-
         free = torch.cuda.mem_get_info(torch.device(device))[0] if gpu_memory is None else gpu_memory
         gpu_room = free - fixed
     else:
@@ -213,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             _fail(parser, f"--lengths: {e}")
     shape = ModelShape.from_config(config, name=Path(args.model).name)
-    bytes_ = torch.empty((), dtype=dtype).element_size()
-    fixed, plans = eval_plan(shape, lengths, bytes_, args.chunk, device, args.offload, gpu_memory, host_memory,
+    fixed, plans = eval_plan(shape, lengths, dtype, args.chunk, device, args.offload, gpu_memory, host_memory,
                              getattr(config, "max_position_embeddings", None))
     refused = [p for p in plans if p.where is None]
     if refused:

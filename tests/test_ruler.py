@@ -145,5 +145,5 @@ def test_the_eval_plan_counts_pages_of_the_attention_layers_only():
 
     shape = ModelShape.resolve("qwen3-next-80b-a3b")
     assert shape.kv_layers < shape.n_layers
-    _, plans = eval_plan(shape, [131072], 2, 4096, "cpu", "auto", None, 1 << 50, None)
+    _, plans = eval_plan(shape, [131072], torch.bfloat16, 4096, "cpu", "auto", None, 1 << 50, None)
     assert plans[0].pages == 131072 * shape.kv_bytes_per_token(torch.bfloat16)

@@ -6,9 +6,11 @@
 # ends early still has the headline); at 1M all three parts take about 23 minutes, LoRA and 128K about 10.
 # `packed`: the 128K YAML on documents of 32,768 tokens with document masking, 3 steps and no checkpoint, then
 # 2 steps of train_step + AdamW given the same position ids (issue 31 through the user's route).
+# `128k-adamw`, `1m-adamw`: the same YAML with plain AdamW instead of its own optimizer (adamw8bit-kahan), 2 steps
+# and no checkpoint: its own optimizer's cost, when run in the same call as `128k` or `1m`.
 # Results: docs/benchmarks.md, "How fast through `lightning-oomb fit`?" and "Checkpoints and resuming through
 # `lightning-oomb fit`".
-#   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k] [packed]
+#   bash docs/bench/cli-route-h200.sh WORKDIR MODEL_DIR [1m] [lora] [128k] [packed] [128k-adamw] [1m-adamw]
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 work=${1:-/root/job}
 model=${2:-/root/qwen2.5-7b}
@@ -29,7 +31,11 @@ for name in $names; do
     128k) route --config examples/qwen2.5-7b-128k.yaml --checkpoint-every 2 --resume --baseline --out "$work/128k" ;;
     packed) route --config examples/qwen2.5-7b-128k.yaml --document-length 32768 --baseline --baseline-steps 2 \
           --out "$work/packed" ;;
-    *) echo "unknown YAML name $name (1m, lora, 128k, packed)" >&2; exit 2 ;;
+    128k-adamw) route --config examples/qwen2.5-7b-128k.yaml --steps 2 --checkpoint-every 0 --optimizer adamw \
+          --out "$work/128k-adamw" ;;
+    1m-adamw) route --config examples/qwen2.5-7b-1m-sparse.yaml --steps 2 --checkpoint-every 0 --optimizer adamw \
+          --out "$work/1m-adamw" ;;
+    *) echo "unknown YAML name $name (1m, lora, 128k, packed, 128k-adamw, 1m-adamw)" >&2; exit 2 ;;
   esac
 done
 touch "$work/done"
