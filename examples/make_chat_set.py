@@ -2,6 +2,8 @@
 
     python examples/make_chat_set.py            # rewrites both, byte for byte the same on every run
     python examples/make_chat_set.py OUT        # writes them into the folder OUT instead
+    python examples/make_chat_set.py OUT --long --tokenizer MODEL_DIR [--gguf-file F] [--tokens 8000:60000]
+        # long conversations of the same form for a real model's chat template (docs/bench/smollm2-chat-64k-h200.sh)
 
 The tokenizer is examples/byte_tokenizer (one token per byte, EOS 256) with ChatML's special tokens added,
 <|im_start|> 257 and <|im_end|> 258, and ChatML's template: 259 tokens, the model's vocab_size.
@@ -13,19 +15,24 @@ turn is that question. With train_on: assistant every assistant turn is labelled
 letters can be told from the turn itself: once the turns' form is learnt, the held-out loss is mostly the
 recalled letters, which the model gets right only by attending back to the first user turn, up to 2,400 tokens
 and several chunks earlier.
+
+With --long it writes only OUT/long_chats.jsonl: --conversations conversations of that form whose user turns hold
+4 to 16 sentences, each rendered with the tokenizer's own chat template to a token count drawn uniformly from
+--tokens (MIN:MAX), so the last question is asked that far after the secret.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BYTE_TOKENIZER = HERE / "byte_tokenizer" / "tokenizer.json"
 TOKENIZER_DIR = "chat_tokenizer"
 CHAT_SET = "chat_set.jsonl"
+LONG_CHATS = "long_chats.jsonl"
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -69,6 +76,51 @@ def conversation(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
+def long_conversation(rng: random.Random, tokens: int, count) -> dict:
+    """A conversation of ``conversation``'s form of at most ``tokens`` tokens once rendered, filled with user turns
+    of 4 to 16 sentences until the next turn would pass ``tokens``; ``count(messages)`` counts the rendered
+    tokens. A turn is counted as what it adds to the shortest conversation (templates render turn by turn), and
+    the whole is counted at the end, dropping turns while it is over."""
+    secret = rng.choice(SECRETS)
+    head = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{sentence(rng)} my secret letter is {secret}. keep it for later."},
+            {"role": "assistant", "content": "ok."}]
+    tail = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
+    turns: list[dict] = []
+    shortest = count(head + tail)
+    total = shortest
+    while True:
+        if rng.random() < 0.25:
+            turn = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
+        else:
+            text = " ".join(sentence(rng) for _ in range(rng.randint(4, 16)))
+            turn = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok."}]
+        total += count(head + turn + tail) - shortest
+        if total > tokens:
+            break
+        turns += turn
+    while turns and count(head + turns + tail) > tokens:
+        turns = turns[:-2]
+    return {"messages": head + turns + tail}
+
+
+def write_long(path: Path, tokenizer, conversations: int, low: int, high: int, seed: int = SEED) -> list[int]:
+    """Writes ``conversations`` long conversations to ``path`` (JSON Lines), each at most a token count drawn
+    uniformly from [low, high] in ``tokenizer``'s chat template; returns their token counts."""
+    def count(messages: list[dict]) -> int:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rng = random.Random(seed)
+    rows, counts = [], []
+    for _ in range(conversations):
+        row = long_conversation(rng, rng.randint(low, high), count)
+        rows.append(json.dumps(row) + "\n")
+        counts.append(count(row["messages"]))
+    path.write_text("".join(rows))
+    return counts
+
+
 def write(folder: Path) -> list[Path]:
     """Writes the tokenizer folder and the conversations into ``folder``; returns the files written."""
     tokenizer = folder / TOKENIZER_DIR
@@ -81,9 +133,29 @@ def write(folder: Path) -> list[Path]:
 
 
 def main() -> None:
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
-    for path in write(folder):
-        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    parser = argparse.ArgumentParser(description="Writes the chat demo's data, or long conversations (--long).")
+    parser.add_argument("folder", nargs="?", type=Path, default=HERE)
+    parser.add_argument("--long", action="store_true", help=f"write only FOLDER/{LONG_CHATS}")
+    parser.add_argument("--tokenizer", help="with --long: the model directory whose tokenizer and template count")
+    parser.add_argument("--gguf-file", default=None, help="with --long: a GGUF file in --tokenizer holding them")
+    parser.add_argument("--conversations", type=int, default=200)
+    parser.add_argument("--tokens", default="8000:60000", help="MIN:MAX tokens of a conversation, rendered")
+    args = parser.parse_args()
+    if not args.long:
+        for path in write(args.folder):
+            print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+        return
+    if args.tokenizer is None:
+        parser.error("--long needs --tokenizer (the model directory whose chat template renders the conversations)")
+    low, high = (int(x) for x in args.tokens.split(":"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, gguf_file=args.gguf_file)
+    args.folder.mkdir(parents=True, exist_ok=True)
+    path = args.folder / LONG_CHATS
+    counts = write_long(path, tokenizer, args.conversations, low, high)
+    print(f"wrote {path}: {len(counts)} conversations of {min(counts):,} to {max(counts):,} tokens "
+          f"({sum(counts):,} in all)")
 
 
 if __name__ == "__main__":

@@ -881,6 +881,33 @@ def test_cpu_chat_example_runs_on_its_shipped_data(tmp_path, monkeypatch):
     assert texts[0] == texts[1]
 
 
+def test_long_chat_set_renders_within_its_token_range_and_packs(tmp_path):
+    """examples/make_chat_set.py --long (the data of docs/bench/smollm2-chat-64k-h200.sh): each conversation,
+    rendered with the tokenizer's template, within the range drawn for it; the secret asked for last; the
+    ChatDataModule packs them whole into sequences of the range's top, which they all fit."""
+    import importlib.util
+
+    import lightning_oomb
+    from lightning_oomb.lightning.corpus import load_tokenizer
+
+    spec = importlib.util.spec_from_file_location("make_chat_set", ROOT / "examples" / "make_chat_set.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tokenizer_dir = ROOT / "examples" / script.TOKENIZER_DIR
+    path = tmp_path / script.LONG_CHATS
+    counts = script.write_long(path, load_tokenizer(str(tokenizer_dir)), 4, 8000, 12000)
+    assert all(8000 - 4500 <= n <= 12000 for n in counts)  # a turn is at most 16 x 45 words: ~4,300 byte tokens
+    rows = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    for messages in rows:
+        secret = messages[1]["content"].split("my secret letter is ")[1][0]
+        assert messages[-1] == {"role": "assistant", "content": f"{secret}."}
+        assert "".join(c for m in messages for c in m["content"] if c.isupper()) == secret * (
+            1 + sum(m["role"] == "assistant" and m["content"] == f"{secret}." for m in messages))
+    dm = lightning_oomb.ChatDataModule([str(path)], tokenizer=str(tokenizer_dir), seq_len=12288)
+    dm.setup("fit")
+    assert dm.num_documents == 4 and sorted(len(c.ids) for c in dm.train_set.conversations) == sorted(counts)
+
+
 def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     import random
 
