@@ -1,5 +1,5 @@
 # Every target sets up .venv first: `make demo` the package and what it needs to run, `make test` the test extras
-# too (pytest, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval). The venv sees the system's packages,
+# too (pytest, pytest-xdist, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval). The venv sees the system's packages,
 # so an existing (CUDA) torch is used as it is; only where no torch is importable is torch 2.13.0 installed.
 # Commands outside make: `source .venv/bin/activate` first, or call them as .venv/bin/lightning-oomb, .venv/bin/python.
 VENV := .venv
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.installed
-	@echo "== installing the test extras: pytest, peft, torchao, bitsandbytes, gguf, pyarrow, datasets, matplotlib, lm_eval"
+	@echo "== installing the test extras: pytest, pytest-xdist, peft, torchao, bitsandbytes, gguf, pyarrow, datasets, matplotlib, lm_eval"
 	$(PIP) -e ".[dev]"
 	touch $@
 
@@ -35,4 +35,4 @@ demo: setup
 # interpreted kernels and the programs the tests start use one core each, so two workers finish in about 70% of
 # the time one takes on 2 cores.
 test: $(VENV)/.dev
-	$(PY) -m pytest -q -x -n 2
+	$(PY) -m pytest -q -x -n 2 --dist worksteal
