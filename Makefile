@@ -1,6 +1,7 @@
 # Every target sets up .venv first: `make demo` the package and what it needs to run, `make test` the test extras
-# too (pytest, pytest-xdist, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval). The venv sees the system's packages,
-# so an existing (CUDA) torch is used as it is; only where no torch is importable is torch 2.13.0 installed.
+# too (pytest, pytest-xdist, peft, torchao, bitsandbytes, gguf, pyarrow, matplotlib, lm_eval). The venv sees the
+# system's packages, so an existing (CUDA) torch is used as it is; only where no torch is importable is torch
+# 2.13.0 installed.
 # Commands outside make: `source .venv/bin/activate` first, or call them as .venv/bin/lightning-oomb, .venv/bin/python.
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -32,7 +33,7 @@ demo: setup
 	$(PY) -m lightning_oomb.cli fit --config examples/passkey_cpu.yaml
 
 # The tests in two worker processes (pytest-xdist), each with its share of the cores (tests/conftest.py): the
-# interpreted kernels and the programs the tests start use one core each, so two workers finish in about 70% of
+# interpreted kernels and the programs the tests start use one core each, so two workers finish in about 60% of
 # the time one takes on 2 cores.
 test: $(VENV)/.dev
 	$(PY) -m pytest -q -x -n 2 --dist worksteal
