@@ -99,16 +99,13 @@ class LengthPlan:
 def eval_plan(shape: ModelShape, tokens: list[int], dtype: torch.dtype, chunk: int, device: str, offload: str,
               gpu_memory: int | None, host_memory: int | None, max_positions: int | None) -> tuple[int, list[LengthPlan]]:
     """Each length's K/V pages (bytes = ``shape.kv_bytes_per_token(dtype)`` x tokens: a hybrid's state-carrying
-    layers hold none) against the memory left once the weights (``shape.total_params``
-    x ``dtype``'s bytes) and one chunk's activations (an estimate: the chunk's q, k, v, attention output, MLP and
-    residual rows) are placed: free GPU memory, else (offload auto or host) the host memory budget; on the CPU
-    the host budget holds all of it. Returns (the fixed bytes of weights and activations, a LengthPlan per
-    length)."""
-    import torch
-
+    layers hold none) against the memory left once the weights (``shape.total_params`` x ``dtype.itemsize``)
+    and one chunk's activations (an estimate: the chunk's q, k, v, attention output, MLP and residual rows) are
+    placed: free GPU memory, else (offload auto or host) the host memory budget; on the CPU the host budget
+    holds all of it. Returns (the fixed bytes of weights and activations, a LengthPlan per length)."""
     from .core.host_memory import host_budget, process_host_bytes
 
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     weights = shape.total_params * dtype_bytes
     row = 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate + 4 * shape.hidden
     fixed = weights + chunk * row * dtype_bytes
@@ -116,6 +113,8 @@ def eval_plan(shape: ModelShape, tokens: list[int], dtype: torch.dtype, chunk: i
     host_room = host_budget(host_memory) - process_host_bytes()
     gpu_room = None
     if device.startswith("cuda"):
+        import torch
+
         free = torch.cuda.mem_get_info(torch.device(device))[0] if gpu_memory is None else gpu_memory
         gpu_room = free - fixed
     else:
