@@ -167,10 +167,12 @@ def test_sigterm_ends_the_step_with_a_checkpoint_and_status_143(assets, tmp_path
 
 def test_ctrl_c_prints_the_interrupted_line_and_status_130(assets, tmp_path, capsys):
     config = write_config(tmp_path, assets)
+    # Ctrl-C as a terminal delivers it, also where the suite was started in the background (SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert fit(config, signal_at(3, signal.SIGINT)) == 128 + signal.SIGINT
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores a second Ctrl-C from then on
+        signal.signal(signal.SIGINT, previous)  # Lightning ignores a second Ctrl-C from then on
     last = run_dir(tmp_path) / "checkpoints" / "last.ckpt"
     assert f"training was interrupted by SIGINT after step 2: nothing exported; resume with --ckpt_path last " \
            f"({last}, step 2)" in capsys.readouterr().err
