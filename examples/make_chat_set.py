@@ -62,46 +62,53 @@ def sentence(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 45))) + "."
 
 
+def opening(rng: random.Random, secret: str) -> list[dict]:
+    """The system prompt, the user turn that states the secret, and the assistant's "ok."."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{sentence(rng)} my secret letter is {secret}. keep it for later."},
+            {"role": "assistant", "content": "ok."}]
+
+
+def question(secret: str) -> list[dict]:
+    return [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
+
+
+def turn(rng: random.Random, secret: str, long: bool = False) -> list[dict]:
+    """One turn after the opening: one time in four the question (asked on the way too: the same recall from
+    nearer, which helps it be learnt), else one sentence (``long``: 4 to 16) answered "ok."."""
+    if rng.random() < 0.25:
+        return question(secret)
+    text = " ".join(sentence(rng) for _ in range(rng.randint(4, 16))) if long else sentence(rng)
+    return [{"role": "user", "content": text}, {"role": "assistant", "content": "ok."}]
+
+
 def conversation(rng: random.Random) -> dict:
     secret = rng.choice(SECRETS)
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"{sentence(rng)} my secret letter is {secret}. keep it for later."},
-                {"role": "assistant", "content": "ok."}]
+    messages = opening(rng, secret)
     for _ in range(rng.randint(3, 12)):
-        if rng.random() < 0.25:  # asked on the way too: the same recall from nearer, which helps it be learnt
-            messages += [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
-        else:
-            messages += [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": "ok."}]
-    messages += [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
-    return {"messages": messages}
+        messages += turn(rng, secret)
+    return {"messages": messages + question(secret)}
 
 
-def long_conversation(rng: random.Random, tokens: int, count) -> dict:
-    """A conversation of ``conversation``'s form of at most ``tokens`` tokens once rendered, filled with user turns
-    of 4 to 16 sentences until the next turn would pass ``tokens``; ``count(messages)`` counts the rendered
+def long_conversation(rng: random.Random, tokens: int, count) -> tuple[dict, int]:
+    """A conversation of ``conversation``'s form of at most ``tokens`` tokens once rendered, filled with long
+    turns until the next would pass ``tokens``, and its token count; ``count(messages)`` counts the rendered
     tokens. A turn is counted as what it adds to the shortest conversation (templates render turn by turn), and
     the whole is counted at the end, dropping turns while it is over."""
     secret = rng.choice(SECRETS)
-    head = [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"{sentence(rng)} my secret letter is {secret}. keep it for later."},
-            {"role": "assistant", "content": "ok."}]
-    tail = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
+    head, tail = opening(rng, secret), question(secret)
     turns: list[dict] = []
     shortest = count(head + tail)
     total = shortest
     while True:
-        if rng.random() < 0.25:
-            turn = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": f"{secret}."}]
-        else:
-            text = " ".join(sentence(rng) for _ in range(rng.randint(4, 16)))
-            turn = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok."}]
-        total += count(head + turn + tail) - shortest
+        next_turn = turn(rng, secret, long=True)
+        total += count(head + next_turn + tail) - shortest
         if total > tokens:
             break
-        turns += turn
-    while turns and count(head + turns + tail) > tokens:
+        turns += next_turn
+    while (n := count(head + turns + tail)) > tokens and turns:
         turns = turns[:-2]
-    return {"messages": head + turns + tail}
+    return {"messages": head + turns + tail}, n
 
 
 def write_long(path: Path, tokenizer, conversations: int, low: int, high: int, seed: int = SEED) -> list[int]:
@@ -114,9 +121,9 @@ def write_long(path: Path, tokenizer, conversations: int, low: int, high: int, s
     rng = random.Random(seed)
     rows, counts = [], []
     for _ in range(conversations):
-        row = long_conversation(rng, rng.randint(low, high), count)
+        row, n = long_conversation(rng, rng.randint(low, high), count)
         rows.append(json.dumps(row) + "\n")
-        counts.append(count(row["messages"]))
+        counts.append(n)
     path.write_text("".join(rows))
     return counts
 

@@ -37,16 +37,11 @@ logged "$out/fit.log" "$python" -m lightning_oomb.cli fit "${common[@]}" --train
 "$python" - "$out/runs" "$out/fit.log" <<'EOF' | tee "$out/summary.txt"
 import re, statistics, sys
 from pathlib import Path
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from lightning_oomb.bench.cli_route import load_events
 
 def scalars(run: Path, tag: str) -> list[tuple[int, float]]:
-    points = []
-    for events in sorted(run.rglob("events.out.tfevents.*")):
-        ea = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        ea.Reload()
-        if tag in ea.Tags()["scalars"]:
-            points += [(p.step, p.value) for p in ea.Scalars(tag)]
-    return sorted(points)
+    events = load_events(run)
+    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 runs = {p.name: p for p in Path(sys.argv[1]).rglob("*") if p.is_dir() and p.name in ("before", "fit")}
 before = scalars(runs["before"], "val/loss")
@@ -57,8 +52,8 @@ log = Path(sys.argv[2]).read_text()
 seq_len = int(re.search(r"sequences of ([\d,]+) tokens", log).group(1).replace(",", ""))
 seconds = [seq_len / v for _, v in scalars(runs["fit"], "train/tokens_per_s")]
 if seconds:
-    steady = seconds[2:] or seconds
-    print(f"steps: {len(seconds)}, median {statistics.median(steady):.3f} s from step 3 on")
+    steady, since = (seconds[2:], "from step 3 on") if len(seconds) > 2 else (seconds, "over every step")
+    print(f"steps: {len(seconds)}, median {statistics.median(steady):.3f} s {since}")
 for line in log.splitlines():
     if line.startswith(("chat:", "Plan:", "Step time", "FITS", "held-out:")):
         print(line)
