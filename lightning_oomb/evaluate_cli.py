@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="a model directory written by save_pretrained, with its "
                         "tokenizer")
     parser.add_argument("--gguf_file", default=None, help="the GGUF file in --model to load instead (needs gguf)")
+    parser.add_argument("--config_overrides", default=None, help="config fields set before the model is built, "
+                        "as a JSON object, as model.config_overrides sets them in training: RoPE scaling for "
+                        "lengths past the model's own, e.g. '{\"rope_parameters\": {\"rope_type\": \"yarn\", "
+                        "\"factor\": 32.0, ...}, \"max_position_embeddings\": 262144}'")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of: {', '.join(TASKS)} "
                         "(default all)")
     parser.add_argument("--lengths", required=True, help="comma-separated token counts, e.g. 4K,16K,64K,256K,1M: "
@@ -138,18 +142,33 @@ def eval_plan(shape: ModelShape, tokens: list[int], dtype: torch.dtype, chunk: i
     return fixed, plans
 
 
-def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None) -> tuple[Path, Any, Any]:
-    """The model's config and tokenizer, or one line and exit 2: a missing directory, config, weights, gguf
-    package or tokenizer. Reads no weights."""
-    from transformers import AutoConfig, AutoTokenizer
+def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None,
+                     overrides: str | None) -> tuple[Path, Any, Any]:
+    """The model's config (with ``overrides``, a JSON object) and tokenizer, or one line and exit 2: a missing
+    directory, config, weights, gguf package or tokenizer, overrides that are not a JSON object or name a field
+    the config lacks. Reads no weights."""
+    from transformers import AutoTokenizer
 
     from .core.errors import SetupError
-    from .core.pretrained import check_pretrained_dir
+    from .core.pretrained import check_pretrained_dir, pretrained_config
 
+    def flag_names(e: SetupError) -> str:
+        return (str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf_file: ")
+                .replace("model.config_overrides: ", "--config_overrides: "))
+
+    fields = None
+    if overrides is not None:
+        try:
+            fields = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            _fail(parser, f"--config_overrides: not JSON ({e}); give an object such as "
+                  "'{\"max_position_embeddings\": 262144}'")
+        if not isinstance(fields, dict):
+            _fail(parser, f"--config_overrides: give a JSON object of config fields, got {overrides!r}")
     try:
         where = check_pretrained_dir(path, gguf_file)
     except SetupError as e:
-        _fail(parser, str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf_file: "))
+        _fail(parser, flag_names(e))
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True, **extra)
@@ -158,9 +177,9 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str 
               f"vocab files; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save the model's "
               "tokenizer with tokenizer.save_pretrained(DIR)")
     try:
-        config = AutoConfig.from_pretrained(str(where), local_files_only=True, **extra)
-    except Exception as e:
-        _fail(parser, f"--model: the config in {path} could not be read ({type(e).__name__})")
+        config = pretrained_config(path, gguf_file, fields)
+    except SetupError as e:
+        _fail(parser, flag_names(e))
     return where, config, tokenizer
 
 
@@ -206,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(parser, f"--device {device}: there is no CUDA device here")
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    where, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file)
+    _, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file, args.config_overrides)
     from .evaluation.ruler import make_sample
 
     for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
@@ -245,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from .core.pretrained import load_pretrained
     from .evaluation.grid import format_table, heatmap, run_grid
 
-    model = load_pretrained(str(where), dtype, device, args.gguf_file).eval()
+    model = load_pretrained(args.model, dtype, device, args.gguf_file, config=config).eval()
     options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
     if sparse is not None:
         options["sparse"] = sparse
@@ -255,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     scores = {t: {human_tokens(n): results[t][n]["score"] for n in lengths} for t in tasks}
     table = format_table(scores, tasks, [human_tokens(n) for n in lengths])
     print(table)
-    report = dict(model=str(args.model), gguf_file=args.gguf_file, tasks=tasks, lengths=lengths,
-                  samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
+    report = dict(model=str(args.model), gguf_file=args.gguf_file, config_overrides=args.config_overrides,
+                  tasks=tasks, lengths=lengths, samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
                   plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
                             pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans},
                             seconds={human_tokens(n): dict(prefill=t.prefill_s, per_new_token=t.decode_s)

@@ -114,6 +114,27 @@ def test_a_length_that_does_not_fit_is_one_line(model_dir, capsys):
     assert "--lengths: vt at 400 tokens: its prompt alone takes" in err
 
 
+def test_config_overrides_set_the_length_the_model_reaches(model_dir, tmp_path, capsys):
+    """RoPE scaling for lengths past the model's own, as in training's model.config_overrides: the plan takes the
+    new max_position_embeddings, the model is built with it, and results.json says what was set."""
+    overrides = '{"max_position_embeddings": 8192, "rope_parameters": {"rope_type": "linear", "factor": 2.0, ' \
+                '"rope_theta": 10000.0}}'
+    out = tmp_path / "out"
+    assert main(["evaluate", "--model", str(model_dir), "--tasks", "vt", "--lengths", "5K", "--samples", "1",
+                 "--chunk", "1024", "--page-size", "64", "--out", str(out), "--config_overrides", overrides]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["lengths"] == [5120] and results["config_overrides"] == overrides
+    assert results["details"]["vt"]["5K"][0]["tokens"] > 4096
+    capsys.readouterr()
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K",
+                            "--config_overrides", '{"max_position_embedings": 8192}'])
+    assert "--config_overrides: the llama config has no field 'max_position_embedings'" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "[1]"])
+    assert "--config_overrides: give a JSON object" in err
+    assert "--config_overrides: not JSON" in _refused(
+        capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "{x"])
+
+
 def test_a_sparse_budget_below_its_sink_and_local_pages_is_one_line(model_dir, capsys):
     err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--budget-pages", "2"])
     assert "--budget-pages: SparseConfig: sink_pages + local_pages (1 + 4) must not exceed budget_pages (2)" in err
