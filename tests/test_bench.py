@@ -433,3 +433,26 @@ def test_generate_speed_refuses_bad_options_in_one_line(tmp_path, capsys):
         speed_main(["--model", "qwen2.5-7b", "--lengths", "1K", "--modes", "sparse", "--budget-pages", "2",
                     "--out", str(tmp_path)])
     assert e.value.code == 2 and "budget_pages" in capsys.readouterr().err
+
+
+def test_scalars_of_a_resumed_run_read_in_order_and_cut_at_its_start(tmp_path):
+    """bench.scalars.read_scalars: a run resumed into the same folder writes a second event file; its points
+    follow the first's in wall-time order, and cli_route.step_series keeps the steps logged after a time."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_oomb.bench.cli_route import step_series
+    from lightning_oomb.bench.scalars import read_scalars
+
+    run = tmp_path / "run" / "version_0"
+    for first, wall in ((0, 1000.0), (2, 2000.0)):  # two sessions, the second resumed at step 2
+        writer = SummaryWriter(str(run), filename_suffix=f".{first}")
+        for step in range(first, first + 2):
+            writer.add_scalar("train/tokens_per_s", 100.0 * (step + 1), step, walltime=wall + step)
+            writer.add_scalar("train/loss", 5.0 - step, step, walltime=wall + step)
+        writer.close()
+    scalars = read_scalars(tmp_path / "run")  # a folder above the version folder reads the same
+    assert [p.step for p in scalars["train/tokens_per_s"]] == [0, 1, 2, 3]
+    assert [p.value for p in scalars["train/loss"]] == [5.0, 4.0, 3.0, 2.0]
+    series = step_series(scalars, tokens=1200, since=1500.0)
+    assert series["step_s"] == [1200 / 300.0, 1200 / 400.0] and series["loss"] == [3.0, 2.0]
+    assert "gpu_peak_gib" not in series

@@ -37,11 +37,10 @@ logged "$out/fit.log" "$python" -m lightning_oomb.cli fit "${common[@]}" --train
 "$python" - "$out/runs" "$out/fit.log" <<'EOF' | tee "$out/summary.txt"
 import re, statistics, sys
 from pathlib import Path
-from lightning_oomb.bench.cli_route import load_events
+from lightning_oomb.bench.scalars import read_scalars
 
 def scalars(run: Path, tag: str) -> list[tuple[int, float]]:
-    events = load_events(run)
-    return [(e.step, e.value) for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
+    return [(e.step, e.value) for e in read_scalars(run).get(tag, [])]
 
 runs = {p.name: p for p in Path(sys.argv[1]).rglob("*") if p.is_dir() and p.name in ("before", "fit")}
 before = scalars(runs["before"], "val/loss")

@@ -28,15 +28,10 @@ done
 "$python" - "$out/runs" <<'EOF' | tee "$out/summary.txt"
 import statistics, sys
 from pathlib import Path
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from lightning_oomb.bench.scalars import read_scalars
 for run in sorted(Path(sys.argv[1]).iterdir()):
-    points = []
-    for events in sorted(run.rglob("events.out.tfevents.*")):
-        ea = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        ea.Reload()
-        if "train/tokens_per_s" in ea.Tags()["scalars"]:
-            points += [(p.step, 65536 / p.value) for p in ea.Scalars("train/tokens_per_s")]
-    seconds = [s for step, s in sorted(points)]
+    points = read_scalars(run).get("train/tokens_per_s", [])
+    seconds = [65536 / p.value for p in sorted(points, key=lambda p: p.step)]
     steady = seconds[2:] or seconds
     print(f"{run.name}: {len(seconds)} steps, median {statistics.median(steady):.3f} s from step 3 on, "
           f"all: {', '.join(f'{s:.2f}' for s in seconds)}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from ..core.host_memory import proc_field_bytes
+from .scalars import Scalar, read_scalars
 
 GIB = 1 << 30
 BYTE_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "byte_tokenizer"
@@ -195,41 +196,30 @@ def plan_totals(log: str) -> dict[str, float]:
     return {"plan_gpu_gib": float(totals[-2]), "plan_host_gib": float(totals[-1])} if len(totals) >= 2 else {}
 
 
-def load_events(run_dir: Path):
-    """The TensorBoard scalars a run logged, read once."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def step_series(scalars: dict[str, list[Scalar]], tokens: int, since: float) -> dict[str, list[float]]:
+    """Per step logged after ``since`` (a run resumed into the same folder adds to it), from ``read_scalars``:
+    seconds (tokens / train/tokens_per_s), the event's wall time, GPU and host peaks (GiB), the loss."""
+    def after(tag: str) -> list[Scalar]:
+        return [e for e in scalars[tag] if e.wall_time >= since]
 
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    return events
-
-
-def step_series(events, tokens: int, since: float) -> dict[str, list[float]]:
-    """Per step logged after ``since`` (a run resumed into the same folder adds to it): seconds
-    (tokens / train/tokens_per_s), the event's wall time, GPU and host peaks (GiB), the loss."""
-    tags = events.Tags()["scalars"]
-    def scalars(tag: str):
-        return [e for e in events.Scalars(tag) if e.wall_time >= since]
-
-    speed = scalars("train/tokens_per_s")
+    speed = after("train/tokens_per_s")
     series = {"step_s": [tokens / e.value for e in speed], "wall": [e.wall_time for e in speed]}
     for tag, name in (("memory/gpu_peak_gib", "gpu_peak_gib"), ("memory/host_peak_gib", "host_peak_gib"),
                       ("memory/host_budget_gib", "host_budget_gib"), ("train/loss", "loss")):
-        if tag in tags:
-            series[name] = [e.value for e in scalars(tag)]
+        if tag in scalars:
+            series[name] = [e.value for e in after(tag)]
     return series
 
 
-def plot_trace(events, title: str, path: Path, since: float) -> bool:
+def plot_trace(scalars: dict[str, list[Scalar]], title: str, path: Path, since: float) -> bool:
     """The per-chunk memory trace PagedKVCallback(trace_step=N) logged (``memory_trace/*``) as a picture (GPU
     memory allocated and the process's host memory after each chunk, stage 1's chunks then stage 2's) and as a
     CSV beside it. False when the run logged none."""
-    tags = events.Tags()["scalars"]
-    if "memory_trace/allocated_gib" not in tags:
+    if "memory_trace/allocated_gib" not in scalars:
         return False
 
     def series(tag: str) -> list[float]:
-        return [e.value for e in events.Scalars(tag) if e.wall_time >= since] if tag in tags else []
+        return [e.value for e in scalars.get(tag, []) if e.wall_time >= since]
 
     gib, stage, host = series("memory_trace/allocated_gib"), series("memory_trace/stage"), series("memory_trace/host_gib")
     if not gib:
@@ -288,10 +278,10 @@ def run_fit(args, config: Path, corpus: Path, out: Path, steps: int, name: str, 
                "host_peak_rss_gib": round(sampler.peak_rss / GIB, 2),
                "machine_used_peak_gib": round(sampler.peak_used / GIB, 2), **plan_totals(log)}
     try:
-        events = load_events(run_dir)
-        series = step_series(events, tokens, started)
+        scalars = read_scalars(run_dir)
+        series = step_series(scalars, tokens, started)
         trace = out / f"{name}-trace.png"
-        summary["trace_png"] = str(trace) if plot_trace(events, run_dir.parent.name, trace, started) else None
+        summary["trace_png"] = str(trace) if plot_trace(scalars, run_dir.parent.name, trace, started) else None
     except (KeyError, ValueError):
         series = {}
     if series.get("step_s"):

@@ -17,28 +17,22 @@ import statistics
 from pathlib import Path
 
 from ..core.units import human_tokens, parse_tokens
+from .scalars import read_scalars
 
 ACC = re.compile(r"^val/retrieval_acc_(\w+)$")
 
 
 def read_run(folder: Path) -> dict:
     """Scalars of one TensorBoard run: {"acc": {length: [[step, acc], ...]}, "steps", "seconds", "loss"}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     acc: dict[int, list] = {}
     steps, loss, first, last = 0, None, None, None
-    for events in sorted(folder.rglob("events.out.tfevents.*")):
-        ea = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        ea.Reload()
-        for tag in ea.Tags()["scalars"]:
-            points = ea.Scalars(tag)
-            match = ACC.match(tag)
-            if match:
-                acc.setdefault(parse_tokens(match.group(1)), []).extend([p.step, p.value] for p in points)
-            elif tag == "train/loss" and points:
-                steps, loss = max(steps, points[-1].step + 1), points[-1].value
-                first = min(first or points[0].wall_time, points[0].wall_time)
-                last = max(last or points[-1].wall_time, points[-1].wall_time)
+    for tag, points in read_scalars(folder).items():
+        match = ACC.match(tag)
+        if match:
+            acc.setdefault(parse_tokens(match.group(1)), []).extend([p.step, p.value] for p in points)
+        elif tag == "train/loss" and points:
+            steps, loss = max(p.step for p in points) + 1, points[-1].value
+            first, last = points[0].wall_time, points[-1].wall_time
     return {"acc": {n: sorted(v) for n, v in sorted(acc.items())}, "steps": steps, "loss": loss,
             "seconds": (last - first) if first is not None else None}
 

@@ -15,22 +15,18 @@ from pathlib import Path
 from ..core.units import parse_tokens
 from ..evaluation.grid import draw_grid, format_table
 from ..evaluation.ruler import TASKS
+from .scalars import read_scalars
 
 
 def read_grids(run: Path, prefix: str = "eval") -> dict[int, dict[str, dict[str, float]]]:
     """{step: {task: {length label: score 0-100}}} of every evaluation logged under ``run``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     grids: dict[int, dict[str, dict[str, float]]] = {}
-    for events_file in sorted(run.rglob("events.out.tfevents.*")):
-        events = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
-        events.Reload()
-        for tag in events.Tags()["scalars"]:
-            parts = tag.split("/")
-            if len(parts) != 3 or parts[0] != prefix or parts[1] not in TASKS:
-                continue
-            for e in events.Scalars(tag):
-                grids.setdefault(e.step, {}).setdefault(parts[1], {})[parts[2]] = 100 * e.value
+    for tag, points in read_scalars(run).items():
+        parts = tag.split("/")
+        if len(parts) != 3 or parts[0] != prefix or parts[1] not in TASKS:
+            continue
+        for e in points:
+            grids.setdefault(e.step, {}).setdefault(parts[1], {})[parts[2]] = 100 * e.value
     return grids
 
 
