@@ -150,22 +150,14 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str 
     from transformers import AutoTokenizer
 
     from .core.errors import SetupError
-    from .core.pretrained import check_pretrained_dir, pretrained_config
+    from .core.pretrained import check_pretrained_dir, config_overrides_from_json, pretrained_config
 
     def flag_names(e: SetupError) -> str:
         return (str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf_file: ")
                 .replace("model.config_overrides: ", "--config_overrides: "))
 
-    fields = None
-    if overrides is not None:
-        try:
-            fields = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            _fail(parser, f"--config_overrides: not JSON ({e}); give an object such as "
-                  "'{\"max_position_embeddings\": 262144}'")
-        if not isinstance(fields, dict):
-            _fail(parser, f"--config_overrides: give a JSON object of config fields, got {overrides!r}")
     try:
+        fields = None if overrides is None else config_overrides_from_json(overrides)
         where = check_pretrained_dir(path, gguf_file)
     except SetupError as e:
         _fail(parser, flag_names(e))

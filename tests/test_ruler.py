@@ -130,8 +130,8 @@ def test_config_overrides_set_the_length_the_model_reaches(model_dir, tmp_path, 
                             "--config_overrides", '{"max_position_embedings": 8192}'])
     assert "--config_overrides: the llama config has no field 'max_position_embedings'" in err
     err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "[1]"])
-    assert "--config_overrides: give a JSON object" in err
-    assert "--config_overrides: not JSON" in _refused(
+    assert "--config_overrides: must be a JSON object of config fields, got" in err
+    assert "--config_overrides: must be a JSON object of config fields such as" in _refused(
         capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "{x"])
 
 

@@ -6,6 +6,7 @@ backend load through here; errors are ``SetupError`` lines naming the directory.
 from __future__ import annotations
 
 import importlib.util
+import json
 import inspect
 from pathlib import Path
 
@@ -46,6 +47,19 @@ def check_pretrained_dir(path: str, gguf_file: str | None = None) -> Path:
             "by save_pretrained"
         )
     return where
+
+
+def config_overrides_from_json(text: str) -> dict:
+    """``config_overrides`` given as text (a command-line flag, lm-eval's model_args): a JSON object of config
+    fields, or a SetupError that says so."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SetupError(f"model.config_overrides: must be a JSON object of config fields such as "
+                         f"'{{\"max_position_embeddings\": 262144}}', got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise SetupError(f"model.config_overrides: must be a JSON object of config fields, got {text!r}")
+    return value
 
 
 def pretrained_config(path: str, gguf_file: str | None = None, overrides: dict | None = None):

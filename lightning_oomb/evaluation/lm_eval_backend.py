@@ -10,7 +10,6 @@ same stop strings and ``max_gen_toks`` of greedy ``generate_until``, chat templa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from tqdm import tqdm
 
 from ..core.config import ChunkConfig
 from ..core.errors import SetupError
-from ..core.pretrained import load_pretrained, one_line, pretrained_config
+from ..core.pretrained import config_overrides_from_json, load_pretrained, one_line, pretrained_config
 from .generate import generate
 from .scoring import loglikelihood, loglikelihood_rolling
 
@@ -85,7 +84,7 @@ class LightningOOMBLM(TemplateLM):
         if pretrained is None:
             raise SetupError("lightning_oomb needs pretrained=DIR (a local model directory) in --model_args")
         if isinstance(config_overrides, str):
-            config_overrides = _json_dict(config_overrides)
+            config_overrides = config_overrides_from_json(config_overrides)
         if str(dtype) not in DTYPES:
             raise SetupError(f"lightning_oomb: dtype={dtype} is none of {', '.join(DTYPES)}")
         unknown = set(chunk_options) - set(ChunkConfig.__dataclass_fields__)
@@ -221,17 +220,6 @@ class LightningOOMBLM(TemplateLM):
             text = self.tokenizer.decode(new_tokens[0].tolist(), skip_special_tokens=False)
             return any(stop and stop in text for stop in until)
         return seen
-
-
-def _json_dict(text: str) -> dict:
-    """``config_overrides`` given as text: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SetupError(f"lightning_oomb: config_overrides must be a JSON object, got {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise SetupError(f"lightning_oomb: config_overrides must be a JSON object, got {text!r}")
-    return value
 
 
 def _load_tokenizer(tokenizer: str | None, pretrained: str, gguf_file: str | None):
