@@ -352,18 +352,16 @@ def test_cli_route_trace_picture_and_csv_hold_gpu_and_host_memory(tmp_path):
     """bench.cli_route's trace: the memory_trace/* scalars PagedKVCallback logs become a picture and a CSV with
     the GPU and host memory after every chunk, stage by stage."""
     from lightning.pytorch.loggers import TensorBoardLogger
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lightning_oomb.bench.cli_route import plot_trace
+    from lightning_oomb.bench.scalars import read_scalars
 
     logger = TensorBoardLogger(tmp_path, name="run")
     for i, (stage, gpu, host) in enumerate([(1, 2.0, 5.0), (1, 2.5, 5.5), (2, 2.5, 6.0), (2, 2.0, 6.0)]):
         logger.log_metrics({"memory_trace/allocated_gib": gpu, "memory_trace/host_gib": host,
                             "memory_trace/stage": stage}, step=i)
     logger.finalize("success")
-    events = EventAccumulator(logger.log_dir)
-    events.Reload()
-    assert plot_trace(events, "run", tmp_path / "fit-trace.png", since=0.0)
+    assert plot_trace(read_scalars(logger.log_dir), "run", tmp_path / "fit-trace.png", since=0.0)
     assert (tmp_path / "fit-trace.png").stat().st_size > 0
     rows = (tmp_path / "fit-trace.csv").read_text().splitlines()
     assert rows == ["position,stage,gpu_allocated_gib,host_gib", "0,1,2.000,5.000", "1,1,2.500,5.500",
