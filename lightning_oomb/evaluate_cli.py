@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default all)")
     parser.add_argument("--lengths", required=True, help="comma-separated token counts, e.g. 4K,16K,64K,256K,1M: "
                         "each prompt and the tokens its task generates together")
+    parser.add_argument("--apply_chat_template", action="store_true", help="prompts as RULER gives them to chat "
+                        "models: the task as the user's turn of the tokenizer's chat template, the answer prefix "
+                        "opening the assistant's turn (default: base-model prompts)")
     parser.add_argument("--samples", type=int, default=10, help="prompts per task and length (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="the samples' seed (default 0)")
     parser.add_argument("--out", default="ruler_results", help="folder of results.json and heatmap.png "
@@ -220,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     _, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file, args.config_overrides)
     from .evaluation.ruler import make_sample
 
+    if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        _fail(parser, f"--apply_chat_template: the tokenizer of {args.model} has no chat template; leave the flag "
+              "out (base-model prompts) or give a model directory whose tokenizer has one")
     for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
         try:
-            make_sample(t, lengths[0], tokenizer, 0, args.seed)
+            make_sample(t, lengths[0], tokenizer, 0, args.seed, args.apply_chat_template)
         except ValueError as e:
             _fail(parser, f"--lengths: {e}")
     shape = ModelShape.from_config(config, name=Path(args.model).name)
@@ -260,14 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(chunk_size=args.chunk, page_size=args.page_size, offload=args.offload, host_memory=host_memory)
     if sparse is not None:
         options["sparse"] = sparse
-    results = run_grid(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device)
+    results = run_grid(model, tokenizer, tasks, lengths, args.samples, args.seed, options, device,
+                       chat=args.apply_chat_template)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     scores = {t: {human_tokens(n): results[t][n]["score"] for n in lengths} for t in tasks}
     table = format_table(scores, tasks, [human_tokens(n) for n in lengths])
     print(table)
     report = dict(model=str(args.model), gguf_file=args.gguf_file, config_overrides=args.config_overrides,
-                  tasks=tasks, lengths=lengths, samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
+                  apply_chat_template=args.apply_chat_template, tasks=tasks, lengths=lengths, samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
                   plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
                             pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans},
                             seconds={human_tokens(n): dict(prefill=t.prefill_s, per_new_token=t.decode_s)

@@ -154,6 +154,7 @@ def test_bad_arguments_are_one_line(kwargs, match):
     ("pretrained", dict(lengths="1K,8K"), "lengths 8K beyond the model's max_position_embeddings 4,096"),
     ("pretrained", dict(lengths=[400]), "lengths: vt at 400 tokens: its prompt alone takes"),
     ("pretrained", dict(tokenizer="no/such/dir"), "the tokenizer directory no/such/dir does not exist"),
+    ("pretrained", dict(chat_template=True), "chat_template: the tokenizer has no chat template"),
 ])
 def test_set_up_refusals_come_before_any_step(model_dir, model, kwargs, match):
     if model == "config":

@@ -16,6 +16,7 @@ from tiny_models import save_byte_level_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "examples" / "byte_tokenizer")  # one token per byte
+CHAT_TOKENIZER = str(ROOT / "examples" / "chat_tokenizer")  # the same bytes, ChatML's markers and template
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,28 @@ def test_sample_fits_the_length_and_hides_its_answers(task, tokenizer):
     total = a.tokens + a.max_new_tokens
     assert 0.9 * length <= total <= length, (task, total)
     assert a.references and all(r in a.prompt for r in a.references)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_chat_form_is_the_base_prompt_as_the_users_turn(task, tokenizer):
+    """chat=True: the base-form prompt's task text as the user's turn of the tokenizer's template, the answer
+    prefix (without its leading space) opening the assistant's turn; counted without added special tokens, as
+    the template writes its own."""
+    chat_tokenizer = AutoTokenizer.from_pretrained(CHAT_TOKENIZER)
+    length = 2048
+    chat = make_sample(task, length, chat_tokenizer, index=0, chat=True)
+    assert not chat.add_special_tokens and chat.tokens == len(chat_tokenizer.encode(chat.prompt, add_special_tokens=False))
+    assert 0.9 * length <= chat.tokens + chat.max_new_tokens <= length
+    head, turn = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.prompt.startswith(head) and chat.prompt.count(turn) == 1
+    body, prefix = chat.prompt[len(head):].split(turn)
+    assert prefix and not prefix.startswith(" ") and body.endswith(("?", "."))
+    base = make_sample(task, length, tokenizer, index=0)  # same seed: the same keys, values and answers
+    assert base.add_special_tokens and base.references == chat.references
+    # the same instruction, question and prefix; the filler is shorter by the template's tokens
+    assert base.prompt.endswith(body.rsplit("\n", 1)[1] + " " + prefix) and base.prompt[:60] == body[:60]
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        make_sample(task, length, tokenizer, chat=True)
 
 
 def test_answers_are_what_the_recipes_say(tokenizer):
@@ -100,6 +123,19 @@ def _refused(capsys, args: list[str]) -> str:
     return err
 
 
+def test_evaluate_in_the_chat_template(tmp_path, capsys):
+    """--apply_chat_template: every prompt in the tokenizer's chat template, recorded in results.json; a
+    tokenizer without one is refused in one line before the model loads."""
+    chat_dir = save_byte_level_llama(tmp_path / "chat_model", CHAT_TOKENIZER)
+    out = tmp_path / "out"
+    assert main(["evaluate", "--model", str(chat_dir), "--tasks", "vt", "--lengths", "640", "--samples", "1",
+                 "--chunk", "256", "--page-size", "64", "--out", str(out), "--apply_chat_template"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    detail = results["details"]["vt"]["640"][0]
+    assert results["apply_chat_template"] is True and detail["tokens"] + 30 <= 640
+    capsys.readouterr()
+
+
 def test_unknown_task_is_one_line(model_dir, capsys):
     assert "unknown task 'niah_single_9' (did you mean" in _refused(
         capsys, ["--model", str(model_dir), "--tasks", "vt,niah_single_9", "--lengths", "1K"])
@@ -138,6 +174,11 @@ def test_config_overrides_set_the_length_the_model_reaches(model_dir, tmp_path, 
 def test_a_sparse_budget_below_its_sink_and_local_pages_is_one_line(model_dir, capsys):
     err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--budget-pages", "2"])
     assert "--budget-pages: SparseConfig: sink_pages + local_pages (1 + 4) must not exceed budget_pages (2)" in err
+
+
+def test_a_chat_template_the_tokenizer_lacks_is_one_line(model_dir, capsys):
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--apply_chat_template"])
+    assert "--apply_chat_template: the tokenizer of" in err and "has no chat template" in err
 
 
 def test_a_directory_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):

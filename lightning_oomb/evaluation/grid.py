@@ -25,11 +25,12 @@ def _stderr(line: str) -> None:
 
 def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], lengths: list[int], samples: int,
              seed: int, options: dict[str, Any], device: str | torch.device,
-             progress: Callable[[str], None] | None = _stderr) -> dict:
+             progress: Callable[[str], None] | None = _stderr, chat: bool = False) -> dict:
     """Every task at every length (in tokens): ``samples`` prompts each, decoded greedily without gradients
     (the task's max_new_tokens, EOS of the tokenizer's or the model's), scored as RULER does. ``options``:
     ``generate``'s (a ``config=ChunkConfig`` and/or its fields). ``progress``: called with one line per task
-    and length (None: silent). Returns {task: {length: {"score": 0-100, "samples": [{tokens, references,
+    and length (None: silent). ``chat``: the prompts in the tokenizer's chat template (``ruler.compose``).
+    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references,
     prediction}, ...]}}}."""
     eos = tokenizer.eos_token_id
     results: dict = {t: {} for t in tasks}
@@ -39,8 +40,9 @@ def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], len
             start = time.perf_counter()
             rows = []
             for i in range(samples):
-                sample = make_sample(t, n, tokenizer, i, seed)
-                ids = torch.tensor([tokenizer.encode(sample.prompt, add_special_tokens=True)], device=device)
+                sample = make_sample(t, n, tokenizer, i, seed, chat)
+                ids = torch.tensor([tokenizer.encode(sample.prompt, add_special_tokens=sample.add_special_tokens)],
+                                   device=device)
                 with torch.no_grad():
                     out = generate(model, ids, sample.max_new_tokens, eos_token_id=eos, **options)
                 prediction = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

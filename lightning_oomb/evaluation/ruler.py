@@ -7,8 +7,9 @@ use it (niah_single_2, niah_single_3, niah_multikey_1, niah_multivalue, niah_mul
 here, with their own keys, values and needle counts; the word lists RULER takes from the wonderwords package
 are made up here from syllables (``_words``), so no package and no data file is needed. The prompts follow
 RULER's templates (task instruction, context, question, then an answer prefix the model continues), in base-model
-form (no chat template). Lengths are in tokens of the model's own tokenizer and include the tokens the task
-generates, as RULER's ``max_seq_length`` does.
+form, or with ``chat=True`` as RULER prompts chat models: the instruction, context and question as the user's
+turn of the tokenizer's own chat template, the answer prefix opening the assistant's turn. Lengths are in tokens
+of the model's own tokenizer and include the tokens the task generates, as RULER's ``max_seq_length`` does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ NOISE_SENTENCES = [s.strip() + "." for s in NOISE.split(".") if s.strip()]
 
 
 class Tokenizer(Protocol):
-    """What the generators need of a tokenizer: ``encode(text) -> list[int]`` (transformers' tokenizers)."""
+    """What the generators need of a tokenizer (transformers' tokenizers): ``encode(text) -> list[int]``, and
+    for chat-form prompts ``apply_chat_template`` and a ``chat_template``."""
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -69,8 +71,10 @@ class Sample:
     """One prompt of a task at one length.
 
     prompt: the text the model continues (ends with the answer prefix). references: the strings the answer
-    must contain. tokens: the prompt's length in tokens of the tokenizer it was made with, its special tokens
-    included (``encode(prompt, add_special_tokens=True)``); tokens + max_new_tokens <= the length asked for.
+    must contain. tokens: the prompt's length in tokens of the tokenizer it was made with,
+    ``len(encode(prompt, add_special_tokens=add_special_tokens))``; tokens + max_new_tokens <= the length asked
+    for. add_special_tokens: True in base form (the tokenizer's BOS, for many), False in chat form (the template
+    writes its own special tokens).
     """
 
     task: str
@@ -80,6 +84,7 @@ class Sample:
     references: list[str]
     tokens: int
     max_new_tokens: int
+    add_special_tokens: bool = True
 
 
 # -- words, keys and values ---------------------------------------------------------------------------------
@@ -115,7 +120,8 @@ def _value(rng: random.Random, kind: str) -> str:
 # A builder (made from the task, a seeded rng and the length asked) takes (rng, n) and returns (prompt, references); the same rng state and n give the same prompt, and
 # the prompt's length grows with n, which _fit searches for the length asked.
 
-Builder = Callable[[random.Random, int], tuple[str, list[str]]]
+# (rng, filler units) -> (instruction, context and question; the answer prefix; the references)
+Builder = Callable[[random.Random, int], tuple[str, str, list[str]]]
 
 
 def _spread(n_slots: int, n: int, rng: random.Random) -> list[int]:
@@ -133,7 +139,7 @@ def _niah_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Build
     needles = [f"One of the special magic {what} for {k} is: {v}." for k, vs in zip(keys, values) for v in vs]
     layout_seed = seed_rng.getrandbits(64)
 
-    def build(rng: random.Random, n: int) -> tuple[str, list[str]]:
+    def build(rng: random.Random, n: int) -> tuple[str, str, list[str]]:
         r = random.Random(layout_seed)
         if o["haystack"] == "noise":
             filler = [NOISE_SENTENCES[i % len(NOISE_SENTENCES)] for i in range(n)]
@@ -152,9 +158,9 @@ def _niah_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Build
         query = query_keys[0] if len(query_keys) == 1 else ", ".join(query_keys[:-1]) + ", and " + query_keys[-1]
         prompt = (f"Some special magic {what} are hidden within the following text. Make sure to memorize it. "
                   f"I will quiz you about the {what} afterwards.\n{' '.join(filler)}\n"
-                  f"What are all the special magic {what} for {query} mentioned in the provided text? "
-                  f"The special magic {what} for {query} mentioned in the provided text are")
-        return prompt, [v for i in queried for v in values[i]]
+                  f"What are all the special magic {what} for {query} mentioned in the provided text?")
+        answer = f" The special magic {what} for {query} mentioned in the provided text are"
+        return prompt, answer, [v for i in queried for v in values[i]]
 
     return build
 
@@ -173,7 +179,7 @@ def _vt_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builder
     answer = names[: hops + 1]
     layout_seed = seed_rng.getrandbits(64)
 
-    def build(rng: random.Random, n: int) -> tuple[str, list[str]]:
+    def build(rng: random.Random, n: int) -> tuple[str, str, list[str]]:
         r = random.Random(layout_seed)
         filler = [NOISE_SENTENCES[i % len(NOISE_SENTENCES)] for i in range(n)]
         # Each chain in order, its statements spread over the text (a statement never precedes the one it reads).
@@ -182,9 +188,10 @@ def _vt_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builder
             filler.insert(at, s)
         prompt = (f"Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
                   f"{' '.join(filler)}\nQuestion: Find all variables that are assigned the value {value} in the "
-                  f"text above. Answer: According to the chain(s) of variable assignment in the text above, "
-                  f"{hops + 1} variables are assigned the value {value}, they are: ")
-        return prompt, answer
+                  f"text above.")
+        prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
+                  f"variables are assigned the value {value}, they are: ")
+        return prompt, prefix, answer
 
     return build
 
@@ -194,7 +201,7 @@ def _cwe_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builde
     freq_common, freq_uncommon = o["short"] if length < 4096 else (o["freq_common"], o["freq_uncommon"])
     layout_seed = seed_rng.getrandbits(64)
 
-    def build(rng: random.Random, n: int) -> tuple[str, list[str]]:
+    def build(rng: random.Random, n: int) -> tuple[str, str, list[str]]:
         # n: the number of uncommon words, each listed freq_uncommon times; the common ones freq_common times.
         r = random.Random(layout_seed)
         vocab = _words(r, o["common"] + n)
@@ -204,9 +211,8 @@ def _cwe_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builde
         listing = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
         prompt = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize "
                   f"the ones that appear most often.\n{listing}\nQuestion: What are the {o['common']} most common "
-                  f"words in the above list? Answer: The top {o['common']} words that appear most often in the list "
-                  "are:")
-        return prompt, common
+                  f"words in the above list?")
+        return prompt, f" Answer: The top {o['common']} words that appear most often in the list are:", common
 
     return build
 
@@ -215,7 +221,7 @@ def _fwe_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builde
     o = spec.options
     layout_seed = seed_rng.getrandbits(64)
 
-    def build(rng: random.Random, n: int) -> tuple[str, list[str]]:
+    def build(rng: random.Random, n: int) -> tuple[str, str, list[str]]:
         # n coded words in all, drawn by Zipf's law over a vocabulary of made-up words: the word of rank r
         # about n / r^alpha / zeta(alpha) times; the answers are the top ranks, whose counts differ.
         r = random.Random(layout_seed)
@@ -230,9 +236,9 @@ def _fwe_builder(spec: TaskSpec, seed_rng: random.Random, length: int) -> Builde
         text = " ".join(w if i % 10 else w + " ...." for i, w in enumerate(items))
         prompt = ("Read the following coded text and track the frequency of each coded word. Find the three most "
                   f"frequently appeared coded words. {text}\nQuestion: Do not provide any explanation. Please ignore "
-                  "the dots '....'. What are the three most frequently appeared words in the above coded text? "
-                  "Answer: According to the coded text above, the three most frequently appeared words are:")
-        return prompt, vocab[: o["answers"]]
+                  "the dots '....'. What are the three most frequently appeared words in the above coded text?")
+        prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
+        return prompt, prefix, vocab[: o["answers"]]
 
     return build
 
@@ -242,18 +248,29 @@ BUILDERS: dict[str, Callable[[TaskSpec, random.Random, int], Builder]] = {
 }
 
 
-def _count(tokenizer: Tokenizer, text: str) -> int:
-    # With the special tokens the model is given (a BOS token, for many), as the prompt is encoded to decode it.
-    return len(tokenizer.encode(text, add_special_tokens=True))
+def compose(tokenizer: Tokenizer, body: str, prefix: str, chat: bool) -> str:
+    """A sample's prompt: in base form ``body`` then the answer ``prefix``; in chat form ``body`` as the user's
+    turn of the tokenizer's chat template with the assistant's turn opened (``add_generation_prompt``), then
+    the prefix, its leading space dropped (it starts the assistant's text)."""
+    if not chat:
+        return body + prefix
+    turn = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
+                                         tokenize=False)
+    return turn + prefix.lstrip()
 
 
-def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, seed: int = 0) -> Sample:
+def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, seed: int = 0,
+                chat: bool = False) -> Sample:
     """Sample ``index`` of ``task`` whose prompt plus the task's new tokens take at most ``length`` tokens of
     ``tokenizer``, and as many as the filler's granularity allows (a noise sentence, a needle, a listed word:
-    a few tokens to a few dozen). Deterministic in (task, length, index, seed). Raises ValueError for an unknown
-    task, or a length shorter than the task's prompt without filler plus its new tokens."""
+    a few tokens to a few dozen); ``chat``: in the tokenizer's chat template (``compose``). Deterministic in
+    (task, length, index, seed, chat). Raises ValueError for an unknown task, a length shorter than the task's
+    prompt without filler plus its new tokens, or ``chat`` with a tokenizer that has no chat template."""
     if task not in TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; leave out the chat form (base-model prompts) or "
+                         "give a tokenizer that has one")
     spec = TASKS[task]
     rng = random.Random(f"{task}/{length}/{index}/{seed}")
     build = BUILDERS[spec.kind](spec, rng, length)
@@ -262,9 +279,15 @@ def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, se
     # (the count grows about linearly with the filler) and bisects only where interpolation stalls.
     seen: dict[int, int] = {}
 
+    def render(n: int) -> tuple[str, list[str]]:
+        body, prefix, references = build(rng, n)
+        return compose(tokenizer, body, prefix, chat), references
+
     def tokens(n: int) -> int:
+        # With the special tokens the model is given (base form: a BOS token, for many; chat form: the
+        # template's own), as the prompt is encoded to decode it.
         if n not in seen:
-            seen[n] = _count(tokenizer, build(rng, n)[0])
+            seen[n] = len(tokenizer.encode(render(n)[0], add_special_tokens=not chat))
         return seen[n]
 
     low = 1
@@ -292,13 +315,14 @@ def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, se
             low = mid
         else:
             high = mid
-    prompt, references = build(rng, low)
-    return Sample(task, length, index, prompt, references, tokens(low), spec.max_new_tokens)
+    prompt, references = render(low)
+    return Sample(task, length, index, prompt, references, tokens(low), spec.max_new_tokens, not chat)
 
 
-def make_samples(task: str, length: int, tokenizer: Tokenizer, n: int, seed: int = 0) -> list[Sample]:
+def make_samples(task: str, length: int, tokenizer: Tokenizer, n: int, seed: int = 0,
+                 chat: bool = False) -> list[Sample]:
     """``n`` samples of ``task`` at ``length`` tokens (``make_sample`` with index 0..n-1)."""
-    return [make_sample(task, length, tokenizer, i, seed) for i in range(n)]
+    return [make_sample(task, length, tokenizer, i, seed, chat) for i in range(n)]
 
 
 # -- scoring, as RULER's evaluate.py ------------------------------------------------------------------------------

@@ -47,13 +47,15 @@ class LongContextEvalCallback(Callback):
         at_start: evaluate once before the first training step (the grid the training starts from).
         tokenizer: a local tokenizer directory (None: the DataModule's ``tokenizer``, else ``model.pretrained``'s).
         gguf_file: the GGUF file in ``tokenizer`` that holds the tokenizer.
+        chat_template: the prompts as RULER gives them to chat models, in the tokenizer's chat template (the
+            task as the user's turn, the answer prefix opening the assistant's); False: base-model prompts.
         prefix: the logged names' first part.
 
     Refused in one line at set-up, before the weights load: an unknown task, a length not positive, beyond the
     model's ``max_position_embeddings`` or too short for a task's prompt, ``every_n_steps`` < 1, no
-    tokenizer, a tokenizer larger than the model's vocabulary. Memory: an evaluation holds the K/V pages of one
-    prompt (no gradient pages: 2 x layers x KV heads x head_dim x dtype bytes per token) beside the training's
-    page pool, which stays allocated.
+    tokenizer, a tokenizer larger than the model's vocabulary, ``chat_template`` with a tokenizer that has none.
+    Memory: an evaluation holds the K/V pages of one prompt (no gradient pages: 2 x layers x KV heads x head_dim x
+    dtype bytes per token) beside the training's page pool, which stays allocated.
 
     Several processes: under oomb_ddp every rank holds the whole model, so global rank 0 alone evaluates and
     logs while the others wait at a barrier (an evaluation longer than the process group's timeout ends the
@@ -72,6 +74,7 @@ class LongContextEvalCallback(Callback):
         at_start: bool = False,
         tokenizer: str | None = None,
         gguf_file: str | None = None,
+        chat_template: bool = False,
         prefix: str = "eval",
     ):
         names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
@@ -100,6 +103,7 @@ class LongContextEvalCallback(Callback):
         self.samples, self.seed = samples, seed
         self.every_n_steps, self.at_validation, self.at_start = every_n_steps, at_validation, at_start
         self.tokenizer_path, self.gguf_file, self.prefix = tokenizer, gguf_file, prefix
+        self.chat_template = chat_template
         self.tokenizer: Any = None
         # {step: run_grid's results}: each task's score (0-100) and samples (prompt tokens, references, prediction)
         # by length, of every evaluation of this run
@@ -128,9 +132,12 @@ class LongContextEvalCallback(Callback):
         if too_long:
             raise SetupError(f"{NAME}: lengths {', '.join(human_tokens(n) for n in too_long)} beyond the model's "
                              f"max_position_embeddings {positions:,}")
+        if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise SetupError(f"{NAME}: chat_template: the tokenizer has no chat template; set chat_template false "
+                             "(base-model prompts) or give a tokenizer that has one")
         for task in self.tasks:  # the shortest length holds each task's prompt in this tokenizer, or is refused
             try:
-                make_sample(task, self.lengths[0], self.tokenizer, 0, self.seed)
+                make_sample(task, self.lengths[0], self.tokenizer, 0, self.seed, self.chat_template)
             except ValueError as e:
                 raise SetupError(f"{NAME}: lengths: {e}") from None
         if importlib.util.find_spec("matplotlib") is None:
@@ -196,7 +203,7 @@ class LongContextEvalCallback(Callback):
                                    self.samples, self.seed, {"config": trainer.strategy.chunk_config},
                                    trainer.strategy.root_device,
                                    progress=lambda line: print(f"{NAME} at step {step}: {line}", file=sys.stderr,
-                                                               flush=True))
+                                                               flush=True), chat=self.chat_template)
         finally:
             for module, training in modes.items():
                 module.train(training)
