@@ -117,10 +117,9 @@ def _value(rng: random.Random, kind: str) -> str:
 
 
 # -- the tasks: each builds a prompt from n units of filler -----------------------------------------------------
-# A builder (made from the task, a seeded rng and the length asked) takes (rng, n) and returns (prompt, references); the same rng state and n give the same prompt, and
-# the prompt's length grows with n, which _fit searches for the length asked.
-
-# (rng, filler units) -> (instruction, context and question; the answer prefix; the references)
+# A builder (made from the task, a seeded rng and the length asked) takes (rng, n units of filler) and returns
+# (the instruction, context and question; the answer prefix; the references); the same rng state and n give the
+# same text, and its length grows with n, which make_sample searches for the length asked.
 Builder = Callable[[random.Random, int], tuple[str, str, list[str]]]
 
 
