@@ -794,6 +794,21 @@ SEVERAL_GPUS = {
 }
 
 
+@pytest.mark.parametrize("name,data", [("smollm2-passkey-64k", "lightning_oomb.PasskeyTextDataModule"),
+                                       ("smollm2-chat-64k", "lightning_oomb.ChatDataModule")])
+def test_smollm2_configs_parse(name, data, capsys):
+    """The real-model YAMLs go through the Lightning CLI's parser too (--print_config: no model loads); the
+    passkey YAML's RULER grid prompts the instruction-tuned model in its chat template."""
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", str(ROOT / "examples" / f"{name}.yaml"), "--print_config"])
+    assert info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["class_path"] == data and printed["data"]["init_args"]["seq_len"] == 65536
+    grids = [c for c in printed["trainer"].get("callbacks") or []
+             if c["class_path"] == "lightning_oomb.LongContextEvalCallback"]
+    assert [g["init_args"]["chat_template"] for g in grids] == ([True] if name == "smollm2-passkey-64k" else [])
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-7b-128k", "qwen2.5-7b-1m-sparse", "lora", "corpus_cpu", "qlora-24gb",
                                   "qwen2.5-7b-h100", *SEVERAL_GPUS])
 def test_example_configs_parse(name, capsys):
