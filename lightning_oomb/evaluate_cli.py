@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     _, config, tokenizer = _check_model_dir(parser, args.model, args.gguf_file, args.config_overrides)
-    from .evaluation.ruler import make_sample
+    from .evaluation.ruler import has_chat_template, make_sample
 
-    if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+    if args.apply_chat_template and not has_chat_template(tokenizer):
         _fail(parser, f"--apply_chat_template: the tokenizer of {args.model} has no chat template; leave the flag "
               "out (base-model prompts) or give a model directory whose tokenizer has one")
     for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(scores, tasks, [human_tokens(n) for n in lengths])
     print(table)
     report = dict(model=str(args.model), gguf_file=args.gguf_file, config_overrides=args.config_overrides,
-                  apply_chat_template=args.apply_chat_template, tasks=tasks, lengths=lengths, samples=args.samples, seed=args.seed, options={k: str(v) for k, v in options.items()},
+                  apply_chat_template=args.apply_chat_template, tasks=tasks, lengths=lengths, samples=args.samples,
+                  seed=args.seed, options={k: str(v) for k, v in options.items()},
                   plan=dict(device=device, dtype=str(dtype).removeprefix("torch."), fixed_bytes=fixed,
                             pages={human_tokens(p.tokens): dict(bytes=p.pages, on=p.where) for p in plans},
                             seconds={human_tokens(n): dict(prefill=t.prefill_s, per_new_token=t.decode_s)

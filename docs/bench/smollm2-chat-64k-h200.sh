@@ -39,17 +39,14 @@ import re, statistics, sys
 from pathlib import Path
 from lightning_oomb.bench.scalars import read_scalars
 
-def scalars(run: Path, tag: str) -> list[tuple[int, float]]:
-    return [(e.step, e.value) for e in read_scalars(run).get(tag, [])]
-
-runs = {p.name: p for p in Path(sys.argv[1]).rglob("*") if p.is_dir() and p.name in ("before", "fit")}
-before = scalars(runs["before"], "val/loss")
-after = scalars(runs["fit"], "val/loss")
-print(f"held-out loss before: {before[-1][1]:.4f}" if before else "held-out loss before: not logged")
-print("held-out loss in fit: " + ", ".join(f"step {s}: {v:.4f}" for s, v in after))
+runs = {p.name: read_scalars(p) for p in Path(sys.argv[1]).rglob("*") if p.is_dir() and p.name in ("before", "fit")}
+before = runs["before"].get("val/loss", [])
+after = runs["fit"].get("val/loss", [])
+print(f"held-out loss before: {before[-1].value:.4f}" if before else "held-out loss before: not logged")
+print("held-out loss in fit: " + ", ".join(f"step {e.step}: {e.value:.4f}" for e in after))
 log = Path(sys.argv[2]).read_text()
 seq_len = int(re.search(r"sequences of ([\d,]+) tokens", log).group(1).replace(",", ""))
-seconds = [seq_len / v for _, v in scalars(runs["fit"], "train/tokens_per_s")]
+seconds = [seq_len / e.value for e in runs["fit"].get("train/tokens_per_s", [])]
 if seconds:
     steady, since = (seconds[2:], "from step 3 on") if len(seconds) > 2 else (seconds, "over every step")
     print(f"steps: {len(seconds)}, median {statistics.median(steady):.3f} s {since}")

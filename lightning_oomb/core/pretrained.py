@@ -6,8 +6,8 @@ backend load through here; errors are ``SetupError`` lines naming the directory.
 from __future__ import annotations
 
 import importlib.util
-import json
 import inspect
+import json
 from pathlib import Path
 
 import torch

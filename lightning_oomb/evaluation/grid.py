@@ -30,8 +30,7 @@ def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], len
     (the task's max_new_tokens, EOS of the tokenizer's or the model's), scored as RULER does. ``options``:
     ``generate``'s (a ``config=ChunkConfig`` and/or its fields). ``progress``: called with one line per task
     and length (None: silent). ``chat``: the prompts in the tokenizer's chat template (``ruler.compose``).
-    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references,
-    prediction}, ...]}}}."""
+    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references, prediction}, ...]}}}."""
     eos = tokenizer.eos_token_id
     results: dict = {t: {} for t in tasks}
     total, done = len(tasks) * len(lengths), 0

@@ -247,6 +247,11 @@ BUILDERS: dict[str, Callable[[TaskSpec, random.Random, int], Builder]] = {
 }
 
 
+def has_chat_template(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` can give chat-form prompts (``compose``): it has a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def compose(tokenizer: Tokenizer, body: str, prefix: str, chat: bool) -> str:
     """A sample's prompt: in base form ``body`` then the answer ``prefix``; in chat form ``body`` as the user's
     turn of the tokenizer's chat template with the assistant's turn opened (``add_generation_prompt``), then
@@ -267,7 +272,7 @@ def make_sample(task: str, length: int, tokenizer: Tokenizer, index: int = 0, se
     prompt without filler plus its new tokens, or ``chat`` with a tokenizer that has no chat template."""
     if task not in TASKS:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(TASKS)}")
-    if chat and not getattr(tokenizer, "chat_template", None):
+    if chat and not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template; leave out the chat form (base-model prompts) or "
                          "give a tokenizer that has one")
     spec = TASKS[task]

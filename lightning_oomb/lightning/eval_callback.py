@@ -16,7 +16,7 @@ from typing_extensions import override
 from ..core.errors import SetupError
 from ..core.units import human_tokens, parse_tokens
 from ..evaluation.grid import format_table, grid_figure, run_grid
-from ..evaluation.ruler import TASKS, make_sample
+from ..evaluation.ruler import TASKS, has_chat_template, make_sample
 from ..integrations.transformers import find_causal_lm
 from .corpus import CorpusError, check_tokenizer_matches, load_tokenizer
 from .model_parallel import OOMBModelParallelStrategy
@@ -132,7 +132,7 @@ class LongContextEvalCallback(Callback):
         if too_long:
             raise SetupError(f"{NAME}: lengths {', '.join(human_tokens(n) for n in too_long)} beyond the model's "
                              f"max_position_embeddings {positions:,}")
-        if self.chat_template and not getattr(self.tokenizer, "chat_template", None):
+        if self.chat_template and not has_chat_template(self.tokenizer):
             raise SetupError(f"{NAME}: chat_template: the tokenizer has no chat template; set chat_template false "
                              "(base-model prompts) or give a tokenizer that has one")
         for task in self.tasks:  # the shortest length holds each task's prompt in this tokenizer, or is refused
