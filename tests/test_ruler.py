@@ -45,7 +45,8 @@ def test_chat_form_is_the_base_prompt_as_the_users_turn(task, tokenizer):
     chat_tokenizer = AutoTokenizer.from_pretrained(CHAT_TOKENIZER)
     length = 2048
     chat = make_sample(task, length, chat_tokenizer, index=0, chat=True)
-    assert not chat.add_special_tokens and chat.tokens == len(chat_tokenizer.encode(chat.prompt, add_special_tokens=False))
+    assert not chat.add_special_tokens
+    assert chat.tokens == len(chat_tokenizer.encode(chat.prompt, add_special_tokens=False))
     assert 0.9 * length <= chat.tokens + chat.max_new_tokens <= length
     head, turn = "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"
     assert chat.prompt.startswith(head) and chat.prompt.count(turn) == 1
