@@ -23,22 +23,22 @@ GIB = 2**30
 
 
 def probe_kv_dtype(
-    model: torch.nn.Module, precision_plugin, device: torch.device, grad_dtype: torch.dtype, kv_head_split: int = 1,
-    host_memory: int | None = None,
+    model: torch.nn.Module, precision_plugin, device: torch.device, run: ChunkConfig, kv_head_split: int = 1,
 ) -> StoreSpec:
     """Run two tokens through stage 1 under the precision plugin to learn the K/V store's spec (of this rank's
-    1/kv_head_split of the KV heads under tensor parallelism); ``host_memory``: the run's host memory budget
-    (bytes), which the probe's step is placed against as every step of the run is."""
+    1/kv_head_split of the KV heads under tensor parallelism) as the steps of a run chunked as ``run`` says
+    make it: its chunk and page sizes size the sliding-window layers' gradient ring, its gradient dtype and host
+    memory budget are the run's."""
     seen: list[StoreSpec] = []
 
     def record(spec: StoreSpec, pages: int, with_grads: bool, placement: Placement) -> PagePool:
         seen.append(spec)
-        return PagePool(spec, pages, 1, device, with_grads=False)
+        return PagePool(spec, pages, run.page_size, device, with_grads=False)
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with precision_plugin.forward_context():
-        config = ChunkConfig(chunk_size=2, page_size=1, attention="reference", grad_dtype=grad_dtype, offload="gpu",
-                             host_memory=host_memory)
+        config = ChunkConfig(chunk_size=run.chunk_size, page_size=run.page_size, attention="reference",
+                             grad_dtype=run.grad_dtype, offload="gpu", host_memory=run.host_memory)
         # keep_last: the last layer's forward runs to its end (stage 1 may stop at its K/V store), so that a
         # layer sharded by FSDP is not left gathered, mid-forward, until the first step.
         ChunkedSequence(model, ids, config=config, pools=record, ranks=Ranks(kv_head_split)).fill(
@@ -122,8 +122,8 @@ class PagedKVCallback(Callback):
                                         document_length=getattr(trainer.datamodule, "document_length", None),
                                         agree=trainer.strategy.ranks.least,
                                         kv_head_split=trainer.strategy.ranks.kv_head_split)
-        spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config.grad_dtype,
-                              trainer.strategy.ranks.kv_head_split, config.host_memory)
+        spec = probe_kv_dtype(model, trainer.precision_plugin, self._device, config,
+                              trainer.strategy.ranks.kv_head_split)
         pages = shape[0] * -(-shape[1] // self._page_size)
         started = time.perf_counter()
         self.pool = new_pool(spec, pages, self._page_size, self._device, True, self.placement)
