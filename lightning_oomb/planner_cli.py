@@ -237,7 +237,8 @@ def context_table(model: str, args: argparse.Namespace, config: PlanConfig, mach
         "The machine limit: the GPU memory a one-chunk step leaves free plus the host memory budget's room for "
         "pinned pages, over the bytes a token stores (K, V and their gradients, "
         + (f"the {p.shape.kv_layers} layers with K/V pages" if p.shape.layers_without_kv else "all layers")
-        + ("; the sliding-window layers' gradients are a ring of their window" if p.shape.window_layers else "")
+        + ("; the sliding-window layers' gradients are a ring of their window, their K/V the pages a later "
+           "chunk's window reaches" if p.shape.window_layers else "")
         + "). Dense steps past "
         "the GPU stream every page from the host; sparse steps keep the KV-gradient pages, then the K/V pages, "
         "of as many layers there as they need, gathering each chunk's selected pages.", width=110)

@@ -191,6 +191,28 @@ def test_extend_continues_its_own_stage_1_only():
         seq.release()
 
 
+def test_windows_shorter_than_chunks_in_decoding_and_spans_that_cross_chunks():
+    """A window of 3 in chunks of 8: a window layer keeps only the pages a later chunk's window reaches, and
+    scratch pages that the next chunk takes over. Greedy decoding across chunk borders is transformers'; a span
+    after stored tokens that crosses chunk borders is written piece by piece, each within one chunk, and
+    gives the whole sequence's logits."""
+    from lightning_oomb.core.schedule import ChunkedSequence
+
+    types = ["sliding_attention", "full_attention"]
+    model = tiny_model("gemma3_text", sliding_window=3, layer_types=types).eval()
+    check_generate(model, prompt(length=11), 14, chunk_size=8, page_size=3)
+    ids = prompt(length=40)
+    seq = ChunkedSequence(model, ids, config=lightning_oomb.ChunkConfig(chunk_size=8, page_size=3))
+    try:
+        seq.extend(5)
+        with torch.no_grad():
+            want = model(input_ids=ids).logits[:, 5:40]
+        assert seq.pool.window_k.shape[1] < -(-40 // 3)
+        assert (seq.extend(40, keep_last=35) - want).abs().max().item() <= TOL
+    finally:
+        seq.release()
+
+
 def test_a_forward_alone_is_placed_without_what_training_keeps():
     """generate, eval_loss and scoring place their sequence for a forward alone: weights, K/V pages and one
     layer's working set; no gradients, optimizer state, KV-gradient pages, dL/dh or stage-1 results kept for a

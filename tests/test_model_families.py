@@ -3,9 +3,11 @@ attention sinks, experts and their load-balancing loss included), the fused ops 
 modules compute something else, and what cannot be exact is refused in one line.
 Float32 on CPU, against transformers' own full-sequence training of the same tiny random model."""
 
+import itertools
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -623,6 +625,78 @@ def test_sliding_windows_match_full_sequence(family, backend):
     labels = ids.clone()
     labels[1, 30:] = -100
     check_against_full(model, ids, labels, chunk_size=8, page_size=3, attention=backend)
+
+
+def test_window_pages_hold_every_key_a_later_query_reads():
+    """window_page_slots against a simulated store: tokens written chunk by chunk (or, as decoding writes them,
+    in pieces cut at chunk borders: a prompt, then one token at a time), each query reading the keys of its
+    window before its piece. Every key read is the one written there; where the window is shorter than a chunk
+    the sequence takes fewer slots than pages."""
+    from lightning_oomb.core.pages import window_page_slots
+
+    def check(length, chunk, page, window, pieces):
+        slots, per_sequence = window_page_slots(length, chunk, page, window)
+        assert slots.shape == (-(-length // page),) and 0 <= slots.min() and slots.max() < per_sequence
+        store = np.full(per_sequence * page, -1)
+        for a, b in pieces:
+            for t in range(a, b):
+                store[slots[t // page] * page + t % page] = t
+            for t in range(a, b):
+                keys = np.arange(max(0, t - window + 1), a)
+                assert np.array_equal(store[slots[keys // page] * page + keys % page], keys), (a, b, t)
+        return per_sequence
+
+    saved = 0
+    for length, chunk, page, window in itertools.product([1, 16, 37, 61], [1, 4, 7, 16], [1, 3, 4, 16], [1, 5, 9, 17]):
+        per_sequence = check(length, chunk, page, window, [(s, min(s + chunk, length)) for s in range(0, length, chunk)])
+        cut = length // 3
+        check(length, chunk, page, window, [(s, min((s // chunk + 1) * chunk, cut)) for s in range(0, cut, chunk)]
+              + [(t, t + 1) for t in range(cut, length)])
+        saved += per_sequence < -(-length // page)
+        if window - 1 >= chunk:  # every token is in some later chunk's window
+            assert per_sequence == -(-length // page)
+    assert saved >= 40
+
+
+# Windows shorter than a chunk: a window layer keeps the pages within 4 tokens of the next chunk's start and one
+# chunk's scratch. Pages of 3 straddle chunk borders, pages of 8 do not; batch 2 with masked labels.
+@pytest.mark.parametrize("sparse", [None, EVERY_PAGE], ids=["dense", "sparse-every-page"])
+@pytest.mark.parametrize("page", [3, 8])
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text", "gpt_oss"])
+def test_windows_shorter_than_chunks_keep_only_the_pages_later_chunks_reach(family, page, sparse):
+    from lightning_oomb.core.pages import window_page_slots
+    from lightning_oomb.core.schedule import cached_pool
+
+    types = ["sliding_attention", "full_attention"]
+    model = tiny_model(family, sliding_window=5, **({} if family == "mistral" else {"layer_types": types}))
+    ids = torch.randint(0, VOCAB, (2, 61))
+    labels = ids.clone()
+    labels[1, 40:] = -100
+    check_against_full(model, ids, labels, chunk_size=16, page_size=page, sparse=sparse)
+    pool = cached_pool(model)
+    per_sequence = window_page_slots(61, 16, page, 5)[1]
+    assert per_sequence < -(-61 // page)
+    assert pool.window_layers == ([0, 1] if family == "mistral" else [0])
+    assert pool.window_k.shape[:2] == (len(pool.window_layers), 2 * per_sequence)
+    assert pool.k.shape[0] == 2 - len(pool.window_layers)
+    if sparse is None:  # the planner counts what the pool holds
+        from lightning_oomb.core.plan import plan
+
+        step = plan(model, 61, batch=2, chunk_size=16, page_size=page, optimizer="none", precision="32-true",
+                    gpu_memory=1 << 40, host_memory=1 << 40)
+        planned = sum(v for k, v in step.gpu_lines.items() if k.startswith("K/V pages"))
+        assert planned == sum(t.numel() * t.element_size() for t in (pool.k, pool.v, pool.window_k, pool.window_v))
+
+
+def test_windows_shorter_than_chunks_with_packed_documents_and_layer_checkpoints():
+    model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, VOCAB, (1, 50))
+    position_ids = torch.cat([torch.arange(21), torch.arange(29)])[None]
+    want_loss, want = separate_documents_grads(model, ids, position_ids)
+    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=16, page_size=3,
+                                     checkpoint_layers=True)
+    assert rel_err(loss, want_loss) <= TOL
+    assert_grads_close(grads_of(model), want, TOL)
 
 
 def test_sliding_window_with_layer_checkpoints_and_streamed_host_pages():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..kernels.page_table import LayerStore, PageTable, StoreSpec
@@ -42,6 +43,32 @@ def gradient_ring_pages(window: int, chunk_size: int, page_size: int) -> int:
     chunk's last, and each page is zeroed once its own chunk's backward has read it, so that many pages, plus
     the two a chunk and a window may straddle, are live at once."""
     return (chunk_size + window - 1) // page_size + 3
+
+
+def window_page_slots(seq_len: int, chunk_size: int, page_size: int, window: int) -> tuple[np.ndarray, int]:
+    """Where a sliding-window layer keeps each page of a sequence of ``seq_len`` tokens: (slots, per_sequence),
+    slots (n_pages,) int64, each page's slot among the ``per_sequence`` slots the sequence takes.
+
+    A chunk's queries take the chunk's own keys with them and read from the store only the past before the chunk,
+    and a window layer's query only the ``window`` - 1 keys before it. A page is kept (a slot of its own) where
+    a token of it lies within ``window`` - 1 tokens of the start of the chunk after its own, or where it straddles
+    a chunk border; no later chunk reads a chunk's other pages, so every chunk's page i after its first page's
+    start takes scratch slot i, shared by all chunks. Valid while the tokens are written chunk by chunk, in
+    order, each write within one chunk of ``chunk_size`` tokens counted from token 0 (``ChunkedSequence``'s
+    ``fill`` and ``extend``). Where that keeps every page (a window longer than a chunk), each page has its own
+    slot, in order."""
+    n = -(-seq_len // page_size)
+    first = np.arange(n, dtype=np.int64) * page_size
+    last = np.minimum(first + page_size, seq_len) - 1
+    chunk = last // chunk_size
+    next_start = (chunk + 1) * chunk_size
+    kept = ((next_start < seq_len) & (last >= next_start - (window - 1))) | (first // chunk_size != chunk)
+    scratch = np.arange(n, dtype=np.int64) - chunk * chunk_size // page_size
+    n_kept = int(kept.sum())
+    per_sequence = n_kept + (int(scratch[~kept].max()) + 1 if n_kept < n else 0)
+    if per_sequence >= n:
+        return np.arange(n, dtype=np.int64), n
+    return np.where(kept, np.cumsum(kept) - 1, n_kept + scratch), per_sequence
 
 
 def _split_index(layer: int, host_layers: list[int]) -> tuple[bool, int]:
@@ -368,8 +395,15 @@ class PagePool:
         self.ring_layers: list[int] = sorted(spec.window_layers) if ring else []
         self.ring_dk = self.ring_dv = None
         self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
+        # Sliding-window layers keep their K/V pages in tensors of their own, which ``allocate`` sizes for its
+        # batch: on the GPU without host layers, only the pages a later chunk's window reaches, and one chunk's
+        # scratch (``window_page_slots``).
+        own = placement == "gpu" and not (host_grad_layers or host_kv_layers) and spec.chunk_size > 0
+        self.window_layers: list[int] = sorted(spec.window_layers) if own else []
+        self.window_k = self.window_v = None
+        self._window_table: PageTable | None = None
         if placement == "gpu":
-            n = spec.n_layers - host_kv_layers
+            n = spec.n_layers - host_kv_layers - len(self.window_layers)
             on_gpu = spec.n_layers - host_grad_layers - len(self.ring_layers) if with_grads else 0
             if with_grads and spec.grad_dtype == spec.dtype:
                 # The GPU layers' dK, dV pages follow every layer's K, V pages in one tensor each, so that
@@ -493,8 +527,8 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
-        tensors = [self.k, self.v, self.dk, self.dv, self.ring_dk, self.ring_dv, self.host_dk, self.host_dv,
-                   self.host_k, self.host_v, *(t for where in self._summaries.values() for ts in where for t in ts)]
+        tensors = [self.k, self.v, self.dk, self.dv, self.ring_dk, self.ring_dv, self.window_k, self.window_v,
+                   self.host_dk, self.host_dv, self.host_k, self.host_v, *(t for where in self._summaries.values() for ts in where for t in ts)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
@@ -536,6 +570,8 @@ class PagePool:
         table = PageTable(slots=slots, seq_len=seq_len, page_size=self.page_size)
         self._dead_from = n
         self.host_grads_moved = []
+        if self.window_layers:
+            self._take_window_pages(batch, seq_len)
         if self.on_host:
             self.streamer.begin(table, first_keys)
         elif self.with_grads:
@@ -547,6 +583,19 @@ class PagePool:
             if self.ring_layers:
                 self._take_ring(batch, n)
         return table
+
+    def _take_window_pages(self, batch: int, seq_len: int) -> None:
+        """The sliding-window layers' K/V pages for ``batch`` sequences of ``seq_len`` tokens: page p of sequence
+        b in slot b * S + slots[p] (``window_page_slots``: S slots a sequence)."""
+        slots, per_sequence = window_page_slots(seq_len, self.spec.chunk_size, self.page_size, self.spec.window)
+        if self.window_k is None or self.window_k.shape[1] < batch * per_sequence:
+            self.window_k = self.window_v = None  # give the old pages back before taking more
+            shape = (len(self.window_layers), batch * per_sequence, self.page_size, self.spec.n_kv_heads)
+            self.window_k = torch.empty((*shape, self.spec.head_dim), dtype=self.spec.dtype, device=self.device)
+            self.window_v = torch.empty((*shape, self.spec.v_dim), dtype=self.spec.dtype, device=self.device)
+        offsets = torch.arange(batch, dtype=torch.int32)[:, None] * per_sequence
+        table = (torch.from_numpy(slots).to(torch.int32)[None, :] + offsets).to(self.device)
+        self._window_table = PageTable(slots=table, seq_len=seq_len, page_size=self.page_size)
 
     def _take_ring(self, batch: int, n_pages: int) -> None:
         """The sliding-window layers' gradient ring for ``batch`` sequences of ``n_pages`` pages, zeroed: page p
@@ -585,6 +634,7 @@ class PagePool:
         self._moved.clear()
         self._dead_slots = []
         self._ring_slots = None
+        self._window_table = None
         # Sorted, so that a sequence's pages form long runs of consecutive slots (one copy per run).
         self._free = sorted(self._free + table.slots.view(-1).tolist())
 
@@ -653,8 +703,14 @@ class PagePool:
         self._moved[layer] = grad_slots
 
     def layer(self, layer: int, table: PageTable) -> LayerStore:
-        host, i = _split_index(layer, self.host_kv_layer_ids)
-        k, v, stager = (self.host_k[i], self.host_v[i], self.kv_staging) if host else (self.k[i], self.v[i], None)
+        kv_table = table
+        if layer in self.window_layers:
+            i = self.window_layers.index(layer)
+            k, v, stager, kv_table = self.window_k[i], self.window_v[i], None, self._window_table
+        else:
+            # Host K/V layers and window layers with pages of their own never share a pool.
+            host, i = _split_index(layer, self.host_kv_layer_ids or self.window_layers)
+            k, v, stager = (self.host_k[i], self.host_v[i], self.kv_staging) if host else (self.k[i], self.v[i], None)
         dk = dv = staging = grad_table = None
         if self.dk is not None:
             if layer in self._moved:
@@ -669,4 +725,6 @@ class PagePool:
                 host, i = _split_index(layer, self.host_layers or self.ring_layers)
                 dk, dv = (self.host_dk[i], self.host_dv[i]) if host else (self.dk[i], self.dv[i])
                 staging = self.grad_staging if host else None
-        return LayerStore(k, v, dk, dv, table, self.page_size, layer, self.streamer, staging, grad_table, stager)
+        if dk is not None and grad_table is None and kv_table is not table:
+            grad_table = table
+        return LayerStore(k, v, dk, dv, kv_table, self.page_size, layer, self.streamer, staging, grad_table, stager)

@@ -272,6 +272,7 @@ class ChunkedSequence:
             window_layers=tuple(sorted(self.kv_slots[layer] for layer in windows)),
             window=widest,
             grad_ring_pages=gradient_ring_pages(widest, config.chunk_size, config.page_size) if windows else 0,
+            chunk_size=config.chunk_size if windows else 0,
         )
         self.decoder = decoder_of(self.lm)
         self.head = self.lm.get_output_embeddings()
@@ -567,7 +568,8 @@ class ChunkedSequence:
 
     def extend(self, end: int, keep_last: int = 0) -> torch.Tensor | None:
         """Stage 1 without gradients over input_ids' tokens [stored, end), after the ``stored`` tokens that
-        earlier calls wrote into the pages (none at first), in chunks of ``chunk_size``; returns the logits
+        earlier calls wrote into the pages (none at first), in fill's chunks of ``chunk_size`` (the first one
+        from ``stored`` on); returns the logits
         (B, keep_last, V) of the span's last ``keep_last`` positions, else None. ``fill`` runs every chunk at
         once; decoding needs the tokens one at a time, each chosen from the logits before it, so a caller may
         write input_ids[:, stored:end] between calls (lightning_oomb.evaluation). No loss, no load-balancing
@@ -584,9 +586,12 @@ class ChunkedSequence:
         first_kept = end - keep_last
         kept = []
         binding = contextlib.nullcontext() if self._bound else self.bound()
+        chunk = self.config.chunk_size
         with torch.no_grad(), binding:
-            for start in range(stored, end, self.config.chunk_size):
-                stop = min(start + self.config.chunk_size, end)
+            # Pieces that end at multiples of chunk_size: a sliding-window layer's pages are laid out by the chunks
+            # of fill (core.pages.window_page_slots), which no write may cross.
+            for start in [stored, *range((stored // chunk + 1) * chunk, end, chunk)]:
+                stop = min((start // chunk + 1) * chunk, end)
                 self._set_chunk(self._chunk + 1 if stored else 0)  # a new key for the chunk's selections
                 self._hidden_needed = stop > first_kept
                 hidden = self._chunk_hidden(start, stop)

@@ -44,8 +44,10 @@ class StoreSpec:
 
     window_layers: the layers with a sliding window of at most ``window`` tokens, whose gradient pages a pool
     may keep in a ring of ``grad_ring_pages`` pages per sequence (``core.pages.gradient_ring_pages``: a page's
-    gradient is only added into by the chunks in its window, and is read by its own chunk's backward), and
-    whose host pages a streamed step visits from the window's first page on (``core.offload``)."""
+    gradient is only added into by the chunks in its window, and is read by its own chunk's backward), whose K/V
+    pages it may keep only where a later chunk of ``chunk_size`` tokens reaches them
+    (``core.pages.window_page_slots``), and whose host pages a streamed step visits from the window's first page
+    on (``core.offload``)."""
 
     n_layers: int
     n_kv_heads: int
@@ -56,6 +58,7 @@ class StoreSpec:
     window: int = 0
     grad_ring_pages: int = 0
     v_head_dim: int | None = None
+    chunk_size: int = 0  # tokens per chunk of the steps the store serves (0: not known; set with window_layers)
 
     @property
     def v_dim(self) -> int:

@@ -13,7 +13,7 @@ from ..loss import piece_rows
 from ..model_shape import PROFILES, ModelShape, _itemsize, _kv_dtype
 from ..optimizer_slices import SLICE_ELEMENTS
 from ..optimizers import OPTIMIZERS as OPTIMIZER_CHOICES, plan_state_bytes
-from ..pages import HostGradStaging, gradient_ring_pages
+from ..pages import HostGradStaging, gradient_ring_pages, window_page_slots
 from ..ranks import GRADIENT_BUCKET_BYTES
 from ..units import human_count
 from .activations import activation_bytes, activations_modelled, carried_mixing_bytes, layer_activation_bytes
@@ -172,6 +172,17 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             per_token = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
             gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
                 "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
+        elif shape.window_layers and not c.host_grad_layers:
+            # The sliding-window layers' K/V: the pages a later chunk's window reaches and one chunk's scratch
+            # (core.pages.window_page_slots), the other layers' for every stored token.
+            kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
+            full = shape.kv_layers - shape.window_layers
+            per_sequence = window_page_slots(c.context, c.chunk_size, c.page_size, shape.window)[1]
+            if full:
+                gpu[f"{kv_name}, {full} of {shape.kv_layers} layers"] = kv_layer * full * c.stored_tokens
+            windowed = (f"K/V pages ({dtype_name(kv_dtype)}), {shape.window_layers} sliding-window layers: "
+                        f"{per_sequence} pages a sequence")
+            gpu[windowed] = kv_layer * shape.window_layers * c.batch * per_sequence * c.page_size
         else:
             gpu[kv_name] = kv_bytes
         n_host = c.host_grad_layers

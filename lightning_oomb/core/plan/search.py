@@ -11,6 +11,7 @@ import torch
 
 from ..host_memory import host_budget
 from ..model_shape import ModelShape, _kv_dtype
+from ..pages import window_page_slots
 from .config import Pages, PlanConfig
 from .estimate import estimate_step
 from .memory import loss_grad_bytes
@@ -188,10 +189,16 @@ def max_context(model: Any, config: PlanConfig | None = None, *, limit: int = 1 
     c = least.config
     shape = least.shape
     # Sliding-window layers' gradient pages can be a ring of their window (core.pages.gradient_ring_pages),
-    # which no token adds to: the limit counts the other layers' gradients.
-    grad_layers = shape.kv_layers - shape.window_layers
-    per_token = c.batch * (shape.kv_bytes_per_token(_kv_dtype(c.precision))
-                           + shape.kv_bytes_per_token(c.grad_dtype) * grad_layers // shape.kv_layers)
+    # which no token adds to, and their K/V pages those a later chunk's window reaches
+    # (core.pages.window_page_slots: their share of a long sequence's pages): the limit counts the rest.
+    full = shape.kv_layers - shape.window_layers
+    kept = 0.0
+    if shape.window_layers:
+        long = 64 * c.chunk_size
+        kept = window_page_slots(long, c.chunk_size, c.page_size, shape.window)[1] / math.ceil(long / c.page_size)
+    kv_layer = shape.kv_bytes_per_token(_kv_dtype(c.precision)) / shape.kv_layers
+    grad_layer = shape.kv_bytes_per_token(c.grad_dtype) / shape.kv_layers
+    per_token = math.ceil(c.batch * (kv_layer * (full + shape.window_layers * kept) + grad_layer * full))
     host_room = least.host_memory - sum(v for k, v in least.host_lines.items() if k.startswith("process"))
     # The one-chunk step's own pages on the GPU are room for tokens too (its pinned ones are in host_room).
     own_pages = sum(v for k, v in least.gpu_lines.items() if k.startswith(("K/V pages", "KV-gradient pages")))
