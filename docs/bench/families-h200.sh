@@ -8,7 +8,8 @@
 #           tokens per global layer), one warm-up and one timed step (mode oomb);
 #   global  the same shape with every layer global (layer_types all full_attention, written to
 #           OUT/gemma-3-12b-global/config.json), the same steps: the sliding-window layers' speed-up and memory.
-# Where the pages do not fit the GPU (an 80 GB card) the Gemma steps stream them from host memory.
+# Where the pages do not fit the GPU the Gemma steps stream them from host memory (the all-global twin on an 80 GB
+# card; the windowed model keeps its local layers' K/V pages only where a later chunk's window reaches them).
 # About 10 minutes on an H200. Run it under setsid and read OUT/*/results.csv and OUT/max-context.txt back
 # (device README).
 #   bash docs/bench/families-h200.sh OUT [moe] [gemma] [global]    (all three when none is named)
