@@ -92,8 +92,10 @@ def test_same_weights_as_plain_training(backend):
 def test_sliding_window_model_with_the_page_pool_callback(family):
     """PagedKVCallback builds the pool before the first step from a two-token probe; the sliding-window layers'
     gradient ring is sized by the run's chunks and pages, as every step's spec sizes it (a probe with its own
-    chunking made a pool that no step could use). Every layer windowed (Mistral) and one in two (Gemma 3)."""
-    plain, served = (UserModule(tiny_model(family, sliding_window=11)) for _ in range(2))
+    chunking made a pool that no step could use). Every layer windowed (Mistral) and one in two (Gemma 3), windows
+    of 5 in chunks of 8: those layers keep K/V pages only where the next chunk's window reaches."""
+    types = {} if family == "mistral" else {"layer_types": ["sliding_attention", "full_attention"]}
+    plain, served = (UserModule(tiny_model(family, sliding_window=5, **types)) for _ in range(2))
     start = weights(plain)
     fit(plain)
     fit(served, OOMBStrategy(chunk_size=8, page_size=4), callbacks=[PagedKVCallback(max_seq_len=27, max_batch_size=2)])
