@@ -688,6 +688,15 @@ def test_windows_shorter_than_chunks_keep_only_the_pages_later_chunks_reach(fami
         assert planned == sum(t.numel() * t.element_size() for t in (pool.k, pool.v, pool.window_k, pool.window_v))
 
 
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+@pytest.mark.parametrize("sparse", [None, EVERY_PAGE], ids=["dense", "sparse-every-page"])
+def test_windows_shorter_than_chunks_in_the_triton_kernels(backend, sparse):
+    """The window layers' own page table through the dense and sparse Triton kernels (Triton's interpreter)."""
+    model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    check_against_full(model, torch.randint(0, VOCAB, (1, 45)), chunk_size=16, page_size=4, attention=backend,
+                       sparse=sparse)
+
+
 def test_windows_shorter_than_chunks_with_packed_documents_and_layer_checkpoints():
     model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
     ids = torch.randint(0, VOCAB, (1, 50))
