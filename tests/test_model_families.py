@@ -648,7 +648,8 @@ def test_window_pages_hold_every_key_a_later_query_reads():
 
     saved = 0
     for length, chunk, page, window in itertools.product([1, 16, 37, 61], [1, 4, 7, 16], [1, 3, 4, 16], [1, 5, 9, 17]):
-        per_sequence = check(length, chunk, page, window, [(s, min(s + chunk, length)) for s in range(0, length, chunk)])
+        chunks = [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+        per_sequence = check(length, chunk, page, window, chunks)
         cut = length // 3
         check(length, chunk, page, window, [(s, min((s // chunk + 1) * chunk, cut)) for s in range(0, cut, chunk)]
               + [(t, t + 1) for t in range(cut, length)])

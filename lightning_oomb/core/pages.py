@@ -52,8 +52,9 @@ def window_page_slots(seq_len: int, chunk_size: int, page_size: int, window: int
     A chunk's queries take the chunk's own keys with them and read from the store only the past before the chunk,
     and a window layer's query only the ``window`` - 1 keys before it. A page is kept (a slot of its own) where
     a token of it lies within ``window`` - 1 tokens of the start of the chunk after its own, or where it straddles
-    a chunk border; no later chunk reads a chunk's other pages, so every chunk's page i after its first page's
-    start takes scratch slot i, shared by all chunks. Valid while the tokens are written chunk by chunk, in
+    a chunk border. No later chunk reads a chunk's other pages, so they take scratch slots by their place in the
+    chunk (counted from the page of its first token), the same for every chunk: each chunk overwrites the one
+    before's. Valid while the tokens are written chunk by chunk, in
     order, each write within one chunk of ``chunk_size`` tokens counted from token 0 (``ChunkedSequence``'s
     ``fill`` and ``extend``). Where that keeps every page (a window longer than a chunk), each page has its own
     slot, in order."""
@@ -527,8 +528,9 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of all pages (wherever they live) and, if any, sparse summaries."""
+        summaries = (t for where in self._summaries.values() for ts in where for t in ts)
         tensors = [self.k, self.v, self.dk, self.dv, self.ring_dk, self.ring_dv, self.window_k, self.window_v,
-                   self.host_dk, self.host_dv, self.host_k, self.host_v, *(t for where in self._summaries.values() for ts in where for t in ts)]
+                   self.host_dk, self.host_dv, self.host_k, self.host_v, *summaries]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
