@@ -18,7 +18,7 @@ from lightning_oomb.kernels.page_table import StoreSpec
 
 def test_builtin_shapes_load_and_count_like_the_real_models():
     assert set(builtin_names()) >= {"smollm2-135m", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b",
-                                    "qwen3-30b-a3b", "gemma-3-12b"}
+                                    "qwen3-30b-a3b", "gemma-3-12b", "gpt-oss-20b"}
     for name in builtin_names():
         shape = ModelShape.from_name(name)
         with torch.device("meta"):  # the real module tree, no memory
@@ -26,10 +26,10 @@ def test_builtin_shapes_load_and_count_like_the_real_models():
         assert shape.total_params == sum(p.numel() for p in model.parameters()), name
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
         # Mixtures of experts: the stacked expert weights and the routers, parameters of their own modules (not a
-        # hybrid's depthwise convolutions, which multiply no matrix).
+        # hybrid's depthwise convolutions, which multiply no matrix; not GPT-OSS's stacked expert biases).
         other = sum(p.numel() for m in model.modules()
                     if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d))
-                    for p in m.parameters(recurse=False) if p.dim() >= 2)
+                    for name, p in m.named_parameters(recurse=False) if p.dim() >= 2 and not name.endswith("bias"))
         assert shape.matmul_params == linear + other, name
 
 
