@@ -689,6 +689,28 @@ def test_windows_shorter_than_chunks_keep_only_the_pages_later_chunks_reach(fami
         assert planned == sum(t.numel() * t.element_size() for t in (pool.k, pool.v, pool.window_k, pool.window_v))
 
 
+@pytest.mark.parametrize("per_query_tile", [True, False])
+def test_windows_shorter_than_chunks_under_a_cut_sparse_budget(per_query_tile, monkeypatch):
+    """A budget of 4 pages of 2 cuts the windows of 13 in chunks of 16: the selection scores every past page's
+    summary, the scratch pages' stale ones included, and must pick what it picks with every page kept (the
+    same loss and gradients, bit for bit)."""
+    from lightning_oomb.core import pages
+    from lightning_oomb.core.schedule import release_cached_pool
+
+    sparse = {"budget_pages": 4, "sink_pages": 1, "local_pages": 1, "per_query_tile": per_query_tile}
+    ids = torch.randint(0, VOCAB, (1, 70))
+    runs = []
+    for every_page in (False, True):
+        if every_page:
+            monkeypatch.setattr(pages, "window_page_slots", lambda n, c, p, w: (np.arange(-(-n // p)), -(-n // p)))
+        model = tiny_model("gemma3_text", sliding_window=13, layer_types=["sliding_attention", "full_attention"])
+        loss = lightning_oomb.train_step(model, ids, chunk_size=16, page_size=2, sparse=sparse)
+        runs.append((loss, grads_of(model)))
+        release_cached_pool(model)
+    (loss, grads), (want_loss, want) = runs
+    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want[n]) for n in want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 @pytest.mark.parametrize("sparse", [None, EVERY_PAGE], ids=["dense", "sparse-every-page"])
 def test_windows_shorter_than_chunks_in_the_triton_kernels(backend, sparse):
