@@ -19,11 +19,13 @@ from lightning_oomb.core.placement import Placement, place_step
 from lightning_oomb.core.plan import PLACEMENT_HEADROOM_SHARE, PlanConfig, plan, plan_placed
 from lightning_oomb.core.schedule import ChunkedSequence, cached_pool, new_pool, release_cached_pool
 from lightning_oomb.kernels.page_table import StoreSpec
-from tiny_models import VOCAB, assert_grads_close, grads_of, needs_interpreter, rel_err, tiny_model
+from tiny_models import (VOCAB, assert_grads_close, full_sequence_grads, grads_of, needs_interpreter, rel_err,
+                         tiny_model)
 
 # One selection per query tile whatever the placement (offload="host" would select per chunk): the tests compare
 # the same step with its pages in different places.
 SPARSE = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=True)
+EVERY_PAGE = SparseConfig(budget_pages=64, sink_pages=1, local_pages=1, per_query_tile=True)  # sparse is dense
 
 
 def _step(model, ids, **kwargs):
@@ -127,6 +129,21 @@ def test_host_layers_spread_over_the_depth_give_the_gpu_gradient():
     assert pool.host_grads_moved == [(1, 24), (3, 18)]  # (layer, live tokens): before chunks [18, 24), [12, 18)
     assert rel_err(loss, want_loss) <= 1e-6
     assert_grads_close(got, want, 1e-6)
+
+
+def test_window_layers_keep_their_own_k_v_pages_beside_host_gradient_layers():
+    """Gemma 3's window layer (5 tokens, chunks of 8) keeps its K/V pages apart, only where the next chunk's
+    window reaches, while both layers' gradient pages live on the host and move into the dead pages of the
+    global layer's K and of nothing else: the gradient is transformers' own."""
+    model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, VOCAB, (1, 60))
+    want_loss, want = full_sequence_grads(model, ids)
+    config = ChunkConfig(chunk_size=8, page_size=2, attention="reference", sparse=EVERY_PAGE)
+    loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
+    assert pool.window_layers == [0] and pool.window_k.shape[1] < 30 and pool.k.shape[0] == 1
+    assert pool.page_layers == 1 and pool.host_grads_moved  # the global layer's K pages only
+    assert rel_err(loss, want_loss) <= 1e-5
+    assert_grads_close(got, want, 1e-5)
 
 
 def test_moved_layers_give_back_their_dead_gradient_pages():

@@ -397,9 +397,9 @@ class PagePool:
         self.ring_dk = self.ring_dv = None
         self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
         # Sliding-window layers keep their K/V pages in tensors of their own, which ``allocate`` sizes for its
-        # batch: on the GPU without host layers, only the pages a later chunk's window reaches, and one chunk's
-        # scratch (``window_page_slots``).
-        own = placement == "gpu" and not (host_grad_layers or host_kv_layers) and spec.chunk_size > 0
+        # batch: on the GPU without host K/V layers, only the pages a later chunk's window reaches, and one
+        # chunk's scratch (``window_page_slots``). Their gradient pages stay where the other layers' are.
+        own = placement == "gpu" and not host_kv_layers and spec.chunk_size > 0
         self.window_layers: list[int] = sorted(spec.window_layers) if own else []
         self.window_k = self.window_v = None
         self._window_table: PageTable | None = None

@@ -24,7 +24,10 @@ def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
-    page_layers = 2 * shape.kv_layers - c.host_grad_layers - c.host_kv_layers  # PagePool.page_layers
+    # PagePool.page_layers: the K pages of the layers in the pool's K tensor (not those of host K/V layers, nor of
+    # sliding-window layers, which keep theirs apart without them), and the GPU gradient layers'.
+    apart = shape.window_layers if shape.window_layers and not c.host_kv_layers else 0
+    page_layers = 2 * shape.kv_layers - c.host_grad_layers - c.host_kv_layers - apart
     on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)

@@ -172,7 +172,7 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             per_token = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
             gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
                 "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
-        elif shape.window_layers and not c.host_grad_layers:
+        elif shape.window_layers:
             # The sliding-window layers' K/V: the pages a later chunk's window reaches and one chunk's scratch
             # (core.pages.window_page_slots), the other layers' for every stored token.
             kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
