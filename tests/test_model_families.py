@@ -30,6 +30,18 @@ def check_against_full(model, ids, labels=None, **kwargs):
     assert_grads_close(grads_of(model), want, TOL)
 
 
+def check_against_separate_documents(model, lengths, **kwargs):
+    """One sequence of documents of ``lengths`` tokens packed by position_ids, against each trained alone; returns
+    its ids (1, sum(lengths))."""
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    want_loss, want = separate_documents_grads(model, ids, position_ids)
+    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, **kwargs)
+    assert rel_err(loss, want_loss) <= TOL
+    assert_grads_close(grads_of(model), want, TOL)
+    return ids
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_full_sequence(family, backend):
@@ -107,13 +119,7 @@ def test_lora_on_experts_matches_full_sequence(family, backend):
 
 
 def test_packed_documents_of_a_family_match_separate_documents():
-    model = tiny_model("olmo2")
-    ids = torch.randint(0, VOCAB, (1, 30))
-    position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
-    want_loss, want = separate_documents_grads(model, ids, position_ids)
-    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=4)
-    assert rel_err(loss, want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    check_against_separate_documents(tiny_model("olmo2"), (13, 17), chunk_size=8, page_size=4)
 
 
 @pytest.mark.skipif(not BACKENDS[1:], reason="the fused ops run in Triton steps (the interpreter on CPU)")
@@ -456,13 +462,7 @@ def test_values_of_another_width_with_documents_checkpoints_and_moved_gradient_p
     from lightning_oomb.core.schedule import ChunkedSequence, new_pool
 
     model = value_width_model(family)
-    ids = torch.randint(0, VOCAB, (1, 40))
-    position_ids = torch.cat([torch.arange(n) for n in (11, 17, 12)])[None]
-    want_loss, want = separate_documents_grads(model, ids, position_ids)
-    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=3,
-                                     checkpoint_layers=True)
-    assert rel_err(loss, want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    ids = check_against_separate_documents(model, (11, 17, 12), chunk_size=8, page_size=3, checkpoint_layers=True)
 
     want_loss, want = full_sequence_grads(model, ids)
     config = ChunkConfig(chunk_size=6, page_size=3, attention="reference",
@@ -722,13 +722,7 @@ def test_windows_shorter_than_chunks_in_the_triton_kernels(backend, sparse):
 
 def test_windows_shorter_than_chunks_with_packed_documents_and_layer_checkpoints():
     model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
-    ids = torch.randint(0, VOCAB, (1, 50))
-    position_ids = torch.cat([torch.arange(21), torch.arange(29)])[None]
-    want_loss, want = separate_documents_grads(model, ids, position_ids)
-    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=16, page_size=3,
-                                     checkpoint_layers=True)
-    assert rel_err(loss, want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
+    check_against_separate_documents(model, (21, 29), chunk_size=16, page_size=3, checkpoint_layers=True)
 
 
 def test_sliding_window_with_layer_checkpoints_and_streamed_host_pages():
@@ -744,14 +738,8 @@ def test_sliding_window_with_layer_checkpoints_and_streamed_host_pages():
 def test_sliding_window_within_packed_documents(sparse):
     """Each query sees the later of its document's start and its window's; sparse attention whose budget covers
     the window (6 tokens: at most 4 pages of 2) selects exactly those keys."""
-    model = tiny_model("mistral", sliding_window=6)
-    ids = torch.randint(0, VOCAB, (1, 30))
-    position_ids = torch.cat([torch.arange(13), torch.arange(17)])[None]
-    want_loss, want = separate_documents_grads(model, ids, position_ids)
-    loss = lightning_oomb.train_step(model, ids, position_ids=position_ids, chunk_size=8, page_size=2,
+    check_against_separate_documents(tiny_model("mistral", sliding_window=6), (13, 17), chunk_size=8, page_size=2,
                                      sparse=sparse)
-    assert rel_err(loss, want_loss) <= TOL
-    assert_grads_close(grads_of(model), want, TOL)
 
 
 def test_the_planner_times_sliding_window_layers_by_their_window():
