@@ -411,13 +411,63 @@ def test_stage_2_gathers_run_ahead_of_their_calls(monkeypatch, checkpoint, host_
 
 
 @pytest.mark.parametrize("per_query_tile", [True, False], ids=["per-tile", "per-chunk"])
-def test_windowed_layers_on_the_host_give_the_gpu_gradient_bitwise(per_query_tile):
-    """Gemma 3's local layers (a window of 7 over pages of 3) and its global ones with every page on the host:
-    a window's first pages are -1 entries that the gathers skip."""
-    model = tiny_model("gemma3_text", sliding_window=7)
+def test_window_layers_stay_on_the_gpu_beside_host_layers_bitwise(per_query_tile):
+    """Gemma 3's local layer (a window of 7 over pages of 3) and its global one, offload='host': the global
+    layer's K/V and KV-gradient pages go to the host, the local layer keeps its own K/V pages and gradient ring
+    on the GPU; the gradient is that of every page on the GPU, bitwise."""
+    model = tiny_model("gemma3_text", sliding_window=7, layer_types=["sliding_attention", "full_attention"])
     ids = torch.randint(0, VOCAB, (2, 29))
     config = SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=per_query_tile)
     want = _step(model, ids, offload="gpu", sparse=config)
     got = _step(model, ids, offload="host", sparse=config)
-    assert cached_pool(model).host_kv_layers == 2
+    pool = cached_pool(model)
+    assert (pool.host_kv_layer_ids, pool.host_layers, pool.window_layers, pool.ring_layers) == ([1], [1], [0], [0])
     _assert_same(got, want)
+
+
+def test_host_layers_are_global_ones_and_the_plan_counts_the_pool(monkeypatch):
+    """Gemma 3 with local (a window of 5) and global layers alternating, sparse, batch 1: the KV-gradient pages
+    of one layer and the K/V pages of one on the host, as a placement asks. Both are global layers; the local
+    ones keep their gradient ring and their own K/V pages on the GPU; the gradient is that of every page on
+    the GPU, bitwise; the planner's page lines, GPU and host, are the pool's bytes."""
+    from lightning_oomb.core import schedule
+    from lightning_oomb.core.plan import plan
+
+    layers = ["sliding_attention", "full_attention"] * 2
+    model = tiny_model("gemma3_text", sliding_window=5, num_hidden_layers=4, layer_types=layers)
+    ids = torch.randint(0, VOCAB, (1, 37))
+    options = dict(sparse=SparseConfig(budget_pages=3, sink_pages=1, local_pages=1, per_query_tile=True))
+    want = _step(model, ids, offload="gpu", **options)
+    placed = Placement("gpu", 8, 1, 1, host_kv_layers=1)
+    monkeypatch.setattr(schedule, "place_step", lambda *args, **kwargs: placed)
+    got = _step(model, ids, **options)
+    _assert_same(got, want)
+    pool = cached_pool(model)
+    assert pool.host_layers == pool.host_kv_layer_ids == [3] and pool.window_layers == pool.ring_layers == [0, 2]
+    step = plan(model, 37, chunk_size=8, page_size=3, optimizer="none", precision="32-true", sparse=options["sparse"],
+                host_grad_layers=1, host_kv_layers=1, gpu_memory=1 << 40, host_memory=1 << 40)
+    pages = ("K/V pages", "KV-gradient pages", "pinned K/V pages", "pinned KV-gradient pages")
+    planned = sum(v for lines in (step.gpu_lines, step.host_lines) for k, v in lines.items() if k.startswith(pages))
+    # The pool holds spare pages beyond the step's: its page tensors counted by the step's pages, each layer's.
+    n_pages = -(-37 // 3)
+    per_step = sum(t.shape[0] * n_pages * t[0, 0].numel() * t.element_size() for t in (
+        pool.k, pool.v, pool.dk, pool.dv, pool.host_k, pool.host_v, pool.host_dk, pool.host_dv))
+    apart = sum(t.numel() * t.element_size() for t in (pool.ring_dk, pool.ring_dv, pool.window_k, pool.window_v))
+    assert planned == per_step + apart
+
+
+def test_the_planner_puts_only_global_layers_on_the_host():
+    """Gemma 3 12B (8 global layers of 48), LoRA, sparse, on 79 GiB and a 112 GiB host budget: 256K keeps the 8
+    global layers' KV-gradient pages on the host, 384K their K/V pages too, the 40 local layers' pages on the
+    GPU; asking for more host layers than global ones is refused in one line."""
+    from lightning_oomb.core.errors import SetupError
+    from lightning_oomb.core.plan import plan
+
+    common = dict(lora_rank=16, grad_dtype=torch.bfloat16, checkpoint_layers=True, gpu_memory=79 * 2**30,
+                  host_memory=112 * 2**30, sparse=SparseConfig(budget_pages=64))
+    placed = [plan_placed("gemma-3-12b", n * 1024, **common) for n in (256, 384)]
+    assert [(p.fits, p.config.host_grad_layers, p.config.host_kv_layers) for p in placed] == [(True, 8, 0),
+                                                                                             (True, 8, 8)]
+    assert any("40 sliding-window layers" in k for k in placed[1].gpu_lines)
+    with pytest.raises(SetupError, match="host_kv_layers \\(9\\) exceeds the model's 8 layers without a sliding"):
+        plan("gemma-3-12b", 1 << 20, host_kv_layers=9, **common)

@@ -132,17 +132,18 @@ def test_host_layers_spread_over_the_depth_give_the_gpu_gradient():
 
 
 @pytest.mark.parametrize("attention", ["reference", pytest.param("triton", marks=needs_interpreter)])
-def test_window_layers_keep_their_own_k_v_pages_beside_host_gradient_layers(attention):
+def test_window_layers_keep_their_own_pages_beside_host_gradient_layers(attention):
     """Gemma 3's window layer (5 tokens, chunks of 8) keeps its K/V pages apart, only where the next chunk's
-    window reaches, while both layers' gradient pages live on the host and move into the dead pages of the
-    global layer's K and of nothing else: the gradient is transformers' own (the Triton kernels read K/V and
-    stage gradients through two page tables)."""
+    window reaches, and its gradient pages in a ring, while the global layer's gradient pages live on the host
+    and move into the dead pages of its own K and of nothing else: the gradient is transformers' own (the
+    Triton kernels read K/V and stage gradients through two page tables)."""
     model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
     ids = torch.randint(0, VOCAB, (1, 36))
     want_loss, want = full_sequence_grads(model, ids)
     config = ChunkConfig(chunk_size=8, page_size=2, attention=attention, sparse=EVERY_PAGE)
-    loss, got, pool = _split_step(model, ids, 2, config, garbage=True)
-    assert pool.window_layers == [0] and pool.window_k.shape[1] < 18 and pool.k.shape[0] == 1
+    loss, got, pool = _split_step(model, ids, 1, config, garbage=True)
+    assert pool.window_layers == pool.ring_layers == [0] and pool.host_layers == [1]
+    assert pool.window_k.shape[1] < 18 and pool.k.shape[0] == 1 and pool.dk.shape[0] == 0
     assert pool.page_layers == 1 and pool.host_grads_moved  # the global layer's K pages only
     assert rel_err(loss, want_loss) <= 1e-5
     assert_grads_close(got, want, 1e-5)

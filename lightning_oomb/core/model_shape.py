@@ -752,6 +752,12 @@ class ModelShape:
         """Layers with K/V pages: every layer but a hybrid's layers_without_kv."""
         return self.n_layers - self.layers_without_kv
 
+    @property
+    def full_kv_layers(self) -> int:
+        """Layers with K/V pages and no sliding window: those whose pages grow with the context, and the only
+        ones a sparse step may keep in host memory (a window layer's stay on the GPU: core.pages)."""
+        return self.kv_layers - min(self.window_layers, self.kv_layers)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V (or of dK and dV) of one token over all layers with pages in ``dtype``: keys kv_width
         wide, values v_width."""

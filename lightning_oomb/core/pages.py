@@ -32,9 +32,20 @@ def movable_host_layers(page_layers: int, seq_pages: int, live_pages: int, moved
     return max(0, (page_layers * (seq_pages - live_pages) - moved_layers * live_pages) // live_pages)
 
 
-def spread_layers(n_layers: int, n: int) -> list[int]:
-    """``n`` of layers 0..n_layers-1, evenly spaced (ascending)."""
-    return [(2 * i + 1) * n_layers // (2 * n) for i in range(n)]
+def spread_layers(n_layers: int, n: int, apart: tuple[int, ...] | list[int] = ()) -> list[int]:
+    """``n`` of layers 0..n_layers-1 not in ``apart``, evenly spaced over those (ascending)."""
+    among = [layer for layer in range(n_layers) if layer not in apart]
+    if n > len(among):
+        raise ValueError(f"{n} layers asked for among the {len(among)} of {n_layers} not kept apart")
+    return [among[(2 * i + 1) * len(among) // (2 * n)] for i in range(n)]
+
+
+def full_attention_layers(n_layers: int, window_layers: int) -> tuple[int, ...]:
+    """Where the planner puts the ``n_layers`` - ``window_layers`` layers without a sliding window, which it
+    counts but does not place: evenly spaced with the last layer among them, as in the families that mix both
+    (Gemma 2 and 3, GPT-OSS, Cohere 2: a global layer after each run of window layers)."""
+    full = n_layers - window_layers
+    return tuple((i + 1) * n_layers // full - 1 for i in range(full)) if full > 0 else ()
 
 
 def gradient_ring_pages(window: int, chunk_size: int, page_size: int) -> int:
@@ -72,12 +83,13 @@ def window_page_slots(seq_len: int, chunk_size: int, page_size: int, window: int
     return np.where(kept, np.cumsum(kept) - 1, n_kept + scratch), per_sequence
 
 
-def _split_index(layer: int, host_layers: list[int]) -> tuple[bool, int]:
+def _split_index(layer: int, host_layers: list[int], apart: list[int] = ()) -> tuple[bool, int]:
     """Whether ``layer`` is one of ``host_layers`` (ascending), and its index among the layers that live where
-    it does: the host tensors hold the host layers in order, the GPU tensors the others."""
+    it does: the host tensors hold the host layers in order, the GPU tensors the others but those kept
+    ``apart`` (sliding-window layers with tensors of their own)."""
     if layer in host_layers:
         return True, host_layers.index(layer)
-    return False, layer - sum(h < layer for h in host_layers)
+    return False, layer - sum(h < layer for h in host_layers) - sum(a < layer for a in apart)
 
 
 class HostGradStaging:
@@ -336,8 +348,9 @@ class PagePool:
 
     placement: "gpu" keeps them on ``device``; "host" in host memory (pinned when ``device`` is CUDA), streamed
         through the GPU in segments of ``segment_tokens`` tokens (core.offload; on a CPU with synchronous copies).
-    host_grad_layers, host_kv_layers (placement "gpu", sparse attention): that many layers, spread over the depth,
-        keep their KV-gradient pages, or their K/V pages and summaries, in pinned host memory.
+    host_grad_layers, host_kv_layers (placement "gpu", sparse attention): that many layers, spread over those
+        without a sliding window, keep their KV-gradient pages, or their K/V pages and summaries, in pinned host
+        memory; window layers keep theirs on the GPU, a few of their window's pages each.
     host_limit: the pinned bytes its placement left for the pool (``host``, a ``HostLedger``). docs/architecture.md,
     "Memory" and the host-page sections after it, says how each is used.
     """
@@ -365,44 +378,47 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
+        full = spec.n_layers - len(spec.window_layers)  # on the GPU, window layers keep their pages there
         split_ok = host_grad_layers == 0 or (placement == "gpu" and with_grads)
-        if not 0 <= host_grad_layers <= spec.n_layers or not split_ok:
+        if not 0 <= host_grad_layers <= full or not split_ok:
             raise ValueError(
-                f"host_grad_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' with gradient pages, "
-                f"got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
+                f"host_grad_layers must be in [0, {full}] (the layers without a sliding window) and needs placement "
+                f"'gpu' with gradient pages, got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
             )
-        if not 0 <= host_kv_layers <= spec.n_layers or (host_kv_layers and placement != "gpu"):
+        if not 0 <= host_kv_layers <= full or (host_kv_layers and placement != "gpu"):
             raise ValueError(
-                f"host_kv_layers must be in [0, {spec.n_layers}] and needs placement 'gpu' (sparse attention), "
-                f"got {host_kv_layers} with placement {placement!r}"
+                f"host_kv_layers must be in [0, {full}] (the layers without a sliding window) and needs placement "
+                f"'gpu' (sparse attention), got {host_kv_layers} with placement {placement!r}"
             )
         self.placement = placement
         # Every host block of the pool, counted; ``host_limit`` is what its placement left for them.
         self.host = HostLedger(host_limit)
         self._loss_grads: torch.Tensor | None = None
-        self.host_grad_layers = host_grad_layers
-        self.host_layers = spread_layers(spec.n_layers, host_grad_layers)
-        self.host_dk = self.host_dv = None
-        self.grad_staging = None
-        self.host_kv_layers = host_kv_layers
-        self.host_kv_layer_ids = spread_layers(spec.n_layers, host_kv_layers)
-        self.host_k = self.host_v = None
-        self.kv_staging = None
-        shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
-        v_shape = (*shape[:-1], spec.v_dim)
         # Sliding-window layers keep their gradient pages in a ring (``gradient_ring_pages``), made by
-        # ``allocate`` for its batch, when every page of the step is on the GPU.
-        ring = with_grads and placement == "gpu" and not (host_grad_layers or host_kv_layers) and spec.grad_ring_pages
+        # ``allocate`` for its batch, wherever the pool is on the GPU.
+        ring = with_grads and placement == "gpu" and spec.grad_ring_pages
         self.ring_layers: list[int] = sorted(spec.window_layers) if ring else []
         self.ring_dk = self.ring_dv = None
         self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
         # Sliding-window layers keep their K/V pages in tensors of their own, which ``allocate`` sizes for its
-        # batch: on the GPU without host K/V layers, only the pages a later chunk's window reaches, and one
-        # chunk's scratch (``window_page_slots``). Their gradient pages stay where the other layers' are.
-        own = placement == "gpu" and not host_kv_layers and spec.chunk_size > 0
+        # batch: on the GPU, only the pages a later chunk's window reaches, and one chunk's scratch
+        # (``window_page_slots``).
+        own = placement == "gpu" and spec.chunk_size > 0
         self.window_layers: list[int] = sorted(spec.window_layers) if own else []
         self.window_k = self.window_v = None
         self._window_table: PageTable | None = None
+        # Host layers are taken from the others: a window layer's pages are a few of its window's, not the
+        # context's, and stay on the GPU.
+        self.host_grad_layers = host_grad_layers
+        self.host_layers = spread_layers(spec.n_layers, host_grad_layers, self.ring_layers)
+        self.host_dk = self.host_dv = None
+        self.grad_staging = None
+        self.host_kv_layers = host_kv_layers
+        self.host_kv_layer_ids = spread_layers(spec.n_layers, host_kv_layers, self.window_layers)
+        self.host_k = self.host_v = None
+        self.kv_staging = None
+        shape = (spec.n_layers, num_pages, page_size, spec.n_kv_heads, spec.head_dim)
+        v_shape = (*shape[:-1], spec.v_dim)
         if placement == "gpu":
             n = spec.n_layers - host_kv_layers - len(self.window_layers)
             on_gpu = spec.n_layers - host_grad_layers - len(self.ring_layers) if with_grads else 0
@@ -710,8 +726,7 @@ class PagePool:
             i = self.window_layers.index(layer)
             k, v, stager, kv_table = self.window_k[i], self.window_v[i], None, self._window_table
         else:
-            # Host K/V layers and window layers with pages of their own never share a pool.
-            host, i = _split_index(layer, self.host_kv_layer_ids or self.window_layers)
+            host, i = _split_index(layer, self.host_kv_layer_ids, self.window_layers)
             k, v, stager = (self.host_k[i], self.host_v[i], self.kv_staging) if host else (self.k[i], self.v[i], None)
         dk = dv = staging = grad_table = None
         if self.dk is not None:
@@ -723,8 +738,7 @@ class PagePool:
                 dk, dv = self.ring_dk[i], self.ring_dv[i]
                 grad_table = PageTable(self._ring_slots, table.seq_len, table.page_size)
             else:
-                # Ring layers and host gradient layers never share a pool: the GPU tensors hold the others.
-                host, i = _split_index(layer, self.host_layers or self.ring_layers)
+                host, i = _split_index(layer, self.host_layers, self.ring_layers)
                 dk, dv = (self.host_dk[i], self.host_dv[i]) if host else (self.dk[i], self.dv[i])
                 staging = self.grad_staging if host else None
         if dk is not None and grad_table is None and kv_table is not table:

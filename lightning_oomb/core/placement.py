@@ -38,7 +38,8 @@ _RESIDENT_LINES = ("weights", "gradients", "optimizer state", "bf16 weight copie
 class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
     through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
-    sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over the depth) may live in
+    sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over those without a
+    sliding window) may live in
     pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
     autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
     chunks before them for stage 2, which then skips their forward or their attention forward. A step that
@@ -271,7 +272,7 @@ def place_step(
         # keep_attention=None: nothing on a CPU device, whose memory is the host's
         kept = min(keep or 0, n_chunks - graphs) if training else 0
         if sparse:
-            n_layers = ModelShape.resolve(model).kv_layers
+            n_layers = ModelShape.resolve(model).full_kv_layers  # window layers keep theirs on the device
             layers = n_layers if config.offload == "host" else 0
             return placed(Placement("gpu", segment, batch, layers, kept, graphs, host_kv_layers=layers))
         if config.offload == "host":
@@ -325,7 +326,7 @@ def place_step(
     def needs(pages: Pages) -> tuple[int, int]:
         return needed_on_gpu(step_of(pages)), pinned_of(step_of(pages))
 
-    every = shape.kv_layers
+    every = shape.full_kv_layers if sparse else shape.kv_layers  # a sparse step keeps window layers' on the GPU
     choices = page_choices(config.offload, sparse, every)
     if sparse and host_grad_layers is not None:  # the run's pool decided the layers
         choices = [Pages(host_grad_layers=host_grad_layers, host_kv_layers=host_kv_layers or 0)]

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..config import SparseConfig
 from ..model_shape import ModelShape, _itemsize, _kv_dtype
-from ..pages import movable_host_layers, spread_layers, stage_2_gather_order
+from ..pages import full_attention_layers, movable_host_layers, spread_layers, stage_2_gather_order
 from .assumptions import HOST_ADD_GBPS, HOST_ADD_HIDDEN_S, HOST_GATHER_GBPS, STREAM_GBPS
 from .config import PlanConfig, offload_segment_pages
 from .timing import attention_kept_chunks, selected_pages_by_chunk
@@ -24,10 +24,9 @@ def host_layers_left(shape: "ModelShape", c: "PlanConfig") -> list[int]:
     if c.batch != 1 or c.grad_dtype != _kv_dtype(c.precision):
         return left
     seq_pages = -(-c.context // c.page_size)
-    # PagePool.page_layers: the K pages of the layers in the pool's K tensor (not those of host K/V layers, nor of
-    # sliding-window layers, which keep theirs apart without them), and the GPU gradient layers'.
-    apart = shape.window_layers if shape.window_layers and not c.host_kv_layers else 0
-    page_layers = 2 * shape.kv_layers - c.host_grad_layers - c.host_kv_layers - apart
+    # PagePool.page_layers: the K pages of the layers in the pool's K tensor and the GPU gradient layers' (not
+    # those of host layers, nor of sliding-window layers, which keep both apart).
+    page_layers = 2 * shape.full_kv_layers - c.host_grad_layers - c.host_kv_layers
     on_host = c.host_grad_layers
     for index in reversed(range(n - c.graph_chunks)):
         live = -(-min((index + 1) * c.chunk_size, c.context) // c.page_size)
@@ -98,7 +97,8 @@ def host_gather_stage_bytes(shape: "ModelShape", c: "PlanConfig") -> tuple[float
     page_bytes = c.page_size * shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers  # K and V
     n = c.n_chunks
     kinds = chunk_kinds(c)
-    host, last = spread_layers(shape.kv_layers, c.host_kv_layers), shape.kv_layers - 1
+    windowed = set(range(shape.kv_layers)) - set(full_attention_layers(shape.kv_layers, shape.window_layers))
+    host, last = spread_layers(shape.kv_layers, c.host_kv_layers, windowed), shape.kv_layers - 1
     per_kind: dict[tuple[str, bool, bool], tuple[int, int]] = {}
     gathers = [0.0, 0.0]
     # a chunk's union over the (tile, head) pairs, each picking its top-k pages at random

@@ -152,14 +152,27 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         if c.training:
             host[f"pinned {grad_name}"] = grad_bytes
     else:
-        n_kv_host = c.host_kv_layers
-        if n_kv_host > shape.kv_layers:
-            raise SetupError(f"host_kv_layers ({n_kv_host}) exceeds the model's {shape.kv_layers} layers")
+        # Layers without a sliding window keep a page of each stored token, on the GPU or (sparse, host layers)
+        # in pinned host memory; sliding-window layers keep on the GPU the K/V pages a later chunk's window
+        # reaches and one chunk's scratch (core.pages.window_page_slots), and a ring of gradient pages
+        # (core.pages.gradient_ring_pages).
+        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
+        full, windowed = shape.full_kv_layers, shape.kv_layers - shape.full_kv_layers
+        n_kv_host, n_host = c.host_kv_layers, c.host_grad_layers
+        for n, what in ((n_kv_host, "host_kv_layers"), (n_host, "host_grad_layers")):
+            if n > full:
+                apart = f" without a sliding window (of {shape.kv_layers})" if windowed else ""
+                raise SetupError(f"{what} ({n}) exceeds the model's {full} layers{apart}")
+
+        def layers_line(name: str, n: int) -> str:
+            return name if n == shape.kv_layers else f"{name}, {n} of {shape.kv_layers} layers"
+
+        if full:
+            gpu[layers_line(kv_name, full - n_kv_host)] = kv_layer * (full - n_kv_host) * c.stored_tokens
         if n_kv_host:
-            kv_layer = kv_bytes // shape.kv_layers
-            gpu[f"{kv_name}, {shape.kv_layers - n_kv_host} of {shape.kv_layers} layers"] = kv_layer * (
-                shape.kv_layers - n_kv_host)
-            host[f"pinned {kv_name}, {n_kv_host} layers (selected pages gathered)"] = kv_layer * n_kv_host
+            host[f"pinned {kv_name}, {n_kv_host} layers (selected pages gathered)"] = (
+                kv_layer * n_kv_host * c.stored_tokens)
             # One attention call's gather: per sequence, every past page a selection can name (core.pages
             # HostKVStaging sizes it for the worst case, on the device).
             past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
@@ -169,58 +182,35 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
                 lists = n_tiles if c.sparse.per_query_tile else 1
                 staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
-            per_token = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
             gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
-                "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * per_token
-        elif shape.window_layers:
-            # The sliding-window layers' K/V: the pages a later chunk's window reaches and one chunk's scratch
-            # (core.pages.window_page_slots), the other layers' for every stored token.
-            kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
-            full = shape.kv_layers - shape.window_layers
+                "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * kv_layer
+        if windowed:
             per_sequence = window_page_slots(c.context, c.chunk_size, c.page_size, shape.window)[1]
+            line = f"K/V pages ({dtype_name(kv_dtype)}), {windowed} sliding-window layers: {per_sequence} pages a sequence"
+            gpu[line] = kv_layer * windowed * c.batch * per_sequence * c.page_size
+        if c.training:
             if full:
-                gpu[f"{kv_name}, {full} of {shape.kv_layers} layers"] = kv_layer * full * c.stored_tokens
-            windowed = (f"K/V pages ({dtype_name(kv_dtype)}), {shape.window_layers} sliding-window layers: "
-                        f"{per_sequence} pages a sequence")
-            gpu[windowed] = kv_layer * shape.window_layers * c.batch * per_sequence * c.page_size
-        else:
-            gpu[kv_name] = kv_bytes
-        n_host = c.host_grad_layers
-        if n_host > shape.kv_layers:
-            raise SetupError(f"host_grad_layers ({n_host}) exceeds the model's {shape.kv_layers} layers")
-        if not c.training:
-            pass  # a forward alone keeps no KV-gradient pages
-        elif n_host:
-            n_gpu = shape.kv_layers - n_host
-            gpu[f"{grad_name}, {n_gpu} of {shape.kv_layers} layers"] = grad_bytes // shape.kv_layers * n_gpu
-            host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
-                grad_bytes // shape.kv_layers * n_host
-            )
-            # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
-            # kernels.sparse_attention.invert_selection.
-            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
-            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
-            staged = past_pages
-            if isinstance(c.sparse, SparseConfig):
-                staged = min(past_pages, n_tiles * c.sparse.budget_pages)
-            buffers = HostGradStaging.N_BUFFERS
-            gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
-                HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim,
-                                           shape.value_dim)
-            )
-        elif shape.window_layers and not n_kv_host:
-            # The sliding-window layers' gradient pages: a ring of the pages their window reaches
-            # (core.pages.gradient_ring_pages), the other layers' for every stored token.
-            grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
-            full = shape.kv_layers - shape.window_layers
-            ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
-                             math.ceil(c.context / c.page_size))
-            if full:
-                gpu[f"{grad_name}, {full} of {shape.kv_layers} layers"] = grad_layer * full * c.stored_tokens
-            ring = f"{grad_name}, {shape.window_layers} sliding-window layers: a ring of {ring_pages} pages a sequence"
-            gpu[ring] = grad_layer * shape.window_layers * c.batch * ring_pages * c.page_size
-        else:
-            gpu[grad_name] = grad_bytes
+                gpu[layers_line(grad_name, full - n_host)] = grad_layer * (full - n_host) * c.stored_tokens
+            if n_host:
+                host[f"pinned {grad_name}, {n_host} layers (added into from the GPU)"] = (
+                    grad_layer * n_host * c.stored_tokens)
+                # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
+                # kernels.sparse_attention.invert_selection.
+                past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+                n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
+                staged = past_pages
+                if isinstance(c.sparse, SparseConfig):
+                    staged = min(past_pages, n_tiles * c.sparse.budget_pages)
+                buffers = HostGradStaging.N_BUFFERS
+                gpu[f"host gradient layers: float32 staging of a chunk's selected pages ({buffers} buffers)"] = (
+                    HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim,
+                                               shape.value_dim)
+                )
+            if windowed:
+                ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
+                                 math.ceil(c.context / c.page_size))
+                ring = f"{grad_name}, {windowed} sliding-window layers: a ring of {ring_pages} pages a sequence"
+                gpu[ring] = grad_layer * windowed * c.batch * ring_pages * c.page_size
     if isinstance(c.sparse, SparseConfig) and shape.kv_layers:
         pages = c.stored_tokens // c.page_size
         # A float32 mean key, or a min and max key, per page, layer and KV head; the host K/V layers' live with

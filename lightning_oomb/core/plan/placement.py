@@ -35,8 +35,9 @@ def host_layer_counts(n_layers: int) -> list[tuple[int, int]]:
 def page_choices(offload: str, sparse: bool, n_layers: int) -> list[Pages]:
     """The placements of a step's pages that ``offload`` ("gpu", "auto", "host") allows, in the order they are
     tried: fewest pages on the host first. Dense: every page on the GPU or every page streamed; sparse: the
-    pages of whole layers (``host_layer_counts``), of none ("gpu") or all ("host"). A model with no layer that
-    keeps K/V (``n_layers`` 0: pure state-space models) has no pages to place: only "on the GPU"."""
+    pages of whole layers (``host_layer_counts``), of none ("gpu") or all ("host"). ``n_layers``: the layers
+    whose pages may go to the host (sparse: those without a sliding window, ``ModelShape.full_kv_layers``). With
+    none (pure state-space models; every layer windowed, sparse) there is nothing to place: only "on the GPU"."""
     if not n_layers:
         return [Pages()]
     if sparse:

@@ -99,7 +99,7 @@ def _plan(model: Any, config: PlanConfig, checkpoint_auto: bool,
 
     def fewest_on_host(config: PlanConfig) -> Plan:
         """``config`` with the fewest sparse layers' pages on the host that fit the GPU."""
-        return placed(config, page_choices("auto", True, shape.kv_layers), math.inf)
+        return placed(config, page_choices("auto", True, shape.full_kv_layers), math.inf)
 
     def placed_as_asked(config: PlanConfig) -> Plan:
         # Host layers are chosen for each layer-checkpointing setting: checkpointing may need fewer.
@@ -148,7 +148,7 @@ def plan_placed(model: Any, config: PlanConfig | int, *, checkpoint_auto: bool =
     config = PlanConfig.build(config, **options)
     offload = config.chunk.offload
     if config.sparse is not None:
-        choices = page_choices(offload, True, ModelShape.resolve(model).kv_layers)
+        choices = page_choices(offload, True, ModelShape.resolve(model).full_kv_layers)
         # "auto": _plan tries them in order, for each checkpointing setting
         result = _plan(model, config.replace(pages=choices[0]), checkpoint_auto,
                        choices if len(choices) > 1 else None)
