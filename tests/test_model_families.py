@@ -742,6 +742,33 @@ def test_sliding_window_within_packed_documents(sparse):
                                      sparse=sparse)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_pages_leave_window_layers_on_the_device(backend):
+    """Gemma 3's local layer (a window of 5) and its global one, offload='host' in segments of 12, batch 2 over
+    chunks of 8 and pages of 3: only the global layer's pages are in host memory and stream; the local layer
+    keeps its own K/V pages and gradient ring on the device. Loss and gradients within 1e-5 of transformers;
+    the planner's page lines, host and GPU, are the pool's bytes."""
+    from lightning_oomb.core.plan import plan
+    from lightning_oomb.core.plan.config import Pages
+    from lightning_oomb.core.schedule import cached_pool
+
+    model = tiny_model("gemma3_text", sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    ids = torch.randint(0, VOCAB, (2, 45))
+    check_against_full(model, ids, chunk_size=8, page_size=3, offload="host", segment_tokens=12, attention=backend)
+    pool = cached_pool(model)
+    assert pool.on_host and pool.window_layers == pool.ring_layers == [0] and pool.k.shape[0] == pool.dk.shape[0] == 1
+    assert pool.streamer.layers == [1]
+    step = plan(model, 45, batch=2, chunk_size=8, page_size=3, optimizer="none", precision="32-true",
+                offload="host", segment_tokens=12, pages=Pages(streamed=True), gpu_memory=1 << 40,
+                host_memory=1 << 40)
+    pinned = sum(v for k, v in step.host_lines.items() if k.startswith(("pinned K/V pages", "pinned KV-gradient")))
+    n_pages = 2 * -(-45 // 3)  # the step's pages of every layer the host holds (the pool has spare ones)
+    assert pinned == sum(t.shape[0] * n_pages * t[0, 0].numel() * t.element_size()
+                         for t in (pool.k, pool.v, pool.dk, pool.dv))
+    apart = sum(v for k, v in step.gpu_lines.items() if "sliding-window layers" in k)
+    assert apart == sum(t.numel() * t.element_size() for t in (pool.window_k, pool.window_v, pool.ring_dk, pool.ring_dv))
+
+
 def test_the_planner_times_sliding_window_layers_by_their_window():
     """Gemma 3's five local layers of six attend to 1024 tokens each: at 128K their attention FLOPs are the
     window's, the global layer's the whole context's."""
@@ -789,6 +816,6 @@ def test_sliding_window_layers_keep_their_gradient_pages_in_a_ring():
 
     release_cached_pool(model)
     pool_free = lightning_oomb.train_step(model, ids, chunk_size=4, page_size=2, cross_chunk_gradients=False,
-                                          offload="host")  # streamed pages: no ring
+                                          offload="host")  # the ring beside streamed pages
     assert rel_err(pool_free, want) <= TOL
     assert_grads_close(grads_of(model), want_grads, TOL)

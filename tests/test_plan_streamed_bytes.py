@@ -1,7 +1,8 @@
 """The planner's bytes for a dense step with its pages streamed from host memory
 (``plan.host_transfers.streamed_bytes_by_chunk``) equal what ``core.offload.Streamer`` counts moving, byte for
-byte, on the CPU: global and sliding-window layers, packed documents, chunks that pages and segments do not
-divide, layer checkpointing on and off, attention outputs kept from stage 1, the loss in stage 1."""
+byte, on the CPU: global layers, and global ones beside sliding-window layers (which keep their pages on the
+device: only the others stream), packed documents, chunks that pages and segments do not divide, layer
+checkpointing on and off, attention outputs kept from stage 1, the loss in stage 1."""
 
 import dataclasses
 
@@ -15,7 +16,6 @@ from lightning_oomb.core.placement import Placement
 from lightning_oomb.core.plan.config import Pages, PlanConfig
 from lightning_oomb.core.plan.host_transfers import streamed_bytes_by_chunk, streamed_seconds
 from lightning_oomb.core.schedule import ChunkedSequence, new_pool
-from lightning_oomb.kernels.page_table import StoreSpec
 from tiny_models import VOCAB, tiny_model
 
 CASES = {
@@ -25,8 +25,9 @@ CASES = {
     "global, checkpointed": ("qwen2", None, 40, 8, 4, 8, None, True, 0, False),
     "global, kept outputs": ("qwen2", None, 40, 8, 4, 8, None, False, 2, False),
     "global, loss in stage 1": ("qwen2", None, 40, 8, 4, 8, None, False, 0, True),
-    "window": ("mistral", 6, 40, 8, 4, 16, None, False, 0, False),
-    "window, pages across chunks": ("mistral", 7, 43, 6, 4, 8, None, True, 0, False),
+    "window": ("gemma3_text", 6, 40, 8, 4, 16, None, False, 0, False),
+    "window, pages across chunks": ("gemma3_text", 7, 43, 6, 4, 8, None, True, 0, False),
+    "every layer windowed": ("mistral", 6, 40, 8, 4, 16, None, False, 0, False),
     "documents": ("qwen2", None, 44, 8, 4, 8, 10, False, 0, False),
 }
 
@@ -34,22 +35,30 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_planned_streamed_bytes_equal_the_streamers(case):
     family, window, tokens, chunk, page, segment, document_length, checkpoint, host_kept, stage_1_loss = CASES[case]
-    model = tiny_model(family, **({"sliding_window": window} if window else {}))
+    # Gemma 3: a local layer, then a global one (the last layer global, as the planner takes it).
+    layers = {"layer_types": ["sliding_attention", "full_attention"]} if family == "gemma3_text" else {}
+    model = tiny_model(family, **({"sliding_window": window} if window else {}), **layers)
     ids = torch.randint(0, VOCAB, (1, tokens))
     position_ids = None
     if document_length:
         position_ids = (torch.arange(tokens) % document_length)[None]
     config = ChunkConfig(chunk_size=chunk, page_size=page, offload="host", segment_tokens=segment,
                          attention="reference", checkpoint_layers=checkpoint)
-    spec = StoreSpec(n_layers=2, n_kv_heads=2, head_dim=8, dtype=torch.float32,
-                     **(dict(window_layers=(0, 1), window=window) if window else {}))
-    pool = new_pool(spec, -(-tokens // page), page, torch.device("cpu"), True, Placement("host", segment, 1))
-    seq = ChunkedSequence(model, ids, config=config, pools=lambda *args: pool, position_ids=position_ids,
+    pools = {}
+
+    def provide(spec, pages, with_grads, placement):  # the step's own spec, its pages streamed
+        pools.setdefault("pool", new_pool(spec, pages, page, torch.device("cpu"), with_grads,
+                                          Placement("host", segment, 1)))
+        return pools["pool"]
+
+    seq = ChunkedSequence(model, ids, config=config, pools=provide, position_ids=position_ids,
                           stage_1_loss=stage_1_loss)
     # A CPU placement keeps no attention outputs (its memory is the host's); asked for here as a GPU's would be.
     seq.placement = dataclasses.replace(seq.placement, host_kept_chunks=host_kept)
     seq.fill()
     seq.backward()
+    pool = pools["pool"]
+    assert pool.window_layers == ([0] if family == "gemma3_text" else [0, 1] if window else [])
     stats = pool.streamer.take_stats()
 
     shape = ModelShape.resolve(model)

@@ -120,15 +120,18 @@ class Streamer:
     """
 
     def __init__(self, spec: StoreSpec, page_size: int, host: dict[str, torch.Tensor | None], device: torch.device,
-                 segment_tokens: int):
-        """host: the pool's pages, "k", "v", "dk", "dv" -> (n_layers, num_pages, page_size, n_kv_heads,
-        head_dim or v_dim) host tensors (dk, dv None without gradient pages); device: the GPU they stream through.
+                 segment_tokens: int, layers: list[int] | None = None):
+        """host: the pool's pages, "k", "v", "dk", "dv" -> (len(layers), num_pages, page_size, n_kv_heads,
+        head_dim or v_dim) host tensors (dk, dv None without gradient pages) of the streamed ``layers``
+        (ascending; None: every layer); device: the GPU they stream through.
         The pages, not the pool: a reference back would make a cycle that keeps the staging buffers (and
         the pool's pinned pages) alive after the pool is dropped, until Python's cycle GC runs."""
         if segment_tokens < 1:
             raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
         self.page_size, self.spec, self.with_grads = page_size, spec, host["dk"] is not None
         self._host = host
+        self.layers = list(range(spec.n_layers)) if layers is None else layers
+        self._index = {layer: i for i, layer in enumerate(self.layers)}  # a layer's place in the host tensors
         self.device = device
         ps = page_size
         self.half_pages = -(-segment_tokens // ps)
@@ -332,8 +335,8 @@ class Streamer:
                 self.dv[rows].zero_()
             for name, (t0, t1) in (("k", (lo, hi)), ("v", (lo, hi)), ("dk", (written, hi)), ("dv", (written, hi))):
                 if t0 < t1:
-                    nbytes += self._copy(self._host[name][layer], getattr(self, name), self._segment_base(index, t0),
-                                         t0, t1, to_host=False)
+                    nbytes += self._copy(self._host[name][self._index[layer]], getattr(self, name),
+                                         self._segment_base(index, t0), t0, t1, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._loaded[half], "h2d")
 
@@ -368,7 +371,7 @@ class Streamer:
                 self._in_dv[turn].zero_()
             if written < start + t:
                 for name in ("dk", "dv"):
-                    nbytes += self._copy(self._host[name][layer], getattr(self, "_in_" + name)[turn],
+                    nbytes += self._copy(self._host[name][self._index[layer]], getattr(self, "_in_" + name)[turn],
                                          lambda b: b * rows + (written - first), written, start + t, to_host=False)
         self.stats.h2d_bytes += nbytes
         self.streams.record(self._in_loaded[turn], "h2d")
@@ -386,12 +389,14 @@ class Streamer:
         return self._load_chunk_grads(layer, start, t) if grads else None
 
     def _send_ahead(self, direction: str, layer: int, start: int, t: int) -> None:
-        """Start the next layer's first loads now, so that they run behind the rest of this layer's work
-        (its projections and MLP): forward goes up the layers, backward down. A guess that turns out wrong
-        (stage 1 ends a chunk at the last layer's K/V store, before its attention) only costs the copies."""
-        nxt = layer + 1 if direction == "forward" else layer - 1
-        if not 0 <= nxt < self.spec.n_layers:
+        """Start the next streamed layer's first loads now, so that they run behind the rest of this layer's
+        work (its projections and MLP, and the layers between whose pages stay on the GPU): forward goes up the
+        layers, backward down. A guess that turns out wrong (stage 1 ends a chunk at the last layer's K/V
+        store, before its attention) only costs the copies."""
+        i = self._index[layer] + (1 if direction == "forward" else -1)
+        if not 0 <= i < len(self.layers):
             return
+        nxt = self.layers[i]
         turn = self._first_loads(direction, nxt, start, t)
         self._step["ahead"] = (direction, nxt, start, turn)
 

@@ -395,15 +395,16 @@ class PagePool:
         self.host = HostLedger(host_limit)
         self._loss_grads: torch.Tensor | None = None
         # Sliding-window layers keep their gradient pages in a ring (``gradient_ring_pages``), made by
-        # ``allocate`` for its batch, wherever the pool is on the GPU.
-        ring = with_grads and placement == "gpu" and spec.grad_ring_pages
+        # ``allocate`` for its batch, on the device, wherever the other layers' pages are.
+        ring = with_grads and bool(spec.grad_ring_pages)
         self.ring_layers: list[int] = sorted(spec.window_layers) if ring else []
         self.ring_dk = self.ring_dv = None
         self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
-        # Sliding-window layers keep their K/V pages in tensors of their own, which ``allocate`` sizes for its
-        # batch: on the GPU, only the pages a later chunk's window reaches, and one chunk's scratch
+        # Sliding-window layers keep their K/V pages in tensors of their own on the device, which ``allocate``
+        # sizes for its batch: only the pages a later chunk's window reaches, and one chunk's scratch
         # (``window_page_slots``).
-        own = placement == "gpu" and spec.chunk_size > 0
+        # (Streamed pools keep them so only beside a gradient ring: their host tensors hold the other layers.)
+        own = spec.chunk_size > 0 and (placement == "gpu" or not with_grads or bool(ring))
         self.window_layers: list[int] = sorted(spec.window_layers) if own else []
         self.window_k = self.window_v = None
         self._window_table: PageTable | None = None
@@ -451,19 +452,22 @@ class PagePool:
                 self.kv_staging = HostKVStaging(self.device)
             self.streamer = None
         else:
+            # Every layer's pages but the window layers' (above) on the host, streamed.
+            streamed = [layer for layer in range(spec.n_layers) if layer not in self.window_layers]
+            host_shape = (len(streamed), *shape[1:])
             pin = self.device.type == "cuda"
-            self.k = pinned_empty(shape, spec.dtype, pin, self.host, "K/V pages")
-            self.v = pinned_empty(v_shape, spec.dtype, pin, self.host, "K/V pages")
+            self.k = pinned_empty(host_shape, spec.dtype, pin, self.host, "K/V pages")
+            self.v = pinned_empty((*host_shape[:-1], spec.v_dim), spec.dtype, pin, self.host, "K/V pages")
             self._k_pages = self._v_pages = None  # nothing moves: every page is on the host
             # Gradient pages are never zeroed on the host: a step's first backward pass over a layer
             # starts its staged gradients from zero instead (offload.Streamer).
             grads = (spec.grad_dtype, pin, self.host, "KV-gradient pages")
-            self.dk = pinned_empty(shape, *grads) if with_grads else None
-            self.dv = pinned_empty(v_shape, *grads) if with_grads else None
+            self.dk = pinned_empty(host_shape, *grads) if with_grads else None
+            self.dv = pinned_empty((*host_shape[:-1], spec.v_dim), *grads) if with_grads else None
             if segment_tokens is None:
                 raise ValueError("a host-placed pool needs segment_tokens (tokens per staged segment, all sequences)")
             host = {"k": self.k, "v": self.v, "dk": self.dk, "dv": self.dv}
-            self.streamer = Streamer(spec, page_size, host, self.device, segment_tokens)
+            self.streamer = Streamer(spec, page_size, host, self.device, segment_tokens, streamed)
         self._free = list(range(num_pages))
         self.peak_pages_in_use = 0
         # Host gradient layers moved into dead pages: layer -> gradient slots (batch, n_pages) int32 into the
@@ -566,7 +570,8 @@ class PagePool:
     def gpu_nbytes(self) -> int:
         """Bytes this pool holds on the GPU: the pages, or the streaming buffers of a host pool."""
         if self.on_host:
-            return self.streamer.nbytes
+            apart = (self.ring_dk, self.ring_dv, self.window_k, self.window_v)
+            return self.streamer.nbytes + sum(t.numel() * t.element_size() for t in apart if t is not None)
         return self.nbytes - self._host_page_nbytes + (self.grad_staging.nbytes if self.grad_staging else 0)
 
     def allocate(self, batch: int, seq_len: int, first_keys: dict[int, int] | None = None) -> PageTable:
@@ -598,8 +603,8 @@ class PagePool:
             self.dv[:, idx] = 0
             if self.host_dk is not None:
                 self.grad_staging.zero_pages((self.host_dk, self.host_dv), self.host_layers, taken)
-            if self.ring_layers:
-                self._take_ring(batch, n)
+        if self.ring_layers:
+            self._take_ring(batch, n)
         return table
 
     def _take_window_pages(self, batch: int, seq_len: int) -> None:
@@ -743,4 +748,5 @@ class PagePool:
                 staging = self.grad_staging if host else None
         if dk is not None and grad_table is None and kv_table is not table:
             grad_table = table
-        return LayerStore(k, v, dk, dv, kv_table, self.page_size, layer, self.streamer, staging, grad_table, stager)
+        streamer = None if layer in self.window_layers else self.streamer
+        return LayerStore(k, v, dk, dv, kv_table, self.page_size, layer, streamer, staging, grad_table, stager)

@@ -134,12 +134,14 @@ def streamed_bytes_by_chunk(shape: "ModelShape", c: "PlanConfig") -> tuple[np.nd
     calls move host to GPU and GPU to host, stage 1 and stage 2 together, as ``core.offload.Streamer`` moves
     them (``_streamed_rows``). Zeros for any other step."""
     n = c.n_chunks
-    if not c.streamed or c.sparse:
+    if not c.streamed or c.sparse or not shape.full_kv_layers:
         return np.zeros(n), np.zeros(n)
     per_seq = offload_segment_pages(c) // c.batch * c.page_size
+    # Sliding-window layers keep their pages on the GPU (core.pages): only the others stream, the last layer
+    # taken to be one of them (as in the families that mix both).
     kv_in, grads_in, kv_out, grads_out = _streamed_rows(
-        shape.kv_layers, min(shape.window_layers, shape.kv_layers), shape.window, c.context, c.chunk_size,
-        c.page_size, per_seq, c.document_length or 0, chunk_kinds(c), c.stage_1_loss)
+        shape.full_kv_layers, 0, 0, c.context, c.chunk_size, c.page_size, per_seq, c.document_length or 0,
+        chunk_kinds(c), c.stage_1_loss)
     # one token's K and V (or dK and dV) of one layer, over the batch
     kv_row = shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers * c.batch
     grad_row = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers * c.batch

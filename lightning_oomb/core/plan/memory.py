@@ -128,15 +128,36 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
     else:
         gpu[f"loss: logits piece of {rows} rows (transient)"] = piece
     kv_dtype = _kv_dtype(c.precision)
-    kv_bytes = c.stored_tokens * shape.kv_bytes_per_token(kv_dtype)
-    grad_bytes = c.stored_tokens * shape.kv_bytes_per_token(c.grad_dtype)
     kv_name = f"K/V pages ({dtype_name(kv_dtype)}, {c.stored_tokens:,} tokens)"
     grad_name = f"KV-gradient pages ({dtype_name(c.grad_dtype)})"
+    kv_layer = grad_layer = 0
+    windowed = shape.kv_layers - shape.full_kv_layers
+    if shape.kv_layers:
+        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
+        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
+    if windowed:
+        # Sliding-window layers keep on the GPU, streamed pages or not, the K/V pages a later chunk's window
+        # reaches and one chunk's scratch (core.pages.window_page_slots), and a ring of gradient pages
+        # (core.pages.gradient_ring_pages); the other layers a page of each stored token.
+        per_sequence = window_page_slots(c.context, c.chunk_size, c.page_size, shape.window)[1]
+        line = f"K/V pages ({dtype_name(kv_dtype)}), {windowed} sliding-window layers: {per_sequence} pages a sequence"
+        gpu[line] = kv_layer * windowed * c.batch * per_sequence * c.page_size
+        if c.training:
+            ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
+                             math.ceil(c.context / c.page_size))
+            ring = f"{grad_name}, {windowed} sliding-window layers: a ring of {ring_pages} pages a sequence"
+            gpu[ring] = grad_layer * windowed * c.batch * ring_pages * c.page_size
+
+    def layers_line(name: str, n: int) -> str:
+        return name if n == shape.kv_layers else f"{name}, {n} of {shape.kv_layers} layers"
+
+    full = shape.full_kv_layers
     if not shape.kv_layers:
         pass  # no layer attends (pure state-space models): no pages, streamed or not
+    elif c.streamed and not full:
+        pass  # every layer has a window: nothing to stream
     elif c.streamed:
-        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
-        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers if c.training else 0
+        grad_layer = grad_layer if c.training else 0
         segment = offload_segment_pages(c) * c.page_size
         staged = "K, V, dK, dV" if c.training else "K, V"
         gpu[f"offload staging: 2 segments x {segment:,} tokens of {staged} (one layer)"] = (
@@ -148,26 +169,17 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
         # The streamed forward carries its output in fp32, the streamed backward its dQ: one layer each.
         gpu["offload: fp32 attention output / dQ of a chunk (one layer)"] = (
             c.chunk_tokens * max(shape.out_width, shape.q_width) * 4)
-        host[f"pinned {kv_name}"] = kv_bytes
+        host["pinned " + layers_line(kv_name, full)] = kv_layer * full * c.stored_tokens
         if c.training:
-            host[f"pinned {grad_name}"] = grad_bytes
+            host["pinned " + layers_line(grad_name, full)] = grad_layer * full * c.stored_tokens
     else:
         # Layers without a sliding window keep a page of each stored token, on the GPU or (sparse, host layers)
-        # in pinned host memory; sliding-window layers keep on the GPU the K/V pages a later chunk's window
-        # reaches and one chunk's scratch (core.pages.window_page_slots), and a ring of gradient pages
-        # (core.pages.gradient_ring_pages).
-        kv_layer = shape.kv_bytes_per_token(kv_dtype) // shape.kv_layers
-        grad_layer = shape.kv_bytes_per_token(c.grad_dtype) // shape.kv_layers
-        full, windowed = shape.full_kv_layers, shape.kv_layers - shape.full_kv_layers
+        # in pinned host memory.
         n_kv_host, n_host = c.host_kv_layers, c.host_grad_layers
         for n, what in ((n_kv_host, "host_kv_layers"), (n_host, "host_grad_layers")):
             if n > full:
                 apart = f" without a sliding window (of {shape.kv_layers})" if windowed else ""
                 raise SetupError(f"{what} ({n}) exceeds the model's {full} layers{apart}")
-
-        def layers_line(name: str, n: int) -> str:
-            return name if n == shape.kv_layers else f"{name}, {n} of {shape.kv_layers} layers"
-
         if full:
             gpu[layers_line(kv_name, full - n_kv_host)] = kv_layer * (full - n_kv_host) * c.stored_tokens
         if n_kv_host:
@@ -184,10 +196,6 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 staged = min(past_pages, heads * lists * min(past_pages, c.sparse.budget_pages))
             gpu["host K/V layers: staging of a chunk's selected pages (two layers: one in use, the next gathered "
                 "ahead)"] = 2 * max(1, staged) * c.batch * c.page_size * kv_layer
-        if windowed:
-            per_sequence = window_page_slots(c.context, c.chunk_size, c.page_size, shape.window)[1]
-            line = f"K/V pages ({dtype_name(kv_dtype)}), {windowed} sliding-window layers: {per_sequence} pages a sequence"
-            gpu[line] = kv_layer * windowed * c.batch * per_sequence * c.page_size
         if c.training:
             if full:
                 gpu[layers_line(grad_name, full - n_host)] = grad_layer * (full - n_host) * c.stored_tokens
@@ -206,11 +214,6 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                     HostGradStaging.nbytes_for(c.batch, shape.n_kv_heads, staged, c.page_size, shape.head_dim,
                                                shape.value_dim)
                 )
-            if windowed:
-                ring_pages = min(gradient_ring_pages(shape.window, c.chunk_size, c.page_size),
-                                 math.ceil(c.context / c.page_size))
-                ring = f"{grad_name}, {windowed} sliding-window layers: a ring of {ring_pages} pages a sequence"
-                gpu[ring] = grad_layer * windowed * c.batch * ring_pages * c.page_size
     if isinstance(c.sparse, SparseConfig) and shape.kv_layers:
         pages = c.stored_tokens // c.page_size
         # A float32 mean key, or a min and max key, per page, layer and KV head; the host K/V layers' live with
