@@ -378,18 +378,6 @@ class PagePool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        full = spec.n_layers - len(spec.window_layers)  # on the GPU, window layers keep their pages there
-        split_ok = host_grad_layers == 0 or (placement == "gpu" and with_grads)
-        if not 0 <= host_grad_layers <= full or not split_ok:
-            raise ValueError(
-                f"host_grad_layers must be in [0, {full}] (the layers without a sliding window) and needs placement "
-                f"'gpu' with gradient pages, got {host_grad_layers} with placement {placement!r}, with_grads={with_grads}"
-            )
-        if not 0 <= host_kv_layers <= full or (host_kv_layers and placement != "gpu"):
-            raise ValueError(
-                f"host_kv_layers must be in [0, {full}] (the layers without a sliding window) and needs placement "
-                f"'gpu' (sparse attention), got {host_kv_layers} with placement {placement!r}"
-            )
         self.placement = placement
         # Every host block of the pool, counted; ``host_limit`` is what its placement left for them.
         self.host = HostLedger(host_limit)
@@ -402,12 +390,26 @@ class PagePool:
         self._ring_slots: torch.Tensor | None = None  # (batch, n_pages) int32: each page's slot in the ring
         # Sliding-window layers keep their K/V pages in tensors of their own on the device, which ``allocate``
         # sizes for its batch: only the pages a later chunk's window reaches, and one chunk's scratch
-        # (``window_page_slots``).
-        # (Streamed pools keep them so only beside a gradient ring: their host tensors hold the other layers.)
+        # (``window_page_slots``); a streamed pool only beside their gradient ring (its host tensors then
+        # hold the other layers' K, V, dK and dV alike).
         own = spec.chunk_size > 0 and (placement == "gpu" or not with_grads or bool(ring))
         self.window_layers: list[int] = sorted(spec.window_layers) if own else []
         self.window_k = self.window_v = None
         self._window_table: PageTable | None = None
+        split_ok = host_grad_layers == 0 or (placement == "gpu" and with_grads)
+        most = spec.n_layers - len(self.ring_layers)
+        if not 0 <= host_grad_layers <= most or not split_ok:
+            raise ValueError(
+                f"host_grad_layers must be in [0, {most}] (the layers without a sliding window's gradient ring) and "
+                f"needs placement 'gpu' with gradient pages, got {host_grad_layers} with placement {placement!r}, "
+                f"with_grads={with_grads}"
+            )
+        most = spec.n_layers - len(self.window_layers)
+        if not 0 <= host_kv_layers <= most or (host_kv_layers and placement != "gpu"):
+            raise ValueError(
+                f"host_kv_layers must be in [0, {most}] (the layers without a sliding window's own K/V pages) and "
+                f"needs placement 'gpu' (sparse attention), got {host_kv_layers} with placement {placement!r}"
+            )
         # Host layers are taken from the others: a window layer's pages are a few of its window's, not the
         # context's, and stay on the GPU.
         self.host_grad_layers = host_grad_layers
