@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# RULER's offline tasks on the real SmolLM2-135M-Instruct (8K native context), pretrained and context-extended,
+# from 4K to 1M tokens on one GPU, each prompt in the model's chat template, SAMPLES prompts per task and length:
+#   pretrained   the GGUF model with the RoPE the extension trains with (YaRN factor 8 over the native 8K) and
+#                max_position_embeddings raised to 1M, untrained;
+#   exact-64k    examples/smollm2-passkey-64k.yaml fine-tuned for MINUTES (its LongContextEvalCallback logs the
+#                8K/32K/64K grid at each validation: OUT/passkey-grids.png), exported;
+#   extended     that export, its RoPE as trained, max_position_embeddings raised to 1M.
+# Each model: `lightning-oomb evaluate` at 4K, 16K and 64K densely, then at 256K and 1M with sparse attention (64
+# pages of 128 per query tile): OUT/ruler-<model>-{dense,sparse}/results.json and heatmap.png; GPU and host
+# memory sampled every 10 s in OUT/monitor.txt. Run it under setsid and read OUT back (device README).
+#   bash docs/bench/ruler-smollm2-h200.sh MODEL_DIR OUT [MINUTES]
+# MODEL_DIR holds SmolLM2-135M-Instruct.Q4_1.gguf (examples/smollm2-passkey-64k.yaml's header says how to get
+# it). TASKS=a,b,... and SAMPLES=N change the grid (default six tasks, 4 samples).
+source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
+model=${1:?MODEL_DIR}; out=${2:?OUT}; minutes=${3:-4}
+gguf=SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f "$model/$gguf" ]] || { echo "$0: no $gguf in $model" >&2; exit 2; }
+tasks=${TASKS:-niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2,vt,fwe}
+samples=${SAMPLES:-4}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+(free -g; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$out/machine.txt" 2>&1
+( while sleep 10; do echo "$(date +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)" \
+    "host used GiB $(free -g | awk '/Mem:/ {print $3}')"; done ) > "$out/monitor.txt" 2>&1 &
+kill_at_exit $!
+yarn8='{"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 100000.0,
+        "original_max_position_embeddings": 8192}, "max_position_embeddings": 1048576}'
+grid() {  # NAME MODEL_ARGS...
+  local name=$1; shift
+  logged "$out/ruler-$name-dense.log" "$python" -m lightning_oomb.cli evaluate "$@" --tasks "$tasks" \
+    --lengths 4K,16K,64K --samples "$samples" --apply_chat_template --out "$out/ruler-$name-dense"
+  logged "$out/ruler-$name-sparse.log" "$python" -m lightning_oomb.cli evaluate "$@" --tasks "$tasks" \
+    --lengths 256K,1M --samples "$samples" --apply_chat_template --budget-pages 64 --out "$out/ruler-$name-sparse"
+}
+grid pretrained --model "$model" --gguf_file "$gguf" --config_overrides "$yarn8"
+logged "$out/exact-64k.log" "$python" -m lightning_oomb.cli fit --config examples/smollm2-passkey-64k.yaml \
+  --model.pretrained "$model" --trainer.logger.init_args.save_dir "$out/runs" \
+  --trainer.max_time "$(printf "00:00:%02d:00" "$minutes")" --export_dir "$out/export-64k"
+"$python" -m lightning_oomb.bench.eval_grids "$out/runs" --out "$out/passkey-grids.png" | tee "$out/passkey-grids.txt"
+grid extended --model "$out/export-64k" --config_overrides '{"max_position_embeddings": 1048576}'
+touch "$out/done"
