@@ -145,6 +145,15 @@ def eval_plan(shape: ModelShape, tokens: list[int], dtype: torch.dtype, chunk: i
     return fixed, plans
 
 
+def planned_times(shape: "ModelShape", lengths: list[int], chunk: int, page_size: int, sparse: Any,
+                  dtype: "torch.dtype") -> dict[int, Any]:
+    """The plan's GenerationTime on a GPU at each of ``lengths`` (tokens): the prefill in chunks of ``chunk``
+    tokens and each new token after it (``core.plan.timing.generation_time``, weights and pages in ``dtype``)."""
+    from .core.plan.timing import generation_time
+
+    return {n: generation_time(shape, n, chunk, page_size, sparse, 1, dtype.itemsize) for n in lengths}
+
+
 def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None,
                      overrides: str | None) -> tuple[Path, Any, Any]:
     """The model's config (with ``overrides``, a JSON object) and tokenizer, or one line and exit 2: a missing
@@ -251,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                             for p in plans))
     times = {}
     if device.startswith("cuda"):  # the planner's GPU time model (docs/planner.md, "Generation")
-        from .core.plan.timing import generation_time
-
-        times = {p.tokens: generation_time(shape, p.tokens, args.chunk, args.page_size, sparse, 1, bytes_)
-                 for p in plans}
+        times = planned_times(shape, lengths, args.chunk, args.page_size, sparse, dtype)
         print("Time per sample (plan): " + ", ".join(
             f"{human_tokens(n)}: prefill {t.prefill_s:.2g} s, then {t.decode_s * 1e3:.0f} ms a new token"
             for n, t in times.items()))

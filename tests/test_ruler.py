@@ -210,3 +210,19 @@ def test_the_eval_plan_counts_pages_of_the_attention_layers_only():
     assert shape.kv_layers < shape.n_layers
     _, plans = eval_plan(shape, [131072], torch.bfloat16, 4096, "cpu", "auto", None, 1 << 50, None)
     assert plans[0].pages == 131072 * shape.kv_bytes_per_token(torch.bfloat16)
+
+
+def test_the_plans_time_per_sample_on_a_gpu():
+    """What `lightning-oomb evaluate` prints on a GPU before the model loads: the plan's prefill and time per new
+    token at each length, in the weights' dtype, dense and sparse (computed on any machine)."""
+    import torch
+
+    from lightning_oomb.core.config import SparseConfig
+    from lightning_oomb.core.plan.timing import generation_time
+    from lightning_oomb.evaluate_cli import planned_times
+
+    lengths = [4096, 1 << 20]
+    dense = planned_times("smollm2-135m", lengths, 4096, 128, None, torch.bfloat16)
+    sparse = planned_times("smollm2-135m", lengths, 4096, 128, SparseConfig(budget_pages=64), torch.bfloat16)
+    assert list(dense) == lengths and dense[4096] == generation_time("smollm2-135m", 4096, dtype_bytes=2)
+    assert sparse[1 << 20].prefill_s < dense[1 << 20].prefill_s
