@@ -39,10 +39,10 @@ class Placement:
     """Where a step keeps its pages: ``where`` "gpu" (the device) or "host" (pinned host memory, streamed
     through the GPU in segments of ``segment_tokens`` tokens of each of ``batch`` sequences). With "gpu" and
     sparse attention, the KV-gradient pages of ``host_grad_layers`` layers (spread over those without a
-    sliding window) may live in
-    pinned host memory, added into from the GPU (``PagePool``). With every page on the GPU, stage 1 keeps the
-    autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of the ``kept_chunks``
-    chunks before them for stage 2, which then skips their forward or their attention forward. A step that
+    sliding window) may live in pinned host memory, added into from the GPU (``PagePool``). With every page on
+    the GPU, stage 1 keeps the autograd graphs of the last ``graph_chunks`` chunks and the attention outputs of
+    the ``kept_chunks`` chunks before them for stage 2, which then skips their forward or their attention
+    forward. A step that
     computes its loss in stage 1 (a served forward) keeps every chunk's dL/dh until stage 2 where
     ``loss_grads`` says: "gpu" (the device), "host" (pinned host memory), or "recomputed" (not kept: stage 2
     runs the output layer again). With the pages on the GPU or streamed, stage 1 may also keep

@@ -140,7 +140,7 @@ def streamed_bytes_by_chunk(shape: "ModelShape", c: "PlanConfig") -> tuple[np.nd
     # Sliding-window layers keep their pages on the GPU (core.pages): only the others stream, the last layer
     # taken to be one of them (as in the families that mix both).
     kv_in, grads_in, kv_out, grads_out = _streamed_rows(
-        shape.full_kv_layers, 0, 0, c.context, c.chunk_size, c.page_size, per_seq, c.document_length or 0,
+        shape.full_kv_layers, c.context, c.chunk_size, c.page_size, per_seq, c.document_length or 0,
         chunk_kinds(c), c.stage_1_loss)
     # one token's K and V (or dK and dV) of one layer, over the batch
     kv_row = shape.kv_bytes_per_token(_kv_dtype(c.precision)) // shape.kv_layers * c.batch
@@ -157,45 +157,39 @@ def streamed_seconds(h2d: np.ndarray, d2h: np.ndarray, chunk_busy_s: np.ndarray)
 
 
 @lru_cache(maxsize=64)
-def _streamed_rows(layers: int, window_layers: int, window: int, context: int, chunk: int, page: int,
-                   segment: int, document_length: int, kinds: tuple[str, ...], stage_1_loss: bool
-                   ) -> tuple[np.ndarray, ...]:
-    """Token rows of one sequence and one layer's K and V (or dK and dV) that each chunk's calls move: (K/V in,
-    dK/dV in, K/V out, dK/dV out), as ``Streamer`` moves them. A call streams its past from the page of its
-    first visible key (documents of ``document_length`` tokens; the window of the first ``window_layers``
-    layers, the others global: which ones only matters for the last layer's copies below) in segments of
-    ``segment`` tokens. Stage 1 calls every layer's forward (but the last one's when it ends the chunk at that
-    layer's K/V store, whose first two segments the layer before sent ahead anyway), stage 2 the forwards it
-    does not take from stage 1 and every backward, which also stages the past's dK, dV (zeros below what this
-    step's passes wrote: they go in reverse order) and the chunk's stored ones, and writes the past's back in
-    whole pages. ``kinds``: per chunk, "graph", "kept" or "computed" as in ``host_gather_stage_bytes``."""
+def _streamed_rows(layers: int, context: int, chunk: int, page: int, segment: int, document_length: int,
+                   kinds: tuple[str, ...], stage_1_loss: bool) -> tuple[np.ndarray, ...]:
+    """Token rows of one sequence and one layer's K and V (or dK and dV) that each chunk's calls move over the
+    ``layers`` streamed layers: (K/V in, dK/dV in, K/V out, dK/dV out), as ``Streamer`` moves them. A call
+    streams its past from the page of its first visible key (documents of ``document_length`` tokens) in
+    segments of ``segment`` tokens. Stage 1 calls every layer's forward (but the last one's when it ends the
+    chunk at that layer's K/V store, whose first two segments the layer before sent ahead anyway), stage 2 the
+    forwards it does not take from stage 1 and every backward, which also stages the past's dK, dV (zeros below
+    what this step's passes wrote: they go in reverse order) and the chunk's stored ones, and writes the past's
+    back in whole pages. ``kinds``: per chunk, "graph", "kept" or "computed" as in
+    ``host_gather_stage_bytes``."""
     n = len(kinds)
     starts = np.arange(n, dtype=np.int64) * chunk
     lengths = np.minimum(chunk, context - starts)
-    doc_first = starts // document_length * document_length if document_length else np.zeros(n, np.int64)
+    first_key = starts // document_length * document_length if document_length else np.zeros(n, np.int64)
     skip_last = np.array([kind != "graph" and not stage_1_loss for kind in kinds])
     forwards_all = np.array([kind == "computed" for kind in kinds])
     kept_last = np.array([kind == "kept" for kind in kinds]) & skip_last
-    kv_in, grads_in, grads_out = np.zeros(n), np.zeros(n), np.zeros(n)
-    for windowed, count in ((True, window_layers), (False, layers - window_layers)):
-        first_key = np.maximum(doc_first, starts - window + 1) if windowed else doc_first
-        lo = np.where(first_key < starts, first_key // page * page, starts)  # lo == start: no past
-        past = starts - lo
-        # The first token of this step's dK, dV sums when the chunk's backward runs: the least lo of the chunks
-        # after it (each pass writes back from its lo), the context's end for the last chunk.
-        written = np.append(np.minimum.accumulate(lo[::-1])[::-1][1:], context)
-        calls = 2 + forwards_all  # stage 1's forward, stage 2's forward where computed, the backward
-        kv_in += count * past * calls
-        grads_in += count * (np.maximum(0, starts - np.maximum(lo, written))
-                             + np.maximum(0, starts + lengths - np.maximum(starts, written)))
-        grads_out += count * np.where(past > 0, -(-starts // page) * page - lo, 0)
-        if windowed == (layers - 1 < window_layers):  # the last layer's kind
-            last_past = past
-            last_first_two = np.where(past > 0, np.minimum((lo // segment + 2) * segment, starts) - lo, 0)
-    kv_in -= skip_last * last_past  # stage 1 skips the last layer's forward ...
-    kv_in += kept_last * last_past  # ... which stage 2 then runs where it keeps the others' outputs
+    lo = np.where(first_key < starts, first_key // page * page, starts)  # lo == start: no past
+    past = starts - lo
+    # The first token of this step's dK, dV sums when the chunk's backward runs: the least lo of the chunks
+    # after it (each pass writes back from its lo), the context's end for the last chunk.
+    written = np.append(np.minimum.accumulate(lo[::-1])[::-1][1:], context)
+    calls = 2 + forwards_all  # stage 1's forward, stage 2's forward where computed, the backward
+    kv_in = layers * past * calls
+    grads_in = layers * (np.maximum(0, starts - np.maximum(lo, written))
+                         + np.maximum(0, starts + lengths - np.maximum(starts, written)))
+    grads_out = layers * np.where(past > 0, -(-starts // page) * page - lo, 0)
+    first_two = np.where(past > 0, np.minimum((lo // segment + 2) * segment, starts) - lo, 0)
+    kv_in = kv_in - skip_last * past  # stage 1 skips the last layer's forward ...
+    kv_in = kv_in + kept_last * past  # ... which stage 2 then runs where it keeps the others' outputs
     wasted = skip_last & (layers > 1)  # ... but the layer before sent its first copies ahead
     wasted[-1] &= not kept_last[-1]  # the last chunk's stage 2 starts with that very call: they serve it
-    kv_in += wasted * last_first_two
+    kv_in = kv_in + wasted * first_two
     kv_out = layers * lengths.astype(float)
-    return kv_in, grads_in, kv_out, grads_out
+    return kv_in.astype(float), grads_in.astype(float), kv_out, grads_out.astype(float)

@@ -180,6 +180,9 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
             if n > full:
                 apart = f" without a sliding window (of {shape.kv_layers})" if windowed else ""
                 raise SetupError(f"{what} ({n}) exceeds the model's {full} layers{apart}")
+        # The last chunk's past and query tiles, for which the host layers' GPU staging is sized.
+        past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
+        n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
         if full:
             gpu[layers_line(kv_name, full - n_kv_host)] = kv_layer * (full - n_kv_host) * c.stored_tokens
         if n_kv_host:
@@ -187,8 +190,6 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                 kv_layer * n_kv_host * c.stored_tokens)
             # One attention call's gather: per sequence, every past page a selection can name (core.pages
             # HostKVStaging sizes it for the worst case, on the device).
-            past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
-            n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
             staged = past_pages
             if isinstance(c.sparse, SparseConfig):
                 heads = shape.n_kv_heads if c.sparse.per_kv_head else 1
@@ -204,8 +205,6 @@ def memory_lines(shape: ModelShape, c: PlanConfig) -> tuple[dict[str, int], dict
                     grad_layer * n_host * c.stored_tokens)
                 # The last chunk's distinct selected pages per (sequence, KV head), bounded as in
                 # kernels.sparse_attention.invert_selection.
-                past_pages = math.ceil(max(c.context - c.chunk_size, 0) / c.page_size)
-                n_tiles = math.ceil(min(c.chunk_size, c.context) / c.page_size)
                 staged = past_pages
                 if isinstance(c.sparse, SparseConfig):
                     staged = min(past_pages, n_tiles * c.sparse.budget_pages)
