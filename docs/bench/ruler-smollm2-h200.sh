@@ -11,13 +11,19 @@
 # memory sampled every 10 s in OUT/monitor.txt. Run it under setsid and read OUT back (device README).
 #   bash docs/bench/ruler-smollm2-h200.sh MODEL_DIR OUT [MINUTES]
 # MODEL_DIR holds SmolLM2-135M-Instruct.Q4_1.gguf (examples/smollm2-passkey-64k.yaml's header says how to get
-# it). TASKS=a,b,... and SAMPLES=N change the grid (default six tasks, 4 samples).
+# it). TASKS=a,b,... and SAMPLES=N change the grid (default six tasks, 4 samples); GRIDS=a,b,... runs only some of
+# pretrained-dense, pretrained-sparse, extended-dense, extended-sparse (the fine-tuning runs when an extended one is
+# named).
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 model=${1:?MODEL_DIR}; out=${2:?OUT}; minutes=${3:-4}
 gguf=SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f "$model/$gguf" ]] || { echo "$0: no $gguf in $model" >&2; exit 2; }
 tasks=${TASKS:-niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2,vt,fwe}
 samples=${SAMPLES:-4}
+grids=,${GRIDS:-pretrained-dense,pretrained-sparse,extended-dense,extended-sparse},
+for g in ${grids//,/ }; do
+  [[ $g =~ ^(pretrained|extended)-(dense|sparse)$ ]] || { echo "$0: GRIDS: unknown grid $g" >&2; exit 2; }
+done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 (free -g; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$out/machine.txt" 2>&1
@@ -26,14 +32,19 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 kill_at_exit $!
 yarn8='{"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 100000.0,
         "original_max_position_embeddings": 8192}, "max_position_embeddings": 1048576}'
-grid() {  # NAME MODEL_ARGS...
+grid() {  # NAME MODEL_ARGS...: the dense and the sparse grid of one model, as GRIDS names them
   local name=$1; shift
-  logged "$out/ruler-$name-dense.log" "$python" -m lightning_oomb.cli evaluate "$@" --tasks "$tasks" \
-    --lengths 4K,16K,64K --samples "$samples" --apply_chat_template --out "$out/ruler-$name-dense"
-  logged "$out/ruler-$name-sparse.log" "$python" -m lightning_oomb.cli evaluate "$@" --tasks "$tasks" \
-    --lengths 256K,1M --samples "$samples" --apply_chat_template --budget-pages 64 --out "$out/ruler-$name-sparse"
+  local common=(-m lightning_oomb.cli evaluate "$@" --tasks "$tasks" --samples "$samples" --apply_chat_template)
+  if [[ $grids == *,$name-dense,* ]]; then
+    logged "$out/ruler-$name-dense.log" "$python" "${common[@]}" --lengths 4K,16K,64K --out "$out/ruler-$name-dense"
+  fi
+  if [[ $grids == *,$name-sparse,* ]]; then
+    logged "$out/ruler-$name-sparse.log" "$python" "${common[@]}" --lengths 256K,1M --budget-pages 64 \
+      --out "$out/ruler-$name-sparse"
+  fi
 }
 grid pretrained --model "$model" --gguf_file "$gguf" --config_overrides "$yarn8"
+[[ $grids == *,extended-* ]] || { touch "$out/done"; exit 0; }
 logged "$out/exact-64k.log" "$python" -m lightning_oomb.cli fit --config examples/smollm2-passkey-64k.yaml \
   --model.pretrained "$model" --trainer.logger.init_args.save_dir "$out/runs" \
   --trainer.max_time "$(printf "00:00:%02d:00" "$minutes")" --export_dir "$out/export-64k"
