@@ -116,6 +116,62 @@ def test_templates_whose_turns_cannot_be_found_are_refused(template, match):
     assert str(e.value).startswith("f.jsonl, line 3: ") and "\n" not in str(e.value)
 
 
+def bpe_tokenizer(end_of_turn_eats_newline: bool = False):
+    """A byte-level BPE tokenizer trained here on words and newlines, with ChatML's special tokens; merges make
+    how a piece of text tokenizes depend on what follows it, which the byte tokenizer's never does."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the river stone bright secret letter keep later ok sure what was it\n".split(" ")
+    corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40)) for i in range(200)]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", AddedToken("<|im_end|>", rstrip=end_of_turn_eats_newline, special=True)]})
+    tok.chat_template = CHATML
+    return tok
+
+
+def prefix_spans_tokenizing_each_prefix_whole(renderer, messages):
+    """The definition turn-by-turn rendering follows, at its quadratic cost: each assistant turn's header and
+    turn rendered and tokenized whole, both prefixes of the conversation's tokens."""
+    ids = renderer._ids(renderer._text(messages, "row"))
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = renderer._ids(renderer._text(messages[:k], "row", prompt=True))
+        through = renderer._ids(renderer._text(messages[: k + 1], "row"))
+        if through != ids[: len(through)] or head != through[: len(head)]:
+            return ids, None
+        end = next(t + 1 for t in range(len(head), len(through)) if through[t] in renderer.special)
+        spans.append((len(head), end))
+    return ids, spans
+
+
+@pytest.mark.parametrize("eats_newline", [False, True], ids=["pieces-apart", "end-of-turn-eats-newline"])
+def test_turn_by_turn_spans_equal_each_prefix_tokenized_whole(eats_newline):
+    # A long many-turn conversation: the spans found from the pieces between special tokens equal those of
+    # tokenizing every growing prefix whole; where the end-of-turn token swallows the newline after it (the
+    # pieces do not tokenize apart), every prefix is tokenized whole.
+    tok = bpe_tokenizer(eats_newline)
+    words = "the river stone bright secret letter keep later".split()
+    talk = [{"role": "system", "content": "keep the secret letter."}]
+    for turn in range(30):
+        talk.append({"role": "user", "content": " ".join(words[(turn + j) % 8] for j in range(3 + turn % 5))})
+        talk.append({"role": "assistant", "content": ["ok.", "sure", "the river\n\nstone", "what"][turn % 4]})
+    renderer = ChatRenderer(tok, "assistant")
+    ids, spans = prefix_spans_tokenizing_each_prefix_whole(renderer, talk)
+    assert spans is not None and len(spans) == 30
+    conv = renderer.render(talk, "row")
+    assert conv.ids == ids
+    assert conv.trained == [any(a <= t < b for a, b in spans) for t in range(len(ids))]
+    assert labelled(tok, conv)[:3] == ["ok.<|im_end|>", "sure<|im_end|>", "the river\n\nstone<|im_end|>"]
+
+
 def test_tokenizer_without_template_is_refused():
     with pytest.raises(ChatDataError, match="no chat template"):
         ChatRenderer(make_tokenizer(None))

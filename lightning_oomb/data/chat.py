@@ -9,6 +9,7 @@ find each assistant turn exactly is refused (``ChatDataError``, one line).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -267,23 +268,75 @@ class ChatRenderer:
         and through the turn must both be prefixes of the whole; the turn's labels run from the header's end
         through the first special token after it (the end-of-turn token)."""
         ids = self._ids(text)
+        prefix = PrefixTokens(self, text, ids)
         spans = []
         for k in assistants:
-            head = self._ids(self._text(messages[:k], where, prompt=True))
-            through = self._ids(self._text(messages[: k + 1], where))
-            if through != ids[: len(through)] or head != through[: len(head)]:
+            head = prefix.count(self._text(messages[:k], where, prompt=True))
+            through = prefix.count(self._text(messages[: k + 1], where))
+            if head is None or through is None or head > through:
                 raise ChatDataError(
                     f"{where}: the chat template does not render assistant turns as a prefix of the conversation "
                     f"(message {k}), so which tokens are the assistant's cannot be found exactly; use a template "
                     "with {% generation %} markers (data.init_args.chat_template) or train_on: all")
-            end = next((t + 1 for t in range(len(head), len(through)) if through[t] in self.special), None)
+            end = next((t + 1 for t in range(head, through) if ids[t] in self.special), None)
             if end is None:
                 raise ChatDataError(
                     f"{where}: the chat template ends assistant turn {k} with no special token, so where the turn "
                     "ends cannot be found exactly; use a template with {% generation %} markers "
                     "(data.init_args.chat_template) or train_on: all")
-            spans.append((len(head), end))
+            spans.append((head, end))
         return ids, spans
+
+
+class PrefixTokens:
+    """Whether a prefix of ``text``, tokenized alone, gives a prefix of ``ids`` (``text``'s tokens), and how
+    many tokens: what turn-by-turn rendering compares, without tokenizing each of a conversation's growing
+    prefixes whole (a 200-turn conversation of 33K tokens would tokenize 10M).
+
+    Tokenizers split special tokens out before anything else, so the text between them tokenizes on its own.
+    Where ``ids`` is exactly its pieces tokenized apart (checked here, for this text), a prefix's tokens are the
+    pieces before the one it ends in and that piece's cut tokenized alone; otherwise every prefix is tokenized
+    whole."""
+
+    def __init__(self, renderer: ChatRenderer, text: str, ids: list[int]):
+        self.renderer, self.text, self.ids = renderer, text, ids
+        tokenizer = renderer.tokenizer
+        specials = sorted({tokenizer.convert_ids_to_tokens(i) for i in renderer.special}, key=len, reverse=True)
+        pattern = "|".join(re.escape(t) for t in specials if t)
+        inner = [b for m in re.finditer(pattern, text) for b in m.span()] if pattern else []
+        cuts = [0, *inner, len(text)]
+        self.starts: list[int] = []  # character offsets of the pieces
+        self.token_starts: list[int] = []  # where each piece's tokens start in ids
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
+        counted = 0
+        for a, piece, piece_ids in zip(cuts, pieces, self._piece_ids(pieces)):
+            if not piece:
+                continue
+            if piece_ids != ids[counted: counted + len(piece_ids)]:
+                self.starts = None  # pieces do not tokenize apart here: every prefix is tokenized whole
+                return
+            self.starts.append(a)
+            self.token_starts.append(counted)
+            counted += len(piece_ids)
+        if counted != len(ids):
+            self.starts = None
+
+    def _piece_ids(self, pieces: list[str]) -> list[list[int]]:
+        nonempty = [p for p in pieces if p]
+        out = iter(self.renderer.tokenizer(nonempty, add_special_tokens=False)["input_ids"] if nonempty else [])
+        return [next(out) if p else [] for p in pieces]
+
+    def count(self, prefix: str) -> int | None:
+        """How many of ``ids`` ``prefix``'s tokens are, or None where they are not a prefix of ``ids``."""
+        if not self.text.startswith(prefix):
+            return None
+        if not self.starts:
+            tokens = self.renderer._ids(prefix)
+            return len(tokens) if tokens == self.ids[: len(tokens)] else None
+        piece = bisect.bisect_right(self.starts, len(prefix)) - 1
+        first = self.token_starts[piece]
+        tail = self.renderer._ids(prefix[self.starts[piece]:]) if len(prefix) > self.starts[piece] else []
+        return first + len(tail) if tail == self.ids[first: first + len(tail)] else None
 
 
 def encode_conversations(path: str, renderer: ChatRenderer
