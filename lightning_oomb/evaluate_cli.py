@@ -47,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="a model directory written by save_pretrained, with its "
                         "tokenizer")
-    parser.add_argument("--gguf_file", default=None, help="the GGUF file in --model to load instead (needs gguf)")
-    parser.add_argument("--config_overrides", default=None, help="config fields set before the model is built, "
+    # The underscore spellings are model.gguf_file's and model.config_overrides' in a YAML, and lm-eval's.
+    parser.add_argument("--gguf-file", "--gguf_file", dest="gguf_file", default=None,
+                        help="the GGUF file in --model to load instead (needs gguf)")
+    parser.add_argument("--config-overrides", "--config_overrides", dest="config_overrides", default=None,
+                        help="config fields set before the model is built, "
                         "as a JSON object, as model.config_overrides sets them in training: RoPE scaling for "
                         "lengths past the model's own, e.g. '{\"rope_parameters\": {\"rope_type\": \"yarn\", "
                         "\"factor\": 32.0, ...}, \"max_position_embeddings\": 262144}'")
@@ -56,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default all)")
     parser.add_argument("--lengths", required=True, help="comma-separated token counts, e.g. 4K,16K,64K,256K,1M: "
                         "each prompt and the tokens its task generates together")
-    parser.add_argument("--apply_chat_template", action="store_true", help="prompts as RULER gives them to chat "
+    parser.add_argument("--apply-chat-template", "--apply_chat_template", dest="apply_chat_template",
+                        action="store_true", help="prompts as RULER gives them to chat "
                         "models: the task as the user's turn of the tokenizer's chat template, the answer prefix "
                         "opening the assistant's turn (default: base-model prompts)")
     parser.add_argument("--samples", type=int, default=10, help="prompts per task and length (default 10)")
@@ -165,8 +169,8 @@ def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str 
     from .core.pretrained import check_pretrained_dir, config_overrides_from_json, pretrained_config
 
     def flag_names(e: SetupError) -> str:
-        return (str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf_file: ")
-                .replace("model.config_overrides: ", "--config_overrides: "))
+        return (str(e).replace("model.pretrained: ", "--model: ").replace("model.gguf_file: ", "--gguf-file: ")
+                .replace("model.config_overrides: ", "--config-overrides: "))
 
     try:
         fields = None if overrides is None else config_overrides_from_json(overrides)
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     from .evaluation.ruler import has_chat_template, make_sample
 
     if args.apply_chat_template and not has_chat_template(tokenizer):
-        _fail(parser, f"--apply_chat_template: the tokenizer of {args.model} has no chat template; leave the flag "
+        _fail(parser, f"--apply-chat-template: the tokenizer of {args.model} has no chat template; leave the flag "
               "out (base-model prompts) or give a model directory whose tokenizer has one")
     for t in tasks:  # the shortest length takes each task's prompt in this tokenizer, or is refused here
         try:

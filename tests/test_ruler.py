@@ -125,12 +125,12 @@ def _refused(capsys, args: list[str]) -> str:
 
 
 def test_evaluate_in_the_chat_template(tmp_path, capsys):
-    """--apply_chat_template: every prompt in the tokenizer's chat template, recorded in results.json; a
+    """--apply-chat-template: every prompt in the tokenizer's chat template, recorded in results.json; a
     tokenizer without one is refused in one line before the model loads."""
     chat_dir = save_byte_level_llama(tmp_path / "chat_model", CHAT_TOKENIZER)
     out = tmp_path / "out"
     assert main(["evaluate", "--model", str(chat_dir), "--tasks", "vt", "--lengths", "640", "--samples", "1",
-                 "--chunk", "256", "--page-size", "64", "--out", str(out), "--apply_chat_template"]) == 0
+                 "--chunk", "256", "--page-size", "64", "--out", str(out), "--apply-chat-template"]) == 0
     results = json.loads((out / "results.json").read_text())
     detail = results["details"]["vt"]["640"][0]
     assert results["apply_chat_template"] is True and detail["tokens"] + 30 <= 640
@@ -158,18 +158,19 @@ def test_config_overrides_set_the_length_the_model_reaches(model_dir, tmp_path, 
                 '"rope_theta": 10000.0}}'
     out = tmp_path / "out"
     assert main(["evaluate", "--model", str(model_dir), "--tasks", "vt", "--lengths", "5K", "--samples", "1",
-                 "--chunk", "1024", "--page-size", "64", "--out", str(out), "--config_overrides", overrides]) == 0
+                 "--chunk", "1024", "--page-size", "64", "--out", str(out), "--config-overrides", overrides]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["lengths"] == [5120] and results["config_overrides"] == overrides
     assert results["details"]["vt"]["5K"][0]["tokens"] > 4096
     capsys.readouterr()
+    # The YAML's (model.config_overrides) and lm-eval's underscore spelling is the same flag.
     err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K",
                             "--config_overrides", '{"max_position_embedings": 8192}'])
-    assert "--config_overrides: the llama config has no field 'max_position_embedings'" in err
-    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "[1]"])
-    assert "--config_overrides: must be a JSON object of config fields, got" in err
-    assert "--config_overrides: must be a JSON object of config fields such as" in _refused(
-        capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config_overrides", "{x"])
+    assert "--config-overrides: the llama config has no field 'max_position_embedings'" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config-overrides", "[1]"])
+    assert "--config-overrides: must be a JSON object of config fields, got" in err
+    assert "--config-overrides: must be a JSON object of config fields such as" in _refused(
+        capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--config-overrides", "{x"])
 
 
 def test_a_sparse_budget_below_its_sink_and_local_pages_is_one_line(model_dir, capsys):
@@ -178,8 +179,8 @@ def test_a_sparse_budget_below_its_sink_and_local_pages_is_one_line(model_dir, c
 
 
 def test_a_chat_template_the_tokenizer_lacks_is_one_line(model_dir, capsys):
-    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--apply_chat_template"])
-    assert "--apply_chat_template: the tokenizer of" in err and "has no chat template" in err
+    err = _refused(capsys, ["--model", str(model_dir), "--tasks", "vt", "--lengths", "1K", "--apply-chat-template"])
+    assert "--apply-chat-template: the tokenizer of" in err and "has no chat template" in err
 
 
 def test_a_directory_without_tokenizer_is_one_line(model_dir, tmp_path, capsys):

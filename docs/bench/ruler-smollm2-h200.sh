@@ -34,7 +34,7 @@ yarn8='{"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10
         "original_max_position_embeddings": 8192}, "max_position_embeddings": 1048576}'
 grid() {  # NAME MODEL_ARGS...: the dense and the sparse grid of one model, as GRIDS names them
   local name=$1; shift
-  local common=(-m lightning_oomb.cli evaluate "$@" --tasks "$tasks" --samples "$samples" --apply_chat_template)
+  local common=(-m lightning_oomb.cli evaluate "$@" --tasks "$tasks" --samples "$samples" --apply-chat-template)
   if [[ $grids == *,$name-dense,* ]]; then
     logged "$out/ruler-$name-dense.log" "$python" "${common[@]}" --lengths 4K,16K,64K --out "$out/ruler-$name-dense"
   fi
@@ -43,11 +43,11 @@ grid() {  # NAME MODEL_ARGS...: the dense and the sparse grid of one model, as G
       --out "$out/ruler-$name-sparse"
   fi
 }
-grid pretrained --model "$model" --gguf_file "$gguf" --config_overrides "$yarn8"
+grid pretrained --model "$model" --gguf-file "$gguf" --config-overrides "$yarn8"
 [[ $grids == *,extended-* ]] || { touch "$out/done"; exit 0; }
 logged "$out/exact-64k.log" "$python" -m lightning_oomb.cli fit --config examples/smollm2-passkey-64k.yaml \
   --model.pretrained "$model" --trainer.logger.init_args.save_dir "$out/runs" \
   --trainer.max_time "$(printf "00:00:%02d:00" "$minutes")" --export_dir "$out/export-64k"
 "$python" -m lightning_oomb.bench.eval_grids "$out/runs" --out "$out/passkey-grids.png" | tee "$out/passkey-grids.txt"
-grid extended --model "$out/export-64k" --config_overrides '{"max_position_embeddings": 1048576}'
+grid extended --model "$out/export-64k" --config-overrides '{"max_position_embeddings": 1048576}'
 touch "$out/done"
