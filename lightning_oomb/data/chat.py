@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -339,17 +339,20 @@ class PrefixTokens:
         return first + len(tail) if tail == self.ids[first: first + len(tail)] else None
 
 
-def encode_conversations(path: str, renderer: ChatRenderer
+def encode_conversations(path: str, renderer: ChatRenderer, rendered: Callable[[int], Any] | None = None
                          ) -> tuple[list[np.ndarray], int, list[np.ndarray], np.ndarray]:
     """One file's conversations rendered: their token ids (int32 arrays, in order), their count, which tokens
     are labels (uint8 arrays aligned with the ids) and their lengths (int64): what a worker of the token cache
-    runs, and what the data module renders in memory without one."""
+    runs, and what the data module renders in memory without one. ``rendered(tokens)`` is called after each
+    conversation (a progress bar)."""
     ids, trained, lengths = [], [], []
     for where, messages in read_conversations(Path(path)):
         conv = renderer.render(messages, where)
         ids.append(np.asarray(conv.ids, np.int32))
         trained.append(np.asarray(conv.trained, np.uint8))
         lengths.append(len(conv.ids))
+        if rendered is not None:
+            rendered(len(conv.ids))
     return ids, len(lengths), trained, np.asarray(lengths, np.int64)
 
 

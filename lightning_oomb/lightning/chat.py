@@ -15,7 +15,8 @@ import os
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from tqdm import tqdm
 from typing_extensions import override
 
 from ..data.chat import (TRAIN_ON, ChatDataError, ChatRenderer, Conversations, PackedConversations, best_fit,
@@ -118,11 +119,14 @@ class ChatDataModule(TextCorpusDataModule):
         uint8 label mask and the conversations' lengths."""
         renderer = ChatRenderer(self.tokenizer, self.train_on, self.chat_template)
         ids, mask, lengths = [np.zeros(0, np.int32)], [np.zeros(0, np.uint8)], [np.zeros(0, np.int64)]
-        for file in self.files:
-            pieces, _, trained, counts = encode_conversations(str(file), renderer)
-            ids += pieces
-            mask += trained
-            lengths.append(counts)
+        # Shown only where rendering outlasts a few seconds (long, many-turn conversations), on rank zero.
+        with tqdm(desc="rendering conversations", unit=" tokens", unit_scale=True, delay=3,
+                  disable=rank_zero_only.rank != 0) as bar:
+            for file in self.files:
+                pieces, _, trained, counts = encode_conversations(str(file), renderer, rendered=bar.update)
+                ids += pieces
+                mask += trained
+                lengths.append(counts)
         return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(mask)), np.concatenate(lengths)
 
     @override
