@@ -305,7 +305,7 @@ class PrefixTokens:
         pattern = "|".join(re.escape(t) for t in specials if t)
         inner = [b for m in re.finditer(pattern, text) for b in m.span()] if pattern else []
         cuts = [0, *inner, len(text)]
-        self.starts: list[int] = []  # character offsets of the pieces
+        self.starts: list[int] | None = []  # character offsets of the pieces; None: tokenize prefixes whole
         self.token_starts: list[int] = []  # where each piece's tokens start in ids
         pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
         counted = 0
