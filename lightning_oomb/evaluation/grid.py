@@ -50,7 +50,8 @@ def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], len
             results[t][n] = dict(score=value, samples=rows)
             done += 1
             if progress is not None:
-                progress(f"[{done}/{total}] {t} at {human_tokens(n)}: {value:.1f} ({samples} samples, "
+                prompts = f"{samples} sample" + "s" * (samples != 1)
+                progress(f"[{done}/{total}] {t} at {human_tokens(n)}: {value:.1f} ({prompts}, "
                          f"{time.perf_counter() - start:.1f} s)")
     return results
 
