@@ -196,6 +196,9 @@ class ChatRenderer:
         self.markers = bool(GENERATION_MARKER.search(self.template)) and getattr(tokenizer, "is_fast", False)
         self.special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
+        # The special tokens' texts, longest first (as tokenizers match them): where PrefixTokens cuts a text.
+        texts = sorted({tokenizer.convert_ids_to_tokens(i) for i in self.special} - {None, ""}, key=len, reverse=True)
+        self.special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def _text(self, messages: list[dict[str, str]], where: str, prompt: bool = False) -> str:
         try:
@@ -300,10 +303,8 @@ class PrefixTokens:
 
     def __init__(self, renderer: ChatRenderer, text: str, ids: list[int]):
         self.renderer, self.text, self.ids = renderer, text, ids
-        tokenizer = renderer.tokenizer
-        specials = sorted({tokenizer.convert_ids_to_tokens(i) for i in renderer.special}, key=len, reverse=True)
-        pattern = "|".join(re.escape(t) for t in specials if t)
-        inner = [b for m in re.finditer(pattern, text) for b in m.span()] if pattern else []
+        pattern = renderer.special_text
+        inner = [b for m in pattern.finditer(text) for b in m.span()] if pattern is not None else []
         cuts = [0, *inner, len(text)]
         self.starts: list[int] | None = []  # character offsets of the pieces; None: tokenize prefixes whole
         self.token_starts: list[int] = []  # where each piece's tokens start in ids
