@@ -3,8 +3,9 @@ prompt decoded greedily over the engine's K/V pages (``lightning_oomb.generate``
 
 Order: the flags, the optional packages, the model directory and its tokenizer are checked, then the eval plan
 (K/V pages of each length, no gradients) says what fits; any of them refused is one line and exit status 2,
-before the model loads. Then one progress line per task and length, the task x length table, and in --out:
-results.json (scores, and every sample's prediction) and heatmap.png.
+before the model loads. Then one progress line per task and length, the task x length table, on a GPU the time
+against the plan, and in --out: results.json (scores, and every sample's prediction, new tokens and seconds) and
+heatmap.png.
 """
 
 from __future__ import annotations
@@ -158,6 +159,21 @@ def planned_times(shape: "ModelShape", lengths: list[int], chunk: int, page_size
     return {n: generation_time(shape, n, chunk, page_size, sparse, 1, dtype.itemsize) for n in lengths}
 
 
+def time_against_plan(results: dict, times: dict[int, Any]) -> str:
+    """One line: at each length, the range over tasks of a task's measured seconds (its prompts' prefill and
+    decoding, ``run_grid``'s samples) divided by the plan's (``planned_times``: a prefill per prompt, plus the
+    time a new token for each token the prompt generated)."""
+    ranges = []
+    for n, plan in times.items():
+        ratios = []
+        for by_length in results.values():
+            rows = by_length[n]["samples"]
+            planned = sum(plan.prefill_s + r["new_tokens"] * plan.decode_s for r in rows)
+            ratios.append(sum(r["seconds"] for r in rows) / planned)
+        ranges.append(f"{human_tokens(n)} {min(ratios):.2f}-{max(ratios):.2f}x")
+    return "Time against the plan (per task, for the tokens generated): " + ", ".join(ranges)
+
+
 def _check_model_dir(parser: argparse.ArgumentParser, path: str, gguf_file: str | None,
                      overrides: str | None) -> tuple[Path, Any, Any]:
     """The model's config (with ``overrides``, a JSON object) and tokenizer, or one line and exit 2: a missing
@@ -283,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     scores = {t: {human_tokens(n): results[t][n]["score"] for n in lengths} for t in tasks}
     table = format_table(scores, tasks, [human_tokens(n) for n in lengths])
     print(table)
+    if times:
+        print(time_against_plan(results, times))
     report = dict(model=str(args.model), gguf_file=args.gguf_file, config_overrides=args.config_overrides,
                   apply_chat_template=args.apply_chat_template, tasks=tasks, lengths=lengths, samples=args.samples,
                   seed=args.seed, options={k: str(v) for k, v in options.items()},

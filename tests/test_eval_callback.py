@@ -115,13 +115,18 @@ def test_grid_logged_at_its_steps_as_evaluate_scores_it(model_dir, tmp_path, mon
     assert main(["evaluate", "--model", str(model_dir), "--tasks", GRID["tasks"], "--lengths", "640,768",
                  "--samples", "1", "--chunk", "256", "--page-size", "64", "--out", str(out)]) == 0
     cli = json.loads((out / "results.json").read_text())
+
+    def answers(samples: list[dict]) -> list[dict]:  # each prompt's record but its time
+        return [{k: v for k, v in s.items() if k != "seconds"} for s in samples]
+
     for task in ("vt", "fwe"):
         for n in (640, 768):
             ours = callback.results[0][task][n]
             assert ours["score"] == cli["scores"][task][str(n)]
-            assert ours["samples"] == cli["details"][task][str(n)]
+            assert answers(ours["samples"]) == answers(cli["details"][task][str(n)])
     # training moved the weights, and the grid followed them: some answer changed by step 2
-    assert callback.results[2] != callback.results[0]
+    assert any(answers(callback.results[2][t][n]["samples"]) != answers(callback.results[0][t][n]["samples"])
+               for t in ("vt", "fwe") for n in (640, 768))
 
 
 @pytest.mark.parametrize("schedule,trainer_kwargs,steps", [

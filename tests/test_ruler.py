@@ -112,6 +112,7 @@ def test_evaluate_end_to_end(model_dir, tmp_path, capsys):
     assert all(0 <= v <= 100 for row in results["scores"].values() for v in row.values())
     detail = results["details"]["vt"]["640"][0]
     assert detail["tokens"] + 30 <= 640 and len(detail["references"]) == 5 and isinstance(detail["prediction"], str)
+    assert 1 <= detail["new_tokens"] <= 30 and detail["seconds"] > 0  # vt answers in at most 30 tokens
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -227,3 +228,20 @@ def test_the_plans_time_per_sample_on_a_gpu():
     sparse = planned_times("smollm2-135m", lengths, 4096, 128, SparseConfig(budget_pages=64), torch.bfloat16)
     assert list(dense) == lengths and dense[4096] == generation_time("smollm2-135m", 4096, dtype_bytes=2)
     assert sparse[1 << 20].prefill_s < dense[1 << 20].prefill_s
+
+
+def test_time_against_the_plan_is_each_tasks_seconds_over_its_planned_prompts():
+    """The line `lightning-oomb evaluate` prints on a GPU after the table: per length, the range over tasks of
+    the seconds measured over the plan's prefill per prompt plus its time per generated token."""
+    from lightning_oomb.core.plan.timing import GenerationTime
+    from lightning_oomb.evaluate_cli import time_against_plan
+
+    def cell(*prompts):  # (new tokens, seconds) per prompt
+        return {"score": 0.0, "samples": [dict(new_tokens=k, seconds=s) for k, s in prompts]}
+
+    results = {"vt": {4096: cell((10, 1.0), (30, 3.0)), 65536: cell((1, 2.0))},
+               "fwe": {4096: cell((50, 2.0)), 65536: cell((2, 8.0))}}
+    times = {4096: GenerationTime(0.0, 0.5, 0.0, 0.05), 65536: GenerationTime(0.0, 4.0, 0.0, 0.1)}
+    # vt at 4K: 4.0 s against 2 x 0.5 + 40 x 0.05 = 3.0 s; fwe at 4K: 2.0 against 3.0; at 64K 2.0/4.1, 8.0/4.2
+    assert time_against_plan(results, times) == ("Time against the plan (per task, for the tokens generated): "
+                                                 "4K 0.67-1.33x, 64K 0.49-1.90x")

@@ -3,6 +3,8 @@
 # prompt plus its time a new token times the tokens each prompt generated (its prediction in results.json,
 # tokenized again with the model's tokenizer), beside the time the log reports for the task.
 #   bash docs/bench/ruler-times.sh RESULTS_JSON LOG MODEL_DIR [GGUF_FILE]
+# `lightning-oomb evaluate` on a GPU prints the range of these ratios itself from each prompt's recorded seconds
+# and new tokens; this script is for results.json files whose samples lack them.
 # e.g. docs/bench/h100-ruler-smollm2-5877097/pretrained-sparse.{json,log} with the SmolLM2 GGUF's folder.
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 "$python" - "${1:?RESULTS_JSON}" "${2:?LOG}" "${3:?MODEL_DIR}" "${4:-}" <<'PY'

@@ -30,7 +30,9 @@ def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], len
     (the task's max_new_tokens, EOS of the tokenizer's or the model's), scored as RULER does. ``options``:
     ``generate``'s (a ``config=ChunkConfig`` and/or its fields). ``progress``: called with one line per task
     and length (None: silent). ``chat``: the prompts in the tokenizer's chat template (``ruler.compose``).
-    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references, prediction}, ...]}}}."""
+    Returns {task: {length: {"score": 0-100, "samples": [{tokens, references, prediction, new_tokens, seconds},
+    ...]}}}: ``tokens`` the prompt's, ``new_tokens`` those generated (EOS included), ``seconds`` the wall time of
+    its prefill and decoding."""
     eos = tokenizer.eos_token_id
     results: dict = {t: {} for t in tasks}
     total, done = len(tasks) * len(lengths), 0
@@ -42,10 +44,14 @@ def run_grid(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[str], len
                 sample = make_sample(t, n, tokenizer, i, seed, chat)
                 ids = torch.tensor([tokenizer.encode(sample.prompt, add_special_tokens=sample.add_special_tokens)],
                                    device=device)
+                began = time.perf_counter()
                 with torch.no_grad():
                     out = generate(model, ids, sample.max_new_tokens, eos_token_id=eos, **options)
-                prediction = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-                rows.append(dict(tokens=ids.shape[1], references=sample.references, prediction=prediction))
+                new = out[0, ids.shape[1]:].tolist()  # copies to the host, so the time includes the GPU's work
+                seconds = time.perf_counter() - began
+                prediction = tokenizer.decode(new, skip_special_tokens=True)
+                rows.append(dict(tokens=ids.shape[1], references=sample.references, prediction=prediction,
+                                 new_tokens=len(new), seconds=round(seconds, 3)))
             value = score(t, [r["prediction"] for r in rows], [r["references"] for r in rows])
             results[t][n] = dict(score=value, samples=rows)
             done += 1
