@@ -11,9 +11,9 @@
 # memory sampled every 10 s in OUT/monitor.txt. Run it under setsid and read OUT back (device README).
 #   bash docs/bench/ruler-smollm2-h200.sh MODEL_DIR OUT [MINUTES]
 # MODEL_DIR holds SmolLM2-135M-Instruct.Q4_1.gguf (examples/smollm2-passkey-64k.yaml's header says how to get
-# it). TASKS=a,b,... and SAMPLES=N change the grid (default six tasks, 4 samples); GRIDS=a,b,... runs only some of
-# pretrained-dense, pretrained-sparse, extended-dense, extended-sparse (the fine-tuning runs when an extended one is
-# named).
+# it). TASKS=a,b,... and SAMPLES=N change the grid (default six tasks, 4 samples), DENSE_LENGTHS and SPARSE_LENGTHS
+# its lengths (default 4K,16K,64K and 256K,1M); GRIDS=a,b,... runs only some of pretrained-dense,
+# pretrained-sparse, extended-dense, extended-sparse (the fine-tuning runs when an extended one is named).
 source "$(dirname "$0")/lib.sh"  # stops at a failing command and says which; $python (PYTHON=...)
 model=${1:?MODEL_DIR}; out=${2:?OUT}; minutes=${3:-4}
 gguf=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -26,7 +26,7 @@ for g in ${grids//,/ }; do
 done
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-(free -g; nvidia-smi --query-gpu=name,memory.total --format=csv) > "$out/machine.txt" 2>&1
+(free -g; nvidia-smi --query-gpu=name,memory.total --format=csv || echo "no nvidia-smi") > "$out/machine.txt" 2>&1
 ( while sleep 10; do echo "$(date +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)" \
     "host used GiB $(free -g | awk '/Mem:/ {print $3}')"; done ) > "$out/monitor.txt" 2>&1 &
 kill_at_exit $!
@@ -36,11 +36,12 @@ grid() {  # NAME MODEL_ARGS...: the dense and the sparse grid of one model, as G
   local name=$1; shift
   local common=(-m lightning_oomb.cli evaluate "$@" --tasks "$tasks" --samples "$samples" --apply-chat-template)
   if [[ $grids == *,$name-dense,* ]]; then
-    logged "$out/ruler-$name-dense.log" "$python" "${common[@]}" --lengths 4K,16K,64K --out "$out/ruler-$name-dense"
+    logged "$out/ruler-$name-dense.log" "$python" "${common[@]}" --lengths "${DENSE_LENGTHS:-4K,16K,64K}" \
+      --out "$out/ruler-$name-dense"
   fi
   if [[ $grids == *,$name-sparse,* ]]; then
-    logged "$out/ruler-$name-sparse.log" "$python" "${common[@]}" --lengths 256K,1M --budget-pages 64 \
-      --out "$out/ruler-$name-sparse"
+    logged "$out/ruler-$name-sparse.log" "$python" "${common[@]}" --lengths "${SPARSE_LENGTHS:-256K,1M}" \
+      --budget-pages 64 --out "$out/ruler-$name-sparse"
   fi
 }
 grid pretrained --model "$model" --gguf-file "$gguf" --config-overrides "$yarn8"
