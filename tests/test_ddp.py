@@ -10,8 +10,10 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader
 
+import lightning_oomb
 from lightning_oomb import OOMBDDPStrategy, OOMBStrategy
 from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.documents import document_loss_weights
 from lightning_oomb.core.ranks import DataParallelRanks
 from lightning_oomb.core.schedule import ChunkedSequence
 from lightning_oomb.lightning.corpus import ResumableBatchSampler, data_parallel_rank
@@ -183,6 +185,50 @@ def test_mismatched_sequence_lengths_refused_on_every_rank(tmp_path):
         message = (tmp_path / f"error{rank}").read_text()
         assert message.startswith("data-parallel ranks must run batches of one shape") and "\n" not in message
         assert "rank 1: 1x32 tokens" in message
+
+
+def packed_rows(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``world`` rows of SEQ tokens packed from documents of other lengths per row: ids, labels, position ids."""
+    lengths = [[5, 20, 15], [12, 28], [3, 9, 9, 19]][:world]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    ids = torch.randint(0, VOCAB, position_ids.shape, generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[0, 6:14] = -100
+    return ids, labels, position_ids
+
+
+def _weighted_rank(rank: int, world: int, port: int, out: str) -> None:
+    as_torchrun_rank(rank, world, port)
+    dist.init_process_group("gloo")
+    try:
+        model = tiny_model("qwen2")
+        ids, labels, position_ids = (t[rank: rank + 1] for t in packed_rows(world))
+        config = ChunkConfig(chunk_size=CHUNK, page_size=PAGE, attention="reference")
+        seq = ChunkedSequence(model, ids, labels, config, ranks=DataParallelRanks(torch.device("cpu")),
+                              position_ids=position_ids, loss_weights=document_loss_weights(labels, position_ids))
+        seq.fill()
+        seq.backward()
+        seq.release()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world  # as DDP averages
+        if rank == 0:
+            torch.save({n: p.grad for n, p in model.named_parameters()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_weights_over_ranks_are_one_process_weighted_mean(tmp_path):
+    """Per-document loss weights on 3 ranks, a row each: the sum of the weights is agreed over the ranks (a
+    float all-reduce), so the averaged gradient is that of one process's weighted mean over all rows."""
+    world, out = 3, tmp_path / "grads.pt"
+    spawn_ranks(_weighted_rank, world, str(out))
+    model = tiny_model("qwen2")
+    ids, labels, position_ids = packed_rows(world)
+    lightning_oomb.train_step(model, ids, labels, position_ids=position_ids, chunk_size=CHUNK, page_size=PAGE,
+                              attention="reference", loss_weights=document_loss_weights(labels, position_ids))
+    one_process = {n: p.grad for n, p in model.named_parameters()}
+    assert_grads_close(torch.load(out), one_process, 1e-5)
 
 
 def test_registered_names():

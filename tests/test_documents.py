@@ -11,6 +11,7 @@ import torch
 
 import lightning_oomb
 from lightning_oomb.core.config import ChunkConfig
+from lightning_oomb.core.documents import document_loss_weights
 from tiny_models import (BACKENDS, TRITON_ON_CPU, VOCAB, assert_grads_close, assert_served_matches, grads_of,
                          probed, rel_err, separate_documents_grads, tiny_model)
 
@@ -25,8 +26,10 @@ def packed_positions(*rows: list[int]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
 
 
-def check_packed(model, ids, position_ids, labels=None, **kwargs):
-    want_loss, want = separate_documents_grads(model, ids, position_ids, labels)
+def check_packed(model, ids, position_ids, labels=None, per_document=False, **kwargs):
+    want_loss, want = separate_documents_grads(model, ids, position_ids, labels, per_document)
+    if per_document:
+        kwargs["loss_weights"] = document_loss_weights(ids if labels is None else labels, position_ids)
     loss = lightning_oomb.train_step(model, ids, labels, position_ids=position_ids, **kwargs)
     assert rel_err(loss, want_loss) <= TOL, (loss.item(), want_loss.item())
     assert_grads_close(grads_of(model), want, TOL)
@@ -50,6 +53,31 @@ def test_batch_rows_with_other_borders_and_ignored_labels(backend):
     labels[0, 4:8] = -100
     labels[1, 20:] = -100
     check_packed(model, ids, position_ids, labels, chunk_size=8, page_size=4, attention=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_of_one_over_each_documents_labels_give_the_mean_over_documents(backend):
+    """loss_weights = document_loss_weights: each document's own mean loss, averaged over the documents with a
+    label (a 1-token document, one whose labels are all -100 and the first token's label count for nothing)."""
+    model = tiny_model("qwen2")
+    position_ids = packed_positions([3, 10, 1, 16], [12, 2, 5, 11])  # 30 tokens per row
+    ids = torch.randint(0, VOCAB, position_ids.shape)
+    labels = ids.clone()
+    labels[0, 3:13] = -100  # the second document of row 0 trains nothing
+    labels[1, 20:25] = -100
+    weights = document_loss_weights(labels, position_ids)
+    assert weights[0, 3:14].sum() == 0 and weights[1, 12] == 0  # no labels; a document's first token
+    assert weights[1, 1:12].sum() == pytest.approx(1.0) and weights.sum() == pytest.approx(6.0)
+    check_packed(model, ids, position_ids, labels, per_document=True, chunk_size=8, page_size=4, attention=backend)
+    # the served forward (OOMBStrategy's route, loss_weights beside transformers' inputs) and eval_loss
+    want_loss, want = separate_documents_grads(model, ids, position_ids, labels, per_document=True)
+    config = ChunkConfig(chunk_size=8, page_size=4, attention=backend)
+    assert_served_matches(model, config, want_loss, want, TOL, input_ids=ids, labels=labels,
+                          position_ids=position_ids, loss_weights=weights)
+    with torch.no_grad():
+        loss = lightning_oomb.eval_loss(model, ids, labels, position_ids=position_ids, loss_weights=weights,
+                                        config=config)
+    assert rel_err(loss, want_loss) <= TOL
 
 
 def test_page_not_dividing_chunk_and_layer_checkpoints():

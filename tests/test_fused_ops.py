@@ -349,8 +349,10 @@ def test_cross_entropy_rows(rows, vocab, dtype):
         assert ((got.float() - want_grad.float()).abs() <= ulp).all()
 
 
-def test_fused_linear_cross_entropy_matches_the_unfused_one():
-    """core.loss with the kernel: the same loss, output-layer gradients and dL/dh as with torch's ops."""
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_fused_linear_cross_entropy_matches_the_unfused_one(weighted):
+    """core.loss with the kernel: the same loss, output-layer gradients and dL/dh as with torch's ops; with
+    per-row weights, both are the weighted sum's (checked against autograd of sum(w x CE) / normalizer)."""
     from torch import nn
 
     from lightning_oomb.core.loss import HeadGradients, linear_cross_entropy
@@ -358,13 +360,23 @@ def test_fused_linear_cross_entropy_matches_the_unfused_one():
     torch.manual_seed(0)
     head = nn.Linear(16, 300, bias=True, device=DEVICE)
     hidden, targets = torch.randn(37, 16, device=DEVICE), torch.randint(0, 300, (37,), device=DEVICE)
+    weights = torch.rand(37, device=DEVICE) if weighted else None
     results = []
     for fused in (False, True):
         grads = HeadGradients(head)
-        loss, grad_h = linear_cross_entropy(hidden, head.weight, head.bias, targets, 40.0, grads, True, fused=fused)
+        loss, grad_h = linear_cross_entropy(hidden, head.weight, head.bias, targets, 40.0, grads, True, fused=fused,
+                                            weights=weights)
         results.append((loss, grad_h, grads.weight, grads.bias))
     for got, want, name in zip(results[1], results[0], ["loss", "dh", "dweight", "dbias"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    if weighted:
+        h = hidden.clone().requires_grad_()
+        ce = torch.nn.functional.cross_entropy(head(h), targets, reduction="none")
+        want_loss = (ce * weights).sum() / 40.0
+        want_loss.backward()
+        torch.testing.assert_close(results[0][0], want_loss.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(results[0][1], h.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(results[0][2], head.weight.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -62,6 +62,13 @@ def test_not_a_causal_lm():
         (torch.zeros(1, 8, dtype=torch.long), None, {"chunk_size": 0}, "chunk_size must be an integer >= 1"),
         (torch.zeros(1, 8, dtype=torch.long), None, {"page_size": -1}, "page_size must be an integer >= 1"),
         (torch.zeros(1, 8, dtype=torch.long), None, {"attention": "flash"}, "attention must be"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"loss_weights": torch.ones(1, 7)}, "loss_weights must have the"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"loss_weights": torch.ones(1, 8, dtype=torch.long)},
+         "loss_weights must be finite, non-negative floats"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"loss_weights": -torch.ones(1, 8)}, "non-negative"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"loss_weights": torch.full((1, 8), float("nan"))}, "finite"),
+        (torch.zeros(1, 8, dtype=torch.long), None, {"loss_weights": torch.zeros(1, 8)},
+         "every label's loss weight is 0"),
     ],
 )
 def test_bad_input(ids, labels, kwargs, match):

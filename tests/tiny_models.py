@@ -111,19 +111,24 @@ def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def separate_documents_grads(model, ids, position_ids, labels=None):
+def separate_documents_grads(model, ids, position_ids, labels=None, per_document=False):
     """Loss and gradients of each document on its own through transformers, normalised by the batch's
-    label count (the first token of a document is no label of the one before)."""
+    label count (the first token of a document is no label of the one before); ``per_document``: each
+    document's own mean, averaged over the documents that have labels."""
     labels = ids if labels is None else labels
     docs = []
     for b in range(ids.shape[0]):
         starts = (position_ids[b] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
         docs += [(ids[b, s:e], labels[b, s:e]) for s, e in zip(starts[:-1], starts[1:])]
     n_labels = sum(int((lab[1:] != -100).sum()) for _, lab in docs)
+    labelled = [(doc, lab) for doc, lab in docs if bool((lab[1:] != -100).any())]
     model.zero_grad(set_to_none=True)
     total = torch.zeros(())
-    for doc, lab in docs:
-        loss = model(input_ids=doc[None], labels=lab[None], num_items_in_batch=n_labels).loss
+    for doc, lab in labelled if per_document else docs:
+        if per_document:
+            loss = model(input_ids=doc[None], labels=lab[None]).loss / len(labelled)
+        else:
+            loss = model(input_ids=doc[None], labels=lab[None], num_items_in_batch=n_labels).loss
         loss.backward()
         total += loss.detach()
     grads = grads_of(model)

@@ -68,3 +68,22 @@ def ignore_across_borders(targets: torch.Tensor, doc_start: torch.Tensor | None)
     starts = torch.zeros_like(targets, dtype=torch.bool)
     starts[:, :-1] = doc_start[:, 1:] == torch.arange(1, targets.shape[1], device=targets.device)
     return targets.masked_fill(starts, IGNORE_INDEX)
+
+
+def document_loss_weights(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss weights (B, L) float32 aligned with ``labels`` (B, L) that make the engine's weighted mean loss
+    (``train_step(loss_weights=...)``) the mean over documents of each document's mean token loss: 1 / n for
+    each of a document's n labels that is predicted, 0 elsewhere. A document is a run of ``position_ids``
+    from 0 (as ``document_starts`` takes them), or each row where there are none. A label at a document's
+    first token is not predicted (nothing before it in the document), nor is -100; a document with none
+    predicted (padding) weighs nothing."""
+    token = torch.arange(labels.shape[1], device=labels.device)
+    pos = token.expand_as(labels) if position_ids is None else position_ids.to(labels.device).long()
+    start = token - pos  # each token's document start, (B, L)
+    predicted = (labels != IGNORE_INDEX) & (pos > 0)
+    # Documents are numbered by their start in the flattened batch: starts grow along a row.
+    key = (start + torch.arange(labels.shape[0], device=labels.device)[:, None] * labels.shape[1]).reshape(-1)
+    counts = torch.zeros(labels.numel(), dtype=torch.float32, device=labels.device)
+    counts.index_add_(0, key, predicted.reshape(-1).float())
+    per_token = counts[key].view_as(labels)
+    return torch.where(predicted, 1.0 / per_token.clamp(min=1.0), torch.zeros((), device=labels.device))

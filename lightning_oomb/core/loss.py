@@ -96,8 +96,10 @@ def linear_cross_entropy(
     with_grad_hidden: bool = False,
     fused: bool = False,
     head: LogitHead | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(sum_i CE(head(hidden[i] @ weight.T + bias), targets[i]) / normalizer, dLoss/dhidden or None).
+    """(sum_i w_i CE(head(hidden[i] @ weight.T + bias), targets[i]) / normalizer, dLoss/dhidden or None), with
+    w_i = ``weights[i]`` ((N,) float32; None: 1).
 
     hidden (N, d), weight (V, d), targets (N,) int64 with no ignored entries. The loss is a float32 scalar;
     no autograd graph is recorded. With ``head_grads`` the output layer's gradients are added into its
@@ -124,18 +126,23 @@ def linear_cross_entropy(
 
                 multiplier = None if head is None or head.multiplier == 1.0 else head.multiplier
                 softcap = None if head is None else head.softcap
-                total += cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad, multiplier=multiplier,
-                                            softcap=softcap).sum()
+                w = None if weights is None else weights[rows]
+                losses = cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad, multiplier=multiplier,
+                                            softcap=softcap, weights=w)
+                total += losses.sum() if w is None else (losses * w).sum()
                 g = logits  # overwritten with dLoss/dlogits
             else:
                 z = logits.float() if head is None else head.apply(logits.float(), inplace=True)  # logits unused after
                 logp = torch.log_softmax(z, dim=-1)
-                total -= logp.gather(1, tgt[:, None]).sum()
+                picked = logp.gather(1, tgt[:, None])[:, 0]
+                total -= picked.sum() if weights is None else (picked * weights[rows]).sum()
                 if wants_grad:
                     g = logp.exp_()
                     g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
                     if head is not None:
                         _head_backward(g, z, head)
+                    if weights is not None:
+                        g *= weights[rows][:, None]
                     g = (g / normalizer).to(logits.dtype)
             if grad_h is not None:
                 grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)

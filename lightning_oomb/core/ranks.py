@@ -31,8 +31,9 @@ class Ranks:
     def check_batch(self, shape: tuple[int, int], chunk_size: int, page_size: int) -> None:
         """Refuse a step whose (batch, seq_len) or chunking differs between ranks."""
 
-    def items(self, count: int) -> float:
-        """The loss's normaliser for this rank, given its count of valid labels: the mean count per rank."""
+    def items(self, count: int | float) -> float:
+        """The loss's normaliser for this rank, given its count of valid labels (or the sum of their loss
+        weights): the mean per rank."""
         return count
 
     def least(self, values: list[int]) -> list[int]:
@@ -67,10 +68,11 @@ class DataParallelRanks(Ranks):
             raise ValueError(f"data-parallel ranks must run batches of one shape and chunking, got {ranks}; "
                              "pad every rank's sequences to one length (label -100) and batch them alike")
 
-    def items(self, count: int) -> float:
-        total = torch.tensor(count, dtype=torch.int64, device=self.device)
+    def items(self, count: int | float) -> float:
+        exact = torch.float64 if isinstance(count, float) else torch.int64  # counts sum exactly in int64
+        total = torch.tensor(count, dtype=exact, device=self.device)
         dist.all_reduce(total)
-        return int(total) / self.world_size
+        return total.item() / self.world_size
 
     def least(self, values: list[int]) -> list[int]:
         agreed = torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -165,6 +165,21 @@ def _check_tokens(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch
     return shifted.to(input_ids.device)
 
 
+def _check_weights(loss_weights: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The labels' weights (B, L) shifted as ``_check_tokens`` shifts the labels, float32; None stays None."""
+    if loss_weights is None:
+        return None
+    if not isinstance(loss_weights, torch.Tensor) or loss_weights.shape != input_ids.shape:
+        shape = tuple(loss_weights.shape) if isinstance(loss_weights, torch.Tensor) else type(loss_weights).__name__
+        raise ValueError(f"loss_weights must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    if not loss_weights.is_floating_point() or not bool(torch.isfinite(loss_weights).all()) or \
+            bool((loss_weights < 0).any()):
+        raise ValueError("loss_weights must be finite, non-negative floats (a weight per label)")
+    shifted = torch.zeros(loss_weights.shape, dtype=torch.float32, device=input_ids.device)
+    shifted[:, :-1] = loss_weights[:, 1:]
+    return shifted
+
+
 class ChunkedSequence:
     """One batch of sequences through the two stages. Create, ``fill()``, then ``backward()`` once.
 
@@ -196,6 +211,7 @@ class ChunkedSequence:
         ranks: Ranks = Ranks(),
         before_chunk: ChunkHook | None = None,
         training: bool = True,
+        loss_weights: torch.Tensor | None = None,
     ):
         self.stage_1_loss = stage_1_loss
         self.training = training
@@ -208,6 +224,10 @@ class ChunkedSequence:
         self._chunk_one_document: int | None = None  # the current chunk's, from self.one_document
         self._chunk_first_page = 0  # the page of the current chunk's first key (self.first_keys)
         self.targets = ignore_across_borders(targets, self.doc_start)
+        # Each target's weight in the loss (B, L) float32, 0 where there is no target; None: all 1.
+        self.weights = _check_weights(loss_weights, input_ids)
+        if self.weights is not None:
+            self.weights.masked_fill_(self.targets == IGNORE_INDEX, 0.0)
         self.observer = observer
         self.model = model
         self.lm = causal_lm(model)
@@ -309,9 +329,15 @@ class ChunkedSequence:
         per_chunk = torch.nn.functional.pad(labelled, (0, pad)).view(-1, len(self.chunks), config.chunk_size)
         per_chunk = per_chunk.sum((0, 2)).tolist()
         self._fully_labelled = [n == labelled.shape[0] * (e - s) for n, (s, e) in zip(per_chunk, self.chunks)]
-        valid = ranks.items(sum(per_chunk)) if num_items_in_batch is None else int(num_items_in_batch)
+        if num_items_in_batch is not None:
+            valid = float(num_items_in_batch) if self.weights is not None else int(num_items_in_batch)
+        elif self.weights is not None:  # the weighted mean: the weights' sum over the batch (and the ranks)
+            valid = ranks.items(float(self.weights.sum(dtype=torch.float64)))
+        else:
+            valid = ranks.items(sum(per_chunk))
         if valid == 0:
-            raise ValueError("every label is -100: there is no token to compute a loss on")
+            what = "every label's loss weight is 0" if sum(per_chunk) else "every label is -100"
+            raise ValueError(f"{what}: there is no token to compute a loss on")
         self.n_valid = valid
         reference_on_gpu = self.device.type == "cuda" and config.attention == "reference"
         if self.placement.host_grad_layers and (config.sparse is None or reference_on_gpu):
@@ -491,6 +517,7 @@ class ChunkedSequence:
         """(loss of the chunk, dL/dh (B, T, d) when ``with_grads`` and the decoder trains); ``with_grads``
         also adds the output layer's gradient into ``head_grads``."""
         targets = self.targets[:, start:end]
+        weights = None if self.weights is None else self.weights[:, start:end].reshape(-1)
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
         keep = None
         if self._fully_labelled[self._chunk]:
@@ -498,12 +525,13 @@ class ChunkedSequence:
         else:
             keep = (targets != IGNORE_INDEX).reshape(-1)
             rows, targets = flat[keep], targets.reshape(-1)[keep]
+            weights = None if weights is None else weights[keep]
         if with_grads and self.head_grads is None:
             self.head_grads = HeadGradients(self.head)
         loss, grad_rows = linear_cross_entropy(
             rows, self.head.weight, self.head.bias, targets, self.n_valid,
             self.head_grads if with_grads else None, with_grad_hidden=with_grads and self._decoder_trains,
-            fused=self.fused_ops, head=self.logit_head,
+            fused=self.fused_ops, head=self.logit_head, weights=weights,
         )
         if grad_rows is None:
             return loss, None
@@ -710,6 +738,7 @@ def train_step(
     position_ids: torch.Tensor | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
     config: ChunkConfig | None = None,
     **options: Any,
 ) -> torch.Tensor:
@@ -730,10 +759,15 @@ def train_step(
     num_items_in_batch: the count of valid (shifted) labels the loss is divided by; None: this batch's. Data
     parallel ranks pass the count over all ranks' batches, so that their gradients summed (one all-reduce
     after the step) are one process's gradient of all the batches together (tests/test_distributed.py).
+    loss_weights: None, or (batch, seq_len) float weights, one per label (aligned with ``labels``, shifted with
+    them): the loss is then the weighted mean sum(w x CE) / sum(w) over the valid labels (of all ranks; or
+    divided by ``num_items_in_batch`` where given). Weights of 1 / (a document's labels) make it the mean over
+    documents of each document's mean (``core.documents.document_loss_weights``).
     """
     config = ChunkConfig.build(config, **options)
     seq = ChunkedSequence(model, input_ids, labels, config, num_items_in_batch=num_items_in_batch,
-                          optimizers=() if optimizer is None else (optimizer,), position_ids=position_ids)
+                          optimizers=() if optimizer is None else (optimizer,), position_ids=position_ids,
+                          loss_weights=loss_weights)
     try:
         seq.fill()
         return seq.backward()
@@ -747,17 +781,18 @@ def eval_loss(
     labels: torch.Tensor | None = None,
     *,
     position_ids: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
     config: ChunkConfig | None = None,
     **options: Any,
 ) -> torch.Tensor:
     """``model(input_ids=input_ids, labels=labels).loss`` under no_grad, one chunk of activations at a time.
 
-    Same shapes, label and position_ids rules, ``config`` and ``options`` as ``train_step`` (the options of
-    the backward, such as ``grad_dtype``, do nothing here); holds K/V pages but no gradient pages.
+    Same shapes, label, position_ids and loss_weights rules, ``config`` and ``options`` as ``train_step`` (the
+    options of the backward, such as ``grad_dtype``, do nothing here); holds K/V pages but no gradient pages.
     """
     config = ChunkConfig.build(config, **options)
     seq = ChunkedSequence(model, input_ids, labels, config, stage_1_loss=True, position_ids=position_ids,
-                          training=False)
+                          training=False, loss_weights=loss_weights)
     try:
         return seq.fill(with_grads=False)[0]
     finally:

@@ -5,6 +5,7 @@ Inside ``serve(model, config)`` a call of the causal LM's forward runs stage 1 a
 automatic optimisation, a loss scaled by gradient accumulation) runs stage 2 with exactly the incoming
 gradient as scale, inside the autocast state the forward ran under. This is how OOMBStrategy trains an
 unchanged LightningModule. Logits are not materialised (only ``logits_to_keep`` last positions on request).
+Beside transformers' inputs the forward takes ``loss_weights`` (a weight per label; ``train_step``'s).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Serving:
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
@@ -124,7 +126,7 @@ class Serving:
         seq = ChunkedSequence(
             self.model, input_ids, labels, self.config, self.pools, num_items_in_batch, self.observer,
             stage_1_loss=True, optimizers=self.optimizers, position_ids=position_ids,
-            ranks=self.ranks if train else Ranks(), before_chunk=self.before_chunk,
+            ranks=self.ranks if train else Ranks(), before_chunk=self.before_chunk, loss_weights=loss_weights,
         )
         self.sequences.append(seq)
         loss, logits = seq.fill(with_grads=train, keep_last=logits_to_keep)

@@ -5,11 +5,11 @@ in float32 as the unfused ``core.loss`` path (about seven passes over a float32 
 
     lse   = max + log(sum_j exp(x_j - max))        (online over blocks of the row)
     loss  = lse - x[target]
-    grad  = (exp(x - lse) - onehot(target)) / normalizer,   rounded once to the logits' dtype
+    grad  = (exp(x - lse) - onehot(target)) * weight / normalizer,   rounded once to the logits' dtype
 
 where x is the row's logits as the model's head makes them from lm_head's (integrations.transformers.LogitHead):
 times ``multiplier``, then ``softcap * tanh(x / softcap)``, and the gradient is taken back through both. None for
-either compiles it out.
+either compiles it out; so does None for the rows' weights (then 1).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _head(x, multiplier, softcap):
 
 
 @triton.jit
-def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, n_cols, stride_row, normalizer, multiplier, softcap,
+def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, WEIGHTS, n_cols, stride_row, normalizer, multiplier, softcap,
                           WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = LOGITS + tl.program_id(0).to(tl.int64) * stride_row
     cols = tl.arange(0, BLOCK)
@@ -57,6 +57,8 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, n_cols, stride_row, normalizer,
     target = tl.load(TARGETS + tl.program_id(0)).to(tl.int32)
     tl.store(LOSS + tl.program_id(0), lse - _head(tl.load(row + target).to(tl.float32), multiplier, softcap))
     if WITH_GRAD:
+        if WEIGHTS is not None:
+            weight = tl.load(WEIGHTS + tl.program_id(0)).to(tl.float32)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             x = tl.load(row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -70,23 +72,27 @@ def _cross_entropy_kernel(LOGITS, TARGETS, LOSS, n_cols, stride_row, normalizer,
                 grad = grad * (1.0 - t * t)
             if multiplier is not None:
                 grad = grad * multiplier
+            if WEIGHTS is not None:
+                grad = grad * weight
             tl.store(row + start + cols, (grad / normalizer).to(LOGITS.dtype.element_ty), mask=mask)
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: float, grad: bool,
-                       multiplier: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                       multiplier: float | None = None, softcap: float | None = None,
+                       weights: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row cross-entropy (N,) float32 of logits (N, V) (unit column stride) against targets (N,) int64
-    in [0, V). With ``grad``, the logits are overwritten with dSum(loss)/normalizer / dlogits. multiplier,
-    softcap: the model's head on the logits (module docstring), None for none."""
+    in [0, V), unweighted. With ``grad``, the logits are overwritten with d(sum of weight x loss)/normalizer /
+    dlogits. multiplier, softcap: the model's head on the logits (module docstring), None for none. weights:
+    (N,) float32 per row, None for all 1."""
     n, vocab = logits.shape
-    if logits.stride(1) != 1 or targets.shape != (n,):
+    if logits.stride(1) != 1 or targets.shape != (n,) or (weights is not None and weights.shape != (n,)):
         raise ValueError(f"logits must be (N, V) with unit column stride and targets (N,), got "
                          f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}")
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         with on_device_of(logits):
             _cross_entropy_kernel[(n,)](
-                logits, targets, loss, vocab, logits.stride(0), float(normalizer),
+                logits, targets, loss, weights, vocab, logits.stride(0), float(normalizer),
                 None if multiplier is None else float(multiplier), None if softcap is None else float(softcap),
                 WITH_GRAD=grad, BLOCK=min(_BLOCK, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS,
             )

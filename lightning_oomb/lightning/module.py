@@ -122,9 +122,11 @@ class CausalLMModule(LightningModule):
     ``configure_model`` (called by the Trainer) builds the weights on the strategy's device, or loads them
     there, and prints how long that took; outside a Trainer call ``materialize()`` before using ``self.model``.
 
-    Batches are dicts with ``input_ids`` and ``labels`` (batch, seq_len). Logged: ``train/loss``,
-    ``train/tokens_per_s`` (input tokens over the wall time of the step, forward to optimizer step),
-    ``val/loss`` (token-weighted mean), ``val/ppl`` and, if asked, ``val/retrieval_acc``.
+    Batches are dicts with ``input_ids`` and ``labels`` (batch, seq_len), optionally ``position_ids`` (packed
+    documents) and ``loss_weights`` (a weight per label: the training loss is their weighted mean, as
+    ``train_step`` takes them). Logged: ``train/loss``, ``train/tokens_per_s`` (input tokens over the wall time
+    of the step, forward to optimizer step), ``val/loss`` (token-weighted mean, whatever the weights),
+    ``val/ppl`` and, if asked, ``val/retrieval_acc``.
 
     Checkpoints carry the optimizer's whole state (8-bit moments and Kahan compensation too) and the RNG states; with
     ``pretrained`` they leave out the weights that do not train (under LoRA all but the adapters), which
@@ -453,8 +455,10 @@ class CausalLMModule(LightningModule):
 
     @override
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        # loss_weights (a data module's loss_reduction: sequence) only where given: a plain forward has no such input
+        weights = {"loss_weights": batch["loss_weights"]} if batch.get("loss_weights") is not None else {}
         loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"],
-                          position_ids=batch.get("position_ids")).loss
+                          position_ids=batch.get("position_ids"), **weights).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
