@@ -288,20 +288,26 @@ def test_conversations_longer_than_seq_len_are_counted_and_refused_or_truncated(
     assert dm.num_documents == 5 and all(len(c.ids) <= seq_len for c in dm.train_set.conversations)
 
 
-def test_packed_step_equals_the_conversations_trained_separately(tmp_path):
+@pytest.mark.parametrize("loss_reduction", ["token", "sequence"])
+def test_packed_step_equals_the_conversations_trained_separately(tmp_path, loss_reduction):
+    """token: the mean over the batch's labelled tokens; sequence: each conversation's own mean (transformers'
+    loss of it alone), averaged over the conversations."""
     import lightning_oomb
     from tiny_models import assert_grads_close, grads_of, rel_err, tiny_model
 
     tok_dir = save_tokenizer(tmp_path / "tok")
     rows = conversations(7)
     f = write_jsonl(tmp_path / "c.jsonl", rows)
-    dm = lightning_oomb.ChatDataModule([str(f)], tokenizer=str(tok_dir), seq_len=128, batch_size=len(rows))
+    dm = lightning_oomb.ChatDataModule([str(f)], tokenizer=str(tok_dir), seq_len=128, batch_size=len(rows),
+                                       loss_reduction=loss_reduction)
     dm.setup("fit")
     assert len(dm.train_set) < len(rows)  # some sequences hold several conversations, starting mid-chunk
     batch = next(iter(dm.train_dataloader()))
+    assert ("loss_weights" in batch) == (loss_reduction == "sequence")
     model = tiny_model("qwen2", vocab_size=len(dm.tokenizer))
     loss = lightning_oomb.train_step(model, batch["input_ids"], batch["labels"], position_ids=batch["position_ids"],
-                                     chunk_size=16, page_size=8, attention="reference")
+                                     loss_weights=batch.get("loss_weights"), chunk_size=16, page_size=8,
+                                     attention="reference")
     got = grads_of(model)
     # The oracle: each conversation alone through transformers, its labels straight from the renderer.
     renderer = ChatRenderer(dm.tokenizer)
@@ -312,14 +318,17 @@ def test_packed_step_equals_the_conversations_trained_separately(tmp_path):
     model.zero_grad(set_to_none=True)
     want_loss = torch.zeros(())
     for ids, lab in examples:
-        out = model(input_ids=ids, labels=lab, num_items_in_batch=n_labels).loss
+        if loss_reduction == "sequence":
+            out = model(input_ids=ids, labels=lab).loss / len(examples)
+        else:
+            out = model(input_ids=ids, labels=lab, num_items_in_batch=n_labels).loss
         out.backward()
         want_loss += out.detach()
     assert rel_err(loss, want_loss) <= 1e-5, (loss.item(), want_loss.item())
     assert_grads_close(got, grads_of(model), 1e-5)
 
 
-def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys):
+def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys, caplog):
     import yaml
 
     from lightning_oomb.cli import main
@@ -343,6 +352,15 @@ def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys):
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["fit", "--config", str(path), "--export", "false"]) in (None, 0)
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path), "--export", "false",
+                 "--data.init_args.loss_reduction", "sequence"]) in (None, 0)
+    assert "the training loss averages conversations" in caplog.text
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path), "--export", "false", "--data.init_args.loss_reduction", "mean"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "lightning-oomb: error: data.init_args.loss_reduction must be one of token, sequence, got 'mean'")
     with f.open("a") as out:
         out.write('{"messages": [\n')
     capsys.readouterr()

@@ -22,11 +22,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..core.documents import IGNORE_INDEX
+from ..core.documents import IGNORE_INDEX, document_loss_weights
 from ..core.errors import SetupError
 
 CHAT_SUFFIXES = (".jsonl", ".parquet")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+# How the training loss averages: over the batch's labelled tokens (transformers' default), or over its
+# conversations, each its own tokens' mean.
+LOSS_REDUCTIONS = ("token", "sequence")
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -414,10 +417,14 @@ class PackedConversations(Dataset):
     ``conversations``), padded with ``pad`` at the end. An item is ``input_ids``, ``labels`` (-100 where not
     trained; the model shifts them) and ``position_ids`` (seq_len,) int64, the positions restarting at 0 at
     every conversation and at the padding, so that each conversation attends only within itself
-    (docs/architecture.md, "Packed documents")."""
+    (docs/architecture.md, "Packed documents"). With ``loss_weights`` also ``loss_weights`` (seq_len,)
+    float32: 1 / (its labels) on each predicted label of a conversation (``core.documents.document_loss_weights``),
+    which makes the engine's loss the mean over the batch's conversations."""
 
-    def __init__(self, conversations: Conversations, bins: list[list[int]], seq_len: int, pad: int):
+    def __init__(self, conversations: Conversations, bins: list[list[int]], seq_len: int, pad: int,
+                 loss_weights: bool = False):
         self.conversations, self.bins, self.seq_len, self.pad = conversations, bins, seq_len, pad
+        self.loss_weights = loss_weights
 
     def __len__(self) -> int:
         return len(self.bins)
@@ -434,4 +441,7 @@ class PackedConversations(Dataset):
         ids.append(torch.full((fill,), self.pad, dtype=torch.long))
         labels.append(torch.full((fill,), IGNORE_INDEX, dtype=torch.long))
         positions.append(torch.arange(fill))
-        return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions)}
+        item = {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions)}
+        if self.loss_weights:
+            item["loss_weights"] = document_loss_weights(item["labels"][None], item["position_ids"][None])[0]
+        return item

@@ -19,8 +19,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from tqdm import tqdm
 from typing_extensions import override
 
-from ..data.chat import (TRAIN_ON, ChatDataError, ChatRenderer, Conversations, PackedConversations, best_fit,
-                         cache_options, encode_conversations, find_chat_files, read_conversations)
+from ..data.chat import (LOSS_REDUCTIONS, TRAIN_ON, ChatDataError, ChatRenderer, Conversations, PackedConversations,
+                         best_fit, cache_options, encode_conversations, find_chat_files, read_conversations)
 from ..data.token_cache import TokenCache
 from .corpus import SCAN_TOKENS, TextCorpusDataModule, check_tokenizer_matches, epoch_generator, load_tokenizer
 
@@ -45,6 +45,10 @@ class ChatDataModule(TextCorpusDataModule):
             its role header), ``last_assistant`` (the last turn only) or ``all`` (every token).
         chat_template: a Jinja chat template to use instead of the tokenizer's.
         truncate: cut conversations longer than ``seq_len`` to ``seq_len`` tokens; False refuses them.
+        loss_reduction: ``token`` (the training loss is the mean over the batch's labelled tokens, as
+            transformers computes it) or ``sequence`` (the mean over the batch's conversations of each one's
+            mean token loss: training batches then also hold ``loss_weights``, which OOMBStrategy's engine
+            takes exactly under chunking). ``val/loss`` is the token mean either way.
         val_fraction: the share of conversations held out for validation (at least one when > 0).
         seed: the split and the shuffling of each epoch.
         token_cache, cache_dir, tokenize_workers: as TextCorpusDataModule's: the rendered conversations (token
@@ -64,6 +68,7 @@ class ChatDataModule(TextCorpusDataModule):
         train_on: str = "assistant",
         chat_template: str | None = None,
         truncate: bool = False,
+        loss_reduction: str = "token",
         val_fraction: float = 0.0,
         seed: int = 0,
         token_cache: bool | None = None,
@@ -84,6 +89,10 @@ class ChatDataModule(TextCorpusDataModule):
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer is not None else None
         if train_on not in TRAIN_ON:
             raise ChatDataError(f"data.init_args.train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ChatDataError(f"data.init_args.loss_reduction must be one of {', '.join(LOSS_REDUCTIONS)}, got "
+                                f"{loss_reduction!r}")
+        self.loss_reduction = loss_reduction
         if self.tokenizer is not None:
             ChatRenderer(self.tokenizer, train_on, chat_template)  # a tokenizer without a template fails now
         self.train_set = self.val_set = None
@@ -170,7 +179,8 @@ class ChatDataModule(TextCorpusDataModule):
         order = torch.randperm(len(lengths), generator=epoch_generator(self.seed, -1))
         val, train = order[:n_val].sort().values.numpy(), order[n_val:].sort().values.numpy()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.train_set = self._pack(Conversations(tokens, mask, starts[train], kept[train]), pad)
+        self.train_set = self._pack(Conversations(tokens, mask, starts[train], kept[train]), pad,
+                                    loss_weights=self.loss_reduction == "sequence")
         self.val_set = self._pack(Conversations(tokens, mask, starts[val], kept[val]), pad) if n_val else None
         packed = len(self.train_set) + (len(self.val_set) if self.val_set is not None else 0)
         self.waste = 1.0 - self.num_tokens / (packed * self.seq_len)
@@ -183,9 +193,9 @@ class ChatDataModule(TextCorpusDataModule):
         module = getattr(trainer, "lightning_module", None) if trainer is not None else None
         return getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("gguf_file")
 
-    def _pack(self, conversations: Conversations, pad: int) -> PackedConversations:
+    def _pack(self, conversations: Conversations, pad: int, loss_weights: bool = False) -> PackedConversations:
         bins = best_fit(conversations.lengths.tolist(), self.seq_len)
-        return PackedConversations(conversations, bins, self.seq_len, pad)
+        return PackedConversations(conversations, bins, self.seq_len, pad, loss_weights)
 
     @override
     def describe(self) -> str:
@@ -196,7 +206,8 @@ class ChatDataModule(TextCorpusDataModule):
             f"chat: {len(self.files)} files, {self.num_documents:,} conversations, {self.num_tokens:,} tokens, "
             f"{self.num_labels:,} labelled (train_on {self.train_on}) -> {len(self.train_set):,} training and "
             f"{val:,} validation sequences of {self.seq_len:,} tokens, {self.waste:.1%} padding (each "
-            "conversation attends within itself)"
+            "conversation attends within itself"
+            + ("; the training loss averages conversations)" if self.loss_reduction == "sequence" else ")")
         )
 
 
