@@ -328,6 +328,61 @@ def test_packed_step_equals_the_conversations_trained_separately(tmp_path, loss_
     assert_grads_close(got, grads_of(model), 1e-5)
 
 
+@pytest.mark.parametrize("loss_reduction", ["token", "sequence"])
+def test_one_cli_step_on_packed_conversations_is_the_step_of_the_conversations_alone(tmp_path, loss_reduction):
+    """`lightning-oomb fit` as a user runs it (a model directory, ChatDataModule, OOMBStrategy, SGD at 64, one
+    step of one batch holding every packed sequence, export): the exported weights moved by 64 x transformers'
+    gradient of the conversations trained alone, each labelled by the renderer (fp32, 1e-5)."""
+    import yaml
+    from safetensors.torch import load_file
+
+    import lightning_oomb
+    from lightning_oomb.cli import main
+    from tiny_models import assert_grads_close, grads_of, tiny_model
+
+    tok_dir = save_tokenizer(tmp_path / "tok")
+    rows = conversations(7)
+    f = write_jsonl(tmp_path / "c.jsonl", rows)
+    dm = lightning_oomb.ChatDataModule([str(f)], tokenizer=str(tok_dir), seq_len=128)
+    dm.setup("fit")
+    model = tiny_model("qwen2", vocab_size=len(dm.tokenizer))
+    model.save_pretrained(tmp_path / "model")
+    dm.tokenizer.save_pretrained(tmp_path / "model")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 1, "logger": False,
+                    "default_root_dir": str(tmp_path), "enable_checkpointing": False, "enable_progress_bar": False,
+                    "enable_model_summary": False, "num_sanity_val_steps": 0,
+                    "strategy": {"class_path": "lightning_oomb.OOMBStrategy",
+                                 "init_args": {"chunk_size": 16, "page_size": 8, "attention": "reference"}}},
+        "model": {"pretrained": str(tmp_path / "model"), "optimizer": "sgd", "learning_rate": 64.0,
+                  "weight_decay": 0.0, "warmup_steps": 0},
+        "data": {"class_path": "lightning_oomb.ChatDataModule",
+                 "init_args": {"paths": [str(f)], "seq_len": 128, "batch_size": len(dm.train_set),
+                               "loss_reduction": loss_reduction, "token_cache": False}},
+    }
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path), "--export_dir", str(tmp_path / "export")]) in (None, 0)
+    after = load_file(str(tmp_path / "export" / "model.safetensors"))
+    moved = {n: (start[n] - after[n]) / 64 for n in start if n in after}  # a large step: little lost to rounding
+
+    renderer = ChatRenderer(dm.tokenizer)
+    examples = []
+    for r in rows:
+        c = renderer.render(r["messages"], "")
+        examples.append((torch.tensor([c.ids]), torch.tensor([[t if k else -100 for t, k in zip(c.ids, c.trained)]])))
+    n_labels = sum(int((lab[:, 1:] != -100).sum()) for _, lab in examples)
+    for ids, lab in examples:
+        if loss_reduction == "sequence":
+            (model(input_ids=ids, labels=lab).loss / len(examples)).backward()
+        else:
+            model(input_ids=ids, labels=lab, num_items_in_batch=n_labels).loss.backward()
+    want = grads_of(model)
+    assert_grads_close({n: moved[n] for n in want}, want, 1e-5)
+
+
 def test_cli_fits_on_conversations_and_exits_2_on_a_bad_row(tmp_path, capsys, caplog):
     import yaml
 
