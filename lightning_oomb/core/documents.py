@@ -76,11 +76,11 @@ def document_loss_weights(labels: torch.Tensor, position_ids: torch.Tensor | Non
     each of a document's n labels that is predicted, 0 elsewhere. A document is a run of ``position_ids``
     from 0 (as ``document_starts`` takes them), or each row where there are none. A label at a document's
     first token is not predicted (nothing before it in the document), nor is -100; a document with none
-    predicted (padding) weighs nothing."""
+    predicted (padding) weighs nothing. Raises ValueError for position ids ``document_starts`` refuses."""
     token = torch.arange(labels.shape[1], device=labels.device)
-    pos = token.expand_as(labels) if position_ids is None else position_ids.to(labels.device).long()
-    start = token - pos  # each token's document start, (B, L)
-    predicted = (labels != IGNORE_INDEX) & (pos > 0)
+    doc_start = document_starts(position_ids, labels)
+    start = torch.zeros_like(labels, dtype=torch.long) if doc_start is None else doc_start.long()  # each token's, (B, L)
+    predicted = (labels != IGNORE_INDEX) & (token != start)
     # Documents are numbered by their start in the flattened batch: starts grow along a row.
     key = (start + torch.arange(labels.shape[0], device=labels.device)[:, None] * labels.shape[1]).reshape(-1)
     counts = torch.zeros(labels.numel(), dtype=torch.float32, device=labels.device)

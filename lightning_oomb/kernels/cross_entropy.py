@@ -86,8 +86,9 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, normalizer: 
     (N,) float32 per row, None for all 1."""
     n, vocab = logits.shape
     if logits.stride(1) != 1 or targets.shape != (n,) or (weights is not None and weights.shape != (n,)):
-        raise ValueError(f"logits must be (N, V) with unit column stride and targets (N,), got "
-                         f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(targets.shape)}")
+        raise ValueError(f"logits must be (N, V) with unit column stride and targets and weights (N,), got "
+                         f"{tuple(logits.shape)} (strides {logits.stride()}), {tuple(targets.shape)} and "
+                         f"{None if weights is None else tuple(weights.shape)}")
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         with on_device_of(logits):
