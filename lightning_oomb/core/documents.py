@@ -79,7 +79,8 @@ def document_loss_weights(labels: torch.Tensor, position_ids: torch.Tensor | Non
     predicted (padding) weighs nothing. Raises ValueError for position ids ``document_starts`` refuses."""
     token = torch.arange(labels.shape[1], device=labels.device)
     doc_start = document_starts(position_ids, labels)
-    start = torch.zeros_like(labels, dtype=torch.long) if doc_start is None else doc_start.long()  # each token's, (B, L)
+    # each token's document start, (B, L)
+    start = torch.zeros_like(labels, dtype=torch.long) if doc_start is None else doc_start.long()
     predicted = (labels != IGNORE_INDEX) & (token != start)
     # Documents are numbered by their start in the flattened batch: starts grow along a row.
     key = (start + torch.arange(labels.shape[0], device=labels.device)[:, None] * labels.shape[1]).reshape(-1)
