@@ -121,12 +121,12 @@ def linear_cross_entropy(
             h = hidden[rows]
             logits = F.linear(h, weight, bias)
             tgt = targets[rows]
+            w = None if weights is None else weights[rows]
             if fused:
                 from ..kernels.cross_entropy import cross_entropy_rows
 
                 multiplier = None if head is None or head.multiplier == 1.0 else head.multiplier
                 softcap = None if head is None else head.softcap
-                w = None if weights is None else weights[rows]
                 losses = cross_entropy_rows(logits, tgt, normalizer, grad=wants_grad, multiplier=multiplier,
                                             softcap=softcap, weights=w)
                 total += losses.sum() if w is None else (losses * w).sum()
@@ -135,14 +135,14 @@ def linear_cross_entropy(
                 z = logits.float() if head is None else head.apply(logits.float(), inplace=True)  # logits unused after
                 logp = torch.log_softmax(z, dim=-1)
                 picked = logp.gather(1, tgt[:, None])[:, 0]
-                total -= picked.sum() if weights is None else (picked * weights[rows]).sum()
+                total -= picked.sum() if w is None else (picked * w).sum()
                 if wants_grad:
                     g = logp.exp_()
                     g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
                     if head is not None:
                         _head_backward(g, z, head)
-                    if weights is not None:
-                        g *= weights[rows][:, None]
+                    if w is not None:
+                        g *= w[:, None]
                     g = (g / normalizer).to(logits.dtype)
             if grad_h is not None:
                 grad_h[rows] = (g @ weight.to(g.dtype)).to(hidden.dtype)
